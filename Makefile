@@ -1,0 +1,37 @@
+# distcheck set-up, checks and tests. Everything runs from a local .venv created here.
+#   make check   create .venv, install torch + distcheck, run the built-in consistency check on 2 CPU ranks
+#   make test    the test suite (what .ci/run runs)
+#   make bench   the benchmarks quoted in README.md
+# GPU users: make check TORCH_VERSION=2.13.0 TORCH_INDEX=https://download.pytorch.org/whl/cu128
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_VERSION ?= 2.13.0
+TORCH_INDEX ?=
+NPROC ?= 2
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-$(TORCH_VERSION)
+
+.PHONY: setup check test bench clean
+
+setup: $(STAMP)
+
+# torch goes in first, pinned, so that the unpinned "torch" in pyproject.toml is already satisfied and pip never
+# pulls a multi-GB CUDA build onto a CPU machine.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet "torch==$(TORCH_VERSION)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	$(PY) -m pip install --quiet -e ".[test]"
+	touch $(STAMP)
+
+check: $(STAMP)
+	$(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC) -m distcheck consistency --report-dir distcheck-report-check --timeout 120
+
+test: $(STAMP)
+	$(PY) -m pytest -n 2 -q tests
+
+bench: $(STAMP)
+	$(PY) bench/run_all.py
+
+clean:
+	rm -rf $(VENV) distcheck-report-* .pytest_cache

@@ -1,0 +1,80 @@
+"""Command-line entry point: ``python -m distcheck COMMAND ...`` (or the ``distcheck`` console script).
+
+    torchrun --nproc-per-node 2 -m distcheck consistency
+    python -m distcheck --help
+
+Each command lives in ``distcheck/commands/<name>.py`` and exposes ``add_arguments(parser)`` and
+``main(args) -> int``; this module only dispatches and turns bad input into one line on stderr and exit code 2.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import sys
+from typing import NoReturn, Sequence
+
+from distcheck.errors import UsageError
+
+# The registry of commands, in the order of the contract (DESIGN.md). A command is listed when its module exists.
+COMMANDS = {
+    "consistency": "pre-launch check: environment, collectives, model replicas, parallel vs 1-rank reference",
+    "run": "run a script on every rank with collective tracing; report the first diverging collective",
+    "compare": "run a script with 1 rank and with N ranks and compare what it recorded",
+    "mesh": "check a device mesh shape against a world size, simulated in one process",
+    "stacks": "dump and group the Python stacks of every rank of a running job (py-spy)",
+    "report": "print or merge report directories (text, json, or GitHub annotations)",
+}
+
+EXIT_OK, EXIT_FINDINGS, EXIT_USAGE = 0, 1, 2
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse prints usage plus an error; users asked for one line naming the problem and the fix."""
+
+    def error(self, message: str) -> NoReturn:
+        sys.stderr.write(f"distcheck: error: {message} (see: {self.prog} --help)\n")
+        raise SystemExit(EXIT_USAGE)
+
+
+def available_commands() -> dict[str, str]:
+    return {name: help_ for name, help_ in COMMANDS.items()
+            if importlib.util.find_spec(f"distcheck.commands.{name}") is not None}
+
+
+def build_parser() -> OneLineParser:
+    from distcheck import __version__
+
+    parser = OneLineParser(prog="python -m distcheck", description="Correctness harness for distributed PyTorch.")
+    parser.add_argument("--version", action="version", version=f"distcheck {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineParser)
+    for name, help_ in available_commands().items():
+        module = importlib.import_module(f"distcheck.commands.{name}")
+        cmd = sub.add_parser(name, help=help_, description=(module.__doc__ or help_).strip(),
+                             formatter_class=argparse.RawDescriptionHelpFormatter)
+        module.add_arguments(cmd)
+        cmd.set_defaults(_module=module)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "command", None):
+        parser.print_help(sys.stderr)
+        return EXIT_USAGE
+    args.argv = argv
+    try:
+        return int(args._module.main(args))
+    except UsageError as exc:
+        sys.stderr.write(f"distcheck: error: {exc}\n")
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        sys.stderr.write("distcheck: interrupted\n")
+        return 130
+
+
+def command_line(argv: Sequence[str]) -> str:
+    """The command as the user typed it, for report.json's "command"."""
+    return "distcheck " + " ".join(argv)

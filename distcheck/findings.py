@@ -1,0 +1,102 @@
+"""Typed records shared by every check: findings and check results (the report.json contract)."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+# The finding kinds of the public contract (DESIGN.md). A kind outside this set is a bug in distcheck.
+KINDS = (
+    "env_mismatch",
+    "collective_mismatch",
+    "tensor_divergence",
+    "uncovered_param",
+    "mesh_mismatch",
+    "reference_mismatch",
+    "bad_values",
+    "hang",
+    "rank_failure",
+)
+
+
+@dataclass
+class Finding:
+    kind: str
+    ranks: list[int]
+    message: str
+    detail: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown finding kind {self.kind!r}")
+        self.ranks = sorted({int(r) for r in self.ranks})
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": self.kind, "ranks": list(self.ranks), "message": self.message, "detail": self.detail}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Finding:
+        return cls(data["kind"], list(data.get("ranks", [])), data["message"], dict(data.get("detail", {})))
+
+
+@dataclass
+class CheckResult:
+    """One entry of report.json's "checks". ``note`` says why a check means little (e.g. world size 1)."""
+
+    name: str
+    ok: bool
+    seconds: float
+    note: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        data = {"name": self.name, "ok": self.ok, "seconds": round(self.seconds, 4)}
+        if self.note:
+            data["note"] = self.note
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> CheckResult:
+        return cls(data["name"], bool(data["ok"]), float(data["seconds"]), data.get("note", ""))
+
+
+def format_ranks(ranks: list[int] | tuple[int, ...]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"ranks 0-2,5"``; one rank -> ``"rank 3"``."""
+    ranks = sorted(set(ranks))
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    parts: list[str] = []
+    start = prev = None
+    for r in ranks:
+        if start is None:
+            start = prev = r
+        elif r == prev + 1:
+            prev = r
+        else:
+            parts.append(str(start) if start == prev else f"{start}-{prev}")
+            start = prev = r
+    if start is not None:
+        parts.append(str(start) if start == prev else f"{start}-{prev}")
+    return "ranks " + ",".join(parts)
+
+
+def jsonable(value: Any) -> Any:
+    """Best-effort conversion of detail values (tuples, dataclasses, numpy/torch scalars) to JSON types."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return jsonable(dataclasses.asdict(value))
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set)):
+        return [jsonable(v) for v in value]
+    if isinstance(value, float):
+        # JSON has no NaN/Inf: keep them readable instead of producing invalid JSON.
+        if value != value or value in (float("inf"), float("-inf")):
+            return repr(value)
+        return value
+    if isinstance(value, (str, int, bool)) or value is None:
+        return value
+    if hasattr(value, "item"):
+        try:
+            return jsonable(value.item())
+        except Exception:  # multi-element tensors and arrays fall through to str()
+            pass
+    return str(value)

@@ -1,0 +1,110 @@
+"""Cross-rank replica consistency (the machinery behind ``distcheck.check_consistent``).
+
+Each rank fingerprints its tensors locally; one side-channel exchange carries the fingerprints, so the traffic
+does not grow with model size. Only where fingerprints differ does the reference rank publish the differing
+chunks, so the odd ranks can name the first differing index, both values and the max abs difference.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+import torch.distributed as dist
+
+from distcheck import sink
+from distcheck.analysis.replicas import (DiffSummary, Entry, diff_chunk, divergence_finding, find_divergences,
+                                         merge_summaries)
+from distcheck.findings import Finding
+from distcheck.fingerprint import fingerprint_many, local_tensor
+from distcheck.runtime import SideChannel, current_channel
+
+_calls: dict[str, int] = {}
+
+
+def replica_key(t: torch.Tensor) -> Any:
+    """Ranks with equal keys must hold equal local values.
+
+    Plain tensors: the whole group (None). DTensors: ranks on the same mesh with the same coordinate on every
+    mesh dim that is not Replicate; Shard and Partial dims are meant to differ.
+    """
+    placements = getattr(t, "placements", None)
+    mesh = getattr(t, "device_mesh", None)
+    if placements is None or mesh is None:
+        return None
+    coord = mesh.get_coordinate() or []
+    fixed = tuple((d, coord[d]) for d, p in enumerate(placements) if not p.is_replicate())
+    return (tuple(mesh.mesh.flatten().tolist()), tuple(mesh.mesh.shape), fixed)
+
+
+def named_tensors(name: str, obj: Any) -> list[tuple[str, str, torch.Tensor]]:
+    """(name, role, tensor) for a tensor or every parameter and buffer of a module."""
+    if isinstance(obj, torch.nn.Module):
+        out = [(n, "parameter", p) for n, p in obj.named_parameters()]
+        out += [(n, "buffer", b) for n, b in obj.named_buffers() if b is not None]
+        return out
+    if isinstance(obj, torch.Tensor):
+        return [(name, "tensor", obj)]
+    raise TypeError(f"check_consistent({name!r}, ...) takes a tensor, DTensor or nn.Module, not {type(obj).__name__}")
+
+
+def local_entries(items: Iterable[tuple[str, str, torch.Tensor]]) -> list[Entry]:
+    items = list(items)
+    fps = fingerprint_many((n, t) for n, _, t in items)
+    return [Entry(n, role, replica_key(t), fps[n]) for n, role, t in items if n in fps]
+
+
+def compare_replicas(tag: str, items: list[tuple[str, str, torch.Tensor]], channel: SideChannel,
+                     ranks: list[int], context: str = "") -> list[Finding]:
+    """Collective over ``ranks`` (through the side channel): every rank returns the same findings."""
+    entries = local_entries(items)
+    n = _calls[tag] = _calls.get(tag, 0) + 1
+    gathered = channel.exchange(f"fp/{tag}", entries, ranks)
+    divergences = find_divergences(dict(zip(ranks, gathered)))
+    if not divergences:
+        return []
+    me = channel.rank
+    tensors = {name: local_tensor(t) for name, _, t in items}
+    base = f"chunks/{tag}/{n}"
+    for div in divergences:
+        if div.reference == me and not div.structural:
+            flat = tensors[div.name].reshape(-1)
+            bounds = next(e.fp.bounds for e in entries if e.name == div.name)
+            for chunk in sorted({c for chunks in div.odd.values() for c in chunks}):
+                channel.put(f"{base}/{div.name}/{chunk}", flat[bounds[chunk]:bounds[chunk + 1]].cpu())
+    mine: dict[str, DiffSummary] = {}
+    for div in divergences:
+        if me not in div.odd or div.structural:
+            continue
+        t = tensors[div.name]
+        flat = t.reshape(-1)
+        bounds = next(e.fp.bounds for e in entries if e.name == div.name)
+        parts = []
+        for chunk in div.odd[me]:
+            ref = channel.get(f"{base}/{div.name}/{chunk}", div.reference)
+            part = diff_chunk(me, ref, flat[bounds[chunk]:bounds[chunk + 1]].cpu(), bounds[chunk], tuple(t.shape))
+            if part is not None:
+                parts.append(part)
+        merged = merge_summaries(parts)
+        if merged is not None:
+            mine[div.name] = merged
+    all_summaries = channel.exchange(f"diff/{tag}", mine, ranks)
+    findings = []
+    for div in divergences:
+        per_rank = {r: s[div.name] for r, s in zip(ranks, all_summaries) if div.name in s}
+        findings.append(divergence_finding(div, per_rank, context))
+    return findings
+
+
+def check_consistent(name: str, obj: Any, group: Any = None) -> list[Finding]:
+    """Public API: see ``distcheck.check_consistent``. Findings also go to the surrounding run's report."""
+    channel = current_channel()
+    if channel is None:
+        return []
+    ranks = sorted(dist.get_process_group_ranks(group)) if group is not None else list(range(channel.world_size))
+    if channel.rank not in ranks:
+        return []
+    findings = compare_replicas(f"{name}@{','.join(map(str, ranks))}", named_tensors(name, obj), channel, ranks,
+                                context=f"(check_consistent '{name}')" if isinstance(obj, torch.nn.Module) else "")
+    if channel.rank == ranks[0]:
+        sink.emit(findings, channel.rank)
+    return findings

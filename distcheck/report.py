@@ -1,0 +1,164 @@
+"""report.json / report.txt: the public report contract, written atomically.
+
+A report directory holds report.json (machines), report.txt (people; also printed to stdout by rank 0 or the
+supervisor) and artifacts (per-rank traces, stack dumps) listed in report.json's "artifacts" by relative path.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from distcheck.errors import UsageError
+from distcheck.findings import CheckResult, Finding, format_ranks, jsonable
+
+# Contract keys of report.json; extra data (placement tables, ...) goes under other keys and never replaces these.
+CONTRACT_KEYS = ("tool", "version", "command", "ok", "world_size", "findings", "checks", "artifacts")
+# report.txt shows at most this many findings of one kind; the JSON always has all of them.
+TEXT_FINDINGS_PER_KIND = 10
+
+
+def version() -> str:
+    from distcheck import __version__
+
+    return __version__
+
+
+@dataclass
+class Report:
+    command: str
+    world_size: int
+    findings: list[Finding] = field(default_factory=list)
+    checks: list[CheckResult] = field(default_factory=list)
+    artifacts: dict[str, str] = field(default_factory=dict)
+    # Extra top-level JSON data and matching text sections for report.txt (e.g. the placement table).
+    data: dict[str, Any] = field(default_factory=dict)
+    sections: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return not self.findings and all(c.ok for c in self.checks)
+
+    @property
+    def exit_code(self) -> int:
+        return 0 if self.ok else 1
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "tool": "distcheck",
+            "version": version(),
+            "command": self.command,
+            "ok": self.ok,
+            "world_size": self.world_size,
+            "findings": [jsonable(f.to_json()) for f in self.findings],
+            "checks": [c.to_json() for c in self.checks],
+            "artifacts": dict(self.artifacts),
+        }
+        for key, value in self.data.items():
+            if key not in CONTRACT_KEYS:
+                out[key] = jsonable(value)
+        return out
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Report:
+        extra = {k: v for k, v in data.items() if k not in CONTRACT_KEYS}
+        return cls(
+            command=data.get("command", ""),
+            world_size=int(data.get("world_size", 0)),
+            findings=[Finding.from_json(f) for f in data.get("findings", [])],
+            checks=[CheckResult.from_json(c) for c in data.get("checks", [])],
+            artifacts=dict(data.get("artifacts", {})),
+            data=extra,
+        )
+
+
+def render_text(report: Report, report_dir: str | os.PathLike | None = None) -> str:
+    """The human form of the report: verdict first, then checks, findings and sections."""
+    n = len(report.findings)
+    verdict = "PASSED" if report.ok else f"FAILED ({n} finding{'s' if n != 1 else ''})"
+    lines = [f"distcheck {verdict}", f"  command:    {report.command}", f"  world size: {report.world_size}"]
+    if report.checks:
+        lines.append("checks:")
+        width = max(len(c.name) for c in report.checks)
+        for c in report.checks:
+            status = "ok  " if c.ok else "FAIL"
+            note = f"  ({c.note})" if c.note else ""
+            lines.append(f"  {status} {c.name:<{width}} {c.seconds:7.2f}s{note}")
+    if report.findings:
+        lines.append("findings:")
+        shown: dict[str, int] = {}
+        for f in report.findings:
+            shown[f.kind] = shown.get(f.kind, 0) + 1
+            if shown[f.kind] <= TEXT_FINDINGS_PER_KIND:
+                lines.append(f"  [{f.kind}] {format_ranks(f.ranks) if f.ranks else 'all ranks'}: {f.message}")
+        for kind, count in shown.items():
+            if count > TEXT_FINDINGS_PER_KIND:
+                lines.append(f"  ... and {count - TEXT_FINDINGS_PER_KIND} more {kind} findings in report.json")
+    for title, body in report.sections.items():
+        lines.append(f"{title}:")
+        lines.extend("  " + line for line in body.rstrip("\n").splitlines())
+    if report.artifacts:
+        lines.append("artifacts: " + ", ".join(sorted(report.artifacts.values())))
+    if report_dir is not None:
+        lines.append(f"report: {Path(report_dir) / 'report.json'}")
+    return "\n".join(lines) + "\n"
+
+
+def atomic_write(path: str | os.PathLike, text: str) -> None:
+    """Write via a temporary file in the same directory and rename, so readers never see half a file."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def default_report_dir(now: float | None = None) -> Path:
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now if now is not None else time.time()))
+    return Path.cwd() / f"distcheck-report-{stamp}"
+
+
+def prepare_report_dir(path: str | os.PathLike | None) -> Path:
+    """Create the report directory and prove it is writable, or raise UsageError (exit 2) naming the fix."""
+    target = Path(path) if path else default_report_dir()
+    try:
+        target.mkdir(parents=True, exist_ok=True)
+        probe = target / f".distcheck-write-test-{os.getpid()}"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as exc:
+        reason = exc.strerror or str(exc)
+        raise UsageError(
+            f"report dir {str(target)!r} is not writable ({reason}): pass --report-dir with a writable directory"
+        ) from None
+    return target
+
+
+def write_report(report: Report, report_dir: str | os.PathLike) -> Path:
+    """Write report.json and report.txt into report_dir; returns the report.json path."""
+    report_dir = Path(report_dir)
+    report.artifacts.setdefault("report.txt", "report.txt")
+    atomic_write(report_dir / "report.txt", render_text(report, report_dir))
+    atomic_write(report_dir / "report.json", json.dumps(report.to_json(), indent=2) + "\n")
+    return report_dir / "report.json"
+
+
+def load_report(report_dir: str | os.PathLike) -> Report:
+    path = Path(report_dir) / "report.json"
+    try:
+        return Report.from_json(json.loads(path.read_text()))
+    except FileNotFoundError:
+        raise UsageError(f"{path} does not exist: pass a directory written by distcheck --report-dir") from None
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"{path} is not valid JSON ({exc.msg} at line {exc.lineno})") from None

@@ -1,0 +1,227 @@
+"""Rank/world info, backend choice, process-group start/stop with bounded timeouts, and the side channel.
+
+The side channel is the rendezvous key-value store (torchrun's agent store, or our own): every exchange distcheck
+needs for itself (fingerprints, env snapshots, findings, verdicts) goes through it with a timeout, so it keeps
+working when the process group is broken, stays out of the user's collective traces, and a dead rank turns into
+a ChannelTimeout naming it instead of a hang.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import socket
+import threading
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from distcheck.errors import ChannelTimeout
+
+log = logging.getLogger("distcheck")
+
+DEFAULT_TIMEOUT = 300.0
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    node_rank: int
+    hostname: str
+    launched: bool  # True when a launcher (torchrun, distcheck, Slurm wrapper) set RANK/WORLD_SIZE
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | os._Environ = os.environ) -> RankInfo:
+        launched = "WORLD_SIZE" in env and "RANK" in env
+
+        def num(key: str, default: int) -> int:
+            try:
+                return int(env.get(key, default))
+            except ValueError:
+                return default
+
+        return cls(
+            rank=num("RANK", 0),
+            world_size=num("WORLD_SIZE", 1),
+            local_rank=num("LOCAL_RANK", 0),
+            local_world_size=num("LOCAL_WORLD_SIZE", 1),
+            node_rank=num("GROUP_RANK", 0),
+            hostname=socket.gethostname(),
+            launched=launched,
+        )
+
+
+def pick_device(info: RankInfo) -> tuple[str, torch.device]:
+    """nccl and one CUDA device per local rank when CUDA is there, else gloo on the CPU.
+
+    DISTCHECK_BACKEND=gloo forces the CPU path on a GPU machine (useful to rule out NCCL itself).
+    """
+    forced = os.environ.get("DISTCHECK_BACKEND", "").strip().lower()
+    if forced != "gloo" and torch.cuda.is_available() and torch.cuda.device_count() > 0:
+        index = info.local_rank % torch.cuda.device_count()
+        return "nccl", torch.device("cuda", index)
+    return "gloo", torch.device("cpu")
+
+
+def setup_logging(info: RankInfo) -> None:
+    level = os.environ.get("DISTCHECK_LOG", "WARNING").upper()
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter(f"[distcheck rank {info.rank}] %(levelname)s %(message)s"))
+    log.handlers[:] = [handler]
+    log.setLevel(getattr(logging, level, logging.WARNING))
+    log.propagate = False
+
+
+class SideChannel:
+    """All-to-all exchange of small Python objects through the store, each bounded by a timeout."""
+
+    def __init__(self, store: dist.Store, rank: int, world_size: int, timeout: float = DEFAULT_TIMEOUT):
+        self.store = dist.PrefixStore("distcheck", store)
+        self.rank = rank
+        self.world_size = world_size
+        self.timeout = timeout
+        self._counters: dict[str, int] = {}
+
+    def _next_key(self, tag: str, ranks: Sequence[int]) -> str:
+        scope = tag if len(ranks) == self.world_size else f"{tag}@{','.join(map(str, ranks))}"
+        n = self._counters.get(scope, 0) + 1
+        self._counters[scope] = n
+        return f"{scope}#{n}"
+
+    def exchange(self, tag: str, obj: Any, ranks: Sequence[int] | None = None,
+                 timeout: float | None = None) -> list[Any]:
+        """Every rank in ``ranks`` (default: all) publishes ``obj``; returns the objects in ``ranks`` order.
+
+        All participating ranks must call exchange with the same tag the same number of times.
+        """
+        ranks = list(range(self.world_size)) if ranks is None else sorted(ranks)
+        base = self._next_key(tag, ranks)
+        self.store.set(f"{base}/{self.rank}", pickle.dumps(obj))
+        keys = [f"{base}/{r}" for r in ranks]
+        self._wait(tag, keys, ranks, timeout)
+        return [pickle.loads(v) for v in self.store.multi_get(keys)]
+
+    def put(self, key: str, obj: Any) -> None:
+        self.store.set(f"p2p/{key}", pickle.dumps(obj))
+
+    def get(self, key: str, owner: int, timeout: float | None = None) -> Any:
+        full = f"p2p/{key}"
+        self._wait(key, [full], [owner], timeout)
+        return pickle.loads(self.store.get(full))
+
+    def _wait(self, tag: str, keys: list[str], ranks: list[int], timeout: float | None) -> None:
+        seconds = self.timeout if timeout is None else timeout
+        try:
+            self.store.wait(keys, timedelta(seconds=seconds))
+        except Exception:
+            missing = [r for r, k in zip(ranks, keys) if not self._has(k)]
+            raise ChannelTimeout(tag, missing or list(ranks), seconds) from None
+
+    def _has(self, key: str) -> bool:
+        try:
+            return self.store.check([key])
+        except Exception:
+            return False
+
+
+@dataclass
+class Session:
+    info: RankInfo
+    backend: str
+    device: torch.device
+    channel: SideChannel
+    timeout: float
+    owns_group: bool  # False when the user's script initialized the process group itself
+
+    @property
+    def rank(self) -> int:
+        return self.info.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.info.world_size
+
+
+def start(timeout: float = DEFAULT_TIMEOUT) -> Session:
+    """Initialize the default process group (if not already) and the side channel.
+
+    Without a launcher this is a 1-rank world on a private in-memory store, so every command also runs as
+    plain ``python -m distcheck ...``.
+    """
+    info = RankInfo.from_env()
+    setup_logging(info)
+    backend, device = pick_device(info)
+    owns = not dist.is_initialized()
+    if owns:
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        pg_timeout = timedelta(seconds=timeout)
+        if info.launched:
+            dist.init_process_group(backend, timeout=pg_timeout)
+        else:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=pg_timeout)
+    else:
+        backend = dist.get_backend()
+    info = RankInfo(dist.get_rank(), dist.get_world_size(), info.local_rank, info.local_world_size,
+                    info.node_rank, info.hostname, info.launched)
+    global _current
+    _current = Session(info, backend, device, default_channel(timeout), timeout, owns)
+    return _current
+
+
+_current: Session | None = None
+_channel: SideChannel | None = None
+
+
+def default_channel(timeout: float = DEFAULT_TIMEOUT) -> SideChannel:
+    """The side channel over the default process group's store; one per process so exchange counters agree."""
+    global _channel
+    if _channel is None:
+        store = dist.distributed_c10d._get_default_store()
+        _channel = SideChannel(store, dist.get_rank(), dist.get_world_size(), timeout)
+    _channel.timeout = timeout
+    return _channel
+
+
+def current_channel() -> SideChannel | None:
+    """The side channel of this process, or None when torch.distributed is not initialized."""
+    if not dist.is_initialized():
+        return None
+    return _current.channel if _current is not None else default_channel()
+
+
+def stop(session: Session, timeout: float = 30.0) -> None:
+    """Destroy the process group we created, without letting a dead peer block the exit."""
+    if not session.owns_group or not dist.is_initialized():
+        return
+    done = threading.Event()
+
+    def destroy() -> None:
+        try:
+            dist.destroy_process_group()
+        except Exception as exc:  # teardown after a failed peer is best effort
+            log.debug("destroy_process_group failed: %s", exc)
+        done.set()
+
+    global _current, _channel
+    _current = _channel = None
+    thread = threading.Thread(target=destroy, name="distcheck-teardown", daemon=True)
+    thread.start()
+    if not done.wait(timeout):
+        log.warning("process group teardown did not finish within %ss; exiting anyway", timeout)
+
+
+def bounded(op: Callable[..., Any], *args: Any, timeout: float, **kwargs: Any) -> None:
+    """Run a torch.distributed collective with async_op=True and wait at most ``timeout`` seconds.
+
+    distcheck's own collectives go through here, so a peer that never arrives raises instead of hanging.
+    """
+    work = op(*args, async_op=True, **kwargs)
+    if work is not None:
+        work.wait(timeout=timedelta(seconds=timeout))
