@@ -217,11 +217,11 @@ def stop(session: Session, timeout: float = 30.0) -> None:
         log.warning("process group teardown did not finish within %ss; exiting anyway", timeout)
 
 
-def bounded(op: Callable[..., Any], *args: Any, timeout: float, **kwargs: Any) -> None:
+def bounded(collective: Callable[..., Any], *args: Any, timeout: float, **kwargs: Any) -> None:
     """Run a torch.distributed collective with async_op=True and wait at most ``timeout`` seconds.
 
     distcheck's own collectives go through here, so a peer that never arrives raises instead of hanging.
     """
-    work = op(*args, async_op=True, **kwargs)
+    work = collective(*args, async_op=True, **kwargs)
     if work is not None:
         work.wait(timeout=timedelta(seconds=timeout))

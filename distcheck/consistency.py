@@ -1,0 +1,201 @@
+"""The pre-launch ``consistency`` check: one registry of checks, run in order on every rank.
+
+    torchrun --nproc-per-node 2 -m distcheck consistency [--model pkg.mod:fn] [--parallel fsdp|ddp|tp] [--steps K]
+
+Checks: environment, collectives, model_consistency (replicas identical before parallelizing), parallel_vs_reference,
+replicated_state (after the steps). Each check returns Findings; at the end every rank's findings travel once
+through the side channel and rank 0 writes the report. A rank that dies or stalls becomes a finding, not a hang.
+"""
+from __future__ import annotations
+
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import nn
+
+from distcheck import collective_sanity, envinfo, reference
+from distcheck.analysis.envdiff import diff_env, render_env_table
+from distcheck.batches import BatchMaker, batch_maker
+from distcheck.errors import ChannelTimeout, UsageError
+from distcheck.findings import CheckResult, Finding, format_ranks
+from distcheck.models import build_model
+from distcheck.replicas import compare_replicas
+from distcheck.report import Report
+from distcheck.runtime import Session
+
+SEED = 1234
+
+
+@dataclass
+class Options:
+    model: str
+    parallel: str
+    steps: int
+    timeout: float
+    command: str
+    rtol: float | None = None
+    atol: float | None = None
+
+
+@dataclass
+class Context:
+    session: Session
+    options: Options
+    model: nn.Module | None = None
+    maker: BatchMaker | None = None
+    outcome: reference.Outcome | None = None
+    sections: dict[str, str] = field(default_factory=dict)
+    data: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    run: Callable[[Context], list[Finding]]
+    note_at_world_1: str  # what the check cannot show with a single rank
+
+
+def check_environment(ctx: Context) -> list[Finding]:
+    s = ctx.session
+    config = {"model": ctx.options.model, "parallel": ctx.options.parallel, "steps": str(ctx.options.steps)}
+    snaps = s.channel.exchange("env", envinfo.snapshot(s.device, s.backend, config))
+    per_rank = dict(enumerate(snaps))
+    ctx.sections["environment"] = render_env_table(per_rank, envinfo.HOST_SPECIFIC)
+    ctx.data["environment"] = per_rank
+    return diff_env(per_rank, envinfo.HOST_SPECIFIC)
+
+
+def check_collectives(ctx: Context) -> list[Finding]:
+    results = collective_sanity.run_local(ctx.session, ctx.options.timeout)
+    gathered = ctx.session.channel.exchange("collectives", results)
+    return collective_sanity.findings_from([r for rank_results in gathered for r in rank_results])
+
+
+def check_model_consistency(ctx: Context) -> list[Finding]:
+    # Same seed on every rank: any difference is init that depends on the rank (or on something else local).
+    ctx.model = build_model(ctx.options.model, seed=SEED).to(ctx.session.device)
+    ctx.maker = batch_maker(ctx.model, ctx.options.model)
+    items = [(n, "parameter", p) for n, p in ctx.model.named_parameters()]
+    items += [(n, "buffer", b) for n, b in ctx.model.named_buffers()]
+    return compare_replicas("model", items, ctx.session.channel, list(range(ctx.session.world_size)),
+                            context="before parallelizing (same seed on every rank)")
+
+
+def check_parallel_vs_reference(ctx: Context) -> list[Finding]:
+    if ctx.model is None:
+        raise RuntimeError("the model was not built (model_consistency failed)")
+    o = ctx.options
+    ctx.outcome = reference.run(ctx.session, ctx.model, o.parallel, ctx.maker, o.steps, SEED, o.rtol, o.atol)
+    if ctx.outcome.rows:
+        ctx.sections[f"parallel ({o.parallel}) vs 1-rank reference"] = reference.render_rows(ctx.outcome.rows)
+        ctx.data["reference_steps"] = [vars(r) for r in ctx.outcome.rows]
+    _placements(ctx)
+    return ctx.outcome.findings
+
+
+def _placements(ctx: Context) -> None:
+    """The placement table of the parallelized model, when the placement module is available."""
+    try:
+        from distcheck import placement
+    except ImportError:
+        return
+    rows = placement.describe_model(ctx.outcome.parallel.inner)
+    ctx.sections["placements"] = placement.render_placement_table(rows)
+    ctx.data["placements"] = [vars(r) if hasattr(r, "__dict__") else r for r in rows]
+
+
+def check_replicated_state(ctx: Context) -> list[Finding]:
+    if ctx.outcome is None:
+        raise RuntimeError("the parallel run did not complete")
+    inner = ctx.outcome.parallel.inner
+    items = []
+    for name, p in inner.named_parameters():
+        items.append((name, "parameter", p))
+        if p.grad is not None:
+            items.append((f"{name}.grad", "gradient", p.grad))
+    items += [(n, "buffer", b) for n, b in inner.named_buffers()]
+    items.append(("torch.random (CPU RNG state)", "rng state", torch.get_rng_state()))
+    if ctx.session.device.type == "cuda":
+        items.append(("torch.cuda.random (RNG state)", "rng state", torch.cuda.get_rng_state(ctx.session.device)))
+    return compare_replicas("replicated", items, ctx.session.channel, list(range(ctx.session.world_size)),
+                            context=f"after {ctx.options.steps} {ctx.options.parallel} steps")
+
+
+CHECKS = (
+    Check("environment", check_environment, "1 rank: nothing to compare"),
+    Check("collectives", check_collectives, "1 rank: collectives are trivial"),
+    Check("model_consistency", check_model_consistency, "1 rank: no replicas to compare"),
+    Check("parallel_vs_reference", check_parallel_vs_reference, "1 rank: the parallel run is the reference"),
+    Check("replicated_state", check_replicated_state, "1 rank: no replicas to compare"),
+)
+
+
+def run_checks(session: Session, options: Options) -> tuple[list[tuple[str, float, list[Finding]]], Context]:
+    """Run every check on this rank. Returns (name, seconds, findings) per check that ran."""
+    ctx = Context(session, options)
+    results = []
+    for check in CHECKS:
+        start = time.perf_counter()
+        try:
+            findings = check.run(ctx)
+        except UsageError:
+            raise  # bad --model/--parallel input: exit 2 on every rank, not a finding
+        except ChannelTimeout as exc:
+            findings = [Finding("hang", exc.missing_ranks,
+                                f"{format_ranks(exc.missing_ranks)} did not reach the {check.name} check within "
+                                f"{exc.seconds:g}s (dead or stuck): later checks were skipped",
+                                {"check": check.name, "missing_ranks": exc.missing_ranks})]
+            results.append((check.name, time.perf_counter() - start, findings))
+            break
+        except Exception as exc:
+            findings = [Finding("rank_failure", [session.rank],
+                                f"rank {session.rank} raised {type(exc).__name__} in the {check.name} check: {exc}",
+                                {"check": check.name, "traceback": traceback.format_exc()})]
+            results.append((check.name, time.perf_counter() - start, findings))
+            break
+        results.append((check.name, time.perf_counter() - start, findings))
+    return results, ctx
+
+
+def merge(all_ranks: list[list[tuple[str, float, list[Finding]]]], rank0: list[tuple[str, float, list[Finding]]],
+          world_size: int) -> tuple[list[CheckResult], list[Finding]]:
+    """Pure: one CheckResult per check (rank 0's time) and the de-duplicated findings of all ranks."""
+    notes = {c.name: c.note_at_world_1 for c in CHECKS}
+    findings: list[Finding] = []
+    seen: set[tuple[str, str]] = set()
+    failed: set[str] = set()
+    for results in all_ranks:
+        for name, _, fs in results:
+            for f in fs:
+                failed.add(name)
+                key = (f.kind, f.message)
+                if key not in seen:
+                    seen.add(key)
+                    findings.append(f)
+    checks = [CheckResult(name, name not in failed, seconds, notes.get(name, "") if world_size == 1 else "")
+              for name, seconds, _ in rank0]
+    ran = {name for name, _, _ in rank0}
+    checks += [CheckResult(c.name, False, 0.0, "skipped: an earlier check could not complete")
+               for c in CHECKS if c.name not in ran]
+    return checks, findings
+
+
+def build_report(session: Session, options: Options, local: list, ctx: Context) -> Report:
+    try:
+        gathered = session.channel.exchange("consistency/results", local)
+    except ChannelTimeout as exc:
+        missing = exc.missing_ranks
+        gathered = [local]
+        lost = Finding("hang", missing, f"{format_ranks(missing)} never reported their results within "
+                                        f"{exc.seconds:g}s (dead or stuck)", {"missing_ranks": missing})
+        local = local + [("results", 0.0, [lost])]
+    checks, findings = merge(gathered, local if session.rank == 0 else gathered[0], session.world_size)
+    return Report(options.command, session.world_size, findings, checks, {}, ctx.data, ctx.sections)
+
+
+def report_files(report_dir: Path) -> dict[str, str]:
+    return {p.name: p.name for p in sorted(report_dir.iterdir()) if p.is_file() and not p.name.startswith(".")}
