@@ -26,6 +26,7 @@ from distcheck.models import build_model
 from distcheck.replicas import compare_replicas
 from distcheck.report import Report
 from distcheck.runtime import Session
+from distcheck.sourcesite import forward_site, init_site
 
 SEED = 1234
 
@@ -81,15 +82,27 @@ def check_model_consistency(ctx: Context) -> list[Finding]:
     ctx.maker = batch_maker(ctx.model, ctx.options.model)
     items = [(n, "parameter", p) for n, p in ctx.model.named_parameters()]
     items += [(n, "buffer", b) for n, b in ctx.model.named_buffers()]
-    return compare_replicas("model", items, ctx.session.channel, list(range(ctx.session.world_size)),
-                            context="before parallelizing (same seed on every rank)")
+    findings = compare_replicas("model", items, ctx.session.channel, list(range(ctx.session.world_size)),
+                                context="before parallelizing (same seed on every rank)")
+    for f in findings:
+        _add_site(f, init_site(ctx.model, f.detail.get("name", "")), "created in")
+    return findings
+
+
+def _add_site(finding: Finding, site, label: str) -> None:
+    if site is not None:
+        finding.message += f" ({label} {site})"
+        finding.detail.update(site.detail())
 
 
 def check_parallel_vs_reference(ctx: Context) -> list[Finding]:
     if ctx.model is None:
         raise RuntimeError("the model was not built (model_consistency failed)")
     o = ctx.options
+    site = forward_site(ctx.model)
     ctx.outcome = reference.run(ctx.session, ctx.model, o.parallel, ctx.maker, o.steps, SEED, o.rtol, o.atol)
+    for f in ctx.outcome.findings:
+        _add_site(f, site, "forward at")
     if ctx.outcome.rows:
         ctx.sections[f"parallel ({o.parallel}) vs 1-rank reference"] = reference.render_rows(ctx.outcome.rows)
         ctx.data["reference_steps"] = [vars(r) for r in ctx.outcome.rows]

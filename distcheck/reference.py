@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from distcheck.analysis.tolerance import Comparison, compare, ratio_hint
+from distcheck.analysis.tolerance import Comparison, compare, ratio_hint, tolerance_for
 from distcheck.batches import BatchMaker, global_batch
 from distcheck.findings import Finding, format_ranks
 from distcheck.parallelize import Parallel, apply, full_tensor
@@ -96,12 +96,14 @@ def run(session: Session, model: nn.Module, mode: str, maker: BatchMaker, steps:
         ref_grads = {n: p.grad.detach().clone() for n, p in reference.named_parameters() if p.grad is not None}
         ref_opt.step()
         ref_params = {n: p.detach().clone() for n, p in reference.named_parameters()}
+        # Averaged in float64 so the mean itself adds no error; judged with the loss dtype's tolerance.
         par_loss = torch.tensor(sum(local_losses) / world, dtype=torch.float64)
-        loss_cmp = compare(par_loss, ref_loss.detach().double(), rtol, atol)
+        loss_rtol, loss_atol = tolerance_for(ref_loss.dtype, rtol, atol)
+        loss_cmp = compare(par_loss, ref_loss.detach().double(), loss_rtol, loss_atol)
         out.rows.append(StepRow(step, float(par_loss), float(ref_loss.detach()), loss_cmp.max_abs,
                                 _max_err(grads, ref_grads), _max_err(params, ref_params)))
-        odd_ranks = [r for r in range(world)
-                     if not compare(torch.tensor(local_losses[r]), torch.tensor(share_losses[r]), rtol, atol).ok]
+        odd_ranks = [r for r in range(world) if not compare(torch.tensor(local_losses[r]),
+                                                             torch.tensor(share_losses[r]), loss_rtol, loss_atol).ok]
         finding = None
         if not loss_cmp.ok:
             finding = _finding(step, "loss", "", loss_cmp, par_loss, ref_loss.detach(), world, odd_ranks,

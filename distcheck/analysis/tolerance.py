@@ -35,6 +35,9 @@ class Comparison:
     def describe(self) -> str:
         if self.note:
             return self.note
+        if not self.index:  # a scalar (a loss)
+            return (f"{self.actual:.7g} vs reference {self.expected:.7g} (abs err {self.max_abs:.3g}, rel err "
+                    f"{self.max_rel:.3g}; rtol {self.rtol:g}, atol {self.atol:g})")
         return (f"worst element {self.index}: {self.actual:.6g} vs reference {self.expected:.6g} "
                 f"(abs err {self.max_abs:.3g}, rel err {self.max_rel:.3g}; rtol {self.rtol:g}, atol {self.atol:g})")
 

@@ -1,0 +1,124 @@
+"""The consistency command on real gloo ranks: a clean run passes, each fixture bug gives its finding."""
+import json
+
+import pytest
+from launch_helpers import FIXTURES, distcheck, load_report, torchrun
+
+from distcheck import consistency
+from distcheck.findings import CheckResult, Finding
+
+
+def consistency_run(tmp_path, *extra, nproc=2):
+    out = tmp_path / "report"
+    res = torchrun(["-m", "distcheck", "consistency", "--report-dir", str(out), "--timeout", "60", *extra],
+                   nproc=nproc, timeout=240)
+    return res, load_report(out)
+
+
+def test_builtin_passes_and_prints_verdict(tmp_path):
+    res, report = consistency_run(tmp_path)
+    assert res.returncode == 0, res.output
+    assert report["ok"] is True and report["findings"] == [] and report["world_size"] == 2
+    names = [c["name"] for c in report["checks"]]
+    assert names == ["environment", "collectives", "model_consistency", "parallel_vs_reference", "replicated_state"]
+    assert all(c["ok"] and c["seconds"] >= 0 for c in report["checks"])
+    assert "distcheck PASSED" in res.stdout and res.stdout.count("distcheck PASSED") == 1  # rank 0 only
+    assert report["reference_steps"] and len(report["reference_steps"]) == 3
+
+
+def test_rank_seeded_factory_gives_tensor_divergence(tmp_path):
+    res, report = consistency_run(tmp_path, "--model", f"{FIXTURES}/model_rank_seeded.py:build")
+    assert res.returncode != 0
+    div = [f for f in report["findings"] if f["kind"] == "tensor_divergence"
+           and f["detail"].get("name") == "0.weight"]
+    assert div, report["findings"]
+    f = div[0]
+    assert f["ranks"] == [0, 1]
+    assert "'0.weight'" in f["message"] and "max abs diff" in f["message"]
+    assert "model_rank_seeded.py:20" in f["message"] and f["detail"]["line"] == 20
+    assert report["checks"][2] == {"name": "model_consistency", "ok": False, "seconds": report["checks"][2]["seconds"]}
+
+
+def test_rank_dependent_forward_gives_reference_mismatch(tmp_path):
+    res, report = consistency_run(tmp_path, "--model", f"{FIXTURES}/model_rank_dependent.py:build")
+    assert res.returncode != 0
+    [f] = report["findings"]
+    assert f["kind"] == "reference_mismatch" and f["ranks"] == [1]
+    assert f["detail"]["step"] == 0 and f["detail"]["quantity"] == "loss"
+    assert "model_rank_dependent.py:23" in f["message"] and f["detail"]["line"] == 23
+
+
+def test_broken_all_reduce_names_op_dtype_rank(tmp_path):
+    res, report = consistency_run(tmp_path, "--model", f"{FIXTURES}/broken_allreduce.py:build",
+                                  "--parallel", "ddp", "--steps", "1")
+    kinds = {f["kind"] for f in report["findings"]}
+    assert kinds == {"collective_mismatch"}, report["findings"]
+    ops = {(f["detail"]["op"], f["detail"]["dtype"], f["detail"]["group"]) for f in report["findings"]}
+    assert ("all_reduce(sum)", "float32", "world") in ops
+    assert all(dtype == "float32" and op.startswith("all_reduce") for op, dtype, _ in ops)
+    assert all(f["ranks"] == [1] for f in report["findings"])
+
+
+def test_env_mismatch_and_user_model_ddp(tmp_path):
+    res, report = consistency_run(tmp_path, "--model", f"{FIXTURES}/env_rank_dependent.py:build", "--steps", "1")
+    [f] = report["findings"]
+    assert f["kind"] == "env_mismatch" and f["detail"]["key"] == "NCCL_ALGO" and "'Ring'" in f["message"]
+
+
+def test_clean_user_model_ddp_and_tp_builtin(tmp_path):
+    res, report = consistency_run(tmp_path, "--model", f"{FIXTURES}/model_mlp.py:build", "--parallel", "ddp")
+    assert res.returncode == 0 and report["ok"], report["findings"]
+    res, report = consistency_run(tmp_path, "--parallel", "tp", "--steps", "2")
+    assert res.returncode == 0 and report["ok"], report["findings"]
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("no_such_pkg.model:build", "no module named 'no_such_pkg'"),
+    ("fixtures/missing.py:build", "does not exist"),
+    ("FIX/model_mlp.py:nope", "has no attribute 'nope'"),
+    ("FIX/model_mlp.py", "expected MODULE:FACTORY"),
+    ("FIX/factory_errors.py:raises", "the factory raised RuntimeError"),
+    ("FIX/factory_errors.py:not_a_module", "not an nn.Module"),
+])
+def test_bad_model_exit_2_one_line(tmp_path, spec, message):
+    spec = spec.replace("FIX", str(FIXTURES))
+    res = distcheck(["consistency", "--model", spec, "--report-dir", str(tmp_path / "r")], timeout=60)
+    assert res.returncode == 2, res.output
+    assert message in res.stderr and "Traceback" not in res.output
+    assert len(res.stderr.strip().splitlines()) == 1
+
+
+def test_bad_parallel_and_report_dir(tmp_path):
+    res = distcheck(["consistency", "--parallel", "zero3"], timeout=60)
+    assert res.returncode == 2 and "zero3" in res.stderr and len(res.stderr.strip().splitlines()) == 1
+    blocker = tmp_path / "f"
+    blocker.write_text("")
+    res = distcheck(["consistency", "--report-dir", str(blocker / "x")], timeout=60)
+    assert res.returncode == 2 and "not writable" in res.stderr and "Traceback" not in res.output
+
+
+def test_bad_model_under_torchrun_shows_message(tmp_path):
+    res = torchrun(["-m", "distcheck", "consistency", "--model", "no_such_pkg.model:build"], timeout=120)
+    assert res.returncode != 0
+    assert "distcheck: error: --model no_such_pkg.model:build: no module named 'no_such_pkg'" in res.stderr
+
+
+def test_world_size_1_runs_and_says_what_means_nothing(tmp_path):
+    res = distcheck(["consistency", "--report-dir", str(tmp_path), "--steps", "1"], timeout=120)
+    assert res.returncode == 0, res.output
+    report = load_report(tmp_path)
+    notes = {c["name"]: c.get("note", "") for c in report["checks"]}
+    assert report["world_size"] == 1 and "1 rank" in notes["model_consistency"]
+    assert "1 rank" in notes["parallel_vs_reference"]
+
+
+def test_merge_dedupes_and_marks_failed_checks():
+    f = Finding("tensor_divergence", [1], "w differs")
+    rank0 = [("environment", 0.1, []), ("model_consistency", 0.2, [f])]
+    rank1 = [("environment", 0.1, []), ("model_consistency", 0.3, [Finding("tensor_divergence", [1], "w differs")])]
+    checks, findings = consistency.merge([rank0, rank1], rank0, 2)
+    assert findings == [f]
+    assert [c.ok for c in checks][:2] == [True, False]
+    assert all(isinstance(c, CheckResult) for c in checks)
+    skipped = [c for c in checks if "skipped" in c.note]
+    assert len(skipped) == 3

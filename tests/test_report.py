@@ -1,0 +1,56 @@
+"""report.json / report.txt contract and atomic writing."""
+import json
+
+import pytest
+
+from distcheck.errors import UsageError
+from distcheck.findings import CheckResult, Finding, format_ranks
+from distcheck.report import Report, load_report, prepare_report_dir, render_text, write_report
+
+
+def make_report():
+    return Report("distcheck consistency", 2,
+                  [Finding("tensor_divergence", [1], "parameter 'w' differs", {"name": "w", "x": (1, 2)})],
+                  [CheckResult("model_consistency", False, 0.1234), CheckResult("environment", True, 0.01)])
+
+
+def test_json_contract(tmp_path):
+    report = make_report()
+    write_report(report, tmp_path)
+    data = json.loads((tmp_path / "report.json").read_text())
+    assert set(data) >= {"tool", "version", "command", "ok", "world_size", "findings", "checks", "artifacts"}
+    assert data["tool"] == "distcheck" and data["ok"] is False and data["world_size"] == 2
+    assert data["findings"][0] == {"kind": "tensor_divergence", "ranks": [1], "message": "parameter 'w' differs",
+                                   "detail": {"name": "w", "x": [1, 2]}}
+    assert data["checks"][0] == {"name": "model_consistency", "ok": False, "seconds": 0.1234}
+    assert data["artifacts"]["report.txt"] == "report.txt"
+    assert load_report(tmp_path).findings[0].ranks == [1]
+    assert not list(tmp_path.glob(".*"))  # no temporary files left behind
+
+
+def test_text_has_verdict_checks_findings():
+    text = render_text(make_report())
+    assert text.startswith("distcheck FAILED (1 finding)")
+    assert "FAIL model_consistency" in text and "[tensor_divergence] rank 1: parameter 'w' differs" in text
+    assert render_text(Report("x", 1)).startswith("distcheck PASSED")
+
+
+def test_unknown_kind_rejected_and_rank_formatting():
+    with pytest.raises(ValueError):
+        Finding("not_a_kind", [0], "m")
+    assert format_ranks([0, 1, 2, 5, 7, 8]) == "ranks 0-2,5,7-8"
+    assert format_ranks([3]) == "rank 3"
+
+
+def test_unwritable_report_dir(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(UsageError, match="not writable.*--report-dir"):
+        prepare_report_dir(blocker / "sub")
+    assert prepare_report_dir(tmp_path / "new" / "dir").is_dir()
+
+
+def test_nan_in_detail_stays_valid_json(tmp_path):
+    report = Report("x", 1, [Finding("bad_values", [0], "nan", {"v": float("nan")})])
+    write_report(report, tmp_path)
+    assert json.loads((tmp_path / "report.json").read_text())["findings"][0]["detail"]["v"] == "nan"
