@@ -1,9 +1,44 @@
 """pytest plugin (registered through the ``pytest11`` entry point): the ``distributed`` marker.
 
+    import pytest, torch, torch.distributed as dist
+
     @pytest.mark.distributed(nprocs=2, timeout=60)
-    def test_allreduce(dist_ctx): ...
+    def test_all_reduce(dist_ctx):
+        t = torch.ones(4, device=dist_ctx.device) * dist_ctx.rank
+        dist.all_reduce(t)
+        assert t[0].item() == sum(range(dist_ctx.world_size))
+
+The body runs on every rank of a pool of live rank processes (gloo on CPU; nccl when CUDA has at least nprocs
+devices, otherwise the test is skipped). ``dist_ctx`` gives rank, world_size, backend, device and ``mesh(shape,
+names)``. Other fixtures are computed here, in the pytest process, and sent to the ranks (they must pickle).
+A failure on any rank fails the test once, with each failing rank's traceback labelled by rank; a hang fails it
+with every rank's stack. Works under pytest-xdist: each worker has its own pools, GPUs are handed out under a
+file lock so two tests never share a device.
 """
 from __future__ import annotations
+
+import atexit
+import os
+import pickle
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+DEFAULT_NPROCS = 2
+DEFAULT_TIMEOUT = 60.0
+
+_pools: dict[int, object] = {}
+
+
+class _Placeholder:
+    """Stands in for dist_ctx in the pytest process; each rank replaces it with its real RankContext."""
+
+    _distcheck_placeholder = True
+
+    def __reduce__(self):
+        return (_Placeholder, ())
 
 
 def pytest_configure(config) -> None:
@@ -11,3 +46,146 @@ def pytest_configure(config) -> None:
         "markers",
         "distributed(nprocs=2, timeout=60): run the test body on every rank with an initialized process group",
     )
+
+
+@pytest.fixture
+def dist_ctx():
+    """Inside a @pytest.mark.distributed test: rank, world_size, backend, device, and mesh(shape, names)."""
+    return _Placeholder()
+
+
+def _marker_args(item) -> tuple[int, float]:
+    marker = item.get_closest_marker("distributed")
+    kwargs = dict(marker.kwargs)
+    if marker.args:
+        kwargs.setdefault("nprocs", marker.args[0])
+    return int(kwargs.get("nprocs", DEFAULT_NPROCS)), float(kwargs.get("timeout", DEFAULT_TIMEOUT))
+
+
+def _backend_for(nprocs: int) -> tuple[str, str]:
+    """(backend, skip reason). nccl needs a device per rank; CPU-only machines use gloo."""
+    forced = os.environ.get("DISTCHECK_BACKEND", "").lower()
+    try:
+        import torch
+
+        cuda = torch.cuda.is_available() and forced != "gloo"
+        count = torch.cuda.device_count() if cuda else 0
+    except Exception:  # pragma: no cover - torch import problems surface in the test itself
+        cuda, count = False, 0
+    if not cuda:
+        return "gloo", ""
+    if count < nprocs:
+        return "nccl", (f"distributed(nprocs={nprocs}) needs {nprocs} CUDA devices, this machine has {count} "
+                        f"(set DISTCHECK_BACKEND=gloo to run it on the CPU)")
+    return "nccl", ""
+
+
+def pytest_runtest_setup(item) -> None:
+    if item.get_closest_marker("distributed") is None:
+        return
+    nprocs, _ = _marker_args(item)
+    backend, reason = _backend_for(nprocs)
+    if reason:
+        pytest.skip(reason)
+
+
+def _cache_dir() -> Path:
+    # Shared by every xdist worker of this user: compiled-kernel caches and GPU lock files.
+    path = Path(tempfile.gettempdir()) / f"distcheck-pytest-{os.getuid()}"
+    path.mkdir(exist_ok=True)
+    return path
+
+
+def _claim_gpus(nprocs: int) -> tuple[list[int], list]:
+    """Take nprocs GPUs no other xdist worker holds (file locks in the shared cache dir)."""
+    import torch
+    from filelock import FileLock, Timeout
+
+    locks, devices = [], []
+    for index in range(torch.cuda.device_count()):
+        lock = FileLock(str(_cache_dir() / f"gpu-{index}.lock"))
+        try:
+            lock.acquire(timeout=0)
+        except Timeout:
+            continue
+        locks.append(lock)
+        devices.append(index)
+        if len(devices) == nprocs:
+            return devices, locks
+    for lock in locks:
+        lock.release()
+    raise RuntimeError(f"could not claim {nprocs} free GPUs: other test workers hold them")
+
+
+def _get_pool(nprocs: int, backend: str):
+    from distcheck.testpool import Pool
+
+    pool = _pools.get(nprocs)
+    if pool is not None and pool.healthy:
+        return pool
+    if pool is not None:
+        pool.close()
+        for lock in getattr(pool, "_gpu_locks", []):
+            lock.release()
+    devices, locks = _claim_gpus(nprocs) if backend == "nccl" else ([], [])
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(_cache_dir() / "inductor"))
+    pool = Pool(nprocs, backend, devices)
+    pool._gpu_locks = locks
+    pool.start(list(sys.path))
+    _pools[nprocs] = pool
+    return pool
+
+
+@atexit.register
+def _close_pools() -> None:
+    for pool in list(_pools.values()):
+        pool.close()
+    _pools.clear()
+
+
+def pytest_unconfigure(config) -> None:
+    _close_pools()
+
+
+def _format_failure(outcomes, hung: bool, stacks: dict[int, str], nprocs: int, timeout: float) -> str:
+    parts = []
+    if hung:
+        stuck = [o.rank for o in outcomes if o.status == "hung"]
+        parts.append(f"distributed test hung: rank(s) {','.join(map(str, stuck))} did not finish within "
+                     f"{timeout:g}s (world size {nprocs})")
+    for o in outcomes:
+        if o.status in ("failed", "died"):
+            parts.append(f"---------- [rank {o.rank}] ----------\n{o.text.rstrip()}")
+    if stacks:
+        for rank, text in sorted(stacks.items()):
+            parts.append(f"---------- [rank {rank}] stack ----------\n{text.rstrip()}")
+    return "\n".join(parts)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem):
+    if pyfuncitem.get_closest_marker("distributed") is None:
+        return None
+    from distcheck.testpool import TestJob
+
+    nprocs, timeout = _marker_args(pyfuncitem)
+    backend, _ = _backend_for(nprocs)
+    names = pyfuncitem._fixtureinfo.argnames
+    kwargs = {name: pyfuncitem.funcargs[name] for name in names}
+    try:
+        pickle.dumps(kwargs)
+    except Exception as exc:
+        pytest.fail(f"distributed test arguments must pickle to reach the ranks: {exc}", pytrace=False)
+    job = TestJob(str(pyfuncitem.path), pyfuncitem.module.__name__,
+                  pyfuncitem.cls.__name__ if pyfuncitem.cls else None, pyfuncitem.originalname, kwargs, timeout)
+    pool = _get_pool(nprocs, backend)
+    outcomes, hung = pool.run(job)
+    stacks = pool.dump_stacks() if hung else {}
+    if not pool.healthy:
+        pool.close()
+        _pools.pop(nprocs, None)
+    if all(o.status == "passed" for o in outcomes):
+        return True
+    if not hung and all(o.status in ("passed", "skipped") for o in outcomes):
+        pytest.skip(next(o.text for o in outcomes if o.status == "skipped"))
+    pytest.fail(_format_failure(outcomes, hung, stacks, nprocs, timeout), pytrace=False)

@@ -1,0 +1,106 @@
+"""One rank of the pytest plugin's pool (started by distcheck.testpool; not a user entry point).
+
+It joins the process group once, then runs test bodies sent by the pytest process until told to stop.
+"""
+from __future__ import annotations
+
+import faulthandler
+import importlib
+import importlib.util
+import os
+import signal
+import sys
+import traceback
+from datetime import timedelta
+from multiprocessing.connection import Client
+from pathlib import Path
+
+from distcheck.testpool import RankOutcome, TestJob
+
+
+class RankContext:
+    """What a distributed test body gets as its ``dist_ctx`` fixture."""
+
+    def __init__(self, rank: int, world_size: int, backend: str, device):
+        self.rank = rank
+        self.world_size = world_size
+        self.backend = backend
+        self.device = device
+
+    def mesh(self, shape=None, names=None):
+        """A DeviceMesh over all ranks: ``dist_ctx.mesh((2,), ("dp",))``; default 1-D over the world."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        shape = tuple(shape) if shape is not None else (self.world_size,)
+        return init_device_mesh(self.device.type, shape, mesh_dim_names=tuple(names) if names else None)
+
+
+def _load(job: TestJob):
+    try:
+        module = importlib.import_module(job.module)
+        if not getattr(module, "__file__", None) or Path(module.__file__).resolve() != Path(job.path).resolve():
+            raise ImportError
+    except Exception:
+        spec = importlib.util.spec_from_file_location(job.module, job.path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[job.module] = module
+        spec.loader.exec_module(module)
+    if job.cls:
+        return getattr(getattr(module, job.cls)(), job.function)
+    return getattr(module, job.function)
+
+
+def _outcome(rank: int, exc: BaseException) -> RankOutcome:
+    name = type(exc).__name__
+    if name in ("Skipped", "SkipTest"):
+        return RankOutcome(rank, "skipped", str(exc))
+    tb = traceback.TracebackException.from_exception(exc)
+    # Drop this runner's own frames: the user's frames are what matter.
+    tb.stack = traceback.StackSummary.from_list([f for f in tb.stack if not f.filename.endswith("pool_worker.py")])
+    return RankOutcome(rank, "failed", "".join(tb.format()))
+
+
+def main() -> int:
+    import torch
+    import torch.distributed as dist
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    stacks = open(Path(os.environ["DISTCHECK_POOL_DIR"]) / f"stacks-rank{rank}.txt", "w")
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+    host, port = os.environ["DISTCHECK_POOL_ADDR"].rsplit(":", 1)
+    conn = Client((host, int(port)), authkey=bytes.fromhex(os.environ["DISTCHECK_POOL_AUTH"]))
+    conn.send(rank)
+    backend = os.environ["DISTCHECK_POOL_BACKEND"]
+    device = torch.device("cpu")
+    if backend == "nccl":
+        device = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                          timeout=timedelta(seconds=120))
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timedelta(seconds=300))
+    conn.send("ready")
+    ctx = RankContext(rank, world, backend, device)
+    while True:
+        try:
+            job = conn.recv()
+        except EOFError:
+            break
+        if job is None:
+            break
+        try:
+            fn = _load(job)
+            kwargs = {k: (ctx if getattr(v, "_distcheck_placeholder", False) else v) for k, v in job.kwargs.items()}
+            fn(**kwargs)
+            result = RankOutcome(rank, "passed")
+        except BaseException as exc:  # noqa: BLE001 - every failure is reported, labelled with its rank
+            result = _outcome(rank, exc)
+        conn.send(result)
+    try:
+        dist.destroy_process_group()
+    except Exception:
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

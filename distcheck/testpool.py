@@ -1,0 +1,187 @@
+"""A pool of live rank processes that run distributed test bodies, reused across tests.
+
+torch's MultiProcessTestCase spawns fresh processes (and re-imports torch) for every test; here each pytest
+process (each xdist worker) keeps one pool per world size: N rank processes that joined one process group once.
+A test is shipped to every rank as (test file, module name, function name, picklable arguments) and each rank
+sends back passed / failed (with its traceback) / skipped. A test that fails, hangs or kills a rank retires the
+pool, and the next test gets a fresh one, so one bad test never poisons the next.
+
+The pytest process hosts the TCPStore on a port the OS picks (port 0), so parallel pools never collide.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, Listener
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("distcheck")
+
+START_TIMEOUT = 120.0
+
+
+@dataclass
+class RankOutcome:
+    rank: int
+    status: str  # "passed", "failed", "skipped", "died", "hung"
+    text: str = ""
+
+
+@dataclass
+class TestJob:
+    path: str
+    module: str
+    cls: str | None
+    function: str
+    kwargs: dict[str, Any]
+    timeout: float
+    trace_dir: str | None = None
+
+
+@dataclass
+class Pool:
+    world_size: int
+    backend: str
+    devices: list[int]
+    procs: list[subprocess.Popen] = field(default_factory=list)
+    conns: list[Connection] = field(default_factory=list)
+    workdir: str = ""
+    healthy: bool = True
+    generation: int = 0
+    _store: Any = None
+    _listener: Listener | None = None
+
+    @property
+    def pids(self) -> dict[int, int]:
+        return {r: p.pid for r, p in enumerate(self.procs)}
+
+    def start(self, sys_path: list[str]) -> None:
+        import torch.distributed as dist
+
+        self.workdir = tempfile.mkdtemp(prefix="distcheck-pool-")
+        # The store lives in this (the pytest) process: port 0 = a free port chosen by the OS.
+        self._store = dist.TCPStore("127.0.0.1", 0, self.world_size + 1, is_master=True,
+                                    wait_for_workers=False)
+        authkey = secrets.token_bytes(16)
+        self._listener = Listener(("127.0.0.1", 0), authkey=authkey)
+        host, port = self._listener.address
+        for rank in range(self.world_size):
+            env = dict(os.environ)
+            env.update({
+                "RANK": str(rank), "WORLD_SIZE": str(self.world_size), "LOCAL_RANK": str(rank),
+                "LOCAL_WORLD_SIZE": str(self.world_size), "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(self._store.port), "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1"),
+                "DISTCHECK_POOL_BACKEND": self.backend, "DISTCHECK_POOL_AUTH": authkey.hex(),
+                "DISTCHECK_POOL_ADDR": f"{host}:{port}", "DISTCHECK_POOL_DIR": self.workdir,
+                "PYTHONPATH": os.pathsep.join(p for p in sys_path if p),
+            })
+            if self.devices:
+                env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, self.devices))
+            env.pop("PYTEST_XDIST_WORKER", None)
+            self.procs.append(subprocess.Popen([sys.executable, "-m", "distcheck.pool_worker"], env=env,
+                                               start_new_session=True))
+        self._listener._listener._socket.settimeout(START_TIMEOUT)  # accept() must not block forever
+        conns: dict[int, Connection] = {}
+        deadline = time.monotonic() + START_TIMEOUT
+        while len(conns) < self.world_size:
+            if time.monotonic() > deadline or any(p.poll() is not None for p in self.procs):
+                self.close()
+                raise RuntimeError("the rank processes of the distributed test pool did not start "
+                                   f"(exit codes {[p.poll() for p in self.procs]})")
+            conn = self._listener.accept()
+            rank = conn.recv()
+            conns[rank] = conn
+        self.conns = [conns[r] for r in range(self.world_size)]
+        for rank, conn in enumerate(self.conns):
+            if not conn.poll(START_TIMEOUT) or conn.recv() != "ready":
+                self.close()
+                raise RuntimeError(f"rank {rank} of the distributed test pool failed to join the process group")
+
+    def run(self, job: TestJob) -> tuple[list[RankOutcome], bool]:
+        """Run one test on every rank. Returns the outcomes and whether it hung (the pool is then retired)."""
+        for conn in self.conns:
+            conn.send(job)
+        outcomes: dict[int, RankOutcome] = {}
+        deadline = time.monotonic() + job.timeout
+        first_failure: float | None = None
+        while len(outcomes) < self.world_size:
+            now = time.monotonic()
+            # After one rank fails, the others are often blocked in a collective that will never complete:
+            # give them a short grace period instead of the full timeout.
+            limit = deadline if first_failure is None else min(deadline, first_failure + 5.0)
+            if now > limit:
+                break
+            for rank, conn in enumerate(self.conns):
+                if rank in outcomes:
+                    continue
+                if self.procs[rank].poll() is not None:
+                    code = self.procs[rank].returncode
+                    outcomes[rank] = RankOutcome(rank, "died", f"rank {rank} exited with code {code} "
+                                                 f"(signal {-code})" if code < 0 else f"rank {rank} exited "
+                                                 f"with code {code}")
+                    first_failure = first_failure or time.monotonic()
+                elif conn.poll(0.02):
+                    try:
+                        outcomes[rank] = conn.recv()
+                    except EOFError:
+                        continue
+                    if outcomes[rank].status != "passed":
+                        first_failure = first_failure or time.monotonic()
+        hung = len(outcomes) < self.world_size
+        for rank in range(self.world_size):
+            if rank not in outcomes:
+                outcomes[rank] = RankOutcome(rank, "hung", "")
+        if hung or any(o.status != "passed" and o.status != "skipped" for o in outcomes.values()):
+            self.healthy = False
+        return [outcomes[r] for r in range(self.world_size)], hung
+
+    def dump_stacks(self) -> dict[int, str]:
+        """Every rank's Python stacks, via faulthandler on SIGUSR1: a C-level handler, so it works even when a
+        rank is stuck in native code holding the GIL, and needs no ptrace permission."""
+        paths = {r: Path(self.workdir) / f"stacks-rank{r}.txt" for r in range(self.world_size)}
+        for rank, proc in enumerate(self.procs):
+            if proc.poll() is None:
+                try:
+                    os.kill(proc.pid, signal.SIGUSR1)
+                except ProcessLookupError:
+                    pass
+        time.sleep(0.5)
+        out = {}
+        for rank, path in paths.items():
+            try:
+                out[rank] = path.read_text()
+            except OSError:
+                out[rank] = "(no stack: the process had exited)"
+        return out
+
+    def close(self) -> None:
+        for conn in self.conns:
+            try:
+                conn.send(None)
+            except (OSError, EOFError):
+                pass
+        deadline = time.monotonic() + (2.0 if self.healthy else 0.0)
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                proc.wait(timeout=10)
+        for conn in self.conns:
+            conn.close()
+        if self._listener is not None:
+            self._listener.close()
+        self.procs, self.conns = [], []

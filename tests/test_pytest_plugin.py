@@ -1,0 +1,66 @@
+"""The distributed marker, tested through pytester in subprocesses (each with its own rank pool)."""
+import re
+
+PASSING_FAILING_HANGING = '''
+import time, pytest, torch, torch.distributed as dist
+
+@pytest.mark.distributed(nprocs=2, timeout=30)
+def test_passes(dist_ctx):
+    t = torch.ones(4) * (dist_ctx.rank + 1)
+    dist.all_reduce(t)
+    assert t.tolist() == [3.0] * 4 and dist_ctx.world_size == 2 and str(dist_ctx.device) == "cpu"
+
+@pytest.mark.distributed(nprocs=2, timeout=30)
+@pytest.mark.parametrize("value", [1, 2])
+def test_fails_on_rank_1(dist_ctx, value, tmp_path):
+    assert tmp_path.exists()
+    assert dist_ctx.rank == 0, f"rank-one-broke-{value}"
+
+@pytest.mark.distributed(nprocs=2, timeout=4)
+def test_hangs(dist_ctx):
+    if dist_ctx.rank == 1:
+        time.sleep(60)
+    dist.barrier()
+
+@pytest.mark.distributed(nprocs=2, timeout=30)
+def test_passes_after_a_hang(dist_ctx):
+    mesh = dist_ctx.mesh((2,), ("dp",))
+    assert mesh.size() == 2
+    dist.barrier()
+
+@pytest.mark.distributed(nprocs=2)
+@pytest.mark.skipif(False, reason="other markers still apply")
+def test_skips_inside(dist_ctx):
+    pytest.skip("skipped on every rank")
+'''
+
+
+def test_pass_fail_hang_parametrize(pytester):
+    pytester.makepyfile(test_dist=PASSING_FAILING_HANGING)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-v", timeout=240)
+    out = result.stdout.str()
+    result.assert_outcomes(passed=2, failed=3, skipped=1)
+    assert re.search(r"test_passes PASSED", out) and re.search(r"test_passes_after_a_hang PASSED", out)
+    # A failure shows the failing rank's assertion, labelled, once per test; rank 0 passed so is not shown.
+    assert out.count("[rank 1] ----------") >= 2 and "rank-one-broke-1" in out and "rank-one-broke-2" in out
+    assert "---------- [rank 0] ----------" not in out
+    # A hang names the stuck ranks and shows every rank's stack with the test's own lines.
+    assert "distributed test hung" in out
+    assert "[rank 0] stack" in out and "[rank 1] stack" in out
+    lines = PASSING_FAILING_HANGING.strip("\n").splitlines()
+    sleep_line = next(i for i, line in enumerate(lines, 1) if "time.sleep(60)" in line)
+    assert f'test_dist.py", line {sleep_line} in test_hangs' in out  # rank 1 in time.sleep
+    assert f'test_dist.py", line {sleep_line + 1} in test_hangs' in out  # rank 0 in the barrier
+
+
+def test_xdist_several_distributed_tests(pytester):
+    body = "\n".join(f'''
+@pytest.mark.distributed(nprocs=2, timeout=60)
+def test_sum_{i}(dist_ctx):
+    t = torch.full((3,), float(dist_ctx.rank + {i}))
+    dist.all_reduce(t)
+    assert t[0].item() == 1 + 2 * {i}
+''' for i in range(6))
+    pytester.makepyfile(test_many="import pytest, torch, torch.distributed as dist\n" + body)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-n", "2", timeout=240)
+    result.assert_outcomes(passed=6)
