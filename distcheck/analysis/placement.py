@@ -1,0 +1,267 @@
+"""Pure placement analysis (no process group): placement rows, the compact table, and FSDP2/TP coverage rules.
+
+The rows come from distcheck.placement.describe_model; everything here works on them alone, so the rules are
+unit-tested on hand-made rows as well as on real FSDP2/TP models.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from distcheck.findings import Finding
+
+# Styles whose job is to leave parameters replicated (norms under SequenceParallel) or that hold none.
+REPLICATING_STYLES = frozenset({"SequenceParallel", "PrepareModuleInput", "PrepareModuleOutput",
+                                "PrepareModuleInputOutput", "NoParallel", "ReplicateParallel"})
+# Styles that shard a module's weight: left Replicate, that weight is "a TP module left replicated".
+WEIGHT_SHARDING_STYLES = frozenset({"ColwiseParallel", "RowwiseParallel"})
+
+
+@dataclass
+class PlacementRow:
+    name: str
+    role: str  # "parameter" | "buffer"
+    cls: str  # "Tensor" | "DTensor" | other tensor subclass name
+    dtype: str
+    mesh_shape: list[int] | None
+    mesh_dim_names: list[str] | None
+    mesh_ranks: str | None  # the ranks of the tensor's mesh (this rank's view), compact
+    placements: list[str] | None
+    global_shape: list[int]
+    local_shape: list[int]
+    bytes_per_rank: int
+    requires_grad: bool
+    module: str  # fqn of the module that owns it ("" for the root)
+    module_type: str
+    fsdp: str | None = None  # fqn of the fully_shard module that manages it ("<root>" for the root)
+    tp_style: str | None = None  # parallel style applied to the owning module
+    ddp: bool = False
+    file: str | None = None  # where the user's code defines it, when it is user code
+    line: int | None = None
+
+    @property
+    def mesh_key(self) -> tuple:
+        return (tuple(self.mesh_shape or ()), tuple(self.mesh_dim_names or ()), self.mesh_ranks)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> PlacementRow:
+        return cls(**data)
+
+
+def short_placement(p: str) -> str:
+    """``Shard(dim=0)`` -> ``S(0)``, ``Replicate()`` -> ``R``, ``_StridedShard(dim=0, sf=2)`` -> ``SS(0,sf=2)``."""
+    p = p.replace(" ", "")
+    if p.startswith("Shard(dim="):
+        return f"S({p[len('Shard(dim='):-1]})"
+    if p.startswith("_StridedShard(dim="):
+        return f"SS({p[len('_StridedShard(dim='):-1]})"
+    if p == "Replicate()":
+        return "R"
+    if p.startswith("Partial("):
+        return "P(" + p[len("Partial("):-1].replace("reduce_op=", "") + ")"
+    return p
+
+
+def is_shard(p: str) -> bool:
+    """Shard or _StridedShard, in repr (``Shard(dim=0)``) or str (``S(0)``) form."""
+    return "Shard(" in p or p.startswith(("S(", "SS(", "_S("))
+
+
+def human_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def mesh_label(row: PlacementRow) -> str:
+    if row.mesh_shape is None:
+        return "-"
+    if row.mesh_dim_names:
+        return "(" + ",".join(f"{n}={s}" for n, s in zip(row.mesh_dim_names, row.mesh_shape)) + ")"
+    return "(" + ",".join(map(str, row.mesh_shape)) + ")"
+
+
+def manager(row: PlacementRow) -> str:
+    if row.fsdp is not None:
+        return f"fsdp:{row.fsdp}"
+    if row.ddp:
+        return "ddp"
+    if row.tp_style:
+        return f"tp:{row.tp_style}"
+    return "-"
+
+
+def render_placement_table(rows: list[PlacementRow]) -> str:
+    """The compact table for report.txt; report.json carries the full rows."""
+    header = ("name", "kind", "class", "mesh", "placements", "global", "local", "bytes/rank", "managed by")
+    body = []
+    for r in rows:
+        placements = ",".join(short_placement(p) for p in r.placements) if r.placements else "-"
+        body.append((r.name, "param" if r.role == "parameter" else "buffer", r.cls, mesh_label(r), placements,
+                     "x".join(map(str, r.global_shape)) or "()", "x".join(map(str, r.local_shape)) or "()",
+                     human_bytes(r.bytes_per_rank), manager(r)))
+    widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(header)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths)).rstrip()]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(b, widths)).rstrip() for b in body]
+    params = [r for r in rows if r.role == "parameter"]
+    fsdp = sorted({r.fsdp for r in params if r.fsdp is not None})
+    lines.append(f"{len(params)} parameters, {human_bytes(sum(r.bytes_per_rank for r in params))} per rank; "
+                 f"{sum(r.fsdp is not None for r in params)} managed by FSDP2"
+                 + (f" (fully_shard on: {', '.join(fsdp)})" if fsdp else "")
+                 + f"; {sum(r.cls == 'DTensor' for r in params)} DTensor, "
+                 f"{sum(r.cls != 'DTensor' for r in params)} plain")
+    return "\n".join(lines) + "\n"
+
+
+def _where(row: PlacementRow) -> str:
+    return f" (defined at {_basename(row.file)}:{row.line})" if row.file and row.line else ""
+
+
+def _basename(path: str) -> str:
+    return path.replace("\\", "/").rsplit("/", 1)[-1]
+
+
+def _size(row: PlacementRow) -> str:
+    return f"{list(row.global_shape)} {row.dtype.replace('torch.', '')}, {human_bytes(_global_bytes(row))}"
+
+
+def _global_bytes(row: PlacementRow) -> int:
+    local = 1
+    for s in row.local_shape:
+        local *= s
+    glob = 1
+    for s in row.global_shape:
+        glob *= s
+    return row.bytes_per_rank * glob // local if local else row.bytes_per_rank
+
+
+def _nearest(fqn: str, containers: list[str]) -> str | None:
+    """The deepest fully_shard module fqn that contains module ``fqn`` ("<root>" contains everything)."""
+    best = None
+    for c in containers:
+        if c == "<root>" or fqn == c or fqn.startswith(c + "."):
+            if best is None or best == "<root>" or (c != "<root>" and len(c) > len(best)):
+                best = c
+    return best
+
+
+def _finding(row: PlacementRow, ranks: list[int], reason: str, message: str, **extra: Any) -> Finding:
+    detail: dict[str, Any] = {"param": row.name, "reason": reason, "shape": row.global_shape,
+                              "dtype": row.dtype, "bytes": _global_bytes(row), "class": row.cls,
+                              "placements": row.placements, "mesh": mesh_label(row), "module": row.module,
+                              "module_type": row.module_type}
+    if row.file and row.line:
+        detail["file"] = row.file
+        detail["line"] = row.line
+    detail.update(extra)
+    return Finding("uncovered_param", ranks, message, detail)
+
+
+def _consequence(row: PlacementRow, scope: str) -> str:
+    if not row.requires_grad:
+        return "every rank holds all of it (it is frozen, so it cannot drift, but it is not sharded)"
+    if row.cls == "DTensor":
+        return (f"its gradient is reduced only over its own mesh {mesh_label(row)}, never across {scope}: "
+                f"it will drift apart")
+    return f"its gradient is never reduced across {scope}: it will drift apart on every rank"
+
+
+def coverage_findings(rows: list[PlacementRow], fsdp_modules: list[str], ranks: list[int]) -> list[Finding]:
+    """Parameters left out of FSDP2/TP sharding or placed unexpectedly; one finding per parameter at most."""
+    params = [r for r in rows if r.role == "parameter"]
+    out: dict[str, Finding] = {}
+    # A TP style whose module kept its weight replicated (on every mesh dim FSDP does not shard).
+    by_module: dict[str, list[PlacementRow]] = {}
+    for r in params:
+        if r.tp_style and r.tp_style not in REPLICATING_STYLES:
+            by_module.setdefault(r.module, []).append(r)
+    for module, mrows in by_module.items():
+        def replicated(r: PlacementRow) -> bool:
+            if r.placements is None:
+                return True
+            tp_dims = r.placements[1:] if r.fsdp is not None and len(r.placements) > 1 else r.placements
+            return not any(is_shard(p) for p in tp_dims)
+
+        style = mrows[0].tp_style
+        if style in WEIGHT_SHARDING_STYLES:
+            targets = [r for r in mrows if r.name.rsplit(".", 1)[-1] == "weight" and replicated(r)]
+        else:
+            targets = mrows if all(replicated(r) for r in mrows) else []
+        for r in targets:
+            out[r.name] = _finding(
+                r, ranks, "tp_replicated",
+                f"{r.name} {_size(r)}: module '{module}' has {style} but this parameter stayed replicated "
+                f"({','.join(r.placements or ['plain tensor'])}){_where(r)}: every tensor-parallel rank holds and "
+                f"computes all of it, so the module is not parallelized at all",
+                style=style)
+    dtensor = [r for r in params if r.cls == "DTensor"]
+    if fsdp_modules:
+        for r in params:
+            if r.name in out or r.fsdp is not None or r.ddp:
+                continue
+            anc = _nearest(r.module, fsdp_modules)
+            if anc is not None:
+                why = (f"it sits under fully_shard module '{anc}' but FSDP2 does not manage it: it was added "
+                       f"after fully_shard (or passed as ignored_params)")
+                reason = "added_after_fully_shard"
+            else:
+                path = f"'{r.module}' nor the root module has" if r.module else "the root module has"
+                why = (f"neither {path} fully_shard; wrap the root module with fully_shard(model) after its "
+                       f"blocks") if r.module else (f"{path} no fully_shard; wrap it with fully_shard(model) "
+                                                     f"after its blocks")
+                reason = "not_wrapped"
+            out[r.name] = _finding(
+                r, ranks, reason,
+                f"{r.name} {_size(r)} is not managed by FSDP2 while the rest of the model is{_where(r)}: {why}; "
+                f"{_consequence(r, 'the data-parallel ranks')}",
+                fsdp_ancestor=anc)
+    elif dtensor:
+        for r in params:
+            if r.name in out or r.cls == "DTensor" or r.ddp:
+                continue
+            scope = "the tensor-parallel ranks (it drifts once their activations differ, e.g. under sequence " \
+                    "parallelism)"
+            out[r.name] = _finding(
+                r, ranks, "plain_in_dtensor_model",
+                f"{r.name} {_size(r)} is a plain tensor while the rest of the model is DTensor{_where(r)}: "
+                f"{_consequence(r, scope)}; foreach optimizers and clip_grad_norm_ also reject lists mixing "
+                f"Tensor and DTensor")
+    # DTensors on another mesh than the model's (the mesh most parameters live on).
+    if dtensor:
+        counts: dict[tuple, int] = {}
+        for r in dtensor:
+            counts[r.mesh_key] = counts.get(r.mesh_key, 0) + 1
+        main_key = max(counts.items(), key=lambda kv: kv[1])[0]
+        main = next(r for r in dtensor if r.mesh_key == main_key)
+        if counts[main_key] * 2 > len(dtensor):
+            for r in dtensor:
+                if r.name in out or r.mesh_key == main_key:
+                    continue
+                out[r.name] = _finding(
+                    r, ranks, "other_mesh",
+                    f"{r.name} {_size(r)} lives on mesh {mesh_label(r)} ranks {r.mesh_ranks} while "
+                    f"{counts[main_key]} of the model's {len(dtensor)} DTensor parameters live on "
+                    f"{mesh_label(main)} ranks {main.mesh_ranks}{_where(r)}: its gradient is reduced over other "
+                    f"ranks than its siblings', and clip_grad_norm_/foreach optimizers reject mixed meshes",
+                    expected_mesh=mesh_label(main), expected_mesh_ranks=main.mesh_ranks)
+    return [out[r.name] for r in params if r.name in out]
+
+
+def merge_rank_findings(per_rank: list[list[dict[str, Any]]], ranks: list[int]) -> list[Finding]:
+    """Union the ranks of identical coverage findings computed independently on each rank."""
+    merged: dict[tuple, Finding] = {}
+    for rank, found in zip(ranks, per_rank):
+        for data in found:
+            f = Finding.from_json(data)
+            key = (f.kind, f.detail.get("param"), f.detail.get("reason"))
+            if key in merged:
+                merged[key].ranks = sorted(set(merged[key].ranks) | {rank})
+            else:
+                f.ranks = [rank]
+                merged[key] = f
+    return list(merged.values())
