@@ -42,13 +42,17 @@ def available_commands() -> dict[str, str]:
             if importlib.util.find_spec(f"distcheck.commands.{name}") is not None}
 
 
-def build_parser() -> OneLineParser:
+def build_parser(command: str | None = None) -> OneLineParser:
+    """The parser; only ``command``'s module is imported (each pulls in torch pieces, which costs seconds)."""
     from distcheck import __version__
 
     parser = OneLineParser(prog="python -m distcheck", description="Correctness harness for distributed PyTorch.")
     parser.add_argument("--version", action="version", version=f"distcheck {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineParser)
     for name, help_ in available_commands().items():
+        if name != command:
+            sub.add_parser(name, help=help_)
+            continue
         module = importlib.import_module(f"distcheck.commands.{name}")
         cmd = sub.add_parser(name, help=help_, description=(module.__doc__ or help_).strip(),
                              formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -59,7 +63,7 @@ def build_parser() -> OneLineParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
+    parser = build_parser(next((a for a in argv if not a.startswith("-")), None))
     args = parser.parse_args(argv)
     if not getattr(args, "command", None):
         parser.print_help(sys.stderr)

@@ -106,19 +106,22 @@ def check_parallel_vs_reference(ctx: Context) -> list[Finding]:
     if ctx.outcome.rows:
         ctx.sections[f"parallel ({o.parallel}) vs 1-rank reference"] = reference.render_rows(ctx.outcome.rows)
         ctx.data["reference_steps"] = [vars(r) for r in ctx.outcome.rows]
-    _placements(ctx)
     return ctx.outcome.findings
 
 
-def _placements(ctx: Context) -> None:
-    """The placement table of the parallelized model, when the placement module is available."""
-    try:
-        from distcheck import placement
-    except ImportError:
-        return
-    rows = placement.describe_model(ctx.outcome.parallel.inner)
+def check_placements(ctx: Context) -> list[Finding]:
+    """The placement table of the parallelized model, and parameters its sharding left out."""
+    from distcheck import placement
+    from distcheck.analysis.placement import coverage_findings
+
+    if ctx.outcome is None:
+        raise RuntimeError("the parallel run did not complete")
+    model = ctx.outcome.parallel.inner
+    rows = placement.describe_model(model)
     ctx.sections["placements"] = placement.render_placement_table(rows)
-    ctx.data["placements"] = [vars(r) if hasattr(r, "__dict__") else r for r in rows]
+    ctx.data["placements"] = placement.placement_json(rows)
+    fsdp = [name for name, _ in placement.fsdp_modules(model)]
+    return coverage_findings(rows, fsdp, list(range(ctx.session.world_size)))
 
 
 def check_replicated_state(ctx: Context) -> list[Finding]:
@@ -143,6 +146,7 @@ CHECKS = (
     Check("collectives", check_collectives, "1 rank: collectives are trivial"),
     Check("model_consistency", check_model_consistency, "1 rank: no replicas to compare"),
     Check("parallel_vs_reference", check_parallel_vs_reference, "1 rank: the parallel run is the reference"),
+    Check("placements", check_placements, ""),
     Check("replicated_state", check_replicated_state, "1 rank: no replicas to compare"),
 )
 

@@ -20,10 +20,14 @@ def test_builtin_passes_and_prints_verdict(tmp_path):
     assert res.returncode == 0, res.output
     assert report["ok"] is True and report["findings"] == [] and report["world_size"] == 2
     names = [c["name"] for c in report["checks"]]
-    assert names == ["environment", "collectives", "model_consistency", "parallel_vs_reference", "replicated_state"]
+    assert names == ["environment", "collectives", "model_consistency", "parallel_vs_reference", "placements",
+                     "replicated_state"]
     assert all(c["ok"] and c["seconds"] >= 0 for c in report["checks"])
     assert "distcheck PASSED" in res.stdout and res.stdout.count("distcheck PASSED") == 1  # rank 0 only
     assert report["reference_steps"] and len(report["reference_steps"]) == 3
+    managed = {row["name"]: row["fsdp"] for row in report["placements"] if row["role"] == "parameter"}
+    assert managed["blocks.0.attn.q.weight"] == "blocks.0" and managed["head.weight"] == "<root>"
+    assert "placements:" in res.stdout
 
 
 def test_rank_seeded_factory_gives_tensor_divergence(tmp_path):
@@ -121,4 +125,4 @@ def test_merge_dedupes_and_marks_failed_checks():
     assert [c.ok for c in checks][:2] == [True, False]
     assert all(isinstance(c, CheckResult) for c in checks)
     skipped = [c for c in checks if "skipped" in c.note]
-    assert len(skipped) == 3
+    assert len(skipped) == 4

@@ -220,17 +220,9 @@ def coverage_findings(rows: list[PlacementRow], fsdp_modules: list[str], ranks: 
                 f"{r.name} {_size(r)} is not managed by FSDP2 while the rest of the model is{_where(r)}: {why}; "
                 f"{_consequence(r, 'the data-parallel ranks')}",
                 fsdp_ancestor=anc)
-    elif dtensor:
-        for r in params:
-            if r.name in out or r.cls == "DTensor" or r.ddp:
-                continue
-            scope = "the tensor-parallel ranks (it drifts once their activations differ, e.g. under sequence " \
-                    "parallelism)"
-            out[r.name] = _finding(
-                r, ranks, "plain_in_dtensor_model",
-                f"{r.name} {_size(r)} is a plain tensor while the rest of the model is DTensor{_where(r)}: "
-                f"{_consequence(r, scope)}; foreach optimizers and clip_grad_norm_ also reject lists mixing "
-                f"Tensor and DTensor")
+    # Under tensor parallelism alone, plain replicated parameters outside any parallel style (norms, embedding,
+    # head in PyTorch's TP recipe) are legal: their inputs are replicated, so their gradients agree. Actual drift
+    # is caught by value (replicated_state / check_consistent), not flagged here by type.
     # DTensors on another mesh than the model's (the mesh most parameters live on).
     if dtensor:
         counts: dict[tuple, int] = {}
