@@ -1,0 +1,380 @@
+"""Parse, collapse and group per-rank stack dumps (py-spy JSON or faulthandler text). Pure: no processes.
+
+Grouping follows MegaScale's stack aggregation: ranks whose main-thread stacks are identical (after collapsing
+torch, distcheck and interpreter internals) form one group; groups smaller than the largest are the minority and
+are highlighted, because in a hang the few ranks that are somewhere else are almost always the culprit.
+
+Stacks are stored innermost frame first, as py-spy and faulthandler print them ("most recent call first").
+"""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+from distcheck.findings import format_ranks
+
+# Names of torch.distributed entry points: a rank whose stack passes through one of these (inside torch) waits in
+# that collective. Used when no trace says which collective a rank is in (`distcheck stacks` on a foreign job).
+COLLECTIVE_NAMES = frozenset({
+    "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "reduce_scatter",
+    "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "broadcast", "broadcast_object_list", "reduce",
+    "gather", "gather_object", "scatter", "scatter_object_list", "barrier", "monitored_barrier", "send", "recv",
+    "isend", "irecv", "batch_isend_irecv", "wait", "all_reduce_coalesced", "all_gather_coalesced",
+    "new_group", "init_process_group", "destroy_process_group",
+})
+# Wrapper frames that say nothing about where a rank is; the representative of a collapsed run skips them.
+GENERIC_WRAPPERS = frozenset({
+    "wrapper", "inner", "_fn", "decorate_context", "__call__", "_call_impl", "_wrapped_call_impl", "fn",
+    "wrapped", "_wrapper", "new_fn", "_exception_logger", "_time_logger",
+})
+
+_TORCH_PY = re.compile(r"(^|/)(site|dist)-packages/(torch|functorch|torchgen)/|^(torch|functorch)/")
+_DISTCHECK_PY = re.compile(r"(^|/)distcheck/((analysis|commands)/)?[A-Za-z_]\w*\.py$")
+_STDLIB_PY = re.compile(r"/lib/python3\.\d+/(?!site-packages/|dist-packages/)|^<frozen |^<string>$")
+_TORCH_NATIVE = re.compile(r"^(libtorch|libc10|libgloo|libnccl|libshm|libcudart|libcuda|_C\.)")
+# Interpreter and ctypes plumbing seen with --native: collapsed, so the frame that actually blocks stays visible.
+_PYTHON_NATIVE_LIB = re.compile(r"^(libpython|python3|libffi|_ctypes|callproc\.c|_ctypes\.c|ceval\.c|call\.c)")
+
+
+@dataclass
+class Frame:
+    name: str
+    file: str  # absolute path for Python frames; library or C file name for native frames
+    line: int
+    native: bool = False
+
+    @property
+    def basename(self) -> str:
+        return os.path.basename(self.file) if self.file else "?"
+
+    @property
+    def where(self) -> str:
+        """``train.py:88``, the form findings use."""
+        return f"{self.basename}:{self.line}" if self.line else self.basename
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "file": self.file, "line": self.line, "native": self.native}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Frame:
+        return cls(str(data.get("name", "?")), str(data.get("file", "")), int(data.get("line") or 0),
+                   bool(data.get("native", False)))
+
+
+@dataclass
+class ThreadStack:
+    thread_id: str
+    name: str | None
+    frames: list[Frame]  # innermost first
+    main: bool = False
+    active: bool | None = None
+    owns_gil: bool | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"thread_id": self.thread_id, "name": self.name, "main": self.main, "active": self.active,
+                "owns_gil": self.owns_gil, "frames": [f.to_json() for f in self.frames]}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ThreadStack:
+        return cls(str(data.get("thread_id", "")), data.get("name"),
+                   [Frame.from_json(f) for f in data.get("frames", [])], bool(data.get("main", False)),
+                   data.get("active"), data.get("owns_gil"))
+
+
+@dataclass
+class RankStack:
+    """One process's dump. ``method`` says what produced it: ``py-spy``, ``py-spy --native`` or ``faulthandler``."""
+
+    rank: int
+    pid: int
+    host: str
+    method: str
+    threads: list[ThreadStack] = field(default_factory=list)
+    rank_source: str = "RANK"  # where the rank number came from: RANK, LOCAL_RANK or argument order
+    world_size: int | None = None
+    note: str = ""  # e.g. why a fallback method was used
+
+    def main_thread(self) -> ThreadStack | None:
+        for t in self.threads:
+            if t.main:
+                return t
+        return self.threads[0] if self.threads else None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"rank": self.rank, "pid": self.pid, "host": self.host, "method": self.method,
+                "rank_source": self.rank_source, "world_size": self.world_size, "note": self.note,
+                "threads": [t.to_json() for t in self.threads]}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> RankStack:
+        ws = data.get("world_size")
+        return cls(int(data["rank"]), int(data.get("pid", 0)), str(data.get("host", "")),
+                   str(data.get("method", "")), [ThreadStack.from_json(t) for t in data.get("threads", [])],
+                   str(data.get("rank_source", "RANK")), int(ws) if ws is not None else None,
+                   str(data.get("note", "")))
+
+
+# --- parsing -------------------------------------------------------------------------------------------------
+
+
+def _is_native_file(filename: str) -> bool:
+    return not filename.endswith(".py") and not filename.startswith("<")
+
+
+def parse_pyspy_json(data: list[dict[str, Any]], pid: int) -> list[ThreadStack]:
+    """Threads from ``py-spy dump --json`` output (already json-decoded). The main thread has os tid == pid."""
+    threads: list[ThreadStack] = []
+    for entry in data:
+        frames = []
+        for f in entry.get("frames", []):
+            filename = f.get("filename") or f.get("short_filename") or ""
+            frames.append(Frame(str(f.get("name", "?")), filename, int(f.get("line") or 0),
+                                _is_native_file(filename)))
+        tid = entry.get("os_thread_id") or entry.get("thread_id")
+        is_main = tid == pid or entry.get("thread_name") == "MainThread"
+        threads.append(ThreadStack(str(tid), entry.get("thread_name"), frames, is_main,
+                                   entry.get("active"), entry.get("owns_gil")))
+    if threads and not any(t.main for t in threads):
+        _mark_main_by_module(threads)
+    return threads
+
+
+_FH_THREAD = re.compile(r"^(Current thread|Thread) (0x[0-9a-fA-F]+) \(most recent call first\):\s*$")
+_FH_FRAME = re.compile(r'^\s+File "(.*)", line (\d+) in (.+?)\s*$')
+# The dumper appends this line to a rank's faulthandler file before signalling it, so that the dump it asked
+# for can be told apart from earlier ones (faulthandler itself writes no separator between dumps).
+FAULTHANDLER_MARKER = "=== distcheck faulthandler dump"
+
+
+def parse_faulthandler(text: str) -> list[ThreadStack]:
+    """Threads of the faulthandler dump after the last marker line (or of the whole text when there is none).
+
+    faulthandler lists the newest thread first, so the main thread is the one whose outermost frame is
+    ``<module>``, else the last one listed.
+    """
+    cut = text.rfind(FAULTHANDLER_MARKER)
+    if cut >= 0:
+        text = text[cut:]
+    threads: list[ThreadStack] = []
+    current: ThreadStack | None = None
+    for raw in text.splitlines():
+        head = _FH_THREAD.match(raw)
+        if head:
+            current = ThreadStack(head.group(2), "current" if head.group(1) == "Current thread" else None, [])
+            threads.append(current)
+            continue
+        frame = _FH_FRAME.match(raw)
+        if frame and current is not None:
+            current.frames.append(Frame(frame.group(3), frame.group(1), int(frame.group(2))))
+    if threads:
+        _mark_main_by_module(threads)
+    return threads
+
+
+def _mark_main_by_module(threads: list[ThreadStack]) -> None:
+    for t in threads:
+        if t.frames and t.frames[-1].name == "<module>":
+            t.main = True
+            return
+    threads[-1].main = True
+
+
+# --- collapsing ----------------------------------------------------------------------------------------------
+
+
+def frame_owner(frame: Frame) -> str:
+    """``user``, or the internal layer that owns the frame: ``torch``, ``distcheck`` or ``python``."""
+    f = frame.file
+    if frame.native:
+        if _TORCH_NATIVE.match(frame.basename):
+            return "torch"
+        if _PYTHON_NATIVE_LIB.match(frame.basename) or frame.name.startswith(("_Py", "Py", "0x")):
+            return "python"
+        return "user"
+    if _TORCH_PY.search(f):
+        return "torch"
+    if _DISTCHECK_PY.search(f):
+        return "distcheck"
+    if _STDLIB_PY.search(f):
+        return "python"
+    return "user"
+
+
+@dataclass(frozen=True)
+class ShownFrame:
+    """A frame as displayed: a user frame, or a run of ``count`` internal frames shown by their representative."""
+
+    owner: str
+    name: str
+    file: str
+    line: int
+    native: bool = False
+    count: int = 1
+
+    @property
+    def internal(self) -> bool:
+        return self.owner != "user"
+
+    def text(self) -> str:
+        loc = f"{os.path.basename(self.file)}:{self.line}" if self.line else os.path.basename(self.file)
+        if not self.internal:
+            return f"{self.name} ({loc})" + ("  [native]" if self.native else "")
+        more = f", {self.count} frames" if self.count > 1 else ""
+        return f"[{self.owner}] {self.name} ({loc}{more})"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"owner": self.owner, "name": self.name, "file": self.file, "line": self.line,
+                "native": self.native, "count": self.count, "text": self.text()}
+
+
+def collapse(frames: list[Frame]) -> list[ShownFrame]:
+    """Replace each run of internal frames of one owner by a single representative frame.
+
+    The representative is the outermost frame of the run that is not a generic wrapper: for a collective that is
+    the torch.distributed function the user called (``all_reduce``), not the logging wrapper around it.
+    """
+    out: list[ShownFrame] = []
+    i = 0
+    while i < len(frames):
+        owner = frame_owner(frames[i])
+        if owner == "user":
+            f = frames[i]
+            out.append(ShownFrame("user", f.name, f.file, f.line, f.native))
+            i += 1
+            continue
+        j = i
+        while j < len(frames) and frame_owner(frames[j]) == owner:
+            j += 1
+        run = frames[i:j]
+        rep = next((f for f in reversed(run) if f.name not in GENERIC_WRAPPERS and not f.name.startswith("0x")),
+                   run[-1])
+        out.append(ShownFrame(owner, rep.name, rep.file, rep.line, rep.native, len(run)))
+        i = j
+    return out
+
+
+def signature(thread: ThreadStack | None) -> tuple:
+    """The grouping key: collapsed frames, with internal runs keyed by owner and representative name only.
+
+    Internal line numbers and frame counts are left out, because ranks blocked in the same collective can be in
+    slightly different spots of torch's waiting code; user frames keep their lines, which is what tells ranks apart.
+    """
+    if thread is None:
+        return ("<no stack>",)
+    key = []
+    for s in collapse(thread.frames):
+        if s.internal:
+            key.append((s.owner, s.name))
+        else:
+            key.append((s.name, s.file, s.line))
+    return tuple(key)
+
+
+def innermost_user_frame(thread: ThreadStack | None) -> Frame | None:
+    """The innermost Python frame of the user's code: where the user should look."""
+    if thread is None:
+        return None
+    for f in thread.frames:
+        if not f.native and frame_owner(f) == "user":
+            return f
+    return None
+
+
+def stack_collective(thread: ThreadStack | None) -> str | None:
+    """The torch.distributed call a stack is blocked in (outermost matching torch frame), or None."""
+    if thread is None:
+        return None
+    found = None
+    for f in thread.frames:
+        if frame_owner(f) == "torch" and "distributed" in f.file and f.name in COLLECTIVE_NAMES:
+            found = f.name  # keep going outwards: `wait` inside `barrier` should report `barrier`
+        elif frame_owner(f) == "user" and found:
+            break
+    return found
+
+
+# --- grouping ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class StackGroup:
+    ranks: list[int]
+    shown: list[ShownFrame]
+    key: tuple
+    minority: bool = False
+    methods: list[str] = field(default_factory=list)
+    owns_gil: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        return {"ranks": self.ranks, "size": len(self.ranks), "minority": self.minority, "methods": self.methods,
+                "owns_gil": self.owns_gil, "frames": [s.to_json() for s in self.shown]}
+
+
+def group_stacks(stacks: Iterable[RankStack]) -> list[StackGroup]:
+    """Group ranks with identical collapsed main-thread stacks; largest group first, minority groups flagged."""
+    by_key: dict[tuple, StackGroup] = {}
+    for rs in sorted(stacks, key=lambda s: s.rank):
+        main = rs.main_thread()
+        key = signature(main)
+        group = by_key.get(key)
+        if group is None:
+            group = by_key[key] = StackGroup([], collapse(main.frames) if main else [], key)
+        group.ranks.append(rs.rank)
+        if rs.method not in group.methods:
+            group.methods.append(rs.method)
+        # A thread that holds the GIL while not running Python is the "native code holding the GIL" case.
+        if main is not None and main.owns_gil:
+            group.owns_gil = True
+    groups = sorted(by_key.values(), key=lambda g: (-len(g.ranks), g.ranks[0]))
+    if len(groups) > 1:
+        largest = len(groups[0].ranks)
+        for g in groups:
+            g.minority = len(g.ranks) < largest
+    return groups
+
+
+def render_groups(groups: list[StackGroup], stacks: list[RankStack], errors: list[str] | None = None,
+                  title: str = "") -> str:
+    """The text form (stacks.txt): groups with rank lists, minority groups marked, then per-rank methods."""
+    n = sum(len(g.ranks) for g in groups)
+    lines = []
+    if title:
+        lines.append(title)
+    lines.append(f"{n} rank{'s' if n != 1 else ''} in {len(groups)} stack group{'s' if len(groups) != 1 else ''}"
+                 " (most recent call first; torch/distcheck/python internals collapsed)")
+    for g in groups:
+        mark = "  <-- MINORITY: somewhere other than the rest" if g.minority else ""
+        gil = "  [holds the GIL]" if g.owns_gil else ""
+        lines.append("")
+        lines.append(f"{'!!' if g.minority else '=='} {format_ranks(g.ranks)} ({len(g.ranks)}){gil}{mark}")
+        for s in g.shown:
+            lines.append(f"     {s.text()}")
+    if stacks:
+        lines.append("")
+        lines.append("per rank:")
+        for rs in sorted(stacks, key=lambda s: s.rank):
+            src = "" if rs.rank_source == "RANK" else f" (rank from {rs.rank_source})"
+            note = f"  {rs.note}" if rs.note else ""
+            lines.append(f"  rank {rs.rank}{src}: pid {rs.pid} on {rs.host or '?'} via {rs.method}{note}")
+    if errors:
+        lines.append("")
+        lines.append("not dumped:")
+        lines.extend(f"  {e}" for e in errors)
+    return "\n".join(lines) + "\n"
+
+
+def render_all_threads(stacks: list[RankStack]) -> str:
+    """Every thread of every rank, uncollapsed, for the end of stacks.txt."""
+    lines = []
+    for rs in sorted(stacks, key=lambda s: s.rank):
+        lines.append(f"--- rank {rs.rank} (pid {rs.pid}, {rs.host}, {rs.method}) ---")
+        for t in rs.threads:
+            flags = [x for x, on in (("main", t.main), ("active", t.active), ("holds GIL", t.owns_gil)) if on]
+            lines.append(f"Thread {t.thread_id} {t.name or ''} {'(' + ', '.join(flags) + ')' if flags else ''}".rstrip())
+            for f in t.frames:
+                loc = f"{f.file}:{f.line}" if f.line else f.file
+                lines.append(f"    {f.name} ({loc})")
+        lines.append("")
+    return "\n".join(lines)

@@ -1,0 +1,530 @@
+"""Dump the Python stacks of running rank processes: py-spy in parallel, with a faulthandler fallback.
+
+    python -m distcheck stacks PID [PID ...] [--native] [--json] [--report-dir DIR]
+
+Nothing here runs inside the process being dumped, so a rank stuck in native code that holds the GIL is dumped
+like any other: py-spy reads the interpreter's memory from outside (ptrace), and the faulthandler fallback is a
+C-level signal handler that needs no GIL.
+
+ptrace permission. Under Yama ``ptrace_scope=1`` (the default on Ubuntu and many clusters) a process may only be
+ptraced by its ancestors or by a process it named with ``prctl(PR_SET_PTRACER)`` (and that process's
+descendants). py-spy is a child of the supervisor or watcher, never an ancestor of the ranks, so ranks started by
+distcheck call :func:`install_rank_hooks`, which names their parent (torchrun's agent, or the ``distcheck run``
+supervisor) as ptracer: py-spy, started by that parent or by a watcher that a rank spawned, is its descendant and
+is allowed. The same function registers a faulthandler dump on a signal, used when py-spy is missing or denied.
+"""
+from __future__ import annotations
+
+import ctypes
+import faulthandler
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+from distcheck.analysis.stack_groups import (
+    FAULTHANDLER_MARKER, RankStack, StackGroup, group_stacks, parse_faulthandler, parse_pyspy_json, render_all_threads,
+    render_groups,
+)
+
+log = logging.getLogger("distcheck")
+
+PYSPY_ENV = "DISTCHECK_PYSPY"  # path of the py-spy binary, when it is not next to python or on PATH
+STACK_SIGNAL_ENV = "DISTCHECK_STACK_SIGNAL"  # signal name for the faulthandler fallback (default SIGUSR2)
+PR_SET_PTRACER = 0x59616D61
+PR_SET_PTRACER_ANY = -1 & 0xFFFFFFFFFFFFFFFF
+DEFAULT_DUMP_TIMEOUT = 8.0
+PERMISSION_FIX = ("run distcheck as the same user as the job or as root; in a container add --cap-add SYS_PTRACE; "
+                  "or allow ptrace with 'sysctl kernel.yama.ptrace_scope=0'")
+
+
+@dataclass
+class Target:
+    """A process to dump, with its rank as read from its environment."""
+
+    pid: int
+    rank: int
+    rank_source: str = "RANK"
+    world_size: int | None = None
+    report_dir: str | None = None  # DISTCHECK_REPORT_DIR of the process: where its faulthandler hook lives
+    name: str = ""
+
+
+@dataclass
+class DumpError:
+    pid: int
+    kind: str  # no_such_process | not_python | no_pyspy | permission | exited | timeout | failed
+    message: str
+    rank: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"pid": self.pid, "rank": self.rank, "kind": self.kind, "message": self.message}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> DumpError:
+        return cls(int(d.get("pid", 0)), str(d.get("kind", "failed")), str(d.get("message", "")), d.get("rank"))
+
+
+@dataclass
+class DumpResult:
+    stacks: list[RankStack] = field(default_factory=list)
+    errors: list[DumpError] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+# --- /proc ----------------------------------------------------------------------------------------------------
+
+
+def _read_environ(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes()
+    env = {}
+    for item in raw.split(b"\0"):
+        key, sep, value = item.partition(b"=")
+        if sep:
+            env[key.decode(errors="replace")] = value.decode(errors="replace")
+    return env
+
+
+def _proc_name(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return "?"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")  # a zombie has exited; only its exit status remains
+
+
+def _is_python(pid: int) -> bool | None:
+    """True/False from the process's memory map (interpreter binary or libpython); None when unreadable."""
+    try:
+        maps = Path(f"/proc/{pid}/maps").read_text()
+    except PermissionError:
+        return None
+    except OSError:
+        return False
+    return any("python" in os.path.basename(line.split()[-1]) for line in maps.splitlines()
+               if line.count(" ") >= 5 and "/" in line)
+
+
+def _children_map() -> dict[int, list[int]]:
+    children: dict[int, list[int]] = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry.name}/stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(entry.name))
+    return children
+
+
+def rank_descendants(pid: int, children: dict[int, list[int]] | None = None) -> list[int]:
+    """The topmost descendants of ``pid`` that have RANK in their environment: torchrun's workers.
+
+    The search stops at a rank: its own children (DataLoader workers) inherit RANK but are not ranks.
+    """
+    children = _children_map() if children is None else children
+    found: list[int] = []
+    stack = list(children.get(pid, []))
+    while stack:
+        child = stack.pop()
+        try:
+            env = _read_environ(child)
+        except OSError:
+            env = {}
+        if "RANK" in env and _alive(child):
+            found.append(child)
+        else:
+            stack.extend(children.get(child, []))
+    return sorted(found)
+
+
+def _int(value: str | None) -> int | None:
+    try:
+        return int(value) if value is not None else None
+    except ValueError:
+        return None
+
+
+def resolve_targets(pids: Sequence[int]) -> tuple[list[Target], list[DumpError]]:
+    """Turn user-given pids (rank processes or torchrun agents) into rank targets, plus one error per bad pid."""
+    targets: list[Target] = []
+    errors: list[DumpError] = []
+    seen: set[int] = set()
+    children = None
+    for pid in pids:
+        if not Path(f"/proc/{pid}").exists() or not _alive(pid):
+            errors.append(DumpError(pid, "no_such_process", f"pid {pid}: no such process (it is not running)"))
+            continue
+        try:
+            env = _read_environ(pid)
+        except PermissionError:
+            errors.append(DumpError(pid, "permission", f"pid {pid} ({_proc_name(pid)}): permission denied reading "
+                                                       f"its environment: {PERMISSION_FIX}"))
+            continue
+        except OSError:
+            errors.append(DumpError(pid, "no_such_process", f"pid {pid}: no such process (it exited)"))
+            continue
+        if "RANK" in env:
+            pids_here = [pid]
+        else:
+            children = _children_map() if children is None else children
+            pids_here = rank_descendants(pid, children) or [pid]
+        for p in pids_here:
+            if p in seen:
+                continue
+            seen.add(p)
+            penv = env if p == pid else _safe_environ(p)
+            python = _is_python(p)
+            if python is False:
+                errors.append(DumpError(p, "not_python", f"pid {p} ({_proc_name(p)}) is not a Python process: "
+                                                         "pass the pid of a rank or of its torchrun agent"))
+                continue
+            rank, source = _int(penv.get("RANK")), "RANK"
+            if rank is None:
+                rank, source = _int(penv.get("LOCAL_RANK")), "LOCAL_RANK"
+            targets.append(Target(p, rank if rank is not None else -1, source if rank is not None else "argument order",
+                                  _int(penv.get("WORLD_SIZE")), penv.get("DISTCHECK_REPORT_DIR"), _proc_name(p)))
+    # Processes without a rank get numbers after the known ranks, in the order given, so grouping still works.
+    used = {t.rank for t in targets if t.rank >= 0}
+    next_rank = max(used, default=-1) + 1
+    for t in targets:
+        if t.rank < 0 or (t.rank_source == "LOCAL_RANK" and sum(u.rank == t.rank for u in targets) > 1):
+            while next_rank in used:
+                next_rank += 1
+            t.rank, t.rank_source = next_rank, "argument order"
+            used.add(next_rank)
+    return sorted(targets, key=lambda t: t.rank), errors
+
+
+def _safe_environ(pid: int) -> dict[str, str]:
+    try:
+        return _read_environ(pid)
+    except OSError:
+        return {}
+
+
+# --- py-spy -----------------------------------------------------------------------------------------------------
+
+
+def find_pyspy() -> str | None:
+    """py-spy from $DISTCHECK_PYSPY, next to this Python (a venv's bin is often not on PATH), or PATH."""
+    override = os.environ.get(PYSPY_ENV)
+    if override:
+        return override if os.access(override, os.X_OK) else None
+    beside = Path(sys.executable).parent / "py-spy"
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside)
+    return shutil.which("py-spy")
+
+
+def _yama_scope() -> str | None:
+    try:
+        return Path("/proc/sys/kernel/yama/ptrace_scope").read_text().strip()
+    except OSError:
+        return None
+
+
+def permission_message(pid: int) -> str:
+    scope = _yama_scope()
+    where = f" (kernel.yama.ptrace_scope is {scope} here)" if scope not in (None, "0") else ""
+    return f"pid {pid} ({_proc_name(pid)}): permission denied to read its stack{where}: {PERMISSION_FIX}"
+
+
+def classify_pyspy_failure(pid: int, stderr: str) -> DumpError:
+    """A py-spy failure as one actionable line; py-spy's own message is a Rust backtrace."""
+    text = stderr.lower()
+    if not _alive(pid):
+        return DumpError(pid, "exited", f"pid {pid} exited during the dump")
+    if "permission denied" in text or "operation not permitted" in text or "os error 1)" in text:
+        return DumpError(pid, "permission", permission_message(pid))
+    if "failed to find python version" in text or "failed to find a python interpreter" in text:
+        return DumpError(pid, "not_python", f"pid {pid} ({_proc_name(pid)}) is not a Python process "
+                                            "(py-spy found no interpreter in it)")
+    first = next((ln.strip() for ln in stderr.splitlines() if ln.strip()), "no output")
+    return DumpError(pid, "failed", f"pid {pid}: py-spy failed: {first[:200]}")
+
+
+def pyspy_dump(target: Target, pyspy: str, native: bool = False, timeout: float = DEFAULT_DUMP_TIMEOUT,
+               host: str | None = None) -> RankStack | DumpError:
+    cmd = [pyspy, "dump", "--pid", str(target.pid), "--json"] + (["--native"] if native else [])
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return DumpError(target.pid, "timeout", f"pid {target.pid}: py-spy did not finish within {timeout:g}s",
+                         target.rank)
+    except OSError as exc:
+        return DumpError(target.pid, "no_pyspy", f"py-spy could not be started ({exc.strerror}): "
+                                                 "pip install py-spy, or set DISTCHECK_PYSPY to its path", target.rank)
+    if proc.returncode != 0:
+        err = classify_pyspy_failure(target.pid, proc.stderr)
+        err.rank = target.rank
+        return err
+    try:
+        data = json.loads(proc.stdout)
+    except ValueError:
+        return DumpError(target.pid, "failed", f"pid {target.pid}: py-spy printed no JSON", target.rank)
+    return RankStack(target.rank, target.pid, host or socket.gethostname(),
+                     "py-spy --native" if native else "py-spy", parse_pyspy_json(data, target.pid),
+                     target.rank_source, target.world_size)
+
+
+# --- faulthandler fallback and in-rank hooks -------------------------------------------------------------------
+
+
+def stack_signal() -> signal.Signals:
+    name = os.environ.get(STACK_SIGNAL_ENV, "SIGUSR2").upper()
+    try:
+        return signal.Signals[name if name.startswith("SIG") else "SIG" + name]
+    except KeyError:
+        return signal.SIGUSR2
+
+
+def hook_path(report_dir: str | os.PathLike, pid: int) -> Path:
+    return Path(report_dir) / f"stackhook-pid{pid}.json"
+
+
+def allow_ptrace_from(pid: int | None) -> tuple[bool, str]:
+    """prctl(PR_SET_PTRACER, pid): let ``pid`` and its descendants ptrace this process under Yama scope 1.
+
+    Returns (done, reason). Without Yama the call fails with EINVAL, which is fine: nothing restricts ptrace
+    beyond the usual same-user rule then.
+    """
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        value = ctypes.c_ulong(PR_SET_PTRACER_ANY if pid is None else pid)
+        rc = libc.prctl(ctypes.c_int(PR_SET_PTRACER), value, ctypes.c_ulong(0), ctypes.c_ulong(0),
+                        ctypes.c_ulong(0))
+    except (OSError, AttributeError) as exc:
+        return False, f"prctl unavailable: {exc}"
+    if rc == 0:
+        return True, f"PR_SET_PTRACER {pid if pid is not None else 'ANY'}"
+    err = ctypes.get_errno()
+    if err == 22 and _yama_scope() is None:
+        return False, "no Yama LSM on this kernel: ptrace is not restricted beyond same-user"
+    return False, f"prctl(PR_SET_PTRACER) failed: {os.strerror(err)}"
+
+
+@dataclass
+class HookInfo:
+    pid: int
+    rank: int
+    signal: int
+    file: str
+    ptracer: str
+    host: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"pid": self.pid, "rank": self.rank, "signal": self.signal, "file": self.file, "ptracer": self.ptracer,
+                "host": self.host}
+
+
+_hook_file: Any = None
+
+
+def install_rank_hooks(report_dir: str | os.PathLike, rank: int | None = None,
+                       ptracer_pid: int | None | str = "parent") -> HookInfo:
+    """Call once in each rank process started by distcheck (run/compare/consistency/pytest).
+
+    1. Names the parent process (the launcher) as ptracer, so py-spy started by it or by a watcher below it can
+       attach under Yama ptrace_scope=1 (``ptracer_pid=None`` allows any process of the same user).
+    2. Registers a faulthandler dump of all threads on SIGUSR2 (``DISTCHECK_STACK_SIGNAL``) into
+       ``<report_dir>/faulthandler-rank<R>.txt``: the fallback when py-spy is missing or denied. It is a C signal
+       handler, so it works while another thread or native code holds the GIL.
+    3. Writes ``stackhook-pid<PID>.json`` so the dumper knows this process accepts the signal (signalling a
+       process without the handler would kill it).
+    """
+    global _hook_file
+    rank = int(os.environ.get("RANK", "0")) if rank is None else rank
+    pid = os.getpid()
+    target = os.getppid() if ptracer_pid == "parent" else ptracer_pid
+    _, reason = allow_ptrace_from(target)  # type: ignore[arg-type]
+    path = Path(report_dir) / f"faulthandler-rank{rank}.txt"
+    if _hook_file is not None:
+        _hook_file.close()
+    _hook_file = open(path, "a", encoding="utf-8")
+    sig = stack_signal()
+    faulthandler.register(sig, file=_hook_file, all_threads=True, chain=False)
+    info = HookInfo(pid, rank, int(sig), str(path), reason, socket.gethostname())
+    hook_path(report_dir, pid).write_text(json.dumps(info.to_json()))
+    return info
+
+
+def find_hook(pid: int, report_dirs: Iterable[str | os.PathLike | None]) -> HookInfo | None:
+    for d in report_dirs:
+        if not d:
+            continue
+        try:
+            data = json.loads(hook_path(d, pid).read_text())
+        except (OSError, ValueError):
+            continue
+        if int(data.get("pid", -1)) == pid:
+            return HookInfo(pid, int(data["rank"]), int(data["signal"]), str(data["file"]),
+                            str(data.get("ptracer", "")), str(data.get("host", "")))
+    return None
+
+
+def faulthandler_dump(target: Target, hook: HookInfo, timeout: float = 3.0,
+                      host: str | None = None) -> RankStack | DumpError:
+    """Signal the process and read the dump its faulthandler hook writes after our marker line."""
+    path = Path(hook.file)
+    marker = f"{FAULTHANDLER_MARKER} pid {target.pid} t={time.time():.6f} ===\n"
+    try:
+        with open(path, "a", encoding="utf-8") as fh:
+            fh.write(marker)
+        os.kill(target.pid, hook.signal)
+    except ProcessLookupError:
+        return DumpError(target.pid, "exited", f"pid {target.pid} exited during the dump", target.rank)
+    except PermissionError:
+        return DumpError(target.pid, "permission", f"pid {target.pid}: not allowed to signal it for a faulthandler "
+                                                   f"dump: {PERMISSION_FIX}", target.rank)
+    except OSError as exc:
+        return DumpError(target.pid, "failed", f"pid {target.pid}: faulthandler fallback failed: {exc}", target.rank)
+    deadline = time.monotonic() + timeout
+    last_size, stable_since = -1, time.monotonic()
+    while time.monotonic() < deadline:
+        text = path.read_text(encoding="utf-8", errors="replace")
+        tail = text[text.rfind(marker):] if marker in text else ""
+        size = len(tail)
+        if size > len(marker) and size == last_size and time.monotonic() - stable_since > 0.1:
+            threads = parse_faulthandler(tail)
+            if threads:
+                return RankStack(target.rank, target.pid, host or socket.gethostname(), "faulthandler", threads,
+                                 target.rank_source, target.world_size)
+        if size != last_size:
+            last_size, stable_since = size, time.monotonic()
+        if not _alive(target.pid):
+            return DumpError(target.pid, "exited", f"pid {target.pid} exited during the dump", target.rank)
+        time.sleep(0.02)
+    return DumpError(target.pid, "timeout", f"pid {target.pid}: no faulthandler dump within {timeout:g}s",
+                     target.rank)
+
+
+# --- all ranks at once ------------------------------------------------------------------------------------------
+
+
+def dump_one(target: Target, native: bool = False, timeout: float = DEFAULT_DUMP_TIMEOUT,
+             report_dirs: Sequence[str | os.PathLike | None] = (), pyspy: str | None = None) -> RankStack | DumpError:
+    """py-spy first; faulthandler when py-spy is missing or denied and the process installed the hook."""
+    first: DumpError | None = None
+    if pyspy:
+        out = pyspy_dump(target, pyspy, native, timeout)
+        if isinstance(out, RankStack):
+            return out
+        first = out
+        if out.kind not in ("permission", "no_pyspy", "timeout", "failed"):
+            return out
+    else:
+        first = DumpError(target.pid, "no_pyspy", "py-spy is not installed: pip install py-spy "
+                                                  "(or set DISTCHECK_PYSPY to its path)", target.rank)
+    hook = find_hook(target.pid, [*report_dirs, target.report_dir])
+    if hook is None:
+        return first
+    out = faulthandler_dump(target, hook, timeout=min(timeout, 5.0))
+    if isinstance(out, RankStack):
+        out.note = f"fallback: {first.message}"
+        return out
+    return DumpError(target.pid, first.kind, f"{first.message}; faulthandler fallback: {out.message}", target.rank)
+
+
+def dump_all(targets: Sequence[Target], native: bool = False, timeout: float = DEFAULT_DUMP_TIMEOUT,
+             report_dirs: Sequence[str | os.PathLike | None] = ()) -> DumpResult:
+    """Dump every target in parallel (one py-spy per process); each dump is bounded by ``timeout``."""
+    t0 = time.monotonic()
+    result = DumpResult()
+    if not targets:
+        return result
+    pyspy = find_pyspy()
+    with ThreadPoolExecutor(max_workers=min(64, len(targets)), thread_name_prefix="distcheck-dump") as pool:
+        outs = list(pool.map(lambda t: dump_one(t, native, timeout, report_dirs, pyspy), targets))
+    for out in outs:
+        (result.stacks if isinstance(out, RankStack) else result.errors).append(out)
+    result.seconds = time.monotonic() - t0
+    return result
+
+
+# --- artifacts --------------------------------------------------------------------------------------------------
+
+STACKS_FORMAT = "distcheck-stacks/1"
+
+
+def stacks_document(stacks: Sequence[RankStack], errors: Sequence[DumpError], native: bool,
+                    progress: dict[int, Any] | None = None, hosts: Sequence[str] | None = None,
+                    groups: Sequence[StackGroup] | None = None, summary: str = "") -> dict[str, Any]:
+    """The JSON form (stacks.json): one document per node; ``distcheck report`` merges several."""
+    groups = list(groups) if groups is not None else group_stacks(stacks)
+    ws = [s.world_size for s in stacks if s.world_size]
+    return {
+        "tool": "distcheck",
+        "format": STACKS_FORMAT,
+        "hosts": sorted(set(hosts or [s.host for s in stacks] or [socket.gethostname()])),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "native": native,
+        "world_size": max(ws) if ws else None,
+        "ranks": [s.to_json() for s in sorted(stacks, key=lambda s: s.rank)],
+        "errors": [e.to_json() for e in errors],
+        "groups": [g.to_json() for g in groups],
+        "last_collectives": {str(r): p.to_json() for r, p in sorted((progress or {}).items())},
+        "summary": summary,
+    }
+
+
+def render_stacks_text(stacks: Sequence[RankStack], errors: Sequence[DumpError], title: str = "",
+                       progress: dict[int, Any] | None = None, groups: Sequence[StackGroup] | None = None,
+                       summary: str = "") -> str:
+    groups = list(groups) if groups is not None else group_stacks(stacks)
+    if summary:
+        title = f"{title}\ndiagnosis: {summary}" if title else f"diagnosis: {summary}"
+    text = render_groups(groups, list(stacks), [e.message for e in errors], title)
+    if progress:
+        lines = ["", "last collectives (from the trace):"]
+        for r, p in sorted(progress.items()):
+            s, c = p.last_started, p.last_completed
+            started = f"{s.op} #{s.seq} ({s.site}){'' if s.completed else ' PENDING'}" if s else "none"
+            completed = f"{c.op} #{c.seq} ({c.site})" if c else "none"
+            lines.append(f"  rank {r}: last started {started}; last completed {completed}")
+        text += "\n".join(lines) + "\n"
+    return text + "\nall threads, uncollapsed:\n" + render_all_threads(list(stacks))
+
+
+def write_stack_artifacts(report_dir: str | os.PathLike, stacks: Sequence[RankStack], errors: Sequence[DumpError],
+                          native: bool = False, progress: dict[int, Any] | None = None,
+                          title: str = "", stem: str = "stacks", groups: Sequence[StackGroup] | None = None,
+                          summary: str = "") -> dict[str, str]:
+    """Write ``<stem>.txt`` and ``<stem>.json``; returns report.json artifact entries (relative paths).
+
+    ``groups``/``summary`` come from the hang diagnosis, so the highlighted groups are the ranks it singled out.
+    """
+    from distcheck.report import atomic_write
+
+    report_dir = Path(report_dir)
+    atomic_write(report_dir / f"{stem}.txt", render_stacks_text(stacks, errors, title, progress, groups, summary))
+    atomic_write(report_dir / f"{stem}.json",
+                 json.dumps(stacks_document(stacks, errors, native, progress, None, groups, summary), indent=1)
+                 + "\n")
+    return {f"{stem}.txt": f"{stem}.txt", f"{stem}.json": f"{stem}.json"}
+
+
+def load_stacks_document(path: str | os.PathLike) -> tuple[list[RankStack], list[DumpError], dict[str, Any]]:
+    data = json.loads(Path(path).read_text())
+    if data.get("format") != STACKS_FORMAT:
+        raise ValueError(f"{path} is not a distcheck stacks dump (format {data.get('format')!r})")
+    return ([RankStack.from_json(r) for r in data.get("ranks", [])],
+            [DumpError.from_json(e) for e in data.get("errors", [])], data)

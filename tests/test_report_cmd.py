@@ -1,0 +1,133 @@
+"""``distcheck report DIR [DIR ...] [--format text|json|github]``: printing, annotations, merging per-node stacks."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from launch_helpers import Result
+
+from distcheck.analysis.stack_groups import Frame, RankStack, ThreadStack
+from distcheck.findings import CheckResult, Finding
+from distcheck.report import Report, write_report
+from distcheck.stacks import DumpError, write_stack_artifacts
+
+TORCH = "/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py"
+
+
+@pytest.fixture
+def cli(capsys):
+    from distcheck import cli as cli_mod
+
+    def run(argv: list[str]) -> Result:
+        capsys.readouterr()
+        code = cli_mod.main(argv)
+        out, err = capsys.readouterr()
+        return Result(code, out, err)
+    return run
+
+
+def make_dir(path: Path, findings: list[Finding], ok_check: bool = True, command: str = "distcheck run") -> Path:
+    path.mkdir(parents=True)
+    write_report(Report(command=command, world_size=2, findings=findings,
+                        checks=[CheckResult("collectives", ok_check, 0.5)]), path)
+    return path
+
+
+def test_text_and_json_of_one_dir(tmp_path, cli):
+    d = make_dir(tmp_path / "r", [Finding("collective_mismatch", [1], "rank 1 issued all_gather (a.py:3)",
+                                          {"file": str(tmp_path / "a.py"), "line": 3})])
+    res = cli(["report", str(d)])
+    assert res.returncode == 1
+    assert res.stdout.startswith("distcheck FAILED (1 finding)")
+    assert "[collective_mismatch] rank 1: rank 1 issued all_gather (a.py:3)" in res.stdout
+    res = cli(["report", str(d), "--format", "json"])
+    data = json.loads(res.stdout)
+    assert res.returncode == 1 and data["findings"][0]["detail"]["line"] == 3 and data["ok"] is False
+    ok = make_dir(tmp_path / "ok", [])
+    assert cli(["report", str(ok)]).returncode == 0
+
+
+def test_github_annotations(tmp_path, cli, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("GITHUB_WORKSPACE", raising=False)
+    d = make_dir(tmp_path / "r", [
+        Finding("hang", [1], "rank 1 is in load_shard (train.py:41) while rank 0 waits in all_reduce #2",
+                {"file": str(tmp_path / "src" / "train.py"), "line": 41}),
+        Finding("env_mismatch", [0, 1], "torch differs: 100% sure\nsecond line", {}),
+        Finding("bad_values", [0], "NaN in w", {"file": "/elsewhere/a,b:c.py", "line": 7}),
+    ])
+    res = cli(["report", str(d), "--format", "github"])
+    assert res.returncode == 1
+    assert res.stdout.splitlines() == [
+        "::error file=src/train.py,line=41::[hang] rank 1 is in load_shard (train.py:41) while rank 0 waits in "
+        "all_reduce #2",
+        "::error::[env_mismatch] torch differs: 100%25 sure%0Asecond line",
+        "::error file=/elsewhere/a%2Cb%3Ac.py,line=7::[bad_values] NaN in w",
+    ]
+    failed_check = make_dir(tmp_path / "c", [], ok_check=False)
+    assert cli(["report", str(failed_check), "--format", "github"]).stdout == "::error::check collectives failed\n"
+
+
+def node_dir(root: Path, name: str, host: str, where: dict[int, tuple[str, int]]) -> Path:
+    """A per-node `distcheck stacks --report-dir` output: ranks in all_reduce at train.py:88 unless told otherwise."""
+    d = root / name
+    d.mkdir()
+    stacks = []
+    for rank, (func, line) in where.items():
+        frames = [Frame(func, "/p/train.py", line), Frame("main", "/p/train.py", 120), Frame("<module>", "/p/train.py", 130)]
+        if func == "train_step":
+            frames.insert(0, Frame("all_reduce", TORCH, 2806))
+        stacks.append(RankStack(rank, 100 + rank, host, "py-spy", [ThreadStack(str(100 + rank), "MainThread", frames, True)],
+                                world_size=4))
+    errors = [DumpError(999, "no_such_process", "pid 999: no such process (it is not running)")]
+    artifacts = write_stack_artifacts(d, stacks, errors, title=f"distcheck stacks on {host}")
+    write_report(Report(command=f"distcheck stacks (on {host})", world_size=4, artifacts=artifacts), d)
+    return d
+
+
+def test_merge_per_node_stacks_finds_the_odd_rank_across_nodes(tmp_path, cli):
+    # On its own node rank 3 ties with rank 2 (nothing singled out); across the job it is the odd one.
+    a = node_dir(tmp_path, "node-a", "a", {0: ("train_step", 88), 1: ("train_step", 88)})
+    b = node_dir(tmp_path, "node-b", "b", {2: ("train_step", 88), 3: ("load_shard", 41)})
+    res = cli(["report", str(a), str(b), "--format", "json"])
+    assert res.returncode == 1, res.output
+    merged = json.loads(res.stdout)
+    (f,) = merged["findings"]
+    assert f["kind"] == "hang" and f["ranks"] == [3]
+    assert f["message"] == "rank 3 is in load_shard (train.py:41) while ranks 0-2 wait in all_reduce (train.py:88)"
+    assert f["detail"]["file"] == "/p/train.py" and f["detail"]["line"] == 41
+    assert f["detail"]["merged_from"] == [str(a), str(b)] and merged["world_size"] == 4
+    assert sorted(f["detail"]["stacks"]) == ["0", "1", "2", "3"]
+    assert {s["host"] for s in f["detail"]["stacks"].values()} == {"a", "b"}
+    text = cli(["report", str(a), str(b)]).stdout
+    assert "merged stacks of 2 node(s): a, b" in text and "!! rank 3 (1)" in text
+    gh = cli(["report", str(a), str(b), "--format", "github"]).stdout
+    assert gh.startswith("::error file=/p/train.py,line=41::[hang] rank 3 is in load_shard")
+
+
+def test_merge_of_nodes_all_in_one_place_passes(tmp_path, cli):
+    a = node_dir(tmp_path, "a", "a", {0: ("train_step", 88)})
+    b = node_dir(tmp_path, "b", "b", {1: ("train_step", 88)})
+    res = cli(["report", str(a), str(b)])
+    assert res.returncode == 0, res.output
+    assert "distcheck PASSED" in res.stdout
+
+
+def test_bad_input_exits_2_with_one_line(tmp_path, cli):
+    res = cli(["report", str(tmp_path / "missing")])
+    assert res.returncode == 2 and res.stderr.count("\n") == 1 and "is not a directory" in res.stderr
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    res = cli(["report", str(empty)])
+    assert res.returncode == 2 and "report.json does not exist" in res.stderr
+    ok = make_dir(tmp_path / "ok", [])
+    res = cli(["report", str(ok), "--format", "xml"])
+    assert res.returncode == 2 and res.stderr.strip() == (
+        "distcheck: error: --format 'xml' is not supported: use one of text, json, github")
+    a = node_dir(tmp_path, "na", "a", {0: ("train_step", 88)})
+    b = node_dir(tmp_path, "nb", "b", {1: ("train_step", 88)})
+    (b / "stacks.json").write_text(json.dumps({"format": "something-else"}))
+    res = cli(["report", str(a), str(b)])
+    assert res.returncode == 2 and "is not a valid stack dump" in res.stderr and "Traceback" not in res.stderr

@@ -1,0 +1,173 @@
+"""Pure tests of stack parsing, collapsing, grouping and the hang diagnosis: no processes are launched."""
+from __future__ import annotations
+
+from distcheck.analysis.hang import CollectiveRef, RankProgress, compose_hang_finding, diagnose, progress_from_events
+from distcheck.analysis.stack_groups import (
+    FAULTHANDLER_MARKER, Frame, RankStack, ThreadStack, collapse, frame_owner, group_stacks, parse_faulthandler,
+    parse_pyspy_json, render_groups, stack_collective,
+)
+from distcheck.analysis.trace_events import parse_lines
+
+TORCH = "/venv/lib/python3.11/site-packages/torch/distributed"
+TRAIN = "/home/u/proj/train.py"
+
+
+def pyspy_thread(pid, frames, name="MainThread", owns_gil=False):
+    return {"pid": pid, "thread_id": 1, "thread_name": name, "os_thread_id": pid, "active": False,
+            "owns_gil": owns_gil,
+            "frames": [{"name": n, "filename": f, "short_filename": f.rsplit("/", 1)[-1], "line": ln,
+                        "module": None, "locals": None, "is_entry": False} for n, f, ln in frames]}
+
+
+def in_allreduce(line=88):
+    # py-spy order: innermost first; the c10d logging wrapper sits between the user's call and all_reduce.
+    return [("all_reduce", f"{TORCH}/distributed_c10d.py", 2806), ("wrapper", f"{TORCH}/c10d_logger.py", 81),
+            ("train_step", TRAIN, line), ("main", TRAIN, 120), ("<module>", TRAIN, 130)]
+
+
+def in_load_shard():
+    return [("load_shard", TRAIN, 41), ("train_step", TRAIN, 80), ("main", TRAIN, 120), ("<module>", TRAIN, 130)]
+
+
+def rank_stack(rank, frames, method="py-spy", owns_gil=False):
+    pid = 1000 + rank
+    return RankStack(rank, pid, "node0", method, parse_pyspy_json([pyspy_thread(pid, frames, owns_gil=owns_gil)], pid))
+
+
+def test_frame_owners_and_collapse_keep_user_frames_visible():
+    stack = rank_stack(0, in_allreduce()).main_thread()
+    assert [frame_owner(f) for f in stack.frames] == ["torch", "torch", "user", "user", "user"]
+    shown = collapse(stack.frames)
+    # two torch frames collapse to one, represented by the collective the user called, not the logging wrapper
+    assert shown[0].owner == "torch" and shown[0].name == "all_reduce" and shown[0].count == 2
+    assert [s.name for s in shown[1:]] == ["train_step", "main", "<module>"]
+    assert stack_collective(stack) == "all_reduce"
+    assert frame_owner(Frame("run", "/usr/lib/python3.11/threading.py", 982)) == "python"
+    assert frame_owner(Frame("check", "/x/site-packages/distcheck/replicas.py", 3)) == "distcheck"
+    assert frame_owner(Frame("clock_nanosleep", "libc.so.6", 0, native=True)) == "user"
+    assert frame_owner(Frame("ffi_call", "libffi.so.8.1.2", 0, native=True)) == "python"
+    assert frame_owner(Frame("c10d::ProcessGroupGloo::wait", "libtorch_cpu.so", 0, native=True)) == "torch"
+
+
+def test_identical_stacks_group_and_minority_is_flagged():
+    stacks = [rank_stack(0, in_allreduce()), rank_stack(1, in_load_shard()), rank_stack(2, in_allreduce()),
+              rank_stack(3, in_allreduce())]
+    groups = group_stacks(stacks)
+    assert [g.ranks for g in groups] == [[0, 2, 3], [1]]
+    assert [g.minority for g in groups] == [False, True]
+    text = render_groups(groups, stacks)
+    assert "!! rank 1 (1)  <-- MINORITY" in text and "== ranks 0,2-3 (3)" in text
+    assert "load_shard (train.py:41)" in text and "[torch] all_reduce (distributed_c10d.py:2806, 2 frames)" in text
+
+
+def test_torch_internal_line_differences_do_not_split_groups():
+    other = in_allreduce()
+    other[0] = ("all_reduce", f"{TORCH}/distributed_c10d.py", 2810)  # same collective, another waiting line
+    groups = group_stacks([rank_stack(0, in_allreduce()), rank_stack(1, other)])
+    assert len(groups) == 1 and groups[0].ranks == [0, 1]
+    # ...but a different user line does split them
+    groups = group_stacks([rank_stack(0, in_allreduce(88)), rank_stack(1, in_allreduce(90))])
+    assert len(groups) == 2 and not any(g.minority for g in groups)
+
+
+def test_hang_message_names_odd_rank_and_both_sites_with_trace_seq():
+    stacks = [rank_stack(r, in_load_shard() if r == 1 else in_allreduce()) for r in range(4)]
+    progress = {r: RankProgress(r, CollectiveRef("all_reduce", 57, [0, 1, 2, 3], "train.py:88", TRAIN, 88),
+                                CollectiveRef("all_reduce", 56, [0, 1, 2, 3], "train.py:88", TRAIN, 88, completed=True))
+                for r in (0, 2, 3)}
+    progress[1] = RankProgress(1, None, CollectiveRef("all_reduce", 56, [0, 1, 2, 3], "train.py:88", TRAIN, 88,
+                                                      completed=True))
+    progress[1].last_started = progress[1].last_completed
+    f = compose_hang_finding(stacks, progress, world_size=4, timeout=30)
+    assert f.kind == "hang" and f.ranks == [1]
+    assert f.message == ("no progress for 30s: rank 1 is in load_shard (train.py:41) "
+                         "while ranks 0,2-3 wait in all_reduce #57 (train.py:88)")
+    assert f.detail["file"] == TRAIN and f.detail["line"] == 41
+    assert f.detail["last_collectives"]["0"]["last_started"]["seq"] == 57
+    assert set(f.detail["stacks"]) == {"0", "1", "2", "3"} and f.detail["methods"]["1"] == "py-spy"
+
+
+def test_two_rank_tie_is_broken_by_the_collective_the_other_rank_is_missing_from():
+    d = diagnose([rank_stack(0, in_allreduce()), rank_stack(1, in_load_shard())], {}, world_size=2)
+    assert d.odd_ranks == [1] and d.waiting.ranks == [0]
+    assert d.message == "rank 1 is in load_shard (train.py:41) while rank 0 waits in all_reduce (train.py:88)"
+
+
+def test_two_ranks_in_different_world_collectives_single_out_nobody():
+    d = diagnose([rank_stack(0, in_allreduce(88)), rank_stack(1, in_allreduce(90))], {}, world_size=2)
+    assert d.odd_ranks == [] and d.waiting is None
+    f = d.to_finding([], {})
+    assert f.ranks == [0, 1] and "rank 0 is in all_reduce (train.py:88); rank 1 is in all_reduce (train.py:90)" == f.message
+
+
+def test_all_ranks_in_one_place():
+    d = diagnose([rank_stack(r, in_allreduce()) for r in range(3)], {}, world_size=3, timeout=5)
+    assert d.odd_ranks == [] and d.message == "no progress for 5s: all 3 ranks wait in all_reduce (train.py:88)"
+
+
+def test_subgroup_location_names_absent_member():
+    sub = [("all_reduce", f"{TORCH}/distributed_c10d.py", 2806), ("main", TRAIN, 40), ("<module>", TRAIN, 50)]
+    world = [("all_reduce", f"{TORCH}/distributed_c10d.py", 2806), ("main", TRAIN, 41), ("<module>", TRAIN, 50)]
+    stacks = [rank_stack(0, sub)] + [rank_stack(r, world) for r in (1, 2, 3)]
+    progress = {0: RankProgress(0, CollectiveRef("all_reduce", 1, [0, 1], "train.py:40", TRAIN, 40))}
+    for r in (1, 2, 3):
+        progress[r] = RankProgress(r, CollectiveRef("all_reduce", 2, [0, 1, 2, 3], "train.py:41", TRAIN, 41))
+    d = diagnose(stacks, progress, world_size=4)
+    assert d.odd_ranks == [0]
+    assert d.message == ("rank 0 is in all_reduce #1 on group 0,1 (train.py:40) where rank 1 never arrived "
+                         "while ranks 1-3 wait in all_reduce #2 (train.py:41)")
+
+
+def test_gil_holder_and_undumped_rank_are_reported():
+    stacks = [rank_stack(0, in_allreduce()), rank_stack(1, in_load_shard(), owns_gil=True),
+              rank_stack(2, in_allreduce())]
+    d = diagnose(stacks, {}, world_size=4, errors_by_rank={3: "pid 1003 exited during the dump"})
+    assert d.odd_ranks == [1]
+    assert "rank 1 is in load_shard (train.py:41) holding the GIL while ranks 0,2 wait in all_reduce" in d.message
+    assert d.message.endswith("; rank 3 not dumped (pid 1003 exited during the dump)")
+
+
+def test_rank_without_stack_is_placed_by_its_trace():
+    progress = {1: RankProgress(1, CollectiveRef("barrier", 3, None, "train.py:60", TRAIN, 60))}
+    d = diagnose([rank_stack(0, in_load_shard()), rank_stack(2, in_load_shard())], progress, world_size=3,
+                 errors_by_rank={1: "permission denied"})
+    assert d.odd_ranks == [1] and "rank 1 is in barrier #3 (train.py:60)" in d.message
+
+
+def test_progress_from_trace_lines_of_the_tracer_format():
+    lines = [
+        '{"ev":"start","id":1,"seq":1,"pg":"0,1","op":"all_reduce","shapes":[[8]],"dtypes":["float32"],'
+        '"reduce_op":"SUM","peer":null,"site":"train.py:88","file":"/p/train.py","line":88,"t":1.0}',
+        '{"ev":"end","id":1,"t":1.1}',
+        '{"ev":"start","id":2,"seq":2,"pg":"0,1","op":"barrier","shapes":[],"dtypes":[],"reduce_op":null,'
+        '"peer":null,"site":"train.py:90","file":"/p/train.py","line":90,"t":2.0}',
+        '{"ev":"end","id":',  # the rank was killed mid-write
+    ]
+    p = progress_from_events(0, parse_lines(lines, 0).events)
+    assert p.last_completed.op == "all_reduce" and p.last_completed.seq == 1
+    assert p.pending.op == "barrier" and p.pending.pg == [0, 1] and p.pending.line == 90
+
+
+def test_faulthandler_parse_takes_the_last_dump_and_finds_main_thread():
+    text = (
+        "Thread 0x00007f01 (most recent call first):\n"
+        '  File "/old.py", line 1 in old\n\n'
+        f"{FAULTHANDLER_MARKER} pid 5 t=1 ===\n"
+        "Thread 0x00007f02 (most recent call first):\n"
+        '  File "/usr/lib/python3.11/threading.py", line 320 in wait\n'
+        '  File "/p/train.py", line 6 in tick\n\n'
+        "Current thread 0x00007f03 (most recent call first):\n"
+        '  File "/p/train.py", line 12 in hold_gil\n'
+        '  File "/p/train.py", line 15 in <module>\n'
+    )
+    threads = parse_faulthandler(text)
+    assert len(threads) == 2
+    main = [t for t in threads if t.main]
+    assert len(main) == 1 and main[0].frames[0].name == "hold_gil" and main[0].frames[0].line == 12
+
+
+def test_rank_stack_json_round_trip():
+    rs = rank_stack(2, in_allreduce())
+    rs.note = "fallback"
+    again = RankStack.from_json(rs.to_json())
+    assert again == rs and isinstance(again.threads[0], ThreadStack)

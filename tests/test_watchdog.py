@@ -1,0 +1,297 @@
+"""The hang watchdog on real gloo ranks: the four hang fixtures, the no-hang control, and the per-node watcher.
+
+Ranks run the fixture through a small bootstrap (written to tmp_path) that calls ``rank_bootstrap``: stack hooks,
+the collective tracer, and (for the torchrun test) the node watcher on local rank 0. The other tests launch the
+ranks themselves (env:// rendezvous, no torchrun agent to import) and supervise them with a ``Watchdog`` thread in
+this process, as the distcheck launcher does.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from launch_helpers import FIXTURES, env_for_ranks, torchrun
+
+from distcheck.stacks import install_rank_hooks
+from distcheck.watchdog import ProgressMonitor, Watchdog, local_ranks, terminate
+
+BOOTSTRAP = '''\
+import os, runpy, sys
+from distcheck.watchdog import rank_bootstrap
+rank_bootstrap(os.environ["DISTCHECK_REPORT_DIR"], float(os.environ["WATCH_TIMEOUT"]),
+               watcher=os.environ.get("NODE_WATCHER") == "1")
+script = sys.argv[1]
+sys.argv = sys.argv[1:]
+runpy.run_path(script, run_name="__main__")
+'''
+
+
+def line_of(name: str, marker: str) -> int:
+    return next(i for i, line in enumerate((FIXTURES / name).read_text().splitlines(), 1) if marker in line)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Ranks:
+    """``nproc`` rank processes of a fixture, launched directly with env:// rendezvous; killed by pid at the end."""
+
+    def __init__(self, tmp_path: Path, fixture: str, nproc: int, timeout: float):
+        self.report_dir = tmp_path / "report"
+        self.report_dir.mkdir()
+        boot = tmp_path / "boot.py"
+        boot.write_text(BOOTSTRAP)
+        port = free_port()
+        self.procs = []
+        for r in range(nproc):
+            env = env_for_ranks({"RANK": str(r), "WORLD_SIZE": str(nproc), "LOCAL_RANK": str(r),
+                                 "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                                 "DISTCHECK_REPORT_DIR": str(self.report_dir), "WATCH_TIMEOUT": str(timeout)})
+            log = open(tmp_path / f"rank{r}.log", "w")
+            self.procs.append(subprocess.Popen([sys.executable, str(boot), str(FIXTURES / fixture)], env=env,
+                                               stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+            log.close()
+
+    def pids(self) -> dict[int, int]:
+        return {r: p.pid for r, p in enumerate(self.procs) if p.poll() is None}
+
+    def kill(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait(timeout=10)
+
+
+def supervise(tmp_path: Path, fixture: str, nproc: int, timeout: float, limit: float = 90):
+    ranks = Ranks(tmp_path, fixture, nproc, timeout)
+    ended = threading.Event()
+
+    def on_hang(findings):
+        terminate(list(ranks.pids().values()))
+        ended.set()
+
+    deadline = time.monotonic() + limit
+    # Short test timeouts count from the moment every rank has issued its first collective: importing torch and
+    # the gloo rendezvous on 2 busy cores can take longer than the timeout itself.
+    def started(r: int) -> bool:
+        path = ranks.report_dir / f"trace-rank{r}.jsonl"
+        return path.exists() and '"start"' in path.read_text()
+
+    while time.monotonic() < deadline and not all(started(r) for r in range(nproc)):
+        if any(p.poll() is not None for p in ranks.procs):
+            break
+        time.sleep(0.05)
+    dog = Watchdog(ranks.report_dir, timeout, ranks.pids, on_hang=on_hang, world_size=nproc, poll=0.1).start()
+    try:
+        while time.monotonic() < deadline and not ended.is_set() and any(p.poll() is None for p in ranks.procs):
+            time.sleep(0.1)
+        assert time.monotonic() < deadline, f"{fixture}: neither finished nor declared hung within {limit}s"
+        dog.join(30)
+        ended_at = time.monotonic()
+        return dog, ranks, ended_at
+    finally:
+        dog.stop()
+        ranks.kill()
+
+
+def test_native_fixture_really_holds_the_gil():
+    """While hold_gil runs, a Python thread of the same process gets (almost) no time: the GIL is held."""
+    # Stub torch out: hold_gil only needs ctypes, and importing torch would cost seconds on 2 busy cores.
+    code = ("import sys, types; sys.modules['torch'] = t = types.ModuleType('torch')\n"
+            "sys.modules['torch.distributed'] = t.distributed = types.ModuleType('torch.distributed')\n"
+            "import threading, time, hang_native_gil as f\n"
+            "n = 0\n"
+            "def tick():\n"
+            "    global n\n"
+            "    while True:\n"
+            "        n += 1; time.sleep(0.005)\n"
+            "threading.Thread(target=tick, daemon=True).start(); time.sleep(0.3)\n"
+            "before = n; f.hold_gil(1); during = n - before\n"
+            "time.sleep(0.3); after = n - before - during\n"
+            "print(during, after)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         env=env_for_ranks())
+    during, after = map(int, out.stdout.split())
+    assert during <= 2 and after >= 10, (during, after)
+
+
+def test_progress_monitor_counts_new_complete_lines_only(tmp_path):
+    mon = ProgressMonitor(tmp_path)
+    assert mon.poll() is False
+    trace = tmp_path / "trace-rank0.jsonl"
+    trace.write_text('{"ev":"meta","rank":0}\n')
+    assert mon.poll() is True and mon.poll() is False
+    with open(trace, "a") as fh:
+        fh.write('{"ev":"start","id":1,')  # half a line: not yet progress
+    assert mon.poll() is False
+    with open(trace, "a") as fh:
+        fh.write('"op":"barrier"}\n')
+    assert mon.poll() is True
+
+
+def test_watchdog_fires_only_after_progress_stops(tmp_path):
+    """A live process whose trace grows every 0.2 s never trips a 1 s timeout; when the writes stop, it fires."""
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    trace = tmp_path / "trace-rank0.jsonl"
+    stop_writing = threading.Event()
+    last_write = [time.monotonic()]
+
+    def writer():
+        for i in range(15):
+            if stop_writing.is_set():
+                return
+            with open(trace, "a") as fh:
+                fh.write(json.dumps({"ev": "start", "id": i, "seq": i, "pg": "0", "op": "all_reduce",
+                                     "site": "t.py:1", "file": "/t.py", "line": 1, "t": time.time()}) + "\n")
+                fh.write(json.dumps({"ev": "end", "id": i, "t": time.time()}) + "\n")
+            last_write[0] = time.monotonic()
+            time.sleep(0.2)
+
+    fired = []
+    dog = Watchdog(tmp_path, 1.0, {0: sleeper.pid}, on_hang=fired.append, poll=0.05)
+    try:
+        w = threading.Thread(target=writer)
+        w.start()
+        dog.start()
+        w.join()
+        assert not dog.fired.is_set()  # 3 s of steady progress with a 1 s timeout
+        assert dog.fired.wait(10)
+        assert dog.hang_declared_at - last_write[0] >= 1.0
+        (f,) = fired[0]
+        assert f.kind == "hang" and f.ranks == [0]
+        assert f.detail["last_collectives"]["0"]["last_completed"]["seq"] == 14
+        assert (tmp_path / "stacks.txt").exists() and json.loads((tmp_path / "stacks.json").read_text())["ranks"]
+    finally:
+        stop_writing.set()
+        dog.stop()
+        sleeper.kill()
+        sleeper.wait()
+
+
+def test_watchdog_stops_quietly_when_ranks_exit(tmp_path):
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    dog = Watchdog(tmp_path, 0.5, {0: p.pid}, poll=0.05).start()
+    dog.join(5)
+    assert not dog.fired.is_set() and dog.findings == []
+
+
+def test_local_ranks_from_hook_files_ignores_stale_ones(tmp_path):
+    info = install_rank_hooks(tmp_path, rank=0)
+    (tmp_path / "stackhook-pid4194999.json").write_text(json.dumps({"pid": 4194999, "rank": 1, "signal": 12,
+                                                                     "file": "x", "host": socket.gethostname()}))
+    assert local_ranks(tmp_path) == {0: os.getpid()}
+    assert info.pid == os.getpid() and info.file.endswith("faulthandler-rank0.txt")
+
+
+def test_rank_hooks_name_the_parent_as_ptracer(monkeypatch, tmp_path):
+    """Yama ptrace_scope=1 cannot be switched on here (no Yama LSM): check the prctl call itself instead."""
+    import ctypes
+
+    from distcheck import stacks
+
+    calls = []
+
+    class FakeLibc:
+        def prctl(self, option, arg, *rest):
+            calls.append((option.value, arg.value))
+            return 0
+
+    monkeypatch.setattr(ctypes, "CDLL", lambda *a, **k: FakeLibc())
+    info = stacks.install_rank_hooks(tmp_path, rank=3)
+    assert calls == [(stacks.PR_SET_PTRACER, os.getppid())]
+    assert info.ptracer == f"PR_SET_PTRACER {os.getppid()}"
+    # and on this kernel the real call reports honestly why nothing was needed
+    monkeypatch.undo()
+    done, reason = stacks.allow_ptrace_from(os.getppid())
+    if not Path("/proc/sys/kernel/yama").exists():
+        assert not done and "no Yama LSM" in reason
+
+
+@pytest.mark.parametrize("fixture,nproc,odd,odd_marker,waiting,wait_marker,message", [
+    ("hang_native_gil.py", 2, [1], "# HANG", [0], "# WAIT",
+     "rank 1 is in hold_gil (hang_native_gil.py:{odd}) holding the GIL while rank 0 waits in all_reduce #2 "
+     "(hang_native_gil.py:{wait})"),
+    ("hang_missing_barrier.py", 3, [1], "# ODD", [0, 2], "# WAIT",
+     "rank 1 is in all_reduce #2 (hang_missing_barrier.py:{odd}) while ranks 0,2 wait in barrier #2 "
+     "(hang_missing_barrier.py:{wait})"),
+    ("hang_subgroup.py", 4, [0], "# ODD", [1, 2, 3], "# WAIT",
+     "rank 0 is in all_reduce #1 on group 0,1 (hang_subgroup.py:{odd}) where rank 1 never arrived while ranks 1-3 "
+     "wait in all_reduce #2 (hang_subgroup.py:{wait})"),
+])
+def test_hang_fixture_is_diagnosed(tmp_path, fixture, nproc, odd, odd_marker, waiting, wait_marker, message):
+    timeout = 3.0
+    dog, ranks, ended_at = supervise(tmp_path, fixture, nproc, timeout)
+    assert dog.fired.is_set(), [p.returncode for p in ranks.procs]
+    (f,) = dog.findings
+    odd_line, wait_line = line_of(fixture, odd_marker), line_of(fixture, wait_marker)
+    assert f.kind == "hang" and f.ranks == odd
+    assert f.message == f"no progress for 3s: " + message.format(odd=odd_line, wait=wait_line)
+    assert f.detail["waiting_ranks"] == waiting
+    assert f.detail["file"] == str(FIXTURES / fixture) and f.detail["line"] == odd_line
+    assert set(f.detail["stacks"]) == {str(r) for r in range(nproc)}
+    assert set(f.detail["methods"].values()) == {"py-spy"}
+    # ends in time: the dump took well under the 10 s budget and every rank is gone
+    assert dog.diagnosed_at - dog.hang_declared_at < 10
+    assert ended_at - dog.hang_declared_at < 15 and all(p.poll() is not None for p in ranks.procs)
+    text = (ranks.report_dir / "stacks.txt").read_text()
+    assert "MINORITY" in text and "last collectives (from the trace):" in text
+
+
+def test_no_hang_control_runs_past_the_timeout_without_firing(tmp_path):
+    dog, ranks, _ = supervise(tmp_path, "hang_none.py", 2, timeout=3.0)
+    assert not dog.fired.is_set() and dog.findings == []
+    assert [p.returncode for p in ranks.procs] == [0, 0]
+
+
+def test_node_watcher_under_torchrun_ends_the_job_and_writes_the_report(tmp_path):
+    """No supervisor: local rank 0 starts the watcher process, which dumps, reports and ends the ranks."""
+    report_dir = tmp_path / "report"
+    boot = tmp_path / "boot.py"
+    boot.write_text(BOOTSTRAP)
+    t0 = time.monotonic()
+    res = torchrun([str(boot), str(FIXTURES / "hang_python.py")], nproc=2, timeout=90,
+                   env={"DISTCHECK_REPORT_DIR": str(report_dir), "WATCH_TIMEOUT": "3", "NODE_WATCHER": "1"})
+    elapsed = time.monotonic() - t0
+    assert res.returncode != 0
+    assert elapsed < 3 + 45, elapsed  # startup + timeout + generous slack: the watcher ended the job
+    report = json.loads((report_dir / "report.json").read_text())
+    (f,) = report["findings"]
+    sleep_line, wait_line = line_of("hang_python.py", "# HANG"), line_of("hang_python.py", "# WAIT")
+    assert f["ranks"] == [1]
+    assert f["message"] == (f"no progress for 3s: rank 1 is in load_shard (hang_python.py:{sleep_line}) while "
+                            f"rank 0 waits in all_reduce #2 (hang_python.py:{wait_line})")
+    assert f["detail"]["last_collectives"]["1"]["last_completed"]["seq"] == 1
+    assert report["artifacts"]["stacks.txt"] == "stacks.txt" and (report_dir / "stacks.json").exists()
+    # the watcher is gone too (it exits after ending the ranks)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(
+            "distcheck.watchdog" in Path(f"/proc/{p}/cmdline").read_text(errors="replace").replace("\0", " ")
+            and str(report_dir) in Path(f"/proc/{p}/cmdline").read_text(errors="replace")
+            for p in _pids()):
+        time.sleep(0.2)
+    assert time.monotonic() < deadline, "node watcher still running"
+
+
+def _pids() -> list[int]:
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                Path(f"/proc/{d}/cmdline").read_text(errors="replace")
+                out.append(int(d))
+            except OSError:
+                pass
+    return out
