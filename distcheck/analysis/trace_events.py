@@ -1,0 +1,208 @@
+"""Reading per-rank collective traces (``trace-rank<R>.jsonl``, written by distcheck.trace) into typed events.
+
+    from distcheck.analysis.trace_events import load_rank_trace, last_started, last_completed
+    events = load_rank_trace("report/trace-rank0.jsonl")
+
+Pure: no process group. Tolerant of a truncated last line (a rank killed mid-write) and of unknown line kinds.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+P2P_OPS = frozenset({"send", "recv", "isend", "irecv", "send_object_list", "recv_object_list"})
+_TRACE_NAME = re.compile(r"trace-rank(\d+)\.jsonl$")
+
+
+@dataclass
+class TraceEvent:
+    rank: int
+    id: int
+    seq: int
+    pg: tuple[int, ...]  # global ranks of the process group
+    op: str
+    shapes: list[list[int]]
+    dtypes: list[str]
+    reduce_op: str | None
+    peer: int | None  # the other rank of a point-to-point op
+    site: str | None  # "train.py:88", the user's call site
+    file: str | None
+    line: int | None
+    t_start: float
+    t_end: float | None  # None: started, never completed
+    pg_name: str | None = None
+    root: int | None = None  # src/dst of a rooted collective, as a global rank
+    error: str | None = None  # the exception the call raised or its Work failed with
+    issued_only: bool = False  # end means "issued" (functional collectives), not "completed"
+    extra: dict[str, Any] = field(default_factory=dict)  # uneven, p2p, objects, api
+
+    @property
+    def completed(self) -> bool:
+        return self.t_end is not None
+
+    @property
+    def group_key(self) -> str:
+        """Events of the same process group share this key on every rank."""
+        return self.pg_name or ",".join(map(str, self.pg))
+
+    @property
+    def is_p2p(self) -> bool:
+        return self.op in P2P_OPS
+
+    def brief(self) -> str:
+        """``all_reduce [1024] float32 SUM`` for messages."""
+        parts = [self.op]
+        if self.shapes:
+            parts.append(" ".join(str(list(s)) for s in self.shapes[:4]) + (" ..." if len(self.shapes) > 4 else ""))
+        if self.dtypes:
+            parts.append("/".join(sorted(set(self.dtypes))))
+        if self.reduce_op:
+            parts.append(self.reduce_op)
+        if self.root is not None:
+            parts.append(f"root={self.root}")
+        if self.peer is not None:
+            parts.append(f"peer={self.peer}")
+        return " ".join(parts)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"op": self.op, "seq": self.seq, "pg": list(self.pg), "shapes": self.shapes, "dtypes": self.dtypes,
+                "reduce_op": self.reduce_op, "root": self.root, "peer": self.peer, "site": self.site,
+                "file": self.file, "line": self.line, "completed": self.completed, "error": self.error}
+
+
+@dataclass
+class RankError:
+    """An ``{"ev": "error"}`` line: the script raised (or the rank got a signal) in this rank."""
+
+    rank: int
+    exc_type: str
+    message: str
+    traceback: str
+    site: str | None
+    file: str | None
+    line: int | None
+    t: float
+
+
+@dataclass
+class RankTrace:
+    rank: int
+    events: list[TraceEvent]
+    errors: list[RankError]
+    meta: dict[str, Any]
+    finished: dict[str, Any] | None  # the {"ev": "exit"} line, when the script returned or raised
+
+
+def _pg_tuple(value: Any) -> tuple[int, ...]:
+    if isinstance(value, (list, tuple)):
+        return tuple(int(r) for r in value)
+    if isinstance(value, str) and value:
+        return tuple(int(r) for r in value.split(",") if r.strip())
+    return ()
+
+
+def _opt_int(value: Any) -> int | None:
+    try:
+        return None if value is None else int(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def parse_lines(lines: Iterable[str], rank: int) -> RankTrace:
+    starts: dict[int, TraceEvent] = {}
+    order: list[TraceEvent] = []
+    errors: list[RankError] = []
+    meta: dict[str, Any] = {}
+    finished: dict[str, Any] | None = None
+    for raw in lines:
+        raw = raw.strip()
+        if not raw:
+            continue
+        try:
+            rec = json.loads(raw)
+        except ValueError:
+            continue  # truncated last line of a killed rank
+        if not isinstance(rec, dict):
+            continue
+        ev = rec.get("ev")
+        try:
+            if ev == "start":
+                known = {"ev", "id", "seq", "pg", "pg_name", "op", "shapes", "dtypes", "reduce_op", "peer", "root",
+                         "site", "file", "line", "t"}
+                event = TraceEvent(
+                    rank=rank, id=int(rec["id"]), seq=int(rec.get("seq", 0)), pg=_pg_tuple(rec.get("pg")),
+                    op=str(rec["op"]), shapes=[list(s) for s in rec.get("shapes") or []],
+                    dtypes=[str(d) for d in rec.get("dtypes") or []], reduce_op=rec.get("reduce_op"),
+                    peer=_opt_int(rec.get("peer")), site=rec.get("site"), file=rec.get("file"),
+                    line=_opt_int(rec.get("line")), t_start=float(rec.get("t", 0.0)), t_end=None,
+                    pg_name=rec.get("pg_name"), root=_opt_int(rec.get("root")),
+                    extra={k: v for k, v in rec.items() if k not in known})
+                starts[event.id] = event
+                order.append(event)
+            elif ev == "end":
+                event = starts.get(int(rec["id"]))
+                if event is not None:
+                    event.t_end = float(rec.get("t", 0.0))
+                    event.error = rec.get("error")
+                    event.issued_only = bool(rec.get("issued", False))
+            elif ev == "error":
+                errors.append(RankError(rank, str(rec.get("exc_type", "Error")), str(rec.get("message", "")),
+                                        str(rec.get("traceback", "")), rec.get("site"), rec.get("file"),
+                                        _opt_int(rec.get("line")), float(rec.get("t", 0.0))))
+            elif ev == "meta":
+                meta = rec
+            elif ev == "exit":
+                finished = rec
+        except (KeyError, TypeError, ValueError):
+            continue
+    return RankTrace(rank, order, errors, meta, finished)
+
+
+def rank_of_path(path: str | os.PathLike) -> int:
+    match = _TRACE_NAME.search(str(path))
+    return int(match.group(1)) if match else 0
+
+
+def load_rank_records(path: str | os.PathLike, rank: int | None = None) -> RankTrace:
+    """Events, errors, meta and exit line of one rank's trace file (empty when the file does not exist)."""
+    path = Path(path)
+    rank = rank_of_path(path) if rank is None else rank
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except FileNotFoundError:
+        return RankTrace(rank, [], [], {}, None)
+    return parse_lines(text.splitlines(), rank)
+
+
+def load_rank_trace(path: str | os.PathLike, rank: int | None = None) -> list[TraceEvent]:
+    """The collectives of one rank's trace file, in issue order."""
+    return load_rank_records(path, rank).events
+
+
+def load_traces(report_dir: str | os.PathLike) -> dict[int, RankTrace]:
+    """Every ``trace-rank<R>.jsonl`` of a report directory, by rank."""
+    out: dict[int, RankTrace] = {}
+    for path in Path(report_dir).glob("trace-rank*.jsonl"):
+        rank = rank_of_path(path)
+        out[rank] = load_rank_records(path, rank)
+    return dict(sorted(out.items()))
+
+
+def last_started(events: list[TraceEvent]) -> TraceEvent | None:
+    """The collective this rank issued last (complete or not)."""
+    return max(events, key=lambda e: (e.t_start, e.id)) if events else None
+
+
+def last_completed(events: list[TraceEvent]) -> TraceEvent | None:
+    """The collective that completed last on this rank, or None."""
+    done = [e for e in events if e.t_end is not None]
+    return max(done, key=lambda e: (e.t_end, e.id)) if done else None
+
+
+def open_events(events: list[TraceEvent]) -> list[TraceEvent]:
+    """Collectives started and not (yet) completed: what a stuck rank is waiting in."""
+    return [e for e in events if e.t_end is None]

@@ -1,0 +1,183 @@
+"""Integration tests of ``distcheck run``: real gloo ranks on the fixtures, both launch forms, exit codes."""
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+
+import pytest
+
+from launch_helpers import FIXTURES, distcheck, load_report, torchrun
+
+
+def line_of(fixture: str, marker: str) -> int:
+    """The line of a fixture holding ``marker`` (so tests do not hard-code line numbers)."""
+    for n, text in enumerate((FIXTURES / fixture).read_text().splitlines(), start=1):
+        if marker in text and not text.lstrip().startswith(("#", '"')) and n > 8:
+            return n
+    raise AssertionError(f"{marker!r} not in {fixture}")
+
+
+def run_fixture(tmp_path: Path, fixture: str, nproc: int = 2, timeout: float = 30, limit: float = 150):
+    out = tmp_path / "report"
+    res = distcheck(["run", "--nproc", str(nproc), "--timeout", str(timeout), "--report-dir", str(out), "--",
+                     str(FIXTURES / fixture)], timeout=limit)
+    return res, load_report(out), out
+
+
+def only(report: dict, kind: str) -> dict:
+    found = [f for f in report["findings"] if f["kind"] == kind]
+    assert len(found) == 1, json.dumps(report["findings"], indent=1)
+    return found[0]
+
+
+def test_op_mismatch(tmp_path):
+    res, report, out = run_fixture(tmp_path, "coll_op_mismatch.py")
+    assert res.returncode == 1, res.output
+    f = only(report, "collective_mismatch")
+    ar, bc = line_of("coll_op_mismatch.py", "rank 0 side"), line_of("coll_op_mismatch.py", "rank 1 side")
+    assert f["ranks"] == [0, 1] and f["detail"]["position"] == 3 and "op" in f["detail"]["fields"]
+    assert f"coll_op_mismatch.py:{ar}" in f["message"] and f"coll_op_mismatch.py:{bc}" in f["message"]
+    assert f["detail"]["issued"]["0"]["op"] == "all_reduce" and f["detail"]["issued"]["1"]["op"] == "broadcast"
+    assert f["detail"]["line"] == ar and f["detail"]["file"].endswith("coll_op_mismatch.py")
+    assert [x["kind"] for x in report["findings"]] == ["collective_mismatch"]  # no hang, no failure noise
+    assert (out / "trace-rank0.jsonl").exists() and (out / "trace-rank1.jsonl").exists()
+    chrome = json.loads((out / "trace.json").read_text())
+    assert {e["pid"] for e in chrome["traceEvents"] if e["ph"] == "X"} == {0, 1}
+    assert "collective_mismatch" in res.stdout
+
+
+def test_extra_collective_keeps_backend_error(tmp_path):
+    res, report, _ = run_fixture(tmp_path, "coll_extra.py")
+    assert res.returncode == 1, res.output
+    f = only(report, "collective_mismatch")
+    line = line_of("coll_extra.py", "only on rank 0")
+    assert f["ranks"] == [0] and f["detail"]["divergence"] == "extra"
+    assert f"coll_extra.py:{line}" in f["message"] and f["detail"]["line"] == line
+    assert "rank 1 issued no collective there (finished its script)" in f["message"]
+    # the cryptic gloo error is kept as evidence, not reported as a separate failure
+    assert f["detail"].get("backend_errors", {}).get("0") or not any(x["kind"] == "rank_failure" for x in report["findings"])
+    assert not any(x["kind"] == "rank_failure" for x in report["findings"])
+
+
+@pytest.mark.parametrize("fixture,field", [("coll_shape_mismatch.py", "shapes"), ("coll_dtype_mismatch.py", "dtypes")])
+def test_shape_and_dtype_mismatch(tmp_path, fixture, field):
+    res, report, _ = run_fixture(tmp_path, fixture)
+    assert res.returncode == 1, res.output
+    f = only(report, "collective_mismatch")
+    line = line_of(fixture, "# BUG")
+    assert f["ranks"] == [0, 1] and f["detail"]["fields"] == [field] and f["detail"]["position"] == 2
+    assert f"{fixture}:{line}" in f["message"] and f["detail"]["line"] == line
+    assert not any(x["kind"] == "rank_failure" for x in report["findings"])  # a SIGABRT in gloo is evidence
+
+
+def test_subgroup_mismatch_on_4_ranks(tmp_path):
+    res, report, _ = run_fixture(tmp_path, "coll_subgroup_mismatch.py", nproc=4)
+    assert res.returncode == 1, res.output
+    f = only(report, "collective_mismatch")
+    assert f["ranks"] == [2, 3] and f["detail"]["group"] == [2, 3] and f["detail"]["position"] == 2
+    l2, l3 = line_of("coll_subgroup_mismatch.py", "rank 2 side"), line_of("coll_subgroup_mismatch.py", "rank 3 side")
+    assert f"coll_subgroup_mismatch.py:{l2}" in f["message"] and f"coll_subgroup_mismatch.py:{l3}" in f["message"]
+
+
+def test_rank_crash(tmp_path):
+    res, report, _ = run_fixture(tmp_path, "coll_crash.py")
+    assert res.returncode == 1, res.output
+    f = only(report, "rank_failure")
+    line = line_of("coll_crash.py", "# BUG")
+    assert f["ranks"] == [1] and f["detail"]["line"] == line and f"coll_crash.py:{line}" in f["message"]
+    assert "ValueError: bad sample in batch 2" in f["detail"]["traceback"]
+    assert f["detail"]["positions"]["0"]["last_started"]["op"] == "all_reduce"
+    assert "rank 0 " in f["message"]  # the other rank's position is reported too
+    assert not any(x["kind"] == "collective_mismatch" for x in report["findings"])
+
+
+def test_hang_is_bounded_by_timeout(tmp_path):
+    start = time.monotonic()
+    res, report, _ = run_fixture(tmp_path, "coll_hang.py", timeout=4)
+    assert time.monotonic() - start < 60
+    assert res.returncode == 1, res.output
+    f = only(report, "hang")
+    line = line_of("coll_hang.py", "# BUG")
+    assert f["detail"]["line"] == line and "rank 0 waits in all_reduce #2" in f["message"]
+    assert f["detail"]["positions"]["1"]["last_completed"]["op"] == "all_reduce"
+
+
+@pytest.mark.parametrize("fixture", ["coll_uneven_allgather.py", "train_fsdp2.py", "train_tp.py"])
+def test_non_bugs_have_no_findings(tmp_path, fixture):
+    res, report, out = run_fixture(tmp_path, fixture)
+    assert res.returncode == 0, res.output + json.dumps(report["findings"], indent=1)
+    assert report["ok"] and report["findings"] == []
+    events = [json.loads(line) for line in (out / "trace-rank1.jsonl").read_text().splitlines()]
+    ops = {e["op"] for e in events if e["ev"] == "start"}
+    sites = {e["site"] for e in events if e["ev"] == "start"}
+    assert all(s and s.startswith(fixture + ":") for s in sites), sites
+    if fixture == "train_fsdp2.py":  # FSDP2's own collectives, attributed to the forward and backward lines
+        assert {"all_gather_single", "reduce_scatter_single"} <= ops
+        assert f"{fixture}:{line_of(fixture, 'all-gathers here')}" in sites
+        assert f"{fixture}:{line_of(fixture, 'reduce-scatters here')}" in sites
+    if fixture == "train_tp.py":  # DTensor's functional collectives
+        funcol = {e["op"] for e in events if e["ev"] == "start" and e.get("api") == "functional"}
+        assert "all_reduce" in funcol and f"{fixture}:{line_of(fixture, 'all-reduces the output')}" in sites
+
+
+def test_every_op_is_recorded(tmp_path):
+    res, report, out = run_fixture(tmp_path, "coll_all_ops.py")
+    assert res.returncode == 0, res.output + json.dumps(report["findings"], indent=1)
+    src = (FIXTURES / "coll_all_ops.py").read_text().splitlines()
+    for rank in (0, 1):
+        events = [json.loads(line) for line in (out / f"trace-rank{rank}.jsonl").read_text().splitlines()]
+        starts = [e for e in events if e["ev"] == "start"]
+        ends = {e["id"] for e in events if e["ev"] == "end"}
+        assert all(e["id"] in ends for e in starts), "every collective completed"
+        recorded = {(e["op"], e.get("api") == "functional") for e in starts}
+        expected_c10d = {"all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast",
+                         "reduce", "gather", "scatter", "all_to_all_single", "barrier", "batch_isend_irecv",
+                         "all_gather_object", "gather_object", "broadcast_object_list", "scatter_object_list"}
+        expected_c10d |= {"send", "isend", "send_object_list"} if rank == 0 else {"recv", "irecv", "recv_object_list"}
+        expected_funcol = {"all_reduce", "all_gather_tensor", "reduce_scatter_tensor", "all_to_all_single", "broadcast"}
+        assert {(op, False) for op in expected_c10d} <= recorded, expected_c10d - {op for op, f in recorded if not f}
+        assert {(op, True) for op in expected_funcol} <= recorded
+        # internal calls (all_gather_object's all_gather, ...) are not traced: one event per user line
+        assert len(starts) == len({e["line"] for e in starts})
+        for e in starts:
+            assert e["pg"] == "0,1" and e["file"].endswith("coll_all_ops.py")
+            assert e["op"].split("_")[0] in src[e["line"] - 1] or e["op"] in src[e["line"] - 1]
+        by_line = {e["line"]: e for e in starts}
+        mx = next(e for e in starts if e["reduce_op"] == "MAX")
+        assert mx["op"] == "all_reduce" and mx["shapes"] == [[4]] and mx["dtypes"] == ["float32"]
+        assert next(e for e in starts if e["op"] == "broadcast" and not e.get("api"))["root"] == 0
+        p2p = next(e for e in starts if e["op"] in ("send", "recv"))
+        assert p2p["peer"] == 1 - rank
+        assert by_line  # sanity
+
+
+def test_under_torchrun_rank0_writes_the_report(tmp_path):
+    out = tmp_path / "report"
+    res = torchrun(["-m", "distcheck", "run", "--timeout", "30", "--report-dir", str(out), "--",
+                    str(FIXTURES / "coll_extra.py")], timeout=150)
+    assert res.returncode != 0  # torchrun reports the failed rank; the report is the source of truth
+    report = load_report(out)
+    f = only(report, "collective_mismatch")
+    assert f["ranks"] == [0] and f["detail"]["line"] == line_of("coll_extra.py", "only on rank 0")
+    assert report["world_size"] == 2 and (out / "trace.json").exists()
+
+
+def test_under_torchrun_crash(tmp_path):
+    out = tmp_path / "report"
+    torchrun(["-m", "distcheck", "run", "--timeout", "30", "--report-dir", str(out), "--",
+              str(FIXTURES / "coll_crash.py")], timeout=150)
+    f = only(load_report(out), "rank_failure")
+    assert f["ranks"] == [1] and f["detail"]["line"] == line_of("coll_crash.py", "# BUG")
+
+
+def test_bad_scripts_exit_2(tmp_path):
+    res = distcheck(["run", "--nproc", "2", "--", str(tmp_path / "missing.py")], timeout=60)
+    assert res.returncode == 2 and "does not exist" in res.stderr and "Traceback" not in res.stderr
+    data = tmp_path / "data.csv"
+    data.write_text("a,b\n1,2\n")
+    res = distcheck(["run", "--", str(data)], timeout=60)
+    assert res.returncode == 2 and "is not a Python file" in res.stderr and len(res.stderr.strip().splitlines()) == 1
+    res = distcheck(["run", "--nproc", "2"], timeout=60)
+    assert res.returncode == 2 and "no script given" in res.stderr
