@@ -51,6 +51,7 @@ class Context:
     outcome: reference.Outcome | None = None
     sections: dict[str, str] = field(default_factory=dict)
     data: dict = field(default_factory=dict)
+    results: list = field(default_factory=list)  # (check name, seconds, findings) of the checks run so far
 
 
 @dataclass(frozen=True)
@@ -151,11 +152,23 @@ CHECKS = (
 )
 
 
-def run_checks(session: Session, options: Options) -> tuple[list[tuple[str, float, list[Finding]]], Context]:
-    """Run every check on this rank. Returns (name, seconds, findings) per check that ran."""
-    ctx = Context(session, options)
-    results = []
+class Terminated(BaseException):
+    """SIGTERM arrived (torchrun stops every rank when one exits): write what we know, then exit."""
+
+
+def run_checks(session: Session, options: Options, ctx: Context | None = None,
+               before_check: Callable[[str, list], None] | None = None,
+               ) -> tuple[list[tuple[str, float, list[Finding]]], Context]:
+    """Run every check on this rank. Returns (name, seconds, findings) per check that ran.
+
+    ``before_check(name, results_so_far)`` runs before each check (rank 0 writes a partial report there, so a
+    job killed mid-check still leaves a report that says how far it got).
+    """
+    ctx = ctx or Context(session, options)
+    results = ctx.results
     for check in CHECKS:
+        if before_check is not None:
+            before_check(check.name, results)
         start = time.perf_counter()
         try:
             findings = check.run(ctx)
@@ -212,6 +225,26 @@ def build_report(session: Session, options: Options, local: list, ctx: Context) 
         local = local + [("results", 0.0, [lost])]
     checks, findings = merge(gathered, local if session.rank == 0 else gathered[0], session.world_size)
     return Report(options.command, session.world_size, findings, checks, {}, ctx.data, ctx.sections)
+
+
+def interrupted_report(session: Session, options: Options, ctx: Context, current: str, why: str,
+                       suspects: list[int]) -> Report:
+    """Rank 0's report when the run cannot finish: what completed, and a finding saying where it stopped."""
+    ranks = suspects or list(range(session.world_size))
+    # "partial": the watchdog replaces this finding with its own diagnosis when it is the one that ended the run.
+    stopped = Finding("rank_failure", ranks, f"the consistency run stopped during the '{current}' check: {why}",
+                      {"check": current, "suspect_ranks": suspects, "partial": True})
+    checks, findings = merge([ctx.results], ctx.results, session.world_size)
+    checks = [c if c.name != current else CheckResult(current, False, 0.0, "interrupted") for c in checks]
+    return Report(options.command, session.world_size, findings + [stopped], checks, {}, ctx.data, ctx.sections)
+
+
+def ranks_behind(session: Session) -> list[int]:
+    """Ranks this rank is still waiting for in a side-channel exchange (dead, or stuck before it)."""
+    try:
+        return session.channel.missing()
+    except Exception:  # the store itself may be gone with the launcher
+        return []
 
 
 def report_files(report_dir: Path) -> dict[str, str]:

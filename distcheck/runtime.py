@@ -12,6 +12,7 @@ import os
 import pickle
 import socket
 import threading
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Sequence
@@ -24,6 +25,7 @@ from distcheck.errors import ChannelTimeout
 log = logging.getLogger("distcheck")
 
 DEFAULT_TIMEOUT = 300.0
+POLL_MAX = 0.02  # seconds between store checks while waiting for other ranks
 
 
 @dataclass(frozen=True)
@@ -87,6 +89,7 @@ class SideChannel:
         self.world_size = world_size
         self.timeout = timeout
         self._counters: dict[str, int] = {}
+        self.pending: tuple[str, list[str], list[int]] | None = None
 
     def _next_key(self, tag: str, ranks: Sequence[int]) -> str:
         scope = tag if len(ranks) == self.world_size else f"{tag}@{','.join(map(str, ranks))}"
@@ -107,6 +110,11 @@ class SideChannel:
         self._wait(tag, keys, ranks, timeout)
         return [pickle.loads(v) for v in self.store.multi_get(keys)]
 
+    def peek(self, key: str) -> Any:
+        """A p2p value if it is there already, else None; never waits."""
+        full = f"p2p/{key}"
+        return pickle.loads(self.store.get(full)) if self._has(full) else None
+
     def put(self, key: str, obj: Any) -> None:
         self.store.set(f"p2p/{key}", pickle.dumps(obj))
 
@@ -117,17 +125,45 @@ class SideChannel:
 
     def _wait(self, tag: str, keys: list[str], ranks: list[int], timeout: float | None) -> None:
         seconds = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + seconds
+        self.pending = (tag, keys, ranks)
+        # Poll with check() rather than one long wait(): a Python signal handler (SIGTERM from torchrun when
+        # another rank died) only runs between calls, and it is what lets this rank still write what it knows.
+        pause = 0.0005
+        while not self._has_all(keys):
+            if time.monotonic() >= deadline:
+                raise ChannelTimeout(tag, self.missing() or list(ranks), seconds)
+            time.sleep(pause)
+            pause = min(pause * 2, POLL_MAX)
+        self.pending = None
+
+    def missing(self) -> list[int]:
+        """Ranks that have not yet published their part of the exchange this rank is waiting in."""
+        if self.pending is None:
+            return []
+        _, keys, ranks = self.pending
+        return [r for r, k in zip(ranks, keys) if not self._has(k)]
+
+    def _has_all(self, keys: list[str]) -> bool:
         try:
-            self.store.wait(keys, timedelta(seconds=seconds))
+            return self.store.check(keys)
         except Exception:
-            missing = [r for r, k in zip(ranks, keys) if not self._has(k)]
-            raise ChannelTimeout(tag, missing or list(ranks), seconds) from None
+            return False
 
     def _has(self, key: str) -> bool:
         try:
             return self.store.check([key])
         except Exception:
             return False
+
+
+def backstop(timeout: float) -> float:
+    """How long distcheck's own bounded waits last when the watchdog's no-progress limit is ``timeout``.
+
+    Longer than the watchdog's limit, so a stuck rank is diagnosed by the watchdog (stacks, last collectives)
+    rather than by a bare timeout error; still finite, so nothing hangs when no watchdog can run.
+    """
+    return 2 * timeout + 30
 
 
 @dataclass

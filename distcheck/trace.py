@@ -35,29 +35,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from distcheck.analysis.ops import C10D_OPS, FUNCOL_OPS, P2P_OPS
+
 log = logging.getLogger("distcheck")
 
 ENV_TRACE = "DISTCHECK_TRACE"
 ENV_REPORT_DIR = "DISTCHECK_REPORT_DIR"
 
-# torch.distributed / distributed_c10d collectives and point-to-point ops (module attributes that get wrapped).
-C10D_OPS = (
-    "all_reduce", "all_reduce_coalesced", "all_gather", "all_gather_single", "all_gather_into_tensor",
-    "all_gather_coalesced", "all_gather_object", "reduce_scatter", "reduce_scatter_single", "reduce_scatter_tensor",
-    "broadcast", "broadcast_object_list", "reduce", "gather", "gather_object", "scatter", "scatter_object_list",
-    "all_to_all", "all_to_all_single", "barrier", "monitored_barrier",
-    "send", "recv", "isend", "irecv", "batch_isend_irecv", "send_object_list", "recv_object_list",
-)
-# torch.distributed._functional_collectives (DTensor, torch.compile-friendly user code).
-FUNCOL_OPS = (
-    "broadcast", "all_reduce", "all_gather_single", "all_gather_single_autograd", "reduce_scatter_single",
-    "reduce_scatter_single_autograd", "all_gather_tensor", "all_gather_tensor_autograd", "reduce_scatter_tensor",
-    "reduce_scatter_tensor_autograd", "all_reduce_coalesced", "all_gather_single_coalesced",
-    "reduce_scatter_single_coalesced", "all_gather_into_tensor_coalesced", "reduce_scatter_tensor_coalesced",
-    "all_to_all_single", "all_to_all_single_autograd", "permute_tensor",
-    "all_reduce_inplace", "all_to_all_inplace", "all_gather_inplace", "reduce_scatter_inplace",
-)
-P2P_OPS = frozenset({"send", "recv", "isend", "irecv", "send_object_list", "recv_object_list"})
 # Parameters that name the root of a rooted collective or the peer of a point-to-point op.
 _GLOBAL_RANK_PARAMS = ("src", "dst")
 _GROUP_RANK_PARAMS = ("group_src", "group_dst")

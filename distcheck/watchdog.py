@@ -328,16 +328,33 @@ def _watch(args: argparse.Namespace) -> int:
             dog.stop()
             return 0
     pids = source()
-    report = Report(command=f"distcheck watchdog --timeout {args.timeout:g} (node {host})",
-                    world_size=args.world_size or len(pids), findings=dog.findings,
-                    checks=[CheckResult("watchdog", False, (dog.diagnosed_at or 0) - (dog.hang_declared_at or 0),
-                                        note=f"no progress for {args.timeout:g}s")],
-                    artifacts={"stacks.txt": "stacks.txt", "stacks.json": "stacks.json"})
+    check = CheckResult("watchdog", False, (dog.diagnosed_at or 0) - (dog.hang_declared_at or 0),
+                        note=f"no progress for {args.timeout:g}s")
+    report = _report_so_far(out_dir)
+    if report is not None:
+        # The command wrote a partial report (what completed before the hang): keep it, add the diagnosis.
+        report.findings = [f for f in report.findings if not f.detail.get("partial")] + dog.findings
+        report.checks.append(check)
+    else:
+        report = Report(command=f"distcheck watchdog --timeout {args.timeout:g} (node {host})",
+                        world_size=args.world_size or len(pids), findings=dog.findings, checks=[check])
+    report.artifacts.update({"stacks.txt": "stacks.txt", "stacks.json": "stacks.json"})
     write_report(report, out_dir)
     for f in dog.findings:
         log.warning("[%s] %s", f.kind, f.message)
     terminate(list(pids.values()))
     return 1
+
+
+def _report_so_far(out_dir: Path):
+    from distcheck.report import load_report
+
+    if not (out_dir / "report.json").exists():
+        return None
+    try:
+        return load_report(out_dir)
+    except Exception:  # a report being rewritten right now, or not ours: start a fresh one
+        return None
 
 
 def main(argv: Sequence[str] | None = None) -> int:

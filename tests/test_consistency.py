@@ -126,3 +126,25 @@ def test_merge_dedupes_and_marks_failed_checks():
     assert all(isinstance(c, CheckResult) for c in checks)
     skipped = [c for c in checks if "skipped" in c.note]
     assert len(skipped) == 4
+
+
+def test_rank_crash_keeps_the_report(tmp_path):
+    res, report = consistency_run(tmp_path, "--model", f"{FIXTURES}/model_rank_crash.py:build", "--timeout", "30")
+    assert res.returncode != 0
+    [f] = report["findings"]
+    assert f["kind"] == "rank_failure" and f["ranks"] == [1], f
+    assert f["detail"]["check"] == "model_consistency" and "rank(s) 1" in f["message"]
+    status = {c["name"]: c["ok"] for c in report["checks"]}
+    assert status["environment"] and status["collectives"] and not status["model_consistency"]
+
+
+def test_rank_hang_is_diagnosed_by_the_watchdog(tmp_path):
+    res, report = consistency_run(tmp_path, "--model", f"{FIXTURES}/model_rank_hang.py:build", "--timeout", "6")
+    assert res.returncode != 0
+    [f] = report["findings"]
+    assert f["kind"] == "hang" and f["ranks"] == [1], f
+    assert "model_rank_hang.py:25" in f["message"] and f["detail"]["line"] == 25
+    assert "rank 0 waits in all_gather" in f["message"]
+    names = [c["name"] for c in report["checks"]]
+    assert names[:3] == ["environment", "collectives", "model_consistency"] and names[-1] == "watchdog"
+    assert (tmp_path / "report" / "stacks.txt").exists() and report["artifacts"]["stacks.txt"] == "stacks.txt"

@@ -13,16 +13,13 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
+from distcheck.analysis.ops import C10D_OPS, FUNCOL_OPS
 from distcheck.findings import format_ranks
 
 # Names of torch.distributed entry points: a rank whose stack passes through one of these (inside torch) waits in
 # that collective. Used when no trace says which collective a rank is in (`distcheck stacks` on a foreign job).
-COLLECTIVE_NAMES = frozenset({
-    "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "reduce_scatter",
-    "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "broadcast", "broadcast_object_list", "reduce",
-    "gather", "gather_object", "scatter", "scatter_object_list", "barrier", "monitored_barrier", "send", "recv",
-    "isend", "irecv", "batch_isend_irecv", "wait", "all_reduce_coalesced", "all_gather_coalesced",
-    "new_group", "init_process_group", "destroy_process_group",
+COLLECTIVE_NAMES = frozenset(C10D_OPS) | frozenset(FUNCOL_OPS) | frozenset({
+    "wait", "wait_tensor", "new_group", "init_process_group", "destroy_process_group",
 })
 # Wrapper frames that say nothing about where a rank is; the representative of a collapsed run skips them.
 GENERIC_WRAPPERS = frozenset({

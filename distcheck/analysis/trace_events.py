@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
-P2P_OPS = frozenset({"send", "recv", "isend", "irecv", "send_object_list", "recv_object_list"})
+from distcheck.analysis.ops import P2P_OPS
+
 _TRACE_NAME = re.compile(r"trace-rank(\d+)\.jsonl$")
 
 

@@ -10,14 +10,17 @@ Run without torchrun it is a 1-rank check, and the report says which checks mean
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+from pathlib import Path
 
 from distcheck import consistency, runtime
 from distcheck.cli import command_line
 from distcheck.errors import UsageError
 from distcheck.models import BUILTIN, load_factory
 from distcheck.parallelize import MODES
-from distcheck.report import prepare_report_dir, render_text, write_report
+from distcheck.report import (Report, default_report_dir, load_report, prepare_report_dir, render_text,
+                              write_report)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,9 +32,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=3, help="optimizer steps compared with the reference")
     parser.add_argument("--report-dir", default=None, help="default: ./distcheck-report-<timestamp>/")
     parser.add_argument("--timeout", type=float, default=300.0,
-                        help="seconds any rank may take to reach the next exchange before it is declared hung")
+                        help="no-progress limit in seconds: then every rank's stack is dumped and the run ends")
+    parser.add_argument("--native", action="store_true", help="include native frames in hang stack dumps")
     parser.add_argument("--rtol", type=float, default=None, help="relative tolerance (default: by dtype)")
     parser.add_argument("--atol", type=float, default=None, help="absolute tolerance (default: by dtype)")
+
+
+def _on_sigterm(signum, frame):
+    raise consistency.Terminated()
+
+
+def _shared_report_dir(session: runtime.Session, given: Path | None) -> Path:
+    """Every rank needs the same directory (traces, the node watcher): rank 0 names the default one."""
+    if given is not None:
+        return given
+    name = session.channel.exchange("report-dir", str(default_report_dir()) if session.rank == 0 else None)[0]
+    return prepare_report_dir(name)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -39,22 +55,51 @@ def main(args: argparse.Namespace) -> int:
         raise UsageError(f"--steps {args.steps}: must be at least 1")
     if args.timeout <= 0:
         raise UsageError(f"--timeout {args.timeout:g}: must be positive")
-    info = runtime.RankInfo.from_env()
     load_factory(args.model)  # bad --model fails here, on every rank, before any rank waits for another
-    # An explicit --report-dir is checked on every rank so all fail together; the default is rank 0's own.
-    report_dir = prepare_report_dir(args.report_dir) if (args.report_dir or info.rank == 0) else None
-    options = consistency.Options(args.model, args.parallel, args.steps, args.timeout, command_line(args.argv),
+    given = prepare_report_dir(args.report_dir) if args.report_dir else None
+    bound = runtime.backstop(args.timeout)
+    options = consistency.Options(args.model, args.parallel, args.steps, bound, command_line(args.argv),
                                   args.rtol, args.atol)
-    session = runtime.start(args.timeout)
+    session = runtime.start(bound)
+    report_dir = _shared_report_dir(session, given)
+    from distcheck.watchdog import rank_bootstrap
+
+    # Traces (progress, last collectives) and, on local rank 0, a watcher process outside the ranks that dumps
+    # every rank's stack with py-spy when nothing moves for --timeout seconds, even if a rank holds the GIL.
+    rank_bootstrap(report_dir, args.timeout, native=args.native)
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    ctx = consistency.Context(session, options)
+    current = {"check": consistency.CHECKS[0].name}
+
+    def before_check(name: str, results: list) -> None:
+        current["check"] = name
+        if session.rank == 0:  # a report that survives SIGKILL: how far the run got
+            partial = consistency.interrupted_report(
+                session, options, ctx, name, "the process was killed before it finished (by a signal, the "
+                "launcher after another rank failed, or the watchdog)", [])
+            partial.artifacts.update(consistency.report_files(report_dir))
+            write_report(partial, report_dir)
+
     try:
-        local, ctx = consistency.run_checks(session, options)
-        report = consistency.build_report(session, options, local, ctx)
+        try:
+            local, ctx = consistency.run_checks(session, options, ctx, before_check)
+            report = consistency.build_report(session, options, local, ctx)
+        except consistency.Terminated:
+            behind = consistency.ranks_behind(session)
+            why = "torchrun stopped this rank (SIGTERM), typically because another rank exited"
+            if behind:
+                why += f"; this rank was waiting for rank(s) {','.join(map(str, behind))}, which never arrived " \
+                       f"(see torchrun's output for their exit code)"
+            report = consistency.interrupted_report(session, options, ctx, current["check"], why, behind)
+            if session.rank == 0:
+                watched = _watchdog_report(report_dir)
+                if watched is not None:  # the watchdog ended the run: its diagnosis is the report
+                    sys.stdout.write(render_text(watched, report_dir))
+                else:
+                    _write(report, report_dir)
+            return 1
         if session.rank == 0:
-            write_report(report, report_dir)
-            report.artifacts.update(consistency.report_files(report_dir))
-            write_report(report, report_dir)
-            sys.stdout.write(render_text(report, report_dir))
-            sys.stdout.flush()
+            _write(report, report_dir)
         try:
             # Nobody exits before rank 0 has written: torchrun kills the other ranks when one exits non-zero.
             session.channel.exchange("consistency/done", True, timeout=min(args.timeout, 60.0))
@@ -62,4 +107,21 @@ def main(args: argparse.Namespace) -> int:
             pass
         return report.exit_code
     finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
         runtime.stop(session)
+
+
+def _watchdog_report(report_dir: Path) -> Report | None:
+    try:
+        report = load_report(report_dir)
+    except UsageError:
+        return None
+    return report if any(c.name == "watchdog" for c in report.checks) else None
+
+
+def _write(report: Report, report_dir: Path) -> None:
+    report.artifacts.update(consistency.report_files(report_dir))
+    report.artifacts.setdefault("report.json", "report.json")
+    write_report(report, report_dir)
+    sys.stdout.write(render_text(report, report_dir))
+    sys.stdout.flush()
