@@ -99,9 +99,13 @@ def test_hang_is_bounded_by_timeout(tmp_path):
     assert time.monotonic() - start < 60
     assert res.returncode == 1, res.output
     f = only(report, "hang")
-    line = line_of("coll_hang.py", "# BUG")
-    assert f["detail"]["line"] == line and "rank 0 waits in all_reduce #2" in f["message"]
-    assert f["detail"]["positions"]["1"]["last_completed"]["op"] == "all_reduce"
+    # The watchdog names the odd rank and its line, and where the others wait (from stacks + traces).
+    sleep_line, bug = line_of("coll_hang.py", "stuck data loader"), line_of("coll_hang.py", "# BUG")
+    assert f["ranks"] == [1] and f["detail"]["line"] == sleep_line
+    assert f"rank 1 is in main (coll_hang.py:{sleep_line}) while rank 0 waits in all_reduce #2 (coll_hang.py:{bug})" \
+        in f["message"]
+    assert f["detail"]["last_collectives"]["1"]["last_completed"]["op"] == "all_reduce"
+    assert report["artifacts"]["stacks.txt"] == "stacks.txt"
 
 
 @pytest.mark.parametrize("fixture", ["coll_uneven_allgather.py", "train_fsdp2.py", "train_tp.py"])

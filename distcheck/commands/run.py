@@ -33,6 +33,7 @@ from distcheck.analysis.trace_events import RankError, RankTrace, load_traces
 from distcheck.errors import UsageError
 from distcheck.findings import CheckResult, Finding
 from distcheck.report import Report, default_report_dir, prepare_report_dir, render_text, write_report
+from distcheck.runtime import backstop
 
 log = logging.getLogger("distcheck")
 
@@ -48,6 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT,
                         help="no-progress limit in seconds: after it the run is declared hung (default 300)")
     parser.add_argument("--report-dir", default=None, help="report directory (default: distcheck-report-<time>)")
+    parser.add_argument("--native", action="store_true", help="include native frames in hang stack dumps")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, metavar="-- SCRIPT [ARGS...]",
                         help="the Python script to run on every rank, and its arguments")
 
@@ -159,8 +161,14 @@ def run_supervised(args: argparse.Namespace, script: Path, script_args: list[str
         finished = {r for r, c in codes.items() if c is not None}
         return provably_stuck(traces, finished)
 
+    def on_hang(pids: dict[int, int], directory: str) -> list[Finding]:
+        # The supervisor is the ranks' parent: py-spy may attach even under Yama ptrace_scope=1.
+        from distcheck.watchdog import diagnose_hang
+
+        return diagnose_hang(pids, directory, native=args.native, timeout=args.timeout, world_size=nproc)
+
     supervisor = Supervisor(nproc, lambda rank: argv, report_dir=report_dir, timeout=args.timeout, env=env,
-                            on_hang=None, should_stop=should_stop, stop_grace=STOP_GRACE)
+                            on_hang=on_hang, should_stop=should_stop, stop_grace=STOP_GRACE)
     result = supervisor.run()
     traces = load_traces(report_dir)
     outcomes: dict[int, RankOutcome] = {}
@@ -183,6 +191,8 @@ def run_supervised(args: argparse.Namespace, script: Path, script_args: list[str
             outcomes[r] = RankOutcome(r, STATE_ERROR if err else STATE_DIED, ex.returncode, ex.signal, err)
     report = build_report(report_dir, command_line(args.argv), nproc, traces, outcomes, args.timeout,
                           result.seconds, result.hang_findings, result.stop_reason)
+    for finding in result.hang_findings:
+        report.artifacts.update(finding.detail.get("artifacts", {}))
     write_report(report, report_dir)
     sys.stdout.write(render_text(report, report_dir))
     sys.stdout.flush()
@@ -255,6 +265,11 @@ def run_in_rank(args: argparse.Namespace, script: Path, script_args: list[str]) 
     if not supervised:
         _clean_report_dir(report_dir, [info.rank])
     tracer = trace.install(report_dir, info.rank)
+    from distcheck.watchdog import rank_bootstrap
+
+    # Stack hooks (ptrace permission for our launcher, faulthandler fallback); under plain torchrun also the node
+    # watcher, a process outside the ranks that dumps their stacks on a hang even when one holds the GIL.
+    rank_bootstrap(report_dir, args.timeout, native=args.native, trace=False, watcher=not supervised)
     done_marker = report_dir / f".done-{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}-{os.environ.get('MASTER_PORT', '')}"
     if not supervised and info.rank == 0:
         done_marker.unlink(missing_ok=True)
@@ -359,7 +374,9 @@ class _TorchrunMonitor(threading.Thread):
                 break
             idle = now - last_progress
             starting = any(size < 0 for size in new)  # a rank still importing torch: see Supervisor
-            if idle >= (max(timeout, 120.0) if starting else timeout):
+            # The node watcher diagnoses a hang at `timeout` (with stacks) and ends the job; this thread is the
+            # backstop for when it cannot (no py-spy, no permission).
+            if idle >= (max(backstop(timeout), 120.0) if starting else backstop(timeout)):
                 hung = True
                 break
             if idle >= min(STOP_GRACE, timeout) and now - last_check >= STOP_GRACE:
