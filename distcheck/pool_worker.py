@@ -64,6 +64,8 @@ def main() -> int:
     import torch
     import torch.distributed as dist
 
+    from distcheck import trace
+
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     stacks = open(Path(os.environ["DISTCHECK_POOL_DIR"]) / f"stacks-rank{rank}.txt", "w")
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
@@ -87,6 +89,9 @@ def main() -> int:
             break
         if job is None:
             break
+        # Each test's collectives are traced into its own directory: a failing test then shows the first
+        # collective where the ranks diverged, and a hang each rank's last collective.
+        tracer = trace.install(job.trace_dir, rank) if job.trace_dir else None
         try:
             fn = _load(job)
             kwargs = {k: (ctx if getattr(v, "_distcheck_placeholder", False) else v) for k, v in job.kwargs.items()}
@@ -94,6 +99,9 @@ def main() -> int:
             result = RankOutcome(rank, "passed")
         except BaseException as exc:  # noqa: BLE001 - every failure is reported, labelled with its rank
             result = _outcome(rank, exc)
+        if tracer is not None:
+            tracer.note({"ev": "exit", "ok": result.status == "passed", "code": 0 if result.status == "passed" else 1})
+            trace.uninstall()
         conn.send(result)
     try:
         dist.destroy_process_group()

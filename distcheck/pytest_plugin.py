@@ -147,21 +147,6 @@ def pytest_unconfigure(config) -> None:
     _close_pools()
 
 
-def _format_failure(outcomes, hung: bool, stacks: dict[int, str], nprocs: int, timeout: float) -> str:
-    parts = []
-    if hung:
-        stuck = [o.rank for o in outcomes if o.status == "hung"]
-        parts.append(f"distributed test hung: rank(s) {','.join(map(str, stuck))} did not finish within "
-                     f"{timeout:g}s (world size {nprocs})")
-    for o in outcomes:
-        if o.status in ("failed", "died"):
-            parts.append(f"---------- [rank {o.rank}] ----------\n{o.text.rstrip()}")
-    if stacks:
-        for rank, text in sorted(stacks.items()):
-            parts.append(f"---------- [rank {rank}] stack ----------\n{text.rstrip()}")
-    return "\n".join(parts)
-
-
 @pytest.hookimpl(tryfirst=True)
 def pytest_pyfunc_call(pyfuncitem):
     if pyfuncitem.get_closest_marker("distributed") is None:
@@ -176,11 +161,13 @@ def pytest_pyfunc_call(pyfuncitem):
         pickle.dumps(kwargs)
     except Exception as exc:
         pytest.fail(f"distributed test arguments must pickle to reach the ranks: {exc}", pytrace=False)
-    job = TestJob(str(pyfuncitem.path), pyfuncitem.module.__name__,
-                  pyfuncitem.cls.__name__ if pyfuncitem.cls else None, pyfuncitem.originalname, kwargs, timeout)
     pool = _get_pool(nprocs, backend)
-    outcomes, hung = pool.run(job)
-    stacks = pool.dump_stacks() if hung else {}
+    job = TestJob(str(pyfuncitem.path), pyfuncitem.module.__name__,
+                  pyfuncitem.cls.__name__ if pyfuncitem.cls else None, pyfuncitem.originalname, kwargs, timeout,
+                  trace_dir=pool.job_dir())
+    outcomes, hung, stop_reason = pool.run(job, should_stop=_stuck_check(job.trace_dir))
+    diagnosis = _diagnose(pool, job, outcomes, hung, nprocs, timeout, stop_reason) if not all(
+        o.status in ("passed", "skipped") for o in outcomes) else ""
     if not pool.healthy:
         pool.close()
         _pools.pop(nprocs, None)
@@ -188,4 +175,63 @@ def pytest_pyfunc_call(pyfuncitem):
         return True
     if not hung and all(o.status in ("passed", "skipped") for o in outcomes):
         pytest.skip(next(o.text for o in outcomes if o.status == "skipped"))
-    pytest.fail(_format_failure(outcomes, hung, stacks, nprocs, timeout), pytrace=False)
+    pytest.fail(diagnosis, pytrace=False)
+
+
+def _stuck_check(trace_dir: str):
+    """Whether the ranks provably cannot progress (from their traces), so a mismatch fails in seconds."""
+    from distcheck.analysis.trace_align import provably_stuck
+    from distcheck.analysis.trace_events import load_traces
+
+    def check(finished: set[int]) -> str | None:
+        try:
+            return provably_stuck(load_traces(trace_dir), finished)
+        except Exception:  # a half-written trace: ask again next time
+            return None
+
+    return check
+
+
+def _diagnose(pool, job, outcomes, hung: bool, nprocs: int, timeout: float, stop_reason: str | None) -> str:
+    """The failure text: the hang diagnosis (grouped stacks) or each failing rank's traceback, plus the first
+    collective where the ranks' traces diverge. Runs while a hung pool is still alive, so its stacks are real."""
+    from distcheck.analysis import trace_align
+    from distcheck.analysis.trace_events import load_traces
+
+    parts: list[str] = []
+    stacks: dict[int, str] = {}
+    if hung:
+        try:
+            from distcheck.watchdog import diagnose_hang
+
+            [finding] = diagnose_hang(pool.pids, job.trace_dir, timeout=None if stop_reason else timeout,
+                                      world_size=nprocs)
+            head = f"cannot progress ({stop_reason})" if stop_reason else "hung"
+            parts.append(f"distributed test {head}: {finding.message}")
+            stacks_txt = Path(job.trace_dir) / "stacks.txt"
+            if stacks_txt.exists():
+                parts.append(stacks_txt.read_text().split("\nall threads, uncollapsed:")[0].rstrip())
+        except Exception as exc:  # py-spy missing or not permitted: faulthandler stacks instead
+            stuck = [o.rank for o in outcomes if o.status == "hung"]
+            parts.append(f"distributed test hung: rank(s) {','.join(map(str, stuck))} did not finish within "
+                         f"{timeout:g}s (world size {nprocs}); py-spy diagnosis unavailable ({exc})")
+            stacks = pool.dump_stacks()
+    for o in outcomes:
+        if o.status in ("failed", "died"):
+            parts.append(f"---------- [rank {o.rank}] ----------\n{o.text.rstrip()}")
+    for rank, text in sorted(stacks.items()):
+        parts.append(f"---------- [rank {rank}] stack (faulthandler) ----------\n{text.rstrip()}")
+    state = {"passed": trace_align.STATE_OK, "skipped": trace_align.STATE_OK, "failed": trace_align.STATE_ERROR,
+             "died": trace_align.STATE_DIED, "hung": trace_align.STATE_HUNG}
+    try:
+        traces = load_traces(job.trace_dir)
+        ranks = {o.rank: trace_align.RankOutcome(o.rank, state[o.status]) for o in outcomes}
+        divergences = [f for f in trace_align.analyze_run(traces, ranks, nprocs, timeout=timeout)
+                       if f.kind == "collective_mismatch"]
+    except Exception as exc:  # a trace the analysis cannot read must not hide the failure itself
+        divergences = []
+        parts.append(f"(collective traces unreadable: {exc})")
+    if divergences:
+        parts.append("---------- collective traces ----------\nfirst divergence: " + divergences[0].message +
+                     f"\n(per-rank traces: {job.trace_dir})")
+    return "\n".join(parts)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -21,11 +22,12 @@ import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, Listener
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 log = logging.getLogger("distcheck")
 
 START_TIMEOUT = 120.0
+STOP_AFTER = 2.0  # seconds before asking whether a test can still progress at all
 
 
 @dataclass
@@ -58,6 +60,13 @@ class Pool:
     generation: int = 0
     _store: Any = None
     _listener: Listener | None = None
+
+    def job_dir(self) -> str:
+        """A fresh directory for one test's traces and stack dumps."""
+        self.generation += 1
+        path = Path(self.workdir) / f"test-{self.generation}"
+        path.mkdir()
+        return str(path)
 
     @property
     def pids(self) -> dict[int, int]:
@@ -105,15 +114,29 @@ class Pool:
                 self.close()
                 raise RuntimeError(f"rank {rank} of the distributed test pool failed to join the process group")
 
-    def run(self, job: TestJob) -> tuple[list[RankOutcome], bool]:
-        """Run one test on every rank. Returns the outcomes and whether it hung (the pool is then retired)."""
+    def run(self, job: TestJob, should_stop: Callable[[set[int]], str | None] | None = None,
+            ) -> tuple[list[RankOutcome], bool, str | None]:
+        """Run one test on every rank. Returns the outcomes and whether it hung (the pool is then retired).
+
+        ``should_stop(finished_ranks)`` is asked about once a second after STOP_AFTER seconds: a reason means the
+        ranks provably cannot progress (e.g. they wait in different collectives), so the test is a hang now
+        rather than at its timeout.
+        """
         for conn in self.conns:
             conn.send(job)
         outcomes: dict[int, RankOutcome] = {}
-        deadline = time.monotonic() + job.timeout
+        start = time.monotonic()
+        deadline = start + job.timeout
         first_failure: float | None = None
+        next_check = start + STOP_AFTER
+        stop_reason: str | None = None
         while len(outcomes) < self.world_size:
             now = time.monotonic()
+            if should_stop is not None and now >= next_check:
+                next_check = now + 1.0
+                stop_reason = should_stop(set(outcomes))
+                if stop_reason:
+                    break
             # After one rank fails, the others are often blocked in a collective that will never complete:
             # give them a short grace period instead of the full timeout.
             limit = deadline if first_failure is None else min(deadline, first_failure + 5.0)
@@ -141,7 +164,7 @@ class Pool:
                 outcomes[rank] = RankOutcome(rank, "hung", "")
         if hung or any(o.status != "passed" and o.status != "skipped" for o in outcomes.values()):
             self.healthy = False
-        return [outcomes[r] for r in range(self.world_size)], hung
+        return [outcomes[r] for r in range(self.world_size)], hung, stop_reason
 
     def dump_stacks(self) -> dict[int, str]:
         """Every rank's Python stacks, via faulthandler on SIGUSR1: a C-level handler, so it works even when a
@@ -185,3 +208,6 @@ class Pool:
         if self._listener is not None:
             self._listener.close()
         self.procs, self.conns = [], []
+        if self.healthy and self.workdir:
+            # Traces of passed tests are of no use; a failed test's message points into the directory: keep it.
+            shutil.rmtree(self.workdir, ignore_errors=True)

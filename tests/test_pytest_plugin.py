@@ -32,25 +32,42 @@ def test_passes_after_a_hang(dist_ctx):
 @pytest.mark.skipif(False, reason="other markers still apply")
 def test_skips_inside(dist_ctx):
     pytest.skip("skipped on every rank")
+
+@pytest.mark.distributed(nprocs=2, timeout=60)
+def test_mismatched_collectives(dist_ctx):
+    t = torch.ones(4)
+    if dist_ctx.rank == 0:
+        dist.all_reduce(t)  # rank 0's collective
+    else:
+        dist.broadcast(t, src=0)  # rank 1's collective
 '''
 
 
 def test_pass_fail_hang_parametrize(pytester):
     pytester.makepyfile(test_dist=PASSING_FAILING_HANGING)
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-v", timeout=240)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-v", "--durations=0", timeout=240)
     out = result.stdout.str()
-    result.assert_outcomes(passed=2, failed=3, skipped=1)
+    result.assert_outcomes(passed=2, failed=4, skipped=1)
     assert re.search(r"test_passes PASSED", out) and re.search(r"test_passes_after_a_hang PASSED", out)
     # A failure shows the failing rank's assertion, labelled, once per test; rank 0 passed so is not shown.
     assert out.count("[rank 1] ----------") >= 2 and "rank-one-broke-1" in out and "rank-one-broke-2" in out
     assert "---------- [rank 0] ----------" not in out
-    # A hang names the stuck ranks and shows every rank's stack with the test's own lines.
-    assert "distributed test hung" in out
-    assert "[rank 0] stack" in out and "[rank 1] stack" in out
     lines = PASSING_FAILING_HANGING.strip("\n").splitlines()
-    sleep_line = next(i for i, line in enumerate(lines, 1) if "time.sleep(60)" in line)
-    assert f'test_dist.py", line {sleep_line} in test_hangs' in out  # rank 1 in time.sleep
-    assert f'test_dist.py", line {sleep_line + 1} in test_hangs' in out  # rank 0 in the barrier
+
+    def line_of(text):
+        return next(i for i, line in enumerate(lines, 1) if text in line)
+
+    # A hang names the odd rank and its line, where the others wait, and shows the grouped stacks.
+    sleep = line_of("time.sleep(60)")
+    assert (f"distributed test hung: no progress for 4s: rank 1 is in test_hangs (test_dist.py:{sleep}) while "
+            f"rank 0 waits in barrier #1 (test_dist.py:{sleep + 1})") in out
+    assert "MINORITY" in out and "last collectives (from the trace)" in out
+    # Mismatched collectives fail in seconds (not at the 60 s timeout) and show the first divergence.
+    assert "distributed test cannot progress" in out
+    assert (f"first divergence: collective #1 on group [0,1] differs in op, reduce_op, root: rank 0 issued "
+            f"all_reduce [4] float32 SUM at test_dist.py:{line_of('rank 0' + chr(39) + 's collective')}") in out
+    duration = re.search(r"([0-9.]+)s call +test_dist.py::test_mismatched_collectives", out)
+    assert duration and float(duration.group(1)) < 30  # it did not wait for its 60 s timeout
 
 
 def test_xdist_several_distributed_tests(pytester):
