@@ -31,6 +31,7 @@ test: $(STAMP)
 	$(PY) -m pytest -n 2 -q tests
 
 bench: $(STAMP)
+	$(PY) -m pip install --quiet -e ".[test,bench]"
 	$(PY) bench/run_all.py
 
 clean:
