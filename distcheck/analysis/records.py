@@ -1,0 +1,528 @@
+"""Pure comparison of what a script recorded with ``distcheck.record`` in a 1-rank and an N-rank run.
+
+    python -m distcheck compare --nproc 2 -- train.py
+
+Reads the per-rank record files of each run (no process group), resolves each (name, step) of the N-rank run to
+one value (replicas must agree; per-rank values such as local losses are averaged), aligns the two runs by
+(step, name) in record order and compares with dtype tolerances. Produces the table of every record, the
+``reference_mismatch`` for the first differing record (worst element, abs and rel error, hints), findings for
+records present in one run only, and ``tensor_divergence`` for replicated records the ranks disagree on.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from distcheck.analysis.replicas import Divergence, diff_chunk, divergence_finding
+from distcheck.analysis.tolerance import Comparison, compare, ratio_hint, tolerance_for
+from distcheck.findings import Finding, format_ranks
+
+# Python numbers usually come from ``loss.item()`` of a float32 tensor: float64 tolerances would flag rounding.
+NUMBER_TOL_DTYPE = torch.float32
+
+
+def index_path(report_dir: str | os.PathLike, rank: int) -> Path:
+    return Path(report_dir) / f"records-rank{rank}.jsonl"
+
+
+def data_path(report_dir: str | os.PathLike, rank: int) -> Path:
+    return Path(report_dir) / f"records-rank{rank}.bin"
+
+
+def record_files(report_dir: str | os.PathLike) -> list[Path]:
+    return sorted(Path(report_dir).glob("records-rank*.jsonl")) + sorted(Path(report_dir).glob("records-rank*.bin"))
+
+
+@dataclass
+class Part:
+    """One tensor of a record: the whole value of a tensor/number record, or one parameter/buffer/gradient."""
+
+    key: str  # "" for tensor and number records; the parameter name (".grad" for gradients) in a module
+    role: str  # "tensor", "number", "parameter", "buffer", "gradient"
+    value: torch.Tensor
+    tol_dtype: torch.dtype  # the dtype whose default tolerances apply
+
+    @property
+    def label(self) -> str:
+        return f"{self.role} '{self.key}'" if self.key else self.role
+
+
+@dataclass
+class Record:
+    name: str
+    step: int
+    seq: int
+    rank: int
+    kind: str  # "tensor", "number", "module"
+    parts: list[Part]
+    replicated: bool | None = None
+    rtol: float | None = None
+    atol: float | None = None
+    file: str | None = None
+    line: int | None = None
+
+    @property
+    def site(self) -> str:
+        return f"{os.path.basename(self.file)}:{self.line}" if self.file and self.line else ""
+
+
+Key = tuple[str, int, int]  # (name, step, occurrence of that (name, step) on the rank)
+
+
+def _dtype(name: str) -> torch.dtype:
+    dt = getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r}")
+    return dt
+
+
+def _tensor(data: bytes, meta: dict[str, Any]) -> torch.Tensor:
+    dt = _dtype(meta["dtype"])
+    raw = data[meta["offset"]:meta["offset"] + meta["nbytes"]]
+    if len(raw) != meta["nbytes"]:
+        raise ValueError("record data truncated")
+    if not raw:
+        return torch.empty(meta["shape"], dtype=dt)
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dt).reshape(meta["shape"])
+
+
+def parse_entry(entry: dict[str, Any], data: bytes) -> Record:
+    kind = entry["kind"]
+    if kind == "number":
+        v = entry["value"]
+        if isinstance(v, bool) or isinstance(v, int):
+            parts = [Part("", "number", torch.tensor(int(v), dtype=torch.int64), torch.int64)]
+        else:
+            parts = [Part("", "number", torch.tensor(float(v), dtype=torch.float64), NUMBER_TOL_DTYPE)]
+    else:
+        parts = []
+        for meta in entry["parts"]:
+            t = _tensor(data, meta)
+            parts.append(Part(meta.get("key", ""), meta.get("role", "tensor"), t, t.dtype))
+    return Record(entry["name"], int(entry["step"]), int(entry.get("seq", 0)), int(entry.get("rank", 0)), kind,
+                  parts, entry.get("replicated"), entry.get("rtol"), entry.get("atol"), entry.get("file"),
+                  entry.get("line"))
+
+
+def load_rank(report_dir: str | os.PathLike, rank: int) -> list[Record]:
+    """One rank's records; a truncated last line or data cut short by a crash is skipped, not fatal."""
+    try:
+        lines = index_path(report_dir, rank).read_text(encoding="utf-8").splitlines()
+    except FileNotFoundError:
+        return []
+    try:
+        data = data_path(report_dir, rank).read_bytes()
+    except FileNotFoundError:
+        data = b""
+    out = []
+    for line in lines:
+        try:
+            out.append(parse_entry(json.loads(line), data))
+        except (ValueError, KeyError, TypeError, RuntimeError):
+            continue
+    return out
+
+
+def load_run(report_dir: str | os.PathLike) -> dict[int, list[Record]]:
+    ranks = []
+    for path in Path(report_dir).glob("records-rank*.jsonl"):
+        try:
+            ranks.append(int(path.stem.removeprefix("records-rank")))
+        except ValueError:
+            continue
+    return {r: load_rank(report_dir, r) for r in sorted(ranks)}
+
+
+def keyed(records: list[Record]) -> dict[Key, Record]:
+    out: dict[Key, Record] = {}
+    seen: dict[tuple[str, int], int] = {}
+    for rec in records:
+        n = seen.get((rec.name, rec.step), 0)
+        seen[(rec.name, rec.step)] = n + 1
+        out[(rec.name, rec.step, n)] = rec
+    return out
+
+
+def key_label(key: Key) -> str:
+    name, step, occ = key
+    return f"'{name}'" + (f" (#{occ + 1})" if occ else "") + f" at step {step}"
+
+
+# -- one value per (name, step) of a run -----------------------------------------------------------------------
+
+@dataclass
+class Resolved:
+    key: Key
+    record: Record  # the record whose value is compared (rank 0's, the majority's, or a mean)
+    ranks: list[int]  # the ranks that recorded it
+    mode: str  # "replicated", "rank R", "mean of N ranks", "majority"
+
+
+def _same(a: Part, b: Part) -> bool:
+    return (a.key == b.key and a.value.dtype == b.value.dtype and a.value.shape == b.value.shape
+            and torch.equal(a.value.reshape(-1).view(torch.uint8) if a.value.numel() else a.value,
+                            b.value.reshape(-1).view(torch.uint8) if b.value.numel() else b.value))
+
+
+def _group_by_value(recs: dict[int, Record]) -> list[list[int]]:
+    """Ranks grouped by bit-identical values (replicas are bit-identical: same reduction results, same updates)."""
+    groups: list[list[int]] = []
+    for rank, rec in sorted(recs.items()):
+        for g in groups:
+            other = recs[g[0]]
+            if len(other.parts) == len(rec.parts) and all(_same(a, b) for a, b in zip(other.parts, rec.parts)):
+                g.append(rank)
+                break
+        else:
+            groups.append([rank])
+    return groups
+
+
+def _mean_record(recs: dict[int, Record]) -> Record | None:
+    first = recs[min(recs)]
+    shapes = [[tuple(p.value.shape) for p in r.parts] for r in recs.values()]
+    if any(s != shapes[0] for s in shapes) or any(len(r.parts) != len(first.parts) for r in recs.values()):
+        return None
+    parts = []
+    for i, p in enumerate(first.parts):
+        stacked = torch.stack([recs[r].parts[i].value.double() for r in sorted(recs)])
+        parts.append(Part(p.key, p.role, stacked.mean(0), p.tol_dtype))
+    return Record(first.name, first.step, first.seq, first.rank, first.kind, parts, first.replicated, first.rtol,
+                  first.atol, first.file, first.line)
+
+
+def _divergence_findings(key: Key, recs: dict[int, Record], groups: list[list[int]], nproc: int) -> list[Finding]:
+    """tensor_divergence for the first part the ranks disagree on, named like check_consistent names it."""
+    ordered = sorted(groups, key=lambda g: (-len(g), g[0]))
+    majority = ordered[0]
+    strict = len(majority) * 2 > sum(len(g) for g in groups)
+    ref_rank = majority[0]
+    ref = recs[ref_rank]
+    ranks = sorted(recs)
+    blamed = [r for r in ranks if r not in majority] if strict else ranks
+    for i, part in enumerate(ref.parts):
+        odd = [r for r in ranks if r not in majority
+               and not (i < len(recs[r].parts) and _same(part, recs[r].parts[i]))]
+        if not odd:
+            continue
+        structural = ""
+        summaries = {}
+        for r in odd:
+            other = recs[r].parts[i] if i < len(recs[r].parts) else None
+            if other is None or other.key != part.key:
+                structural = f"rank {r} recorded {'no ' + part.label if other is None else other.label} there"
+                break
+            if (other.value.dtype, other.value.shape) != (part.value.dtype, part.value.shape):
+                structural = (f"{str(part.value.dtype).replace('torch.', '')}{list(part.value.shape)} on rank "
+                              f"{ref_rank} but {str(other.value.dtype).replace('torch.', '')}"
+                              f"{list(other.value.shape)} on rank {r}")
+                break
+            s = diff_chunk(r, part.value.reshape(-1), other.value.reshape(-1), 0, tuple(part.value.shape))
+            if s is not None:
+                summaries[r] = s
+        name = part.key or key[0]
+        role = part.role if part.key else "record"
+        div = Divergence(name, role, ranks, ref_rank, blamed, {r: [0] for r in odd}, sorted(groups), structural)
+        context = f"(record '{key[0]}', step {key[1]}, {nproc}-rank run{', ' + ref.site if ref.site else ''})"
+        finding = divergence_finding(div, summaries, context)
+        finding.detail.update(record=key[0], step=key[1], nproc=nproc, file=ref.file, line=ref.line)
+        return [finding]
+    return []
+
+
+def resolve_run(per_rank: dict[int, list[Record]], nproc: int) -> tuple[dict[Key, Resolved], list[Finding]]:
+    """One value per key, and tensor_divergence findings (at most one per record name: its first step)."""
+    by_key: dict[Key, dict[int, Record]] = {}
+    for rank, records in sorted(per_rank.items()):
+        for key, rec in keyed(records).items():
+            by_key.setdefault(key, {})[rank] = rec
+    out: dict[Key, Resolved] = {}
+    findings: list[Finding] = []
+    diverged: set[str] = set()
+    for key, recs in by_key.items():
+        ranks = sorted(recs)
+        first = recs[ranks[0]]
+        if len(recs) == 1:
+            out[key] = Resolved(key, first, ranks, f"rank {ranks[0]}" if nproc > 1 else "replicated")
+            continue
+        groups = _group_by_value(recs)
+        if first.replicated is False or (len(groups) > 1 and first.replicated is None):
+            mean = _mean_record(recs)
+            if mean is not None:
+                out[key] = Resolved(key, mean, ranks, "replicated" if len(groups) == 1 else f"mean of {len(ranks)} ranks")
+                continue
+        if len(groups) == 1:
+            out[key] = Resolved(key, first, ranks, "replicated")
+            continue
+        ordered = sorted(groups, key=lambda g: (-len(g), g[0]))
+        chosen = ordered[0] if len(ordered[0]) * 2 > len(ranks) else [ranks[0]]
+        out[key] = Resolved(key, recs[chosen[0]], ranks, f"majority ({format_ranks(chosen)})"
+                            if len(chosen) > 1 else f"rank {chosen[0]} (ranks disagree)")
+        if key[0] not in diverged:
+            diverged.add(key[0])
+            findings.extend(_divergence_findings(key, recs, groups, nproc))
+    return out, findings
+
+
+# -- comparing the two runs ------------------------------------------------------------------------------------
+
+STATUS_OK, STATUS_DIFF = "ok", "MISMATCH"
+STATUS_MISSING_RUN, STATUS_MISSING_REF = "missing in N-rank run", "missing in reference"
+
+
+@dataclass
+class Row:
+    """One line of the table: a record of either run and its error against the reference."""
+
+    key: Key
+    status: str
+    abs_err: float | None = None
+    rel_err: float | None = None
+    part: str = ""  # the first differing parameter/buffer/gradient of a module ("" for a tensor or number)
+    part_role: str = ""
+    mode: str = ""
+    comparison: Comparison | None = None
+    actual: torch.Tensor | None = None
+    expected: torch.Tensor | None = None
+    note: str = ""
+    file: str | None = None
+    line: int | None = None
+
+    @property
+    def name(self) -> str:
+        return self.key[0]
+
+    @property
+    def step(self) -> int:
+        return self.key[1]
+
+    @property
+    def site(self) -> str:
+        return f"{os.path.basename(self.file)}:{self.line}" if self.file and self.line else ""
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"name": self.name, "step": self.step, "status": self.status,
+                               "abs_err": self.abs_err, "rel_err": self.rel_err, "mode": self.mode}
+        if self.key[2]:
+            out["occurrence"] = self.key[2]
+        if self.part:
+            out.update(part=self.part, part_role=self.part_role)
+        if self.note:
+            out["note"] = self.note
+        if self.site:
+            out["site"] = self.site
+        return out
+
+
+@dataclass
+class Tolerances:
+    """--rtol/--atol from the command line; None keeps the dtype default. A record's own tolerance wins."""
+
+    rtol: float | None = None
+    atol: float | None = None
+
+    def pick(self, ref: Record, run: Record, dtype: torch.dtype) -> tuple[float, float]:
+        rtol = next((v for v in (run.rtol, ref.rtol, self.rtol) if v is not None), None)
+        atol = next((v for v in (run.atol, ref.atol, self.atol) if v is not None), None)
+        return tolerance_for(dtype, rtol, atol)
+
+
+def compare_records(ref: Record, run: Record, tol: Tolerances) -> Row:
+    key = (run.name, run.step, 0)
+    ref_parts = {p.key: p for p in ref.parts}
+    run_parts = {p.key: p for p in run.parts}
+    worst: tuple[float, float] | None = None
+    first_bad: tuple[Part, Part, Comparison] | None = None
+    missing = [k for k in ref_parts if k not in run_parts]
+    extra = [k for k in run_parts if k not in ref_parts]
+    for k, rp in ref_parts.items():
+        ap = run_parts.get(k)
+        if ap is None:
+            continue
+        rtol, atol = tol.pick(ref, run, rp.tol_dtype)
+        cmp = compare(ap.value, rp.value, rtol, atol)
+        if worst is None or cmp.max_abs > worst[0]:
+            worst = (cmp.max_abs, cmp.max_rel)
+        if not cmp.ok and first_bad is None:
+            first_bad = (ap, rp, cmp)
+    row = Row(key, STATUS_OK, worst[0] if worst else None, worst[1] if worst else None, file=run.file or ref.file,
+              line=run.line or ref.line)
+    if first_bad is not None:
+        ap, rp, cmp = first_bad
+        row.status, row.comparison, row.actual, row.expected = STATUS_DIFF, cmp, ap.value, rp.value
+        row.part, row.part_role = ap.key, ap.role
+    elif missing or extra:
+        row.status = STATUS_DIFF
+        k = (missing or extra)[0]
+        p = ref_parts.get(k) or run_parts[k]
+        row.part, row.part_role = k, p.role
+        row.note = (f"{p.role} '{k}' is in the reference but not in the N-rank run" if missing
+                    else f"{p.role} '{k}' is in the N-rank run but not in the reference")
+    return row
+
+
+@dataclass
+class RunComparison:
+    """Everything compare found for one world size."""
+
+    nproc: int
+    rows: list[Row] = field(default_factory=list)
+    findings: list[Finding] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.findings
+
+
+def _order(ref: dict[Key, Resolved], run: dict[Key, Resolved]) -> list[Key]:
+    """(step, record order): a name's position is its first appearance in the reference (else the N-rank run)."""
+    first_seen: dict[str, tuple[int, int]] = {}
+    for src, table in ((0, ref), (1, run)):
+        for key, res in table.items():
+            pos = (src, res.record.seq)
+            if key[0] not in first_seen or pos < first_seen[key[0]]:
+                first_seen[key[0]] = pos
+    seq: dict[Key, int] = {}
+    for table in (ref, run):
+        for key, res in table.items():
+            seq.setdefault(key, res.record.seq)
+    return sorted(set(ref) | set(run), key=lambda k: (k[1], first_seen[k[0]], seq[k], k[2]))
+
+
+def _is_loss(name: str) -> bool:
+    return "loss" in name.lower()
+
+
+def _is_grad(row: Row) -> bool:
+    return row.part_role == "gradient" or (not row.part and "grad" in row.name.lower())
+
+
+def hints(row: Row, rows: list[Row], nproc: int) -> list[str]:
+    """Why the first differing record differs, where the pattern says so."""
+    out = []
+    if row.actual is not None and row.expected is not None and row.actual.shape == row.expected.shape:
+        ratio = ratio_hint(row.actual.double(), row.expected.double(), nproc)
+        if ratio:
+            out.append(ratio)
+    if _is_grad(row):
+        losses = [r for r in rows if r.step == row.step and _is_loss(r.name) and r is not row]
+        if losses and all(r.status == STATUS_OK for r in losses):
+            out.append(f"the loss matches the reference at step {row.step} but the gradients do not: the forward "
+                       f"pass agrees and the gradient reduction does not (gradients summed over ranks and not "
+                       f"divided by {nproc}, a missing or extra all-reduce, or a per-rank loss scale)")
+    elif _is_loss(row.name) and not out:
+        earlier = [r for r in rows if r.name == row.name and r.step < row.step]
+        if not earlier:
+            out.append(f"the loss differs already at its first step ({row.step}), before any update: the forward "
+                       f"pass differs between world sizes (the data each rank sees, dropout or other RNG seeded "
+                       f"per rank or per world size, initialization)")
+    return out
+
+
+def compare_runs(ref_run: dict[int, list[Record]], nproc_run: dict[int, list[Record]], nproc: int,
+                 tol: Tolerances | None = None, steps: int | None = None) -> RunComparison:
+    """Compare the N-rank run with the 1-rank reference: rows for every record, findings for what differs."""
+    tol = tol or Tolerances()
+    ref, _ = resolve_run(ref_run, 1)
+    run, divergences = resolve_run(nproc_run, nproc)
+    keys = _order(ref, run)
+    if steps is not None:
+        allowed = set(sorted({k[1] for k in keys})[:steps])
+        keys = [k for k in keys if k[1] in allowed]
+        divergences = [f for f in divergences if f.detail.get("step") in allowed]
+    result = RunComparison(nproc, findings=list(divergences))
+    missing: dict[tuple[str, str], list[Row]] = {}
+    for key in keys:
+        r, a = ref.get(key), run.get(key)
+        if r is None or a is None:
+            rec = (a or r).record
+            status = STATUS_MISSING_REF if r is None else STATUS_MISSING_RUN
+            row = Row(key, status, mode=a.mode if a else "", file=rec.file, line=rec.line)
+            missing.setdefault((key[0], status), []).append(row)
+        else:
+            row = compare_records(r.record, a.record, tol)
+            row.key, row.mode = key, a.mode
+        result.rows.append(row)
+    first = next((row for row in result.rows if row.status == STATUS_DIFF), None)
+    if first is not None:
+        result.findings.insert(0, mismatch_finding(first, result.rows, run[first.key], nproc))
+    for (name, status), rows in missing.items():
+        result.findings.append(missing_finding(name, status, rows, run, nproc))
+    return result
+
+
+def mismatch_finding(row: Row, rows: list[Row], resolved: Resolved, nproc: int) -> Finding:
+    what = f"{row.part_role} '{row.part}' of record '{row.name}'" if row.part else f"record '{row.name}'"
+    where = f" ({row.site})" if row.site else ""
+    cmp = row.comparison
+    text = row.note if cmp is None else cmp.describe()
+    message = (f"step {row.step}: {what}{where} differs between the {nproc}-rank run and the 1-rank reference: "
+               f"{text}")
+    if resolved.mode != "replicated":
+        message += f" [{nproc}-rank value: {resolved.mode}]"
+    found = hints(row, rows, nproc)
+    if found:
+        message += "; " + "; ".join(found)
+    detail: dict[str, Any] = {"name": row.name, "step": row.step, "nproc": nproc, "mode": resolved.mode,
+                              "file": row.file, "line": row.line}
+    if row.part:
+        detail.update(part=row.part, part_role=row.part_role)
+    if cmp is not None:
+        detail.update(abs_err=cmp.max_abs, rel_err=cmp.max_rel, index=cmp.index, value=cmp.actual,
+                      reference=cmp.expected, rtol=cmp.rtol, atol=cmp.atol)
+        if cmp.note:
+            detail["structural"] = cmp.note
+    if row.note:
+        detail["structural"] = row.note
+    if found:
+        detail["hints"] = found
+    return Finding("reference_mismatch", resolved.ranks, message, detail)
+
+
+def _steps_text(steps: list[int]) -> str:
+    return format_ranks(steps).replace("ranks ", "steps ").replace("rank ", "step ")
+
+
+def missing_finding(name: str, status: str, rows: list[Row], run: dict[Key, Resolved], nproc: int) -> Finding:
+    steps = sorted({r.step for r in rows})
+    site = next((r.site for r in rows if r.site), "")
+    where = f" ({site})" if site else ""
+    if status == STATUS_MISSING_RUN:
+        ranks = list(range(nproc))
+        message = (f"record '{name}'{where} at {_steps_text(steps)} is in the 1-rank reference but not in the "
+                   f"{nproc}-rank run (it stopped early, or records conditionally on the world size)")
+    else:
+        ranks = sorted({rk for r in rows for rk in run[r.key].ranks})
+        message = (f"record '{name}'{where} at {_steps_text(steps)} is in the {nproc}-rank run "
+                   f"({format_ranks(ranks)}) but not in the 1-rank reference")
+    detail = {"name": name, "steps": steps, "nproc": nproc,
+              "missing_in": "reference" if status == STATUS_MISSING_REF else f"{nproc}-rank run"}
+    first = rows[0]
+    detail.update(file=first.file, line=first.line)
+    return Finding("reference_mismatch", ranks, message, detail)
+
+
+def _num(v: float | None) -> str:
+    return "-" if v is None else f"{v:.3g}"
+
+
+def render_table(rows: list[Row]) -> str:
+    """Every record with its error against the reference; for a module, the first differing parameter."""
+    if not rows:
+        return "(no records)"
+    names = [r.name + (f" #{r.key[2] + 1}" if r.key[2] else "") for r in rows]
+    width = max(6, max(len(n) for n in names))
+    lines = [f"{'step':<5} {'record':<{width}} {'status':<21} {'max abs err':<11} {'rel err':<9} value / note"]
+    for row, name in zip(rows, names):
+        note = row.mode
+        if row.status == STATUS_DIFF:
+            note = (f"first differing {row.part_role} '{row.part}'" if row.part else "differs") + \
+                   (f" ({row.note})" if row.note else "") + (f"; {row.mode}" if row.mode else "")
+        lines.append(f"{row.step:<5} {name:<{width}} {row.status:<21} {_num(row.abs_err):<11} "
+                     f"{_num(row.rel_err):<9} {note}")
+    return "\n".join(lines)

@@ -1,0 +1,107 @@
+"""Integration tests of ``distcheck compare``: real gloo ranks (1 and 2) on the cmp_* fixtures, exit codes."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from launch_helpers import FIXTURES, distcheck, load_report
+
+
+def line_of(fixture: str, marker: str) -> int:
+    for n, text in enumerate((FIXTURES / fixture).read_text().splitlines(), start=1):
+        if text.strip().startswith(marker):  # code lines only: docstrings mention the same calls
+            return n
+    raise AssertionError(f"{marker!r} not in {fixture}")
+
+
+def compare(tmp_path: Path, fixture: str, nproc: str = "2", extra: list[str] | None = None):
+    out = tmp_path / "report"
+    res = distcheck(["compare", "--nproc", nproc, "--timeout", "60", "--report-dir", str(out), *(extra or []), "--",
+                     str(FIXTURES / fixture)], timeout=240)
+    return res, load_report(out), out
+
+
+def kinds(report: dict) -> list[str]:
+    return [f["kind"] for f in report["findings"]]
+
+
+@pytest.mark.parametrize("fixture", ["cmp_ddp_ok.py", "cmp_fsdp2_ok.py", "cmp_tp_ok.py"])
+def test_correct_scripts_compare_equal(tmp_path, fixture):
+    res, report, out = compare(tmp_path, fixture)
+    assert res.returncode == 0, res.output
+    assert report["ok"] and report["findings"] == [] and report["world_size"] == 2
+    rows = report["records"]["2"]
+    assert [(r["name"], r["step"]) for r in rows] == [("loss", 0), ("model", 0), ("loss", 1), ("model", 1)]
+    assert all(r["status"] == "ok" for r in rows)
+    assert (out / "nproc2" / "records-rank1.jsonl").exists() and (out / "reference" / "trace-rank0.jsonl").exists()
+    assert "records: 2 ranks vs the 1-rank reference" in (out / "report.txt").read_text()
+
+
+def test_loss_summed_with_several_world_sizes(tmp_path):
+    res, report, out = compare(tmp_path, "cmp_loss_sum.py", nproc="1,2")
+    assert res.returncode == 1, res.output
+    assert sorted(report["runs"]) == ["1", "2", "reference"] and report["world_size"] == 2
+    assert [r["status"] for r in report["records"]["1"]] == ["ok"] * 4  # a second 1-rank run: deterministic
+    assert kinds(report) == ["reference_mismatch"]
+    (f,) = report["findings"]
+    line = line_of("cmp_loss_sum.py", 'distcheck.record("loss"')
+    assert f["ranks"] == [0, 1] and f["detail"]["name"] == "loss" and f["detail"]["step"] == 0
+    assert f["detail"]["nproc"] == 2 and f["detail"]["line"] == line and f"cmp_loss_sum.py:{line}" in f["message"]
+    assert "2x the reference" in f["message"] and f["detail"]["rel_err"] == pytest.approx(1.0, rel=1e-3)
+    assert [r["status"] for r in report["records"]["2"] if r["name"] == "model"] == ["ok", "ok"]
+    assert "reference_mismatch" in res.stdout
+
+
+def test_gradients_summed_not_divided(tmp_path):
+    res, report, _ = compare(tmp_path, "cmp_grad_sum.py")
+    assert res.returncode == 1, res.output
+    (f,) = report["findings"]
+    line = line_of("cmp_grad_sum.py", 'distcheck.record("model"')
+    assert f["kind"] == "reference_mismatch" and f["ranks"] == [0, 1]
+    assert f["detail"]["name"] == "model" and f["detail"]["step"] == 0 and f["detail"]["line"] == line
+    assert f["detail"]["part"] == "0.weight.grad" and f["detail"]["part_role"] == "gradient"
+    assert "2x the reference" in f["message"] and "the loss matches the reference at step 0" in f["message"]
+
+
+def test_whole_batch_with_per_rank_loss_scale(tmp_path):
+    res, report, _ = compare(tmp_path, "cmp_whole_batch.py")
+    assert res.returncode == 1, res.output
+    (f,) = report["findings"]
+    line = line_of("cmp_whole_batch.py", 'distcheck.record("loss"')
+    assert f["kind"] == "reference_mismatch" and f["detail"]["name"] == "loss" and f["detail"]["line"] == line
+    assert "1/2 of the reference" in f["message"]
+
+
+def test_dropout_rng_per_rank(tmp_path):
+    res, report, _ = compare(tmp_path, "cmp_dropout_rng.py")
+    assert res.returncode == 1, res.output
+    (f,) = report["findings"]
+    line = line_of("cmp_dropout_rng.py", 'distcheck.record("loss"')
+    assert f["kind"] == "reference_mismatch" and f["detail"]["name"] == "loss" and f["detail"]["step"] == 0
+    assert f["detail"]["line"] == line and "forward pass differs" in f["message"]
+    assert "x the reference" not in f["message"] and "of the reference" not in f["message"]
+
+
+def test_unsynchronized_replicas_are_tensor_divergence(tmp_path):
+    res, report, _ = compare(tmp_path, "cmp_no_grad_sync.py")
+    assert res.returncode == 1, res.output
+    (div,) = [f for f in report["findings"] if f["kind"] == "tensor_divergence"]
+    line = line_of("cmp_no_grad_sync.py", 'distcheck.record("model"')
+    assert div["ranks"] == [0, 1] and div["detail"]["name"] == "0.weight.grad" and div["detail"]["step"] == 0
+    assert div["detail"]["line"] == line and f"cmp_no_grad_sync.py:{line}" in div["message"]
+    assert "reference_mismatch" in kinds(report)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--nproc", "2,x", "--", str(FIXTURES / "cmp_ddp_ok.py")], "--nproc '2,x'"),
+    (["--nproc", "0", "--", str(FIXTURES / "cmp_ddp_ok.py")], "--nproc '0'"),
+    (["--nproc", "2", "--rtol", "-1", "--", str(FIXTURES / "cmp_ddp_ok.py")], "--rtol '-1'"),
+    (["--nproc", "2", "--atol", "nan", "--", str(FIXTURES / "cmp_ddp_ok.py")], "--atol 'nan'"),
+    (["--nproc", "2", "--steps", "0", "--", str(FIXTURES / "cmp_ddp_ok.py")], "--steps '0'"),
+    (["--nproc", "2", "--", "no_such_script.py"], "does not exist"),
+])
+def test_bad_input_is_one_line_exit_2(tmp_path, args, message):
+    res = distcheck(["compare", "--report-dir", str(tmp_path / "r"), *args], timeout=60)
+    assert res.returncode == 2, res.output
+    assert message in res.stderr and "Traceback" not in res.stderr and len(res.stderr.strip().splitlines()) == 1

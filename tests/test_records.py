@@ -1,0 +1,251 @@
+"""Unit tests of distcheck.record (the per-rank writer) and distcheck/analysis/records.py (pure comparison).
+
+Nothing is launched: the writer runs in this process with DISTCHECK_REPORT_DIR set, the analysis on records
+built in memory or read back from those files.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn as nn
+
+import distcheck
+from distcheck import records
+from distcheck.analysis.records import (STATUS_DIFF, STATUS_MISSING_REF, STATUS_MISSING_RUN, STATUS_OK, Part, Record,
+                                        Tolerances, compare_runs, index_path, load_rank, load_run, render_table,
+                                        resolve_run)
+
+
+@pytest.fixture
+def recording(tmp_path, monkeypatch):
+    """distcheck.record writing as rank 0 of a run into tmp_path."""
+    monkeypatch.setenv("DISTCHECK_REPORT_DIR", str(tmp_path))
+    monkeypatch.setenv("RANK", "0")
+    records.reset()
+    yield tmp_path
+    records.reset()
+
+
+def test_noop_outside_distcheck(tmp_path, monkeypatch):
+    monkeypatch.delenv("DISTCHECK_REPORT_DIR", raising=False)
+    monkeypatch.chdir(tmp_path)
+    records.reset()
+    distcheck.record("loss", torch.tensor(1.0))
+    assert not records.active() and list(tmp_path.iterdir()) == []
+    # The decision is cached: setting the variable later does not turn recording on in this process.
+    monkeypatch.setenv("DISTCHECK_REPORT_DIR", str(tmp_path))
+    distcheck.record("loss", torch.tensor(1.0))
+    assert list(tmp_path.iterdir()) == []
+    records.reset()
+
+
+def test_writes_tensors_numbers_modules(recording):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 2), nn.BatchNorm1d(2))
+    model(torch.randn(4, 3)).sum().backward()
+    distcheck.record("loss", torch.tensor(0.5, dtype=torch.bfloat16))
+    distcheck.record("lr", 0.1)
+    distcheck.record("steps_done", 7)
+    distcheck.record("model", model, step=5)
+    distcheck.record("loss", torch.tensor(0.25, dtype=torch.bfloat16))  # auto step counter per name: 1
+    got = load_rank(recording, 0)
+    assert [(r.name, r.step, r.kind) for r in got] == [("loss", 0, "tensor"), ("lr", 0, "number"),
+                                                       ("steps_done", 0, "number"), ("model", 5, "module"),
+                                                       ("loss", 1, "tensor")]
+    assert got[0].parts[0].value.dtype == torch.bfloat16 and float(got[4].parts[0].value) == 0.25
+    assert got[2].parts[0].value.dtype == torch.int64
+    mod = got[3]
+    keys = [(p.key, p.role) for p in mod.parts]
+    assert ("0.weight", "parameter") in keys and ("1.running_mean", "buffer") in keys
+    assert ("0.weight.grad", "gradient") in keys and mod.replicated is True
+    assert torch.equal(dict((p.key, p.value) for p in mod.parts)["0.weight.grad"], model[0].weight.grad)
+    # the site is the line of the distcheck.record call in this file
+    assert got[0].file == __file__ and got[0].site.startswith("test_records.py:")
+
+
+def test_wrapper_prefixes_are_stripped(recording):
+    class Wrapper(nn.Module):  # stands in for DDP / torch.compile, which exist only at some world sizes
+        def __init__(self):
+            super().__init__()
+            self.module = nn.Linear(2, 2)
+
+    distcheck.record("model", Wrapper())
+    assert [p.key for p in load_rank(recording, 0)[0].parts] == ["weight", "bias"]
+
+
+def test_per_record_and_per_name_tolerance(recording):
+    records.tolerance("act", rtol=0.5)
+    records.record("act", torch.ones(2))
+    records.record("act", torch.ones(2), atol=0.1, rtol=0.2)
+    a, b = load_rank(recording, 0)
+    assert (a.rtol, a.atol) == (0.5, None) and (b.rtol, b.atol) == (0.2, 0.1)
+    with pytest.raises(ValueError):
+        records.tolerance("act", rtol=-1)
+
+
+def test_crash_keeps_written_records(recording):
+    distcheck.record("a", torch.arange(4.0))
+    distcheck.record("b", torch.arange(3.0))
+    # Nothing is buffered: the files are complete while the writer is still open (a SIGKILL keeps them).
+    assert [r.name for r in load_rank(recording, 0)] == ["a", "b"]
+    with open(index_path(recording, 0), "a") as fh:  # a crash in the middle of an index line
+        fh.write('{"name": "c", "st')
+    assert [r.name for r in load_rank(recording, 0)] == ["a", "b"]
+
+
+def test_rejects_other_types(recording):
+    with pytest.raises(TypeError, match="takes a tensor"):
+        distcheck.record("x", "text")
+
+
+# -- analysis on in-memory records ------------------------------------------------------------------------------
+
+def rec(name, step, value, rank=0, seq=0, replicated=None, role="tensor", key="", file="train.py", line=10, **kw):
+    t = torch.as_tensor(value, dtype=torch.float32)
+    return Record(name, step, seq, rank, "tensor", [Part(key, role, t, t.dtype)], replicated, file=file, line=line,
+                  **kw)
+
+
+def module(step, weight, grad, rank=0, seq=1):
+    w, g = torch.tensor(weight), torch.tensor(grad)
+    return Record("model", step, seq, rank, "module",
+                  [Part("w", "parameter", w, w.dtype), Part("w.grad", "gradient", g, g.dtype)], True,
+                  file="train.py", line=20)
+
+
+def test_equal_runs_compare_ok():
+    ref = {0: [rec("loss", 0, 1.0), module(0, [1.0, 2.0], [0.1, 0.2])]}
+    run = {r: [rec("loss", 0, 1.0 + 1e-7, rank=r), module(0, [1.0, 2.0], [0.1, 0.2], rank=r)] for r in (0, 1)}
+    result = compare_runs(ref, run, 2)
+    assert result.ok and [row.status for row in result.rows] == [STATUS_OK, STATUS_OK]
+
+
+def test_sum_vs_mean_hint_and_site():
+    ref = {0: [rec("loss", 0, 0.8), rec("loss", 1, 0.7, seq=1)]}
+    run = {r: [rec("loss", 0, 1.6, rank=r, line=33), rec("loss", 1, 1.4, rank=r, seq=1, line=33)] for r in (0, 1)}
+    result = compare_runs(ref, run, 2)
+    (f,) = result.findings
+    assert f.kind == "reference_mismatch" and f.ranks == [0, 1]
+    assert f.detail["step"] == 0 and f.detail["line"] == 33 and "train.py:33" in f.message
+    assert "2x the reference" in f.message and f.detail["abs_err"] == pytest.approx(0.8)
+    assert f.detail["rel_err"] == pytest.approx(1.0)
+
+
+def test_one_over_n_hint():
+    ref = {0: [rec("x", 0, [2.0, 4.0])]}
+    run = {0: [rec("x", 0, [0.5, 1.0])]}
+    (f,) = compare_runs(ref, run, 4).findings
+    assert "1/4 of the reference" in f.message
+
+
+def test_gradient_differs_but_loss_matches():
+    ref = {0: [rec("loss", 0, 1.0), module(0, [1.0, 2.0], [0.1, 0.2])]}
+    run = {r: [rec("loss", 0, 1.0, rank=r), module(0, [1.0, 2.0], [0.2, 0.4], rank=r)] for r in (0, 1)}
+    (f,) = compare_runs(ref, run, 2).findings
+    assert f.detail["part"] == "w.grad" and f.detail["part_role"] == "gradient" and f.detail["line"] == 20
+    assert "loss matches the reference at step 0 but the gradients do not" in f.message
+    assert f.detail["index"] == [1]  # worst element
+
+
+def test_no_gradient_hint_when_loss_differs_too():
+    ref = {0: [module(0, [1.0], [0.1], seq=0), rec("loss", 0, 1.0, seq=1)]}
+    run = {0: [module(0, [1.0], [0.3], seq=0), rec("loss", 0, 1.5, seq=1)]}
+    (f,) = compare_runs(ref, run, 2).findings
+    assert f.detail["part_role"] == "gradient" and "gradients do not" not in f.message
+
+
+def test_first_mismatch_is_first_step_then_record_order():
+    ref = {0: [rec("a", 0, 1.0, seq=0), rec("b", 0, 1.0, seq=1), rec("a", 1, 1.0, seq=2), rec("b", 1, 1.0, seq=3)]}
+    run = {0: [rec("a", 0, 1.0, seq=0), rec("b", 0, 1.0, seq=1), rec("a", 1, 9.0, seq=2), rec("b", 1, 9.0, seq=3)]}
+    result = compare_runs(ref, run, 2)
+    assert [(row.name, row.step, row.status) for row in result.rows] == [
+        ("a", 0, STATUS_OK), ("b", 0, STATUS_OK), ("a", 1, STATUS_DIFF), ("b", 1, STATUS_DIFF)]
+    assert [f.detail["name"] for f in result.findings] == ["a"]
+    assert len(compare_runs(ref, run, 2, steps=1).findings) == 0  # --steps 1 stops before the difference
+
+
+def test_forward_hint_for_a_loss_differing_at_its_first_step():
+    ref = {0: [rec("loss", 0, 0.70)]}
+    run = {0: [rec("loss", 0, 0.83)]}
+    (f,) = compare_runs(ref, run, 2).findings
+    assert "forward pass differs" in f.message and "x the reference" not in f.message
+
+
+def test_per_rank_values_compare_as_their_mean():
+    ref = {0: [rec("loss", 0, 1.0)]}
+    run = {0: [rec("loss", 0, 0.8)], 1: [rec("loss", 0, 1.2, rank=1)]}
+    result = compare_runs(ref, run, 2)
+    assert result.ok and result.rows[0].mode == "mean of 2 ranks"
+
+
+def test_replicated_record_disagreeing_is_tensor_divergence():
+    ref = {0: [module(0, [1.0, 2.0], [0.1, 0.2])]}
+    run = {0: [module(0, [1.0, 2.0], [0.1, 0.2])], 1: [module(0, [1.0, 2.0], [0.1, 0.5], rank=1)],
+           2: [module(0, [1.0, 2.0], [0.1, 0.2], rank=2)]}
+    result = compare_runs(ref, run, 3)
+    (div,) = [f for f in result.findings if f.kind == "tensor_divergence"]
+    assert div.ranks == [1] and div.detail["name"] == "w.grad" and div.detail["line"] == 20
+    assert "train.py:20" in div.message and div.detail["diffs"]["1"]["first_index"] == [1]
+    # the majority's value is the one compared with the reference: it matches
+    assert result.rows[0].status == STATUS_OK and "majority" in result.rows[0].mode
+    # explicit replicated=True on a plain tensor makes disagreement a divergence instead of a mean
+    run2 = {0: [rec("loss", 0, 1.0, replicated=True)], 1: [rec("loss", 0, 2.0, rank=1, replicated=True)]}
+    assert [f.kind for f in compare_runs({0: [rec("loss", 0, 1.0)]}, run2, 2).findings] == ["tensor_divergence"]
+
+
+def test_missing_records_both_ways():
+    ref = {0: [rec("loss", 0, 1.0), rec("loss", 1, 1.0, seq=1), rec("loss", 2, 1.0, seq=2)]}
+    run = {0: [rec("loss", 0, 1.0), rec("extra", 0, 3.0, seq=1)], 1: [rec("loss", 0, 1.0, rank=1)]}
+    result = compare_runs(ref, run, 2)
+    statuses = {(row.name, row.step): row.status for row in result.rows}
+    assert statuses[("loss", 1)] == STATUS_MISSING_RUN and statuses[("extra", 0)] == STATUS_MISSING_REF
+    by_name = {f.detail["name"]: f for f in result.findings}
+    assert by_name["loss"].detail["steps"] == [1, 2] and "not in the 2-rank run" in by_name["loss"].message
+    assert by_name["extra"].ranks == [0] and "not in the 1-rank reference" in by_name["extra"].message
+
+
+def test_module_part_missing_is_a_mismatch():
+    ref = {0: [module(0, [1.0], [0.1])]}
+    w = torch.tensor([1.0])
+    run = {0: [Record("model", 0, 0, 0, "module", [Part("w", "parameter", w, w.dtype)], True)]}
+    (f,) = compare_runs(ref, run, 2).findings
+    assert f.detail["part"] == "w.grad" and "not in the N-rank run" in f.message
+
+
+def test_tolerances_precedence():
+    ref = {0: [rec("x", 0, 1.0)]}
+    run = {0: [rec("x", 0, 1.01)]}
+    assert not compare_runs(ref, run, 2).ok  # float32 default rtol 1e-4
+    assert compare_runs(ref, run, 2, Tolerances(rtol=0.05)).ok  # --rtol
+    strict = {0: [rec("x", 0, 1.01, rtol=1e-6, atol=0.0)]}
+    assert not compare_runs(ref, strict, 2, Tolerances(rtol=0.05)).ok  # the record's own tolerance wins
+    b16 = torch.tensor(1.0, dtype=torch.bfloat16)
+    bref = {0: [Record("x", 0, 0, 0, "tensor", [Part("", "tensor", b16, b16.dtype)])]}
+    b16b = torch.tensor(1.0078125, dtype=torch.bfloat16)  # one bf16 ulp: fine for bfloat16 tolerances
+    brun = {0: [Record("x", 0, 0, 0, "tensor", [Part("", "tensor", b16b, b16b.dtype)])]}
+    assert compare_runs(bref, brun, 2).ok
+
+
+def test_table_lists_every_record(tmp_path, monkeypatch):
+    ref = {0: [rec("loss", 0, 1.0), module(0, [1.0, 2.0], [0.1, 0.2])]}
+    run = {0: [rec("loss", 0, 1.0), module(0, [1.0, 2.0], [0.2, 0.4])]}
+    text = render_table(compare_runs(ref, run, 2).rows)
+    lines = text.splitlines()
+    assert len(lines) == 3 and lines[1].split()[:3] == ["0", "loss", "ok"]
+    assert "MISMATCH" in lines[2] and "first differing gradient 'w.grad'" in lines[2]
+
+
+def test_round_trip_through_files(tmp_path, monkeypatch):
+    monkeypatch.setenv("DISTCHECK_REPORT_DIR", str(tmp_path))
+    for rank, scale in ((0, 1.0), (1, 1.0)):
+        monkeypatch.setenv("RANK", str(rank))
+        records.reset()
+        distcheck.record("act", torch.linspace(0, 1, 5) * scale)
+    records.reset()
+    run = load_run(tmp_path)
+    assert sorted(run) == [0, 1]
+    resolved, findings = resolve_run(run, 2)
+    assert not findings and resolved[("act", 0, 0)].mode == "replicated"
+    assert json.loads(index_path(tmp_path, 1).read_text().splitlines()[0])["rank"] == 1
