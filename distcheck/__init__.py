@@ -13,14 +13,18 @@ __version__ = "0.1.0"
 __all__ = ["record", "check_model", "check_consistent", "__version__"]
 
 
+_record_impl = None
+
+
 def record(name: str, value: Any, step: int | None = None) -> None:
     """Record a value for ``distcheck compare``: a tensor, DTensor (as its full tensor), number or nn.Module.
 
     Outside ``distcheck run``/``compare`` this returns at once and costs nothing measurable.
     """
-    from distcheck.records import record as impl
-
-    impl(name, value, step)
+    global _record_impl
+    if _record_impl is None:  # resolved once: an import statement per call would cost microseconds
+        from distcheck.records import record as _record_impl
+    _record_impl(name, value, step)
 
 
 def check_model(model: Any) -> list:
