@@ -84,12 +84,17 @@ def test_clean_user_model_ddp_and_tp_builtin(tmp_path):
     ("FIX/factory_errors.py:raises", "the factory raised RuntimeError"),
     ("FIX/factory_errors.py:not_a_module", "not an nn.Module"),
 ])
-def test_bad_model_exit_2_one_line(tmp_path, spec, message):
+def test_bad_model_exit_2_one_line(tmp_path, capsys, spec, message):
+    # In-process through cli.main (the same code path as the command line, without paying for a torch import
+    # per case); test_bad_parallel_and_report_dir proves the real subprocess prints no traceback.
+    from distcheck.cli import main
+
     spec = spec.replace("FIX", str(FIXTURES))
-    res = distcheck(["consistency", "--model", spec, "--report-dir", str(tmp_path / "r")], timeout=60)
-    assert res.returncode == 2, res.output
-    assert message in res.stderr and "Traceback" not in res.output
-    assert len(res.stderr.strip().splitlines()) == 1
+    code = main(["consistency", "--model", spec, "--report-dir", str(tmp_path / "r")])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert message in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
 
 
 def test_bad_parallel_and_report_dir(tmp_path):
@@ -99,6 +104,11 @@ def test_bad_parallel_and_report_dir(tmp_path):
     blocker.write_text("")
     res = distcheck(["consistency", "--report-dir", str(blocker / "x")], timeout=60)
     assert res.returncode == 2 and "not writable" in res.stderr and "Traceback" not in res.output
+    res = distcheck(["consistency", "--model", f"{FIXTURES}/factory_errors.py:raises",
+                     "--report-dir", str(tmp_path / "r")], timeout=60)
+    assert res.returncode == 2 and "Traceback" not in res.output
+    assert res.stderr.strip() == (f"distcheck: error: --model {FIXTURES}/factory_errors.py:raises: the factory "
+                                  f"raised RuntimeError: cannot build")
 
 
 def test_bad_model_under_torchrun_shows_message(tmp_path):

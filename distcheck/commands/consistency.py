@@ -61,13 +61,30 @@ def main(args: argparse.Namespace) -> int:
     options = consistency.Options(args.model, args.parallel, args.steps, bound, command_line(args.argv),
                                   args.rtol, args.atol)
     session = runtime.start(bound)
-    report_dir = _shared_report_dir(session, given)
-    from distcheck.watchdog import rank_bootstrap
+    watcher = None
+    try:
+        report_dir = _shared_report_dir(session, given)
+        from distcheck.watchdog import rank_bootstrap
 
-    # Traces (progress, last collectives) and, on local rank 0, a watcher process outside the ranks that dumps
-    # every rank's stack with py-spy when nothing moves for --timeout seconds, even if a rank holds the GIL.
-    rank_bootstrap(report_dir, args.timeout, native=args.native)
-    signal.signal(signal.SIGTERM, _on_sigterm)
+        # Traces (progress, last collectives) and, on local rank 0, a watcher process outside the ranks that dumps
+        # every rank's stack with py-spy when nothing moves for --timeout seconds, even if a rank holds the GIL.
+        watcher = rank_bootstrap(report_dir, args.timeout, native=args.native)
+        return _run(args, session, options, report_dir)
+    finally:
+        from distcheck import trace
+
+        trace.uninstall()
+        if watcher is not None and watcher.poll() is None:
+            watcher.terminate()  # the run is over: nothing left to watch
+            try:
+                watcher.wait(timeout=5)
+            except Exception:
+                watcher.kill()
+        runtime.stop(session)
+
+
+def _run(args: argparse.Namespace, session: runtime.Session, options: consistency.Options, report_dir: Path) -> int:
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
     ctx = consistency.Context(session, options)
     current = {"check": consistency.CHECKS[0].name}
 
@@ -107,8 +124,7 @@ def main(args: argparse.Namespace) -> int:
             pass
         return report.exit_code
     finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        runtime.stop(session)
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _watchdog_report(report_dir: Path) -> Report | None:
