@@ -109,6 +109,7 @@ def test_bad_parallel_and_report_dir(tmp_path):
     assert res.returncode == 2 and "Traceback" not in res.output
     assert res.stderr.strip() == (f"distcheck: error: --model {FIXTURES}/factory_errors.py:raises: the factory "
                                   f"raised RuntimeError: cannot build")
+    assert not (tmp_path / "r" / "report.json").exists()  # no partial report claiming the run was killed
 
 
 def test_bad_model_under_torchrun_shows_message(tmp_path):
@@ -143,7 +144,7 @@ def test_rank_crash_keeps_the_report(tmp_path):
     assert res.returncode != 0
     [f] = report["findings"]
     assert f["kind"] == "rank_failure" and f["ranks"] == [1], f
-    assert f["detail"]["check"] == "model_consistency" and "rank(s) 1" in f["message"]
+    assert f["detail"]["check"] == "model_consistency" and "rank 0 was waiting for rank(s) 1" in f["message"]
     status = {c["name"]: c["ok"] for c in report["checks"]}
     assert status["environment"] and status["collectives"] and not status["model_consistency"]
 

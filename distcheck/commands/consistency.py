@@ -101,12 +101,19 @@ def _run(args: argparse.Namespace, session: runtime.Session, options: consistenc
         try:
             local, ctx = consistency.run_checks(session, options, ctx, before_check)
             report = consistency.build_report(session, options, local, ctx)
+        except UsageError:
+            # Bad input found mid-run (a factory that raises): exit 2 with its message, and no partial report
+            # pretending the run was killed.
+            if session.rank == 0:
+                for name in ("report.json", "report.txt"):
+                    (report_dir / name).unlink(missing_ok=True)
+            raise
         except consistency.Terminated:
             behind = consistency.ranks_behind(session)
             why = "torchrun stopped this rank (SIGTERM), typically because another rank exited"
             if behind:
-                why += f"; this rank was waiting for rank(s) {','.join(map(str, behind))}, which never arrived " \
-                       f"(see torchrun's output for their exit code)"
+                why += f"; rank {session.rank} was waiting for rank(s) {','.join(map(str, behind))}, which never " \
+                       f"arrived (see torchrun's output for their exit code)"
             report = consistency.interrupted_report(session, options, ctx, current["check"], why, behind)
             if session.rank == 0:
                 watched = _watchdog_report(report_dir)
