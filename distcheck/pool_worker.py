@@ -64,7 +64,7 @@ def main() -> int:
     import torch
     import torch.distributed as dist
 
-    from distcheck import trace
+    from distcheck import autocheck, trace
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     stacks = open(Path(os.environ["DISTCHECK_POOL_DIR"]) / f"stacks-rank{rank}.txt", "w")
@@ -92,6 +92,8 @@ def main() -> int:
         # Each test's collectives are traced into its own directory: a failing test then shows the first
         # collective where the ranks diverged, and a hang each rank's last collective.
         tracer = trace.install(job.trace_dir, rank) if job.trace_dir else None
+        # The same zero-code checks as `distcheck run` (models found by themselves, NaN/Inf, uninitialized values).
+        checker = autocheck.install(job.trace_dir, rank, emit=True) if job.trace_dir else None
         try:
             fn = _load(job)
             kwargs = {k: (ctx if getattr(v, "_distcheck_placeholder", False) else v) for k, v in job.kwargs.items()}
@@ -99,6 +101,17 @@ def main() -> int:
             result = RankOutcome(rank, "passed")
         except BaseException as exc:  # noqa: BLE001 - every failure is reported, labelled with its rank
             result = _outcome(rank, exc)
+        if checker is not None:
+            # A test whose asserts pass but whose model holds NaN or uncovered parameters fails, with the findings.
+            try:
+                found = autocheck.test_findings(checker, job.trace_dir)
+            except Exception as exc:  # noqa: BLE001 - the test's own outcome must survive a failing check
+                found = []
+                sys.stderr.write(f"[distcheck rank {rank}] automatic checks failed: {exc}\n")
+            autocheck.uninstall()
+            if found and result.status in ("passed", "failed"):
+                text = autocheck.failure_text(found)
+                result = RankOutcome(rank, "failed", f"{result.text.rstrip()}\n{text}" if result.text else text)
         if tracer is not None:
             tracer.note({"ev": "exit", "ok": result.status == "passed", "code": 0 if result.status == "passed" else 1})
             trace.uninstall()

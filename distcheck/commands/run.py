@@ -109,11 +109,20 @@ def build_report(report_dir: Path, command: str, world_size: int, traces: dict[i
 
     findings = analyze_run(traces, outcomes, world_size, timeout=timeout, hang_findings=hang_findings)
     findings += sink.collect(report_dir)
+    from distcheck.autocheck import report_parts
+
+    # Zero-code checks: model_check (its time), and the first NaN/Inf merged from every rank's own record.
+    auto_findings, auto_checks = report_parts(report_dir)
+    findings += auto_findings
+    # A script that calls check_model itself gets the same findings from the automatic check: report them once.
+    seen: set[tuple] = set()
+    findings = [f for f in findings if not ((f.kind, tuple(f.ranks), f.message) in seen
+                                            or seen.add((f.kind, tuple(f.ranks), f.message)))]
     mismatch = any(f.kind == "collective_mismatch" for f in findings)
     failed = any(o.state != STATE_OK for o in outcomes.values())
     checks = [CheckResult("collective_order", not mismatch, seconds),
               CheckResult("ranks_completed", not failed, 0.0,
-                          note=stop_reason or "")]
+                          note=stop_reason or "")] + auto_checks
     artifacts: dict[str, str] = {}
     for r in sorted(traces):
         artifacts[f"trace-rank{r}"] = f"trace-rank{r}.jsonl"
@@ -122,7 +131,7 @@ def build_report(report_dir: Path, command: str, world_size: int, traces: dict[i
         artifacts["trace.json"] = "trace.json"
     except OSError as exc:
         log.warning("could not write trace.json: %s", exc)
-    for path in sorted(report_dir.glob("findings-rank*.jsonl")):
+    for path in sorted(report_dir.glob("findings-rank*.jsonl")) + sorted(report_dir.glob("autocheck-rank*.json")):
         artifacts[path.stem] = path.name
     outcomes_json = {str(r): {"state": o.state, "exit_code": o.exit_code, "signal": o.signal}
                      for r, o in sorted(outcomes.items())}
@@ -133,7 +142,7 @@ def build_report(report_dir: Path, command: str, world_size: int, traces: dict[i
 def _clean_report_dir(report_dir: Path, ranks: range | list[int]) -> None:
     """Traces and findings files are appended to: a reused report dir must not mix in an earlier run."""
     for r in ranks:
-        for name in (f"trace-rank{r}.jsonl", f"findings-rank{r}.jsonl"):
+        for name in (f"trace-rank{r}.jsonl", f"findings-rank{r}.jsonl", f"autocheck-rank{r}.json"):
             try:
                 (report_dir / name).unlink()
             except FileNotFoundError:
@@ -265,6 +274,10 @@ def run_in_rank(args: argparse.Namespace, script: Path, script_args: list[str]) 
     if not supervised:
         _clean_report_dir(report_dir, [info.rank])
     tracer = trace.install(report_dir, info.rank)
+    from distcheck import autocheck
+
+    # Finds the models (fully_shard/DDP/TP) and optimizers by itself; DISTCHECK_AUTOCHECK=0 turns it off.
+    checker = autocheck.install(report_dir, info.rank)
     from distcheck.watchdog import rank_bootstrap
 
     # Stack hooks (ptrace permission for our launcher, faulthandler fallback); under plain torchrun also the node
@@ -279,6 +292,8 @@ def run_in_rank(args: argparse.Namespace, script: Path, script_args: list[str]) 
         finalizer = _TorchrunMonitor(info.rank, info.world_size, report_dir, args, done_marker, main_done)
         finalizer.start()
     ok, code = _execute(script, script_args, tracer)
+    if checker is not None:
+        checker.finish()  # before the exit line: rank 0 reads every rank's autocheck file once all have exited
     tracer.note({"ev": "exit", "ok": ok, "code": code})
     main_done.set()
     if supervised:

@@ -1,0 +1,288 @@
+"""Pure analysis behind ``bad_values`` (no process group): classify values, merge per-rank first-NaN events.
+
+Two bugs end up here:
+
+- *Uninitialized parameters.* A model built on the meta device, sharded, then ``to_empty()``'d keeps whatever the
+  allocator handed back until an initializer writes it. When a root ``reset_parameters()`` does not reach the
+  children, those parameters hold leftovers: values like 1e31 or 1e38 next to denormals (freed-list pointers and
+  integers read as floats), or NaN. No initializer produces a magnitude above 1e6 or a denormal in float32/bf16,
+  so those are the signal; exact zeros alone are not (zero-init of biases and residual projections is common).
+- *First NaN/Inf.* Each rank records its first bad step (loss or gradient); :func:`first_bad_finding` merges the
+  ranks' events into one finding naming the earliest step, the ranks whose *own loss* was bad there (their data),
+  and the ranks that only received NaN through the gradient reduction.
+
+Stats are computed by :func:`tensor_stats` (torch, no communication); everything else works on plain records, so
+it is unit-tested without launching ranks.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from distcheck.findings import Finding, format_ranks
+
+# No initializer (normal/uniform/xavier/kaiming/trunc_normal/ones/zeros/eye/orthogonal) produces a magnitude above
+# this for any realistic fan-in; leftovers of uninitialized memory routinely do (1e31, 1e38).
+HUGE = 1e6
+# Dtypes whose smallest normal is ~1.2e-38: an initializer drawing N(0, 0.02) hits a denormal with probability
+# ~1e-36 per element, so a denormal is leftover memory. float16's smallest normal is 6e-5: denormals are normal
+# there, the rule does not apply.
+DENORMAL_DTYPES = frozenset({"float32", "float64", "bfloat16"})
+MAX_NAMED_PARAMS = 8  # parameters named in one message; all of them are in the detail
+
+
+@dataclass(frozen=True)
+class ValueStats:
+    """What one tensor's local values look like (a DTensor: this rank's shard)."""
+
+    numel: int
+    nan: int = 0
+    inf: int = 0
+    huge: int = 0  # finite, |x| > HUGE
+    denormal: int = 0  # 0 < |x| < finfo.tiny
+    zeros: int = 0
+    min: float = 0.0  # over finite values; 0.0 when there are none
+    max: float = 0.0
+    max_abs: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def tensor_stats(t: Any) -> ValueStats:
+    """Stats of a floating tensor's local values (one pass of elementwise kernels, no communication)."""
+    import torch
+
+    local = t.to_local() if callable(getattr(t, "to_local", None)) else t
+    x = local.detach()
+    n = x.numel()
+    if n == 0 or not x.is_floating_point():
+        return ValueStats(numel=n)
+    finite = torch.isfinite(x)
+    nan = int(torch.isnan(x).sum())
+    n_finite = int(finite.sum())
+    inf = n - n_finite - nan
+    if n_finite:
+        vals = x[finite].float() if n_finite < n else x.float()
+        a = vals.abs()
+        tiny = torch.finfo(x.dtype).tiny
+        lo, hi, max_abs = float(vals.min()), float(vals.max()), float(a.max())
+        huge = int((a > HUGE).sum())
+        denormal = int(((a > 0) & (a < tiny)).sum())
+        zeros = int((a == 0).sum())
+    else:
+        lo = hi = max_abs = 0.0
+        huge = denormal = zeros = 0
+    return ValueStats(n, nan, inf, huge, denormal, zeros, lo, hi, max_abs)
+
+
+def plausible(t: Any, role: str = "parameter") -> bool:
+    """Fast path of :func:`classify` (two reductions, no counts): True when nothing could be flagged.
+
+    NaN propagates through max, Inf and huge values show in it; the smallest nonzero magnitude shows denormals.
+    Only tensors that fail this get the full :func:`tensor_stats`.
+    """
+    import torch
+
+    local = t.to_local() if callable(getattr(t, "to_local", None)) else t
+    x = local.detach()
+    if x.numel() == 0 or not x.is_floating_point():
+        return True
+    a = x.abs()
+    top = float(a.max())
+    if role == "buffer":
+        return top == top  # only NaN counts for buffers
+    if not top <= HUGE:  # also False for NaN
+        return False
+    if str(x.dtype).removeprefix("torch.") not in DENORMAL_DTYPES:
+        return True
+    smallest = float(torch.where(a > 0, a, torch.full((), float("inf"), dtype=a.dtype, device=a.device)).min())
+    return smallest >= torch.finfo(x.dtype).tiny
+
+
+def classify(stats: ValueStats, dtype: str, role: str = "parameter") -> list[str]:
+    """Why these values cannot come from an initializer (empty: they can).
+
+    Parameters: NaN, Inf, |x| > 1e6, denormals (float32/float64/bf16). Buffers legitimately hold -inf masks and
+    large constants, so only NaN counts there.
+    """
+    dtype = dtype.removeprefix("torch.")
+    reasons: list[str] = []
+    if stats.nan:
+        reasons.append(f"{stats.nan} NaN")
+    if role == "buffer":
+        return reasons
+    if stats.inf:
+        reasons.append(f"{stats.inf} Inf")
+    if stats.huge:
+        reasons.append(f"{stats.huge} with |x| > {HUGE:.0e} (max {stats.max_abs:.3g})")
+    if stats.denormal and dtype in DENORMAL_DTYPES:
+        reasons.append(f"{stats.denormal} denormal")
+    return reasons
+
+
+@dataclass
+class FlaggedTensor:
+    """A parameter or buffer whose local values on one rank no initializer produces."""
+
+    name: str
+    role: str
+    dtype: str
+    module: str  # fqn of the owning module ("" for the root)
+    module_class: str  # the user-visible class (nn.Linear, not FSDPLinear)
+    stats: ValueStats
+    reasons: list[str]
+    file: str | None = None
+    line: int | None = None
+    init_range: tuple[float, float] | None = None  # what the owning module's own initializer gives
+    init_source: str | None = None  # "nn.Linear.reset_parameters()" or why none could be computed
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["stats"] = self.stats.to_json()
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> FlaggedTensor:
+        data = dict(data)
+        data["stats"] = ValueStats(**data["stats"])
+        if data.get("init_range") is not None:
+            data["init_range"] = tuple(data["init_range"])
+        return cls(**data)
+
+
+def _site(file: str | None, line: int | None) -> str | None:
+    return f"{os.path.basename(file)}:{line}" if file and line else None
+
+
+def _range(lo: float, hi: float) -> str:
+    return f"[{lo:.3g}, {hi:.3g}]"
+
+
+def uninitialized_findings(per_rank: dict[int, list[FlaggedTensor]]) -> list[Finding]:
+    """One ``bad_values`` finding per flagged tensor, with the ranks that hold such values, in model order."""
+    merged: dict[str, dict[int, FlaggedTensor]] = {}
+    for rank in sorted(per_rank):
+        for item in per_rank[rank]:
+            merged.setdefault(item.name, {})[rank] = item
+    findings: list[Finding] = []
+    for name, by_rank in merged.items():
+        ranks = sorted(by_rank)
+        first = by_rank[ranks[0]]
+        lo = min(i.stats.min for i in by_rank.values())
+        hi = max(i.stats.max for i in by_rank.values())
+        nonfinite = any(i.stats.nan or i.stats.inf for i in by_rank.values())
+        where = _site(first.file, first.line)
+        owner = f"{first.module_class} '{first.module}'" if first.module else f"the root {first.module_class}"
+        msg = (f"{first.role} '{name}' of {owner}" + (f" ({where})" if where else "") +
+               f" holds values no initializer produces at the first forward on {format_ranks(ranks)}: "
+               f"{', '.join(first.reasons)} of {first.stats.numel} local values, finite range {_range(lo, hi)}")
+        if first.init_range is not None:
+            msg += f"; {first.init_source} gives {_range(*first.init_range)}"
+        elif first.init_source:
+            msg += f" ({first.init_source})"
+        if first.role == "parameter" and not nonfinite or first.stats.denormal or first.stats.huge:
+            msg += (". It looks uninitialized: built on the meta device and to_empty()'d, then no reset_parameters()"
+                    " or init reached it. Such values are whatever memory held, so they also differ between world"
+                    " sizes and runs")
+        else:
+            msg += ". Training with it turns every loss and gradient that touches it into NaN/Inf"
+        detail: dict[str, Any] = {
+            "param": name, "role": first.role, "module": first.module, "module_class": first.module_class,
+            "dtype": first.dtype, "reasons": {str(r): by_rank[r].reasons for r in ranks},
+            "stats": {str(r): by_rank[r].stats.to_json() for r in ranks},
+            "range": [lo, hi], "init_range": list(first.init_range) if first.init_range else None,
+            "init_source": first.init_source, "when": "first forward",
+        }
+        if where:
+            detail.update(file=first.file, line=first.line, site=where)
+        findings.append(Finding("bad_values", ranks, msg, detail))
+    return findings
+
+
+@dataclass
+class BadEvent:
+    """A rank's first step with a non-finite loss or gradient (local values, before any cross-rank check)."""
+
+    step: int
+    counter: str  # "optimizer.step" or "backward"
+    loss_bad: bool  # this rank's own loss (what it passed to backward) was NaN/Inf
+    loss_value: str | None = None  # "nan", "inf", "-inf"
+    grad_params: list[str] = field(default_factory=list)  # non-finite gradients, in backward order
+    file: str | None = None  # the user's backward() line
+    line: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> BadEvent:
+        return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
+
+
+def first_bad_finding(events: dict[int, BadEvent | None], steps_done: dict[int, int]) -> Finding | None:
+    """Merge the ranks' first-bad events into one ``bad_values`` finding (None when every rank stayed finite).
+
+    ``steps_done[r]``: how many steps rank r completed (to tell "clean at that step" from "never got there").
+    The ranks whose own loss was bad at the earliest step are the origin; a NaN there on some ranks only points
+    to those ranks' data (their batch), since every rank runs the same model on the same parameters.
+    """
+    bad = {r: e for r, e in events.items() if e is not None}
+    if not bad:
+        return None
+    step = min(e.step for e in bad.values())
+    at_step = {r: e for r, e in bad.items() if e.step == step}
+    counter = next(iter(at_step.values())).counter
+    loss_ranks = sorted(r for r, e in at_step.items() if e.loss_bad)
+    grad_ranks = sorted(r for r, e in at_step.items() if e.grad_params)
+    everyone = sorted(set(events) | set(steps_done))
+    clean = [r for r in everyone if r not in at_step and steps_done.get(r, 0) > step]
+    origin = loss_ranks or sorted(at_step)
+    first = at_step[origin[0]]
+    where = _site(first.file, first.line)
+    unit = "optimizer step" if counter == "optimizer.step" else "backward() call"
+    parts = [f"first NaN/Inf at step {step} (0-based {unit} count) on {format_ranks(origin)}"]
+    if loss_ranks:
+        values = sorted({at_step[r].loss_value or "nan" for r in loss_ranks})
+        parts.append(f"the loss passed to backward()" + (f" at {where}" if where else "") +
+                     f" was {'/'.join(values)} on {format_ranks(loss_ranks)}")
+    first_param = next((at_step[r].grad_params[0] for r in origin if at_step[r].grad_params), None)
+    if first_param is None and grad_ranks:
+        first_param = at_step[grad_ranks[0]].grad_params[0]
+    if first_param:
+        parts.append(f"first non-finite gradient in backward order: '{first_param}' (on "
+                     f"{format_ranks(grad_ranks)})")
+    msg = "; ".join(parts)
+    if loss_ranks and len(loss_ranks) < len(everyone):
+        finite_loss = sorted(r for r in everyone if r not in loss_ranks
+                             and (r in at_step or steps_done.get(r, 0) > step))
+        if finite_loss:
+            msg += f". {format_ranks(finite_loss).capitalize()} had a finite loss at that step"
+            via = [r for r in finite_loss if r in grad_ranks]
+            if via:
+                msg += (f" ({'its' if len(via) == 1 else 'their'} gradients on {format_ranks(via)} got the NaN/Inf "
+                        "through the gradient reduction)")
+        whose = "that rank's" if len(loss_ranks) == 1 else "those ranks'"
+        msg += (f". A NaN/Inf on {'one rank' if len(loss_ranks) == 1 else 'some ranks'} only points to {whose} "
+                f"data: check the batch {format_ranks(loss_ranks)} loaded at step {step}")
+    elif not loss_ranks:
+        msg += (". Every loss was finite: the NaN/Inf arose in backward (overflow, division by zero, log of 0) or "
+                "came from a parameter")
+    if clean:
+        msg += f". {format_ranks(clean).capitalize()} stayed finite at that step"
+    detail: dict[str, Any] = {
+        "step": step, "counter": counter, "origin_ranks": origin, "loss_ranks": loss_ranks,
+        "grad_ranks": grad_ranks, "first_param": first_param, "clean_ranks": clean,
+        "events": {str(r): e.to_json() for r, e in sorted(bad.items())},
+    }
+    if where:
+        detail.update(file=first.file, line=first.line, site=where)
+    return Finding("bad_values", origin, msg, detail)
+
+
+def loss_value_name(value: float) -> str:
+    if math.isnan(value):
+        return "nan"
+    return "inf" if value > 0 else "-inf"

@@ -1,0 +1,115 @@
+"""Zero-code checks under `distcheck run` and the pytest marker: models found by themselves, bad_values.
+
+Each fixture is an unmodified script (no distcheck call); see its docstring for the command and the expected report.
+"""
+from __future__ import annotations
+
+import pytest
+from launch_helpers import FIXTURES, distcheck, load_report
+
+
+def line_of(fixture: str, text: str) -> int:
+    lines = (FIXTURES / fixture).read_text().splitlines()
+    return next(i for i, line in enumerate(lines, 1) if text in line)
+
+
+def run_fixture(tmp_path, fixture: str):
+    out = tmp_path / "report"
+    res = distcheck(["run", "--nproc", "2", "--timeout", "60", "--report-dir", str(out), "--",
+                     str(FIXTURES / fixture)], timeout=150)
+    return res, load_report(out)
+
+
+def test_meta_init_leaves_block_params_uninitialized(tmp_path):
+    res, report = run_fixture(tmp_path, "zc_meta_init.py")
+    assert res.returncode == 1, res.output
+    uninit = {f["detail"]["param"]: f for f in report["findings"]
+              if f["kind"] == "bad_values" and f["detail"].get("when") == "first forward"}
+    # Only the blocks' parameters: init_weights() did initialize the embedding and the head.
+    assert set(uninit) == {f"blocks.{b}.{fc}.{p}" for b in (0, 1) for fc in ("fc1", "fc2") for p in ("weight", "bias")}
+    weight = uninit["blocks.0.fc1.weight"]
+    assert weight["ranks"] == [0, 1]
+    line = line_of("zc_meta_init.py", "self.fc1 = nn.Linear")
+    assert weight["detail"]["line"] == line and weight["detail"]["file"].endswith("zc_meta_init.py")
+    assert f"zc_meta_init.py:{line}" in weight["message"] and "nn.Linear 'blocks.0.fc1'" in weight["message"]
+    assert "nn.Linear.reset_parameters() gives [-0.17" in weight["message"]
+    assert "differ between world sizes and runs" in weight["message"]
+    checks = {c["name"]: c for c in report["checks"]}
+    assert not checks["model_check"]["ok"] and checks["model_check"]["seconds"] > 0
+
+
+def test_nan_in_one_ranks_batch_names_step_and_rank(tmp_path):
+    res, report = run_fixture(tmp_path, "zc_nan_batch.py")
+    assert res.returncode == 1, res.output
+    [finding] = report["findings"]
+    assert finding["kind"] == "bad_values" and finding["ranks"] == [1]
+    detail = finding["detail"]
+    assert detail["step"] == 2 and detail["loss_ranks"] == [1] and detail["grad_ranks"] == [0, 1]
+    line = line_of("zc_nan_batch.py", "        loss.backward()")
+    assert detail["line"] == line and f"zc_nan_batch.py:{line}" in finding["message"]
+    assert finding["message"].startswith("first NaN/Inf at step 2 ")
+    assert "Rank 0 had a finite loss at that step" in finding["message"]
+    assert "only points to that rank's data" in finding["message"]
+    assert detail["first_param"] == "2.bias"  # the last layer: the first gradient backward produces
+
+
+def test_unwrapped_root_is_found_without_any_distcheck_call(tmp_path):
+    res, report = run_fixture(tmp_path, "zc_unwrapped_root.py")
+    assert res.returncode == 1, res.output
+    uncovered = {f["detail"]["param"]: f for f in report["findings"] if f["kind"] == "uncovered_param"}
+    assert set(uncovered) == {"head.weight", "head.bias"} and len(report["findings"]) == 2
+    assert uncovered["head.weight"]["ranks"] == [0, 1]
+    assert uncovered["head.weight"]["detail"]["line"] == line_of("zc_unwrapped_root.py", "self.head = nn.Linear")
+
+
+# train_fsdp2.py runs in tests/test_run.py::test_non_bugs_have_no_findings (with these checks on) and in
+# bench/bench_autocheck.py; zc_meta_init_ok.py is its meta-init FSDP2 variant.
+@pytest.mark.parametrize("fixture,root", [("train_tp.py", "Sequential"), ("zc_meta_init_ok.py", "FixedModel")])
+def test_correct_scripts_have_no_findings(tmp_path, fixture, root):
+    res, report = run_fixture(tmp_path, fixture)
+    assert res.returncode == 0, res.output
+    assert report["findings"] == []
+    checks = {c["name"]: c for c in report["checks"]}
+    assert checks["model_check"]["ok"] and root in checks["model_check"]["note"]
+    assert checks["bad_values"]["ok"]
+
+
+MARKER_TESTS = '''
+import pytest, torch, torch.distributed as dist, torch.nn as nn
+from torch.distributed.fsdp import fully_shard
+
+
+def train(dist_ctx, nan_step):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
+    fully_shard(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(3):
+        x = torch.randn(4, 8)
+        if step == nan_step and dist_ctx.rank == 1:
+            x[0, 0] = float("nan")
+        loss = model(x).sum()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+
+@pytest.mark.distributed(nprocs=2, timeout=60)
+def test_clean(dist_ctx):
+    train(dist_ctx, nan_step=None)
+
+
+@pytest.mark.distributed(nprocs=2, timeout=60)
+def test_nan_but_no_assert(dist_ctx):
+    train(dist_ctx, nan_step=1)
+'''
+
+
+def test_marker_fails_a_passing_test_that_trips_bad_values(pytester):
+    pytester.makepyfile(test_marker_nan=MARKER_TESTS)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-v", timeout=180)
+    out = result.stdout.str()
+    result.assert_outcomes(passed=1, failed=1)
+    assert "test_clean PASSED" in out and "test_nan_but_no_assert FAILED" in out
+    assert "distcheck's automatic checks found what the test's asserts did not" in out
+    assert "[bad_values] rank 1: first NaN/Inf at step 1" in out

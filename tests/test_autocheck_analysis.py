@@ -1,0 +1,89 @@
+"""bad_values analysis without launching ranks: value classification, uninitialized-parameter findings, first NaN."""
+from __future__ import annotations
+
+import torch
+
+from distcheck.analysis.bad_values import (HUGE, BadEvent, FlaggedTensor, ValueStats, classify, first_bad_finding,
+                                           tensor_stats, uninitialized_findings)
+
+
+def test_initializers_are_never_flagged():
+    torch.manual_seed(0)
+    for t in (torch.nn.Linear(256, 256).weight, torch.nn.init.normal_(torch.empty(512, 64), std=0.02),
+              torch.nn.init.trunc_normal_(torch.empty(128, 128)), torch.zeros(64), torch.ones(64),
+              torch.nn.init.xavier_uniform_(torch.empty(64, 64)).bfloat16(), torch.randn(1000).half()):
+        assert classify(tensor_stats(t), str(t.dtype)) == [], t
+
+
+def test_leftover_memory_is_flagged_for_what_it_is():
+    t = torch.tensor([1e38, -3e31, 1e-40, 0.0, 0.5, float("nan"), float("inf")])
+    stats = tensor_stats(t)
+    assert (stats.nan, stats.inf, stats.huge, stats.denormal, stats.zeros) == (1, 1, 2, 1, 1)
+    assert stats.min == torch.tensor(-3e31).item() and stats.max == torch.tensor(1e38).item()
+    assert classify(stats, "float32") == ["1 NaN", "1 Inf", f"2 with |x| > {HUGE:.0e} (max 1e+38)", "1 denormal"]
+    # float16's denormals are ordinary small values; buffers may hold -inf masks and big constants, only NaN counts.
+    assert classify(tensor_stats(torch.tensor([1e-6, 0.1]).half()), "float16") == []
+    assert classify(stats, "float32", role="buffer") == ["1 NaN"]
+    assert classify(tensor_stats(torch.tensor([float("-inf"), 1e9])), "float32", role="buffer") == []
+
+
+def test_dtensor_like_uses_local_values():
+    class Fake:
+        def to_local(self):
+            return torch.tensor([2e7])
+
+    assert tensor_stats(Fake()).huge == 1
+
+
+def _flag(name: str, rank_max: float) -> FlaggedTensor:
+    stats = ValueStats(numel=10, huge=3, denormal=2, min=-5.0, max=rank_max, max_abs=rank_max)
+    return FlaggedTensor(name, "parameter", "float32", "blocks.0.fc1", "nn.Linear", stats,
+                         classify(stats, "float32"), "/src/model.py", 29, (-0.18, 0.18), "nn.Linear.reset_parameters()")
+
+
+def test_uninitialized_findings_merge_ranks_and_show_the_initializer():
+    [f] = uninitialized_findings({0: [_flag("blocks.0.fc1.weight", 1e38)], 1: [_flag("blocks.0.fc1.weight", 2e31)]})
+    assert f.kind == "bad_values" and f.ranks == [0, 1]
+    assert "'blocks.0.fc1.weight' of nn.Linear 'blocks.0.fc1' (model.py:29)" in f.message
+    assert "finite range [-5, 1e+38]" in f.message and "nn.Linear.reset_parameters() gives [-0.18, 0.18]" in f.message
+    assert "differ between world sizes and runs" in f.message
+    assert f.detail["file"] == "/src/model.py" and f.detail["line"] == 29 and f.detail["range"] == [-5.0, 1e38]
+    assert uninitialized_findings({0: [], 1: []}) == []
+
+
+def test_first_nan_on_one_rank_points_to_its_data():
+    events = {0: BadEvent(2, "optimizer.step", False, None, ["2.bias", "2.weight"]),
+              1: BadEvent(2, "optimizer.step", True, "nan", ["2.bias"], "/src/train.py", 40)}
+    f = first_bad_finding(events, {0: 4, 1: 4})
+    assert f.kind == "bad_values" and f.ranks == [1]
+    assert f.message.startswith("first NaN/Inf at step 2 ")
+    assert "the loss passed to backward() at train.py:40 was nan on rank 1" in f.message
+    assert "first non-finite gradient in backward order: '2.bias'" in f.message
+    assert "Rank 0 had a finite loss at that step" in f.message and "through the gradient reduction" in f.message
+    assert "only points to that rank's data" in f.message
+    assert f.detail["step"] == 2 and f.detail["clean_ranks"] == [] and f.detail["line"] == 40
+
+
+def test_first_nan_earliest_step_wins_and_all_ranks_bad_is_not_a_data_hint():
+    events = {0: BadEvent(5, "optimizer.step", True, "inf"), 1: BadEvent(3, "optimizer.step", True, "nan"),
+              2: None}
+    f = first_bad_finding(events, {0: 6, 1: 6, 2: 6})
+    assert f.ranks == [1] and f.detail["step"] == 3 and f.detail["clean_ranks"] == [0, 2]
+    assert "Ranks 0,2 stayed finite at that step" in f.message
+    both = first_bad_finding({0: BadEvent(0, "backward", True, "nan"), 1: BadEvent(0, "backward", True, "nan")},
+                             {0: 1, 1: 1})
+    assert both.ranks == [0, 1] and "points to" not in both.message
+    grads_only = first_bad_finding({0: BadEvent(1, "optimizer.step", False, None, ["w"])}, {0: 3})
+    assert "Every loss was finite" in grads_only.message and grads_only.detail["first_param"] == "w"
+    assert first_bad_finding({0: None, 1: None}, {0: 3, 1: 3}) is None
+
+
+def test_fast_path_agrees_with_classify():
+    from distcheck.analysis.bad_values import plausible
+
+    cases = [torch.randn(100), torch.zeros(10), torch.tensor([1e38, 0.1]), torch.tensor([1e-40, 0.1]),
+             torch.tensor([float("nan")]), torch.tensor([float("-inf"), 0.0]), torch.randn(50).half(),
+             torch.tensor([1e-6]).half(), torch.tensor([2e6]).bfloat16()]
+    for t in cases:
+        for role in ("parameter", "buffer"):
+            assert plausible(t, role) == (classify(tensor_stats(t), str(t.dtype), role) == []), (t, role)
