@@ -185,3 +185,14 @@ def test_bad_scripts_exit_2(tmp_path):
     assert res.returncode == 2 and "is not a Python file" in res.stderr and len(res.stderr.strip().splitlines()) == 1
     res = distcheck(["run", "--nproc", "2"], timeout=60)
     assert res.returncode == 2 and "no script given" in res.stderr
+
+
+def test_mesh_error_in_run_is_mesh_mismatch(tmp_path):
+    res, report, _ = run_fixture(tmp_path, "mesh_2x2_on_2_ranks.py")
+    assert res.returncode == 1, res.output
+    f = only(report, "mesh_mismatch")
+    line = line_of("mesh_2x2_on_2_ranks.py", "# BUG")
+    assert f["ranks"] == [0, 1] and f["detail"]["line"] == line and f"mesh_2x2_on_2_ranks.py:{line}" in f["message"]
+    assert f["detail"]["shape"] == [2, 2] and "needs 4 ranks but the world has 2" in f["message"]
+    assert "Mesh should not be bigger" in f["detail"]["torch_error"]
+    assert not [g for g in report["findings"] if g["kind"] == "rank_failure"]  # explained by the mesh error

@@ -31,7 +31,7 @@ from distcheck.analysis.trace_align import (STATE_DIED, STATE_ERROR, STATE_HUNG,
                                             STATE_UNKNOWN, RankOutcome, analyze_run, provably_stuck)
 from distcheck.analysis.trace_events import RankError, RankTrace, load_traces
 from distcheck.errors import UsageError
-from distcheck.findings import CheckResult, Finding
+from distcheck.findings import CheckResult, Finding, format_ranks
 from distcheck.report import Report, default_report_dir, prepare_report_dir, render_text, write_report
 from distcheck.runtime import backstop
 
@@ -108,7 +108,7 @@ def build_report(report_dir: Path, command: str, world_size: int, traces: dict[i
     from distcheck.chrome_trace import write_chrome_trace
 
     findings = analyze_run(traces, outcomes, world_size, timeout=timeout, hang_findings=hang_findings)
-    findings += sink.collect(report_dir)
+    findings = merge_mesh_errors(findings + sink.collect(report_dir))
     from distcheck.autocheck import report_parts
 
     # Zero-code checks: model_check (its time), and the first NaN/Inf merged from every rank's own record.
@@ -253,12 +253,50 @@ def _execute(script: Path, script_args: list[str], tracer) -> tuple[bool, int]:
         exc_info = (type(exc), exc, exc.__traceback__)
         status = 1
     text = "".join(traceback.format_exception(*exc_info))
+    _report_mesh_error(exc_info[1], tracer.rank)
     sys.stderr.write(f"[distcheck rank {tracer.rank}] the script raised:\n{text}")
     sys.stderr.flush()
     site, path, line = _user_site(exc_info[2])
     tracer.note({"ev": "error", "exc_type": exc_info[0].__name__, "message": str(exc_info[1]), "traceback": text,
                  "site": site, "file": path, "line": line})
     return False, status
+
+
+def _report_mesh_error(exc: BaseException, rank: int) -> None:
+    """A torch error from building a DeviceMesh is a mesh_mismatch (with the user's line), not just a crash."""
+    try:
+        from distcheck.mesh import mesh_error_finding
+
+        finding = mesh_error_finding(exc, exc.__traceback__)
+    except Exception as err:  # the diagnosis must never hide the script's own error
+        log.debug("mesh error check failed: %s", err)
+        return
+    if finding is not None:
+        sink.emit([finding], rank)
+
+
+def merge_mesh_errors(findings: list[Finding]) -> list[Finding]:
+    """One mesh_mismatch per failing init_device_mesh call (every rank raises the same error), and no
+    rank_failure for the ranks whose failure it explains."""
+    merged: dict[tuple, Finding] = {}
+    out: list[Finding] = []
+    for f in findings:
+        if f.kind != "mesh_mismatch" or "torch_error" not in f.detail:
+            out.append(f)
+            continue
+        key = (f.detail.get("file"), f.detail.get("line"), f.detail["torch_error"])
+        if key in merged:
+            first = merged[key]
+            ranks = sorted(set(first.ranks) | set(f.ranks))
+            first.message = first.message.replace(f"failed on {format_ranks(first.ranks)}",
+                                                  f"failed on {format_ranks(ranks)}", 1)
+            first.ranks = ranks
+            continue
+        merged[key] = f
+        out.append(f)
+    explained = {(r, f.detail["torch_error"].split(":", 1)[0]) for f in merged.values() for r in f.ranks}
+    return [f for f in out if not (f.kind == "rank_failure" and len(f.ranks) == 1
+                                   and (f.ranks[0], f.detail.get("exception")) in explained)]
 
 
 def run_in_rank(args: argparse.Namespace, script: Path, script_args: list[str]) -> int:
