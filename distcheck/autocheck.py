@@ -22,6 +22,15 @@ Steps. Each ``optimizer.step()`` (a global step pre-hook) checks that step's los
 per step (on CUDA the read is a non-blocking copy checked at a later step, so there is no added sync). Only the
 rank's first bad step is kept, written to ``autocheck-rank<R>.json``; ``build_report`` merges the ranks' events,
 so no cross-rank traffic is needed per step.
+
+Automatic records (zero-code compare). Under ``distcheck compare`` (DISTCHECK_AUTO_RECORD_STEPS=K in the ranks'
+environment) the first K steps also record, marked automatic: the loss passed to ``backward()`` as ``auto/loss``
+at the user's ``backward()`` line (each rank's own value: the analysis averages them over the ranks, so the
+training loop waits for no other rank), and after each ``optimizer.step()`` (a global step post-hook) every
+parameter that optimizer updates as ``auto/params`` at the user's ``step()`` line, gathered to full tensors (a
+collective on the user's process group, which every rank reaches at the same step). Parameters are named from the
+outermost modules whose forward ran before the first step (a global forward pre-hook, removed at that step), so
+the names agree with or without DDP/FSDP wrappers.
 """
 from __future__ import annotations
 
@@ -92,6 +101,15 @@ class AutoCheck:
         self._pending: list[tuple[int, str, Any, list[str], Any, Any, Any]] = []  # CUDA reads not yet done
         self._names: dict[int, str] = {}  # id(parameter) -> name, for the gradient check
         self._order: dict[str, int] = {}  # parameter name -> position in backward order
+        # Zero-code compare: K steps to record by itself (0 outside compare, so `run` pays nothing for it).
+        self.record_steps = _auto_record_steps()
+        self.auto_records = 0
+        self._called: dict[int, weakref.ref] = {}  # modules whose forward ran before the first step
+        self._naming: Any = None
+        if self.record_steps:
+            from torch.nn.modules.module import register_module_forward_pre_hook
+
+            self._naming = register_module_forward_pre_hook(functools.partial(_note_call, weakref.ref(self)))
 
     # -- discovery ------------------------------------------------------------------------------------------------
     def watch(self, module: Any) -> None:
@@ -128,6 +146,7 @@ class AutoCheck:
         return root
 
     def stop_watching(self) -> None:
+        self._stop_naming()
         for handle in self._hooks.values():
             handle.remove()
         if self._global is not None:
@@ -249,6 +268,10 @@ class AutoCheck:
     # -- steps ----------------------------------------------------------------------------------------------------
     def on_backward(self, loss: Any) -> None:
         self.backwards += 1
+        if self.record_steps:
+            self._record_loss(loss)
+            if not self.optimizers and self.backwards > self.record_steps:
+                self._stop_naming()  # names serve only the parameter records of optimizer steps
         if self.first_bad is not None or loss.numel() != 1 or not loss.is_floating_point():
             return
         site = _site_finder().find(1)
@@ -267,6 +290,65 @@ class AutoCheck:
         if self.first_bad is None:
             params = [p for g in optimizer.param_groups for p in g["params"]]
             self.check_step(step, "optimizer.step", params)
+
+    # -- automatic records (zero-code compare) -------------------------------------------------------------------
+    def _record_loss(self, loss: Any) -> None:
+        from distcheck import records
+
+        # A step is an optimizer step when the script has an optimizer (several backward() calls per step under
+        # gradient accumulation are occurrences of one step), else one backward() call.
+        step = max(self.opt_steps.values(), default=0) if self.optimizers else self.backwards - 1
+        if step >= self.record_steps or loss.numel() != 1 or not loss.is_floating_point():
+            return
+        try:
+            site = _site_finder().find(1)
+            # Each rank's own loss, not a cross-rank mean: compare averages per-rank values itself, so no rank
+            # waits for another here; for tensor parallelism the ranks agree and the mean is the value.
+            records.record_auto(records.AUTO_LOSS, loss.detach().reshape(()), step, site.file, site.line,
+                                replicated=False)
+            self.auto_records += 1
+        except Exception as exc:  # recording must never break the user's training
+            log.warning("distcheck: recording the loss failed: %s: %s", type(exc).__name__, exc)
+
+    def on_optimizer_step_done(self, optimizer: Any) -> None:
+        if not self.record_steps:
+            return
+        from distcheck import records
+
+        step = self.opt_steps.get(id(optimizer), 1) - 1
+        if step < self.record_steps:
+            try:
+                names = self._param_names()
+                pairs = [(names.get(id(p)) or f"param_groups.{g}.{i}", p)
+                         for g, group in enumerate(optimizer.param_groups) for i, p in enumerate(group["params"])]
+                site = _site_finder().find(1)
+                records.record_auto(records.AUTO_PARAMS, pairs, step, site.file, site.line)
+                self.auto_records += 1
+            except Exception as exc:
+                log.warning("distcheck: recording the parameters failed: %s: %s", type(exc).__name__, exc)
+        # Every model has run forward by the end of the first step: the naming hook has done its job.
+        self._stop_naming()
+
+    def _param_names(self) -> dict[int, str]:
+        """id(parameter) -> its name in the outermost module holding it (watched roots, then modules that ran)."""
+        modules = self._alive() + [m for m in (r() for r in self._called.values()) if m is not None]
+        inner = {id(sub) for m in modules for sub in m.modules() if sub is not m}
+        names: dict[int, str] = {}
+        for m in modules:
+            if id(m) in inner:
+                continue
+            for n, p in m.named_parameters():
+                names.setdefault(id(p), n)
+        return names
+
+    def note_call(self, module: Any) -> None:
+        if id(module) not in self._called:
+            self._called[id(module)] = weakref.ref(module)
+
+    def _stop_naming(self) -> None:
+        if self._naming is not None:
+            self._naming.remove()
+            self._naming = None
 
     def check_step(self, step: int, counter: str, params: list[Any]) -> None:
         import torch
@@ -347,7 +429,7 @@ class AutoCheck:
         return {"rank": self.rank, "model_checks": self.model_checks, "steps": self.steps_done,
                 "counter": "optimizer.step" if self.opt_steps else "backward", "backwards": self.backwards,
                 "first_bad": self.first_bad.to_json() if self.first_bad else None,
-                "step_check_seconds": self.step_seconds}
+                "step_check_seconds": self.step_seconds, "auto_records": self.auto_records}
 
     def write_state(self) -> None:
         from distcheck.report import atomic_write
@@ -373,6 +455,20 @@ def _first_forward(ref: weakref.ref, module: Any, args: Any) -> None:
     check = ref()
     if check is not None and check is _active:
         check.on_first_forward(module)
+
+
+def _note_call(ref: weakref.ref, module: Any, args: Any) -> None:
+    check = ref()
+    if check is not None and check is _active:
+        check.note_call(module)
+
+
+def _auto_record_steps() -> int:
+    from distcheck import records
+
+    steps = records.auto_steps()
+    # active() caches whether records are written: only ask once compare has asked for automatic records.
+    return steps if steps and records.active() else 0
 
 
 def _any_forward(ref: weakref.ref, module: Any, args: Any) -> None:
@@ -622,9 +718,14 @@ def patch_once() -> None:
         if _active is not None:
             _active.on_optimizer_step(optimizer)
 
-    from torch.optim.optimizer import register_optimizer_step_pre_hook
+    def step_post_hook(optimizer: Any, args: Any, kwargs: Any) -> None:
+        if _active is not None:
+            _active.on_optimizer_step_done(optimizer)
+
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
     register_optimizer_step_pre_hook(step_pre_hook)
+    register_optimizer_step_post_hook(step_post_hook)
 
     backward = torch.Tensor.backward
 

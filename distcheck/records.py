@@ -27,6 +27,11 @@ Keyword-only extras of :func:`record` (not part of the public ``distcheck.record
 
 A DTensor (or a module holding DTensors, as under FSDP2 or tensor parallelism) is gathered with ``full_tensor()``,
 a collective: record it on every rank, in the same order.
+
+Automatic records (zero-code compare). ``distcheck compare`` sets DISTCHECK_AUTO_RECORD_STEPS=K in each rank; for
+the first K steps ``distcheck.autocheck`` then records, through :func:`record_auto`, the loss passed to
+``backward()`` (``auto/loss``) and every parameter after each ``optimizer.step()`` (``auto/params``). Their index
+lines carry ``"auto": true``; the analysis drops them when the script records anything itself.
 """
 from __future__ import annotations
 
@@ -36,6 +41,11 @@ import sys
 from typing import Any
 
 ENV_REPORT_DIR = "DISTCHECK_REPORT_DIR"  # same variable as distcheck.sink: set by run/compare in each rank
+# How many steps autocheck records by itself; set by compare only, so `distcheck run` never pays for it.
+ENV_AUTO_STEPS = "DISTCHECK_AUTO_RECORD_STEPS"
+DEFAULT_AUTO_STEPS = 3
+AUTO_LOSS = "auto/loss"
+AUTO_PARAMS = "auto/params"
 
 # Wrapper prefixes that differ between world sizes (DDP only when distributed, torch.compile, FSDP1, activation
 # checkpointing): stripped from parameter names so the 1-rank and N-rank module records line up.
@@ -62,6 +72,26 @@ def tolerance(name: str, rtol: float | None = None, atol: float | None = None) -
         if v is not None and not (v >= 0 and v != float("inf")):
             raise ValueError(f"distcheck.records.tolerance({name!r}): {label} must be a finite number >= 0")
     _tolerances[str(name)] = (rtol, atol)
+
+
+def record_auto(name: str, value: Any, step: int, file: str | None, line: int | None,
+                replicated: bool | None = None) -> None:
+    """A record distcheck takes by itself (marked ``auto``), at the user's line given by the caller.
+
+    ``value`` is a tensor, or a list of (key, tensor) for a set of parameters (gathered to full tensors: every rank
+    must call this at the same point when they are DTensors).
+    """
+    if not _decided:
+        _decide()
+    if _recorder is None:
+        return
+    _recorder.add(name, value, step, None, None, replicated, auto=True, site=(file, line))
+
+
+def auto_steps() -> int:
+    """K of DISTCHECK_AUTO_RECORD_STEPS (0: no automatic records; also when the value is not a whole number)."""
+    text = os.environ.get(ENV_AUTO_STEPS, "").strip()
+    return int(text) if text.isdigit() else 0
 
 
 def active() -> bool:
@@ -146,13 +176,16 @@ class _Recorder:
         return meta
 
     def add(self, name: str, value: Any, step: int | None, rtol: float | None, atol: float | None,
-            replicated: bool | None) -> None:
+            replicated: bool | None, auto: bool = False,
+            site: tuple[str | None, int | None] | None = None) -> None:
         import torch
 
         if step is None:
             step = self._steps.get(name, 0)
         self._steps[name] = int(step) + 1
         entry: dict[str, Any] = {"name": name, "step": int(step), "seq": self._seq, "rank": self.rank}
+        if auto:
+            entry["auto"] = True  # only on automatic records: explicit ones keep their old index lines
         if isinstance(value, torch.nn.Module):
             parts = []
             named = [(n, "parameter", p) for n, p in value.named_parameters()]
@@ -160,6 +193,10 @@ class _Recorder:
             named += [(f"{n}.grad", "gradient", p.grad) for n, p in value.named_parameters() if p.grad is not None]
             for n, role, t in named:
                 parts.append({"key": normalize_key(n), "role": role, **self._write_tensor(t)})
+            entry.update(kind="module", parts=parts, replicated=True)
+        elif auto and isinstance(value, list):
+            # Automatic parameter records: (name, parameter) pairs an optimizer updates, stored like a module.
+            parts = [{"key": normalize_key(n), "role": "parameter", **self._write_tensor(t)} for n, t in value]
             entry.update(kind="module", parts=parts, replicated=True)
         elif isinstance(value, torch.Tensor):
             is_dtensor = callable(getattr(value, "full_tensor", None))
@@ -177,6 +214,6 @@ class _Recorder:
         own_rtol, own_atol = _tolerances.get(name, (None, None))
         entry["rtol"] = rtol if rtol is not None else own_rtol
         entry["atol"] = atol if atol is not None else own_atol
-        entry["file"], entry["line"] = _caller_site()
+        entry["file"], entry["line"] = site if site is not None else _caller_site()
         self._seq += 1
         os.write(self._index_fd, (json.dumps(entry) + "\n").encode())

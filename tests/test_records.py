@@ -249,3 +249,89 @@ def test_round_trip_through_files(tmp_path, monkeypatch):
     resolved, findings = resolve_run(run, 2)
     assert not findings and resolved[("act", 0, 0)].mode == "replicated"
     assert json.loads(index_path(tmp_path, 1).read_text().splitlines()[0])["rank"] == 1
+
+
+# -- automatic records (zero-code compare) ----------------------------------------------------------------------
+
+def test_auto_records_carry_the_flag_and_the_given_site(recording):
+    w = nn.Linear(2, 1)
+    records.record_auto(records.AUTO_LOSS, torch.tensor(0.5), 0, "/src/train.py", 41, replicated=False)
+    records.record_auto(records.AUTO_PARAMS, [("module.weight", w.weight), ("module.bias", w.bias)], 0,
+                        "/src/train.py", 42)
+    distcheck.record("loss", torch.tensor(0.5))
+    lines = [json.loads(x) for x in index_path(recording, 0).read_text().splitlines()]
+    assert [x.get("auto") for x in lines] == [True, True, None]  # explicit index lines are unchanged
+    loss, params, explicit = load_rank(recording, 0)
+    assert loss.auto and params.auto and not explicit.auto
+    assert (loss.site, params.site) == ("train.py:41", "train.py:42") and loss.replicated is False
+    assert params.kind == "module" and [(p.key, p.role) for p in params.parts] == [("weight", "parameter"),
+                                                                                   ("bias", "parameter")]
+    assert torch.equal(params.parts[0].value, w.weight.detach())
+
+
+@pytest.mark.parametrize("text, steps", [("3", 3), ("", 0), ("x", 0), ("-1", 0)])
+def test_auto_steps_from_the_environment(monkeypatch, text, steps):
+    monkeypatch.setenv(records.ENV_AUTO_STEPS, text)
+    assert records.auto_steps() == steps
+
+
+def auto(name, step, value, rank=0, seq=0, line=41):
+    return rec(name, step, value, rank=rank, seq=seq, line=line, auto=True)
+
+
+def test_auto_records_are_compared_and_marked_when_nothing_is_recorded_explicitly():
+    ref = {0: [auto("auto/loss", 0, 1.0), auto("auto/params", 0, [1.0, 2.0], seq=1, line=42)]}
+    run = {r: [auto("auto/loss", 0, 1.0 + 0.2 * (1 - 2 * r), rank=r),
+               auto("auto/params", 0, [1.0, 2.0], rank=r, seq=1, line=42)] for r in (0, 1)}
+    result = compare_runs(ref, run, 2)
+    assert result.ok and [(row.name, row.auto) for row in result.rows] == [("auto/loss", True), ("auto/params", True)]
+    assert result.rows[0].mode == "mean of 2 ranks"
+    js = result.rows[0].to_json()
+    assert js["auto"] is True and js["recorded"] == "recorded automatically" and js["site"] == "train.py:41"
+    table = render_table(result.rows).splitlines()
+    assert table[1].endswith("mean of 2 ranks, recorded automatically") and table[2].endswith(
+        "recorded automatically")
+    assert table[-1].startswith("recorded automatically (the script records nothing itself): auto/loss = the loss")
+
+
+def test_explicit_records_take_precedence_over_auto_ones():
+    # Explicit records only in the reference (the N-rank run crashed before its first): auto ones are dropped in
+    # both runs, so the N-rank run is reported as missing 'loss', not compared on values the reference lacks.
+    ref = {0: [auto("auto/loss", 0, 1.0), rec("loss", 0, 1.0, seq=1)]}
+    run = {0: [auto("auto/loss", 0, 5.0)]}
+    result = compare_runs(ref, run, 2)
+    assert [(row.name, row.status) for row in result.rows] == [("loss", STATUS_MISSING_RUN)]
+    assert [f.detail["name"] for f in result.findings] == ["loss"]
+    # Same records without the explicit one: the automatic loss is compared, and differs.
+    (f,) = compare_runs({0: [auto("auto/loss", 0, 1.0)]}, run, 2).findings
+    assert f.detail["name"] == "auto/loss" and f.detail["auto"] is True
+    assert "recorded automatically" not in render_table(result.rows)
+    assert "auto" not in result.rows[0].to_json()
+
+
+def test_auto_loss_one_over_n_names_the_loss_reduction_and_the_backward_line():
+    ref = {0: [auto("auto/loss", 0, 6.0)]}
+    run = {r: [auto("auto/loss", 0, 3.0, rank=r)] for r in (0, 1)}
+    (f,) = compare_runs(ref, run, 2).findings
+    assert f.kind == "reference_mismatch" and f.ranks == [0, 1] and f.detail["line"] == 41
+    assert f.message.startswith("step 0: the loss passed to backward() at train.py:41 (recorded automatically as "
+                                "'auto/loss') differs")
+    assert "the loss is 1/2 of the reference" in f.message and "reduction='sum'" in f.message
+    assert "divided by the world size once too often" not in f.message
+    # an explicitly recorded loss at 1/N (a logged copy) keeps the generic hint
+    (g,) = compare_runs({0: [rec("loss", 0, 6.0)]}, {0: [rec("loss", 0, 3.0)]}, 2).findings
+    assert "1/2 of the reference" in g.message and "reduction='sum'" not in g.message
+
+
+def test_auto_params_mismatch_names_the_parameter_and_the_step_line():
+    def params(rank, bias):
+        w, b = torch.tensor([1.0, 2.0]), torch.tensor([bias])
+        return Record("auto/params", 0, 0, rank, "module", [Part("0.weight", "parameter", w, w.dtype),
+                                                            Part("0.bias", "parameter", b, b.dtype)],
+                      True, file="/src/train.py", line=43, auto=True)
+
+    (f,) = compare_runs({0: [params(0, 0.5)]}, {r: [params(r, 1.0)] for r in (0, 1)}, 2).findings
+    assert f.detail["part"] == "0.bias" and f.detail["line"] == 43 and f.detail["auto"] is True
+    assert f.message.startswith("step 0: parameter '0.bias' after optimizer.step() at train.py:43 (recorded "
+                                "automatically as 'auto/params') differs")
+    assert "2x the reference" in f.message

@@ -7,6 +7,10 @@ one value (replicas must agree; per-rank values such as local losses are average
 (step, name) in record order and compares with dtype tolerances. Produces the table of every record, the
 ``reference_mismatch`` for the first differing record (worst element, abs and rel error, hints), findings for
 records present in one run only, and ``tensor_divergence`` for replicated records the ranks disagree on.
+
+Records marked ``auto`` are the ones distcheck took by itself (the loss passed to ``backward()``, the parameters
+after ``optimizer.step()``): they are compared only when neither run recorded anything explicitly, and every row,
+finding and table line built from them says "recorded automatically".
 """
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ import torch
 from distcheck.analysis.replicas import Divergence, diff_chunk, divergence_finding
 from distcheck.analysis.tolerance import Comparison, compare, ratio_hint, tolerance_for
 from distcheck.findings import Finding, format_ranks
+from distcheck.records import AUTO_LOSS, AUTO_PARAMS
 
 # Python numbers usually come from ``loss.item()`` of a float32 tensor: float64 tolerances would flag rounding.
 NUMBER_TOL_DTYPE = torch.float32
@@ -65,6 +70,7 @@ class Record:
     atol: float | None = None
     file: str | None = None
     line: int | None = None
+    auto: bool = False  # taken by distcheck itself (zero-code compare), not by a distcheck.record call
 
     @property
     def site(self) -> str:
@@ -106,7 +112,7 @@ def parse_entry(entry: dict[str, Any], data: bytes) -> Record:
             parts.append(Part(meta.get("key", ""), meta.get("role", "tensor"), t, t.dtype))
     return Record(entry["name"], int(entry["step"]), int(entry.get("seq", 0)), int(entry.get("rank", 0)), kind,
                   parts, entry.get("replicated"), entry.get("rtol"), entry.get("atol"), entry.get("file"),
-                  entry.get("line"))
+                  entry.get("line"), bool(entry.get("auto", False)))
 
 
 def load_rank(report_dir: str | os.PathLike, rank: int) -> list[Record]:
@@ -136,6 +142,21 @@ def load_run(report_dir: str | os.PathLike) -> dict[int, list[Record]]:
         except ValueError:
             continue
     return {r: load_rank(report_dir, r) for r in sorted(ranks)}
+
+
+def has_explicit(*runs: dict[int, list[Record]]) -> bool:
+    """Whether any rank of any of the runs recorded something with distcheck.record."""
+    return any(not rec.auto for run in runs for recs in run.values() for rec in recs)
+
+
+def with_precedence(*runs: dict[int, list[Record]]) -> list[dict[int, list[Record]]]:
+    """The runs without their automatic records when any of them holds an explicit one: what the script records
+    itself is what its author wants compared, and keeping both would report one bug twice. The decision is taken
+    over the runs together, so a run that crashed before its first explicit record is not compared on automatic
+    records the other run lacks."""
+    if not has_explicit(*runs):
+        return list(runs)
+    return [{rank: [r for r in recs if not r.auto] for rank, recs in run.items()} for run in runs]
 
 
 def keyed(records: list[Record]) -> dict[Key, Record]:
@@ -193,7 +214,7 @@ def _mean_record(recs: dict[int, Record]) -> Record | None:
         stacked = torch.stack([recs[r].parts[i].value.double() for r in sorted(recs)])
         parts.append(Part(p.key, p.role, stacked.mean(0), p.tol_dtype))
     return Record(first.name, first.step, first.seq, first.rank, first.kind, parts, first.replicated, first.rtol,
-                  first.atol, first.file, first.line)
+                  first.atol, first.file, first.line, first.auto)
 
 
 def _divergence_findings(key: Key, recs: dict[int, Record], groups: list[list[int]], nproc: int) -> list[Finding]:
@@ -272,6 +293,7 @@ def resolve_run(per_rank: dict[int, list[Record]], nproc: int) -> tuple[dict[Key
 # -- comparing the two runs ------------------------------------------------------------------------------------
 
 STATUS_OK, STATUS_DIFF = "ok", "MISMATCH"
+AUTO_TEXT = "recorded automatically"
 STATUS_MISSING_RUN, STATUS_MISSING_REF = "missing in N-rank run", "missing in reference"
 
 
@@ -292,6 +314,7 @@ class Row:
     note: str = ""
     file: str | None = None
     line: int | None = None
+    auto: bool = False
 
     @property
     def name(self) -> str:
@@ -316,6 +339,9 @@ class Row:
             out["note"] = self.note
         if self.site:
             out["site"] = self.site
+        if self.auto:
+            out["auto"] = True
+            out["recorded"] = AUTO_TEXT
         return out
 
 
@@ -351,7 +377,7 @@ def compare_records(ref: Record, run: Record, tol: Tolerances) -> Row:
         if not cmp.ok and first_bad is None:
             first_bad = (ap, rp, cmp)
     row = Row(key, STATUS_OK, worst[0] if worst else None, worst[1] if worst else None, file=run.file or ref.file,
-              line=run.line or ref.line)
+              line=run.line or ref.line, auto=run.auto and ref.auto)
     if first_bad is not None:
         ap, rp, cmp = first_bad
         row.status, row.comparison, row.actual, row.expected = STATUS_DIFF, cmp, ap.value, rp.value
@@ -407,6 +433,13 @@ def hints(row: Row, rows: list[Row], nproc: int) -> list[str]:
     out = []
     if row.actual is not None and row.expected is not None and row.actual.shape == row.expected.shape:
         ratio = ratio_hint(row.actual.double(), row.expected.double(), nproc)
+        if ratio and row.auto and row.name == AUTO_LOSS and ratio.startswith(f"the value is 1/{nproc} "):
+            # The loss that drives backward(), not a logged copy: the generic "divided once too often" misleads,
+            # the usual cause is a per-rank loss that is not a mean, and the updates shrink with it.
+            ratio = (f"the loss is 1/{nproc} of the reference: each rank's loss is not the mean over its own "
+                     f"batch (summed over the local batch with reduction='sum', or divided by the global batch "
+                     f"size or the world size), and FSDP/DDP average the gradients over the ranks, so every "
+                     f"update is 1/{nproc} of the 1-rank update")
         if ratio:
             out.append(ratio)
     if _is_grad(row):
@@ -428,6 +461,7 @@ def compare_runs(ref_run: dict[int, list[Record]], nproc_run: dict[int, list[Rec
                  tol: Tolerances | None = None, steps: int | None = None) -> RunComparison:
     """Compare the N-rank run with the 1-rank reference: rows for every record, findings for what differs."""
     tol = tol or Tolerances()
+    ref_run, nproc_run = with_precedence(ref_run, nproc_run)
     ref, _ = resolve_run(ref_run, 1)
     run, divergences = resolve_run(nproc_run, nproc)
     keys = _order(ref, run)
@@ -442,7 +476,7 @@ def compare_runs(ref_run: dict[int, list[Record]], nproc_run: dict[int, list[Rec
         if r is None or a is None:
             rec = (a or r).record
             status = STATUS_MISSING_REF if r is None else STATUS_MISSING_RUN
-            row = Row(key, status, mode=a.mode if a else "", file=rec.file, line=rec.line)
+            row = Row(key, status, mode=a.mode if a else "", file=rec.file, line=rec.line, auto=rec.auto)
             missing.setdefault((key[0], status), []).append(row)
         else:
             row = compare_records(r.record, a.record, tol)
@@ -456,12 +490,23 @@ def compare_runs(ref_run: dict[int, list[Record]], nproc_run: dict[int, list[Rec
     return result
 
 
-def mismatch_finding(row: Row, rows: list[Row], resolved: Resolved, nproc: int) -> Finding:
+def describe_row(row: Row) -> str:
+    """What a row holds and where, in the user's terms for automatic records."""
+    at = f" at {row.site}" if row.site else ""
+    if row.auto and row.name == AUTO_LOSS:
+        return f"the loss passed to backward(){at} ({AUTO_TEXT} as '{AUTO_LOSS}')"
+    if row.auto and row.name == AUTO_PARAMS:
+        what = f"parameter '{row.part}'" if row.part else "the parameters"
+        return f"{what} after optimizer.step(){at} ({AUTO_TEXT} as '{AUTO_PARAMS}')"
     what = f"{row.part_role} '{row.part}' of record '{row.name}'" if row.part else f"record '{row.name}'"
-    where = f" ({row.site})" if row.site else ""
+    return what + (f" ({row.site})" if row.site else "")
+
+
+def mismatch_finding(row: Row, rows: list[Row], resolved: Resolved, nproc: int) -> Finding:
+    what = describe_row(row)
     cmp = row.comparison
     text = row.note if cmp is None else cmp.describe()
-    message = (f"step {row.step}: {what}{where} differs between the {nproc}-rank run and the 1-rank reference: "
+    message = (f"step {row.step}: {what} differs between the {nproc}-rank run and the 1-rank reference: "
                f"{text}")
     if resolved.mode != "replicated":
         message += f" [{nproc}-rank value: {resolved.mode}]"
@@ -470,6 +515,8 @@ def mismatch_finding(row: Row, rows: list[Row], resolved: Resolved, nproc: int) 
         message += "; " + "; ".join(found)
     detail: dict[str, Any] = {"name": row.name, "step": row.step, "nproc": nproc, "mode": resolved.mode,
                               "file": row.file, "line": row.line}
+    if row.auto:
+        detail["auto"] = True
     if row.part:
         detail.update(part=row.part, part_role=row.part_role)
     if cmp is not None:
@@ -492,18 +539,21 @@ def missing_finding(name: str, status: str, rows: list[Row], run: dict[Key, Reso
     steps = sorted({r.step for r in rows})
     site = next((r.site for r in rows if r.site), "")
     where = f" ({site})" if site else ""
+    auto = " (" + AUTO_TEXT + ")" if rows[0].auto else ""
     if status == STATUS_MISSING_RUN:
         ranks = list(range(nproc))
-        message = (f"record '{name}'{where} at {_steps_text(steps)} is in the 1-rank reference but not in the "
+        message = (f"record '{name}'{auto}{where} at {_steps_text(steps)} is in the 1-rank reference but not in the "
                    f"{nproc}-rank run (it stopped early, or records conditionally on the world size)")
     else:
         ranks = sorted({rk for r in rows for rk in run[r.key].ranks})
-        message = (f"record '{name}'{where} at {_steps_text(steps)} is in the {nproc}-rank run "
+        message = (f"record '{name}'{auto}{where} at {_steps_text(steps)} is in the {nproc}-rank run "
                    f"({format_ranks(ranks)}) but not in the 1-rank reference")
     detail = {"name": name, "steps": steps, "nproc": nproc,
               "missing_in": "reference" if status == STATUS_MISSING_REF else f"{nproc}-rank run"}
     first = rows[0]
     detail.update(file=first.file, line=first.line)
+    if first.auto:
+        detail["auto"] = True
     return Finding("reference_mismatch", ranks, message, detail)
 
 
@@ -523,6 +573,14 @@ def render_table(rows: list[Row]) -> str:
         if row.status == STATUS_DIFF:
             note = (f"first differing {row.part_role} '{row.part}'" if row.part else "differs") + \
                    (f" ({row.note})" if row.note else "") + (f"; {row.mode}" if row.mode else "")
+        if row.auto:
+            note = f"{note}, {AUTO_TEXT}" if note else AUTO_TEXT
         lines.append(f"{row.step:<5} {name:<{width}} {row.status:<21} {_num(row.abs_err):<11} "
                      f"{_num(row.rel_err):<9} {note}")
+    auto_names = sorted({r.name for r in rows if r.auto})
+    if auto_names:
+        what = {AUTO_LOSS: f"{AUTO_LOSS} = the loss passed to backward() (averaged over the ranks)",
+                AUTO_PARAMS: f"{AUTO_PARAMS} = every parameter after optimizer.step() (full tensors)"}
+        lines.append(f"{AUTO_TEXT} (the script records nothing itself): "
+                     + "; ".join(what.get(n, n) for n in auto_names))
     return "\n".join(lines)

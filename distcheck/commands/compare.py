@@ -11,6 +11,12 @@ the first differing record is a ``reference_mismatch`` with the worst element an
 run only are findings too, and replicated records the ranks disagree on are ``tensor_divergence``. report.txt holds
 a table of every record with its error. ``--nproc 1`` in the list runs the script a second time with 1 rank: a
 run-to-run determinism check. Exit codes: 0 equal, 1 findings, 2 bad input.
+
+Zero code: a script with no ``distcheck.record`` call is compared on what distcheck records by itself in the ranks
+(distcheck/autocheck.py) for the first ``--steps K`` steps (default 3): the loss passed to ``backward()``
+(``auto/loss``, averaged over the ranks) and every parameter after each ``optimizer.step()`` (``auto/params``,
+full tensors). Explicit records take precedence: when the script records anything, the automatic records are not
+compared. Rows, findings and the table say which values were recorded automatically.
 """
 from __future__ import annotations
 
@@ -21,6 +27,7 @@ import math
 import os
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from distcheck.errors import UsageError
@@ -36,7 +43,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="world sizes to compare with the 1-rank reference, e.g. 2 or 1,2,4")
     parser.add_argument("--rtol", type=str, default=None, help="relative tolerance (default: by dtype)")
     parser.add_argument("--atol", type=str, default=None, help="absolute tolerance (default: by dtype)")
-    parser.add_argument("--steps", type=str, default=None, help="compare only the first K steps")
+    parser.add_argument("--steps", type=str, default=None,
+                        help="compare only the first K steps (automatic records: the first K steps, default 3)")
     parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT,
                         help="no-progress limit in seconds for each run (default 300)")
     parser.add_argument("--report-dir", default=None, help="report directory (default: distcheck-report-<time>)")
@@ -74,6 +82,22 @@ def parse_steps(text: str | None) -> int | None:
     if not text.strip().isdigit() or int(text) < 1:
         raise UsageError(f"--steps {text!r}: expected a whole number of steps >= 1")
     return int(text)
+
+
+@contextlib.contextmanager
+def auto_record_env(steps: int) -> Iterator[None]:
+    """DISTCHECK_AUTO_RECORD_STEPS for the ranks: run_supervised hands this process's environment to them."""
+    from distcheck.records import ENV_AUTO_STEPS
+
+    saved = os.environ.get(ENV_AUTO_STEPS)
+    os.environ[ENV_AUTO_STEPS] = str(steps)
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(ENV_AUTO_STEPS, None)
+        else:
+            os.environ[ENV_AUTO_STEPS] = saved
 
 
 def run_label(nproc: int, reference: bool = False) -> str:
@@ -134,13 +158,19 @@ def main(args: argparse.Namespace) -> int:
 
 def compare_command(args: argparse.Namespace, script: Path, script_args: list[str], nprocs: list[int],
                     rtol: float | None, atol: float | None, steps: int | None) -> int:
-    from distcheck.analysis.records import Tolerances, compare_runs, load_run, record_files, render_table
+    from distcheck.analysis.records import (AUTO_TEXT, Tolerances, compare_runs, has_explicit, load_run,
+                                            record_files, render_table)
     from distcheck.cli import command_line
+    from distcheck.records import DEFAULT_AUTO_STEPS
 
     report_dir = prepare_report_dir(args.report_dir).resolve()
     for name in ("report.json", "report.txt"):
         (report_dir / name).unlink(missing_ok=True)
     plan = [(1, REFERENCE_DIR, True)] + [(n, f"nproc{n}", False) for n in nprocs]
+    # Always recorded (cheap: K steps); dropped by the analysis when the script records anything itself. The
+    # ranks cannot know that in advance, and stopping at the first explicit record could leave ranks that record
+    # on rank 0 only out of step in the parameters' full_tensor() collectives.
+    auto_steps = steps if steps is not None else DEFAULT_AUTO_STEPS
     findings: list[Finding] = []
     checks: list[CheckResult] = []
     artifacts: dict[str, str] = {}
@@ -150,7 +180,8 @@ def compare_command(args: argparse.Namespace, script: Path, script_args: list[st
         label = run_label(nproc, is_ref)
         sys.stdout.write(f"distcheck compare: {label} ...\n")
         sys.stdout.flush()
-        sub_report, seconds, _ = supervised_run(args, script, script_args, nproc, report_dir / sub)
+        with auto_record_env(auto_steps):
+            sub_report, seconds, _ = supervised_run(args, script, script_args, nproc, report_dir / sub)
         findings.extend(_prefixed(sub_report.findings, label, nproc))
         checks.append(CheckResult(label, sub_report.ok, seconds))
         runs[REFERENCE_DIR if is_ref else str(nproc)] = {"nproc": nproc, "ok": sub_report.ok,
@@ -164,19 +195,29 @@ def compare_command(args: argparse.Namespace, script: Path, script_args: list[st
     tables: dict[str, str] = {}
     records_json: dict[str, list] = {}
     tol = Tolerances(rtol, atol)
+    automatic: dict[str, list[str]] = {}
     for nproc in nprocs:
         started = time.monotonic()
         result = compare_runs(reference, loaded[f"nproc{nproc}"], nproc, tol, steps)
         findings.extend(result.findings)
         records_json[str(nproc)] = [row.to_json() for row in result.rows]
         tables[f"records: {nproc} ranks vs the 1-rank reference"] = render_table(result.rows)
-        checks.append(CheckResult(f"compare {nproc} ranks vs reference", result.ok, time.monotonic() - started))
+        auto_names = sorted({row.name for row in result.rows if row.auto})
+        if auto_names:
+            automatic[str(nproc)] = auto_names
+        checks.append(CheckResult(f"compare {nproc} ranks vs reference", result.ok, time.monotonic() - started,
+                                  note=f"{AUTO_TEXT} for the first {auto_steps} steps: {', '.join(auto_names)}"
+                                  if auto_names else ""))
     if not any(recs for run_records in loaded.values() for recs in run_records.values()):
         checks.append(CheckResult("records", False, 0.0,
-                                  note="the script recorded nothing: call distcheck.record(name, value) in it"))
+                                  note="nothing was recorded: the script calls neither distcheck.record(name, value) "
+                                       "nor backward() or optimizer.step() that distcheck records by itself "
+                                       "(DISTCHECK_AUTOCHECK=0 turns that off)"))
     report = Report(command=command_line(args.argv), world_size=max(nprocs), findings=findings, checks=checks,
                     artifacts=artifacts, data={"runs": runs, "records": records_json,
-                                               "tolerances": {"rtol": rtol, "atol": atol}, "steps": steps},
+                                               "tolerances": {"rtol": rtol, "atol": atol}, "steps": steps,
+                                               "recorded_automatically": automatic,
+                                               "explicit_records": has_explicit(*loaded.values())},
                     sections=tables)
     write_report(report, report_dir)
     sys.stdout.write(render_text(report, report_dir))
