@@ -17,6 +17,7 @@ run early that can provably not progress (a rank waits in a collective a finishe
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -71,6 +72,115 @@ def _die_with_parent() -> None:
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except Exception:
         pass
+
+
+class ForkedRank:
+    """A rank forked by the zygote: the subset of subprocess.Popen the supervisor uses."""
+
+    def __init__(self, pid: int, zygote: "Zygote"):
+        self.pid = pid
+        self.returncode: int | None = None
+        self._zygote = zygote
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self._zygote.collect()
+            self.returncode = self._zygote.exits.get(self.pid)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(f"rank pid {self.pid}", timeout)
+            time.sleep(0.02)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        try:
+            self.send_signal(signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+class Zygote:
+    """The launcher's handle on ``python -m distcheck.zygote``: forks ranks that have torch imported already.
+
+    One per supervising process (compare reuses it for the reference and the N-rank runs). Used for ranks that
+    run ``python -m distcheck ...``; DISTCHECK_ZYGOTE=0 falls back to one fresh interpreter per rank.
+    """
+
+    _shared: "Zygote | None" = None
+
+    def __init__(self) -> None:
+        req_r, self._req_w = os.pipe()
+        self._reply_r, reply_w = os.pipe()
+        self.proc = subprocess.Popen([sys.executable, "-m", "distcheck.zygote", str(req_r), str(reply_w)],
+                                     pass_fds=(req_r, reply_w), stdin=subprocess.DEVNULL,
+                                     preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+        os.close(req_r)
+        os.close(reply_w)
+        os.set_blocking(self._reply_r, False)
+        self._buffer = b""
+        self.exits: dict[int, int] = {}
+        self._pids: list[int] = []
+        self._ready = False
+
+    @classmethod
+    def shared(cls) -> "Zygote | None":
+        if os.environ.get("DISTCHECK_ZYGOTE", "1") == "0" or sys.platform != "linux":
+            return None
+        if cls._shared is None or cls._shared.proc.poll() is not None:
+            cls._shared = cls()
+        return cls._shared
+
+    def _read(self, timeout: float) -> None:
+        import select
+
+        ready, _, _ = select.select([self._reply_r], [], [], timeout)
+        if not ready:
+            return
+        try:
+            chunk = os.read(self._reply_r, 65536)
+        except BlockingIOError:
+            return
+        if not chunk:
+            raise RuntimeError("the zygote exited")
+        self._buffer += chunk
+        while b"\n" in self._buffer:
+            line, self._buffer = self._buffer.split(b"\n", 1)
+            msg = json.loads(line)
+            if "ready" in msg:
+                self._ready = True
+            elif "pid" in msg:
+                self._pids.append(msg["pid"])
+            elif "exit" in msg:
+                self.exits[msg["exit"]] = msg["code"]
+
+    def collect(self) -> None:
+        self._read(0)
+
+    def spawn(self, argv: Sequence[str], env: dict[str, str], timeout: float = 120.0) -> ForkedRank:
+        """Fork a rank running ``python -m distcheck <argv>``; waits (bounded) for the zygote's torch import."""
+        os.write(self._req_w, (json.dumps({"argv": list(argv), "env": env, "cwd": os.getcwd()}) + "\n").encode())
+        deadline = time.monotonic() + timeout
+        while not self._pids:
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                raise RuntimeError("the zygote did not fork the rank")
+            self._read(0.05)
+        return ForkedRank(self._pids.pop(0), self)
+
+
+def _distcheck_args(argv: Sequence[str]) -> list[str] | None:
+    """The arguments after ``python -m distcheck``, or None for any other command line."""
+    argv = list(argv)
+    if len(argv) >= 3 and argv[0] == sys.executable and argv[1:3] == ["-m", "distcheck"]:
+        return argv[3:]
+    return None
 
 
 class Supervisor:
@@ -155,9 +265,18 @@ class Supervisor:
         stop_reason: str | None = None
         hang_findings: list[Finding] = []
         try:
+            zygote = Zygote.shared()
             for rank in range(self.nproc):
-                self.procs[rank] = subprocess.Popen(list(self.argv_for_rank(rank)), env=self._rank_env(rank, port),
-                                                    preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+                argv = list(self.argv_for_rank(rank))
+                args = _distcheck_args(argv)
+                if zygote is not None and args is not None:
+                    env = self._rank_env(rank, port)
+                    env["DISTCHECK_PTRACER"] = str(os.getpid())  # py-spy runs from here, not from the zygote
+                    self.procs[rank] = zygote.spawn(args, env)
+                else:
+                    self.procs[rank] = subprocess.Popen(argv, env=self._rank_env(rank, port),
+                                                        preexec_fn=_die_with_parent if sys.platform == "linux"
+                                                        else None)
             import torch.distributed as dist
 
             # The agent store, hosted as torchrun's agent hosts it, on the socket bound above.

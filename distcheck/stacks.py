@@ -354,7 +354,12 @@ def install_rank_hooks(report_dir: str | os.PathLike, rank: int | None = None,
     global _hook_file
     rank = int(os.environ.get("RANK", "0")) if rank is None else rank
     pid = os.getpid()
-    target = os.getppid() if ptracer_pid == "parent" else ptracer_pid
+    if ptracer_pid == "parent":
+        # A rank forked by the launcher's zygote has the zygote as parent; the launcher (which runs py-spy)
+        # names itself in DISTCHECK_PTRACER.
+        target = int(os.environ.get("DISTCHECK_PTRACER") or os.getppid())
+    else:
+        target = ptracer_pid
     _, reason = allow_ptrace_from(target)  # type: ignore[arg-type]
     path = Path(report_dir) / f"faulthandler-rank{rank}.txt"
     if _hook_file is not None:
