@@ -272,11 +272,14 @@ class Supervisor:
                 if zygote is not None and args is not None:
                     env = self._rank_env(rank, port)
                     env["DISTCHECK_PTRACER"] = str(os.getpid())  # py-spy runs from here, not from the zygote
-                    self.procs[rank] = zygote.spawn(args, env)
-                else:
-                    self.procs[rank] = subprocess.Popen(argv, env=self._rank_env(rank, port),
-                                                        preexec_fn=_die_with_parent if sys.platform == "linux"
-                                                        else None)
+                    try:
+                        self.procs[rank] = zygote.spawn(args, env)
+                        continue
+                    except (OSError, RuntimeError) as exc:  # a broken zygote costs speed, never the run
+                        log.warning("zygote unavailable (%s): starting ranks as fresh interpreters", exc)
+                        zygote = Zygote._shared = None
+                self.procs[rank] = subprocess.Popen(argv, env=self._rank_env(rank, port),
+                                                    preexec_fn=_die_with_parent if sys.platform == "linux" else None)
             import torch.distributed as dist
 
             # The agent store, hosted as torchrun's agent hosts it, on the socket bound above.
