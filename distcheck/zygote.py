@@ -28,6 +28,11 @@ PRELOAD = ("torch", "torch.distributed", "torch.distributed.tensor", "torch.dist
 def _preload() -> None:
     import importlib
 
+    # numpy's OpenBLAS starts a thread-pool thread at import; a fork copies the pool's bookkeeping but not its
+    # thread, so a rank could wait on a worker that does not exist. One BLAS thread means no pool thread: the
+    # zygote stays single-threaded when it forks. (It affects numpy's own BLAS in the ranks only, not torch's.)
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
     for name in PRELOAD:
         try:
             importlib.import_module(name)
@@ -75,6 +80,10 @@ def _child(request: dict, fds: tuple[int, int]) -> None:
 
 def serve(request_fd: int, reply_fd: int) -> None:
     _preload()
+    threads = len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else 1
+    if threads > 1:  # never fork a multi-threaded process: the launcher falls back to fresh interpreters
+        sys.stderr.write(f"distcheck zygote: {threads} threads after preloading; not forking\n")
+        return
     reply = os.fdopen(reply_fd, "w", buffering=1)
     reply.write(json.dumps({"ready": os.getpid()}) + "\n")
     buffer = b""
