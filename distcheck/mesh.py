@@ -31,11 +31,11 @@ from distcheck.analysis.mesh import (EXPERT_ATTRS, HEAD_ATTRS, HIDDEN_ATTRS, Liv
                                      shard_sizes)
 from distcheck.errors import UsageError
 from distcheck.findings import Finding
+from distcheck.trace import is_internal
 
 log = logging.getLogger("distcheck")
 
 _TORCH_DIR = str(Path(torch.__file__).resolve().parent)
-_DISTCHECK_DIR = str(Path(__file__).resolve().parent)
 _MESH_FILE = os.path.join(_TORCH_DIR, "distributed", "device_mesh.py")
 
 
@@ -216,12 +216,6 @@ _KNOWN = ("Mesh should not be bigger than", "mesh_shape and mesh_dim_names shoul
           "rank map")
 
 
-def _is_internal(filename: str) -> bool:
-    path = os.path.realpath(filename)
-    return path.startswith(_TORCH_DIR) or path.startswith(_DISTCHECK_DIR) or "importlib" in path or \
-        path.endswith("runpy.py")
-
-
 def mesh_error_finding(exc: BaseException, tb: TracebackType | None = None) -> Finding | None:
     """A ``mesh_mismatch`` finding for an error torch raised while building a DeviceMesh, else None.
 
@@ -235,7 +229,7 @@ def mesh_error_finding(exc: BaseException, tb: TracebackType | None = None) -> F
     if not in_mesh and not any(k in message for k in _KNOWN):
         return None
     first = in_mesh[0] if in_mesh else len(frames)
-    user = next((f for f in reversed(frames[:first]) if not _is_internal(f.filename)), None)
+    user = next((f for f in reversed(frames[:first]) if not is_internal(os.path.realpath(f.filename))), None)
     shape = names = None
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))

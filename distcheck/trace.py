@@ -66,6 +66,7 @@ _UNCACHED = frozenset({"batch_isend_irecv", "all_gather_object", "gather_object"
 _CACHE_LIMIT = 4096  # distinct call signatures kept; dynamic shapes must not grow memory without bound
 
 
+@functools.lru_cache(maxsize=1)
 def _internal_roots() -> tuple[str, ...]:
     import torch
 
@@ -77,20 +78,23 @@ def _internal_roots() -> tuple[str, ...]:
     return tuple(os.path.join(os.path.realpath(r), "") for r in roots) + tuple(os.path.join(r, "") for r in roots)
 
 
+def is_internal(filename: str) -> bool:
+    """Whether a frame's file is torch, distcheck, the standard library or interpreter machinery ("<frozen
+    runpy>", "<string>"): never the user's line."""
+    return filename.startswith("<") or filename.startswith(_internal_roots())
+
+
 class _SiteFinder:
     """First frame outside torch, distcheck and the standard library; cached per (code object, line)."""
 
     def __init__(self) -> None:
-        self._roots = _internal_roots()
         self._internal: dict[str, bool] = {}
         self._sites: dict[tuple[Any, int], Site] = {}
 
     def _is_internal(self, filename: str) -> bool:
         hit = self._internal.get(filename)
-        if hit is None:
-            # "<frozen runpy>", "<string>" etc. are interpreter machinery, never the user's line.
-            hit = filename.startswith("<") or filename.startswith(self._roots)
-            self._internal[filename] = hit
+        if hit is None:  # the hot path: one dict lookup per frame after the first time
+            hit = self._internal[filename] = is_internal(filename)
         return hit
 
     def find(self, depth: int) -> Site:

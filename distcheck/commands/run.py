@@ -225,13 +225,12 @@ def _torchrun_default_dir() -> Path:
 
 def _user_site(tb) -> tuple[str | None, str | None, int | None]:
     """The innermost traceback frame in the user's code (outside torch, distcheck and the stdlib)."""
-    from distcheck.trace import _internal_roots
+    from distcheck.trace import is_internal
 
-    roots = _internal_roots()
     found = (None, None, None)
     for frame, lineno in traceback.walk_tb(tb):
         path = frame.f_code.co_filename
-        if not path.startswith("<") and not path.startswith(roots):
+        if not is_internal(path):
             found = (f"{os.path.basename(path)}:{lineno}", path, lineno)
     return found
 
