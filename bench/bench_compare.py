@@ -34,13 +34,13 @@ def timed(cmd: list[str], env: dict[str, str], timeout: float = 600) -> float:
 
 
 def noop_cost(calls: int = 1_000_000) -> tuple[float, float, float]:
-    """ns per call outside distcheck: distcheck.record, distcheck.records.record, and an empty function (the floor)."""
+    """ns per call outside distcheck: distcheck.record, distcheck.rank.records.record, and an empty function (the floor)."""
     code = f"""
 import os, time, torch
 os.environ.pop("DISTCHECK_REPORT_DIR", None)
 import distcheck
-import distcheck.records
-direct = distcheck.records.record
+import distcheck.rank.records
+direct = distcheck.rank.records.record
 t = torch.ones(4)
 def empty(name, value, step=None):
     return None
@@ -86,7 +86,7 @@ def main() -> None:
           f"{cmp:.2f}s / ({one:.2f}s + {many:.2f}s) = {cmp / (one + many):.2f}; median ratio "
           f"{statistics.median(ratios):.2f} (target <= 1.5)")
     rec, direct, empty = noop_cost()
-    print(f"outside distcheck: distcheck.record {rec:.0f} ns/call, distcheck.records.record {direct:.0f} ns/call, "
+    print(f"outside distcheck: distcheck.record {rec:.0f} ns/call, distcheck.rank.records.record {direct:.0f} ns/call, "
           f"an empty function call {empty:.0f} ns")
 
 

@@ -27,14 +27,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from distcheck.findings import CheckResult  # noqa: E402
-from distcheck.report import Report, write_report  # noqa: E402
-from distcheck.stacks import Target, dump_all, find_pyspy  # noqa: E402
-from distcheck.watchdog import Watchdog, terminate  # noqa: E402
+from distcheck.contract.findings import CheckResult  # noqa: E402
+from distcheck.contract.report import Report, write_report  # noqa: E402
+from distcheck.supervise.stacks import Target, dump_all, find_pyspy  # noqa: E402
+from distcheck.supervise.watchdog import Watchdog, terminate  # noqa: E402
 
 FIXTURE = ROOT / "fixtures" / "hang_python.py"
 BOOT = """import os, runpy, sys
-from distcheck.watchdog import rank_bootstrap
+from distcheck.supervise.watchdog import rank_bootstrap
 rank_bootstrap(os.environ["DISTCHECK_REPORT_DIR"], 1e9, watcher=False)
 sys.argv = sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")

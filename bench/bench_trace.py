@@ -27,7 +27,7 @@ def worker(iters: int, rounds: int, out: str) -> None:
     import torch.distributed as dist
     from torch._C._distributed_c10d import DebugLevel
 
-    from distcheck import trace
+    from distcheck.rank import tracer as trace
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()

@@ -23,13 +23,13 @@ def record(name: str, value: Any, step: int | None = None) -> None:
     """
     global _record_impl
     if _record_impl is None:  # resolved once: an import statement per call would cost microseconds
-        from distcheck.records import record as _record_impl
+        from distcheck.rank.records import record as _record_impl
     _record_impl(name, value, step)
 
 
 def check_model(model: Any) -> list:
     """Placements, FSDP2/TP coverage and cross-rank consistency of ``model``; returns Findings."""
-    from distcheck.placement import check_model as impl
+    from distcheck.checks.placement import check_model as impl
 
     return impl(model)
 
@@ -41,6 +41,6 @@ def check_consistent(name: str, tensor_or_module: Any, group: Any = None) -> lis
     (every parameter and buffer). Only small per-tensor fingerprints cross ranks; full values are exchanged just
     for the chunks that differ, to name the first differing index. A no-op returning [] when not distributed.
     """
-    from distcheck.replicas import check_consistent as impl
+    from distcheck.checks.replicas import check_consistent as impl
 
     return impl(name, tensor_or_module, group=group)

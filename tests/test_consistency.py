@@ -4,8 +4,8 @@ import json
 import pytest
 from launch_helpers import FIXTURES, distcheck, load_report, torchrun
 
-from distcheck import consistency
-from distcheck.findings import CheckResult, Finding
+from distcheck.checks import consistency
+from distcheck.contract.findings import CheckResult, Finding
 
 
 def consistency_run(tmp_path, *extra, nproc=2):

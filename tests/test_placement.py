@@ -12,10 +12,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from distcheck import sink
+from distcheck.rank import sink
 from distcheck.analysis.placement import (PlacementRow, coverage_findings, merge_rank_findings,
                                           render_placement_table, short_placement)
-from distcheck.placement import check_model, describe_model, placement_json
+from distcheck.checks.placement import check_model, describe_model, placement_json
 from launch_helpers import FIXTURES, torchrun
 
 sys.path.insert(0, str(FIXTURES))
@@ -44,7 +44,7 @@ def line_of(module, text: str) -> int:
 
 
 def analyse(model: nn.Module, rank: int = 0):
-    from distcheck.placement import fsdp_modules
+    from distcheck.checks.placement import fsdp_modules
 
     rows = describe_model(model)
     return rows, coverage_findings(rows, [n for n, _ in fsdp_modules(model)], [rank])

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 
 import distcheck
-from distcheck import records
+from distcheck.rank import records
 from distcheck.analysis.records import (STATUS_DIFF, STATUS_MISSING_REF, STATUS_MISSING_RUN, STATUS_OK, Part, Record,
                                         Tolerances, compare_runs, index_path, load_rank, load_run, render_table,
                                         resolve_run)

@@ -3,7 +3,7 @@ import torch
 
 from distcheck.analysis.replicas import (Entry, diff_chunk, divergence_finding, find_divergences,
                                          merge_summaries, unravel)
-from distcheck.fingerprint import fingerprint
+from distcheck.checks.fingerprint import fingerprint
 
 
 def entries(tensors, role="parameter", key=None):

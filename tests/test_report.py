@@ -4,8 +4,8 @@ import json
 import pytest
 
 from distcheck.errors import UsageError
-from distcheck.findings import CheckResult, Finding, format_ranks
-from distcheck.report import Report, load_report, prepare_report_dir, render_text, write_report
+from distcheck.contract.findings import CheckResult, Finding, format_ranks
+from distcheck.contract.report import Report, load_report, prepare_report_dir, render_text, write_report
 
 
 def make_report():

@@ -9,9 +9,9 @@ import pytest
 from launch_helpers import Result
 
 from distcheck.analysis.stack_groups import Frame, RankStack, ThreadStack
-from distcheck.findings import CheckResult, Finding
-from distcheck.report import Report, write_report
-from distcheck.stacks import DumpError, write_stack_artifacts
+from distcheck.contract.findings import CheckResult, Finding
+from distcheck.contract.report import Report, write_report
+from distcheck.supervise.stacks import DumpError, write_stack_artifacts
 
 TORCH = "/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py"
 

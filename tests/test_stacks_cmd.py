@@ -34,7 +34,7 @@ def wait_for_peers():
 
 def main():
     if "hook" in sys.argv:
-        from distcheck.stacks import install_rank_hooks
+        from distcheck.supervise.stacks import install_rank_hooks
         install_rank_hooks(os.environ["DISTCHECK_REPORT_DIR"])
     print("ready", flush=True)
     (load_shard if os.environ.get("RANK") == "1" else wait_for_peers)()
@@ -235,7 +235,7 @@ def test_torchrun_agent_pid_finds_workers_and_names_stuck_rank(tmp_path, cli):
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env_for_ranks(),
                              start_new_session=True)
     try:
-        from distcheck.stacks import dump_all, resolve_targets
+        from distcheck.supervise.stacks import dump_all, resolve_targets
 
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline:  # until rank 1 is inside load_shard
@@ -259,7 +259,7 @@ def test_torchrun_agent_pid_finds_workers_and_names_stuck_rank(tmp_path, cli):
         assert {s["rank_source"] for s in f["detail"]["stacks"].values()} == {"RANK"}
     finally:
         # torchrun starts each worker in its own session: end the workers by pid, then the agent's group.
-        from distcheck.stacks import rank_descendants
+        from distcheck.supervise.stacks import rank_descendants
 
         for pid in rank_descendants(agent.pid):
             os.kill(pid, signal.SIGKILL)

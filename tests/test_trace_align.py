@@ -7,11 +7,11 @@ from distcheck.analysis.trace_align import (STATE_DIED, STATE_ERROR, STATE_HUNG,
                                             analyze_run, find_divergences, provably_stuck, signature)
 from distcheck.analysis.trace_events import (RankError, last_completed, last_started, load_rank_trace,
                                              parse_lines)
-from distcheck.chrome_trace import chrome_events
+from distcheck.contract.chrome_trace import chrome_events
 
 
 class TraceBuilder:
-    """Writes trace lines the way distcheck.trace does, for one rank."""
+    """Writes trace lines the way distcheck.rank.tracer does, for one rank."""
 
     def __init__(self, rank: int, world: int = 2):
         self.rank, self.lines, self.n, self.seq, self.t = rank, [], 0, {}, 100.0

@@ -21,12 +21,12 @@ import pytest
 
 from launch_helpers import FIXTURES, env_for_ranks, torchrun
 
-from distcheck.stacks import install_rank_hooks
-from distcheck.watchdog import ProgressMonitor, Watchdog, local_ranks, terminate
+from distcheck.supervise.stacks import install_rank_hooks
+from distcheck.supervise.watchdog import ProgressMonitor, Watchdog, local_ranks, terminate
 
 BOOTSTRAP = '''\
 import os, runpy, sys
-from distcheck.watchdog import rank_bootstrap
+from distcheck.supervise.watchdog import rank_bootstrap
 rank_bootstrap(os.environ["DISTCHECK_REPORT_DIR"], float(os.environ["WATCH_TIMEOUT"]),
                watcher=os.environ.get("NODE_WATCHER") == "1")
 script = sys.argv[1]
@@ -200,7 +200,7 @@ def test_rank_hooks_name_the_parent_as_ptracer(monkeypatch, tmp_path):
     """Yama ptrace_scope=1 cannot be switched on here (no Yama LSM): check the prctl call itself instead."""
     import ctypes
 
-    from distcheck import stacks
+    from distcheck.supervise import stacks
 
     calls = []
 
@@ -278,7 +278,7 @@ def test_node_watcher_under_torchrun_ends_the_job_and_writes_the_report(tmp_path
     # the watcher is gone too (it exits after ending the ranks)
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and any(
-            "distcheck.watchdog" in Path(f"/proc/{p}/cmdline").read_text(errors="replace").replace("\0", " ")
+            "distcheck.supervise.watchdog" in Path(f"/proc/{p}/cmdline").read_text(errors="replace").replace("\0", " ")
             and str(report_dir) in Path(f"/proc/{p}/cmdline").read_text(errors="replace")
             for p in _pids()):
         time.sleep(0.2)

@@ -10,7 +10,9 @@ import torch
 import torch.nn as nn
 from launch_helpers import FIXTURES, distcheck, load_report
 
-from distcheck import autocheck, records
+from distcheck.rank import autocheck
+
+from distcheck.rank import records
 from distcheck.analysis.records import load_rank
 
 

@@ -21,7 +21,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from distcheck.findings import Finding, format_ranks
+from distcheck.contract.findings import Finding, format_ranks
 
 # No initializer (normal/uniform/xavier/kaiming/trunc_normal/ones/zeros/eye/orthogonal) produces a magnitude above
 # this for any realistic fan-in; leftovers of uninitialized memory routinely do (1e31, 1e38).

@@ -1,7 +1,7 @@
 """Compare per-rank environment snapshots (pure): which keys differ and which ranks hold which value."""
 from __future__ import annotations
 
-from distcheck.findings import Finding, format_ranks
+from distcheck.contract.findings import Finding, format_ranks
 
 UNSET = "<unset>"
 

@@ -16,7 +16,7 @@ from typing import Any, Sequence
 from distcheck.analysis.stack_groups import (
     Frame, RankStack, StackGroup, group_stacks, innermost_user_frame, stack_collective,
 )
-from distcheck.findings import Finding, format_ranks
+from distcheck.contract.findings import Finding, format_ranks
 
 P2P_OPS = frozenset({"send", "recv", "isend", "irecv", "batch_isend_irecv"})
 

@@ -3,7 +3,7 @@
 A mesh of shape (s0, s1, ...) over the world lays ranks 0..prod-1 out row-major, exactly like
 ``init_device_mesh``: rank r has coordinate ``unravel(r)``, and its group on dim d is every rank that shares its
 other coordinates. Everything here is integer arithmetic on tensors, so a 16384-rank mesh costs milliseconds;
-distcheck.mesh cross-checks the same answers against torch's own DeviceMesh on the fake process group.
+distcheck.checks.mesh cross-checks the same answers against torch's own DeviceMesh on the fake process group.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from typing import Iterable, Sequence
 import torch
 
 from distcheck.errors import UsageError
-from distcheck.findings import Finding, format_ranks
+from distcheck.contract.findings import Finding, format_ranks
 
 # How distcheck reads mesh dim names: the dims a model's tensors are sharded over, and what gets sharded.
 TP_NAMES = frozenset({"tp", "tensor", "tensor_parallel", "mp", "model"})

@@ -1,6 +1,6 @@
 """Pure placement analysis (no process group): placement rows, the compact table, and FSDP2/TP coverage rules.
 
-The rows come from distcheck.placement.describe_model; everything here works on them alone, so the rules are
+The rows come from distcheck.checks.placement.describe_model; everything here works on them alone, so the rules are
 unit-tested on hand-made rows as well as on real FSDP2/TP models.
 """
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from distcheck.findings import Finding
+from distcheck.contract.findings import Finding
 
 # Styles whose job is to leave parameters replicated (norms under SequenceParallel) or that hold none.
 REPLICATING_STYLES = frozenset({"SequenceParallel", "PrepareModuleInput", "PrepareModuleOutput",

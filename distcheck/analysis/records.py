@@ -24,8 +24,8 @@ import torch
 
 from distcheck.analysis.replicas import Divergence, diff_chunk, divergence_finding
 from distcheck.analysis.tolerance import Comparison, compare, ratio_hint, tolerance_for
-from distcheck.findings import Finding, format_ranks
-from distcheck.records import AUTO_LOSS, AUTO_PARAMS
+from distcheck.contract.findings import Finding, format_ranks
+from distcheck.rank.records import AUTO_LOSS, AUTO_PARAMS
 
 # Python numbers usually come from ``loss.item()`` of a float32 tensor: float64 tolerances would flag rounding.
 NUMBER_TOL_DTYPE = torch.float32

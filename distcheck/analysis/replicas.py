@@ -6,8 +6,8 @@ from typing import Hashable
 
 import torch
 
-from distcheck.findings import Finding, format_ranks
-from distcheck.fingerprint import Fingerprint
+from distcheck.contract.findings import Finding, format_ranks
+from distcheck.checks.fingerprint import Fingerprint
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from distcheck.analysis.ops import C10D_OPS, FUNCOL_OPS
-from distcheck.findings import format_ranks
+from distcheck.contract.findings import format_ranks
 
 # Names of torch.distributed entry points: a rank whose stack passes through one of these (inside torch) waits in
 # that collective. Used when no trace says which collective a rank is in (`distcheck stacks` on a foreign job).

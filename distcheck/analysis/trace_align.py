@@ -16,7 +16,7 @@ from typing import Any
 
 from distcheck.analysis.trace_events import (P2P_OPS, RankError, RankTrace, TraceEvent, last_completed,
                                              last_started, open_events)
-from distcheck.findings import Finding, format_ranks
+from distcheck.contract.findings import Finding, format_ranks
 
 # Ops that are the same backend collective under different API names (c10d vs functional, old vs new names).
 _CANONICAL = {

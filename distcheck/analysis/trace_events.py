@@ -1,4 +1,4 @@
-"""Reading per-rank collective traces (``trace-rank<R>.jsonl``, written by distcheck.trace) into typed events.
+"""Reading per-rank collective traces (``trace-rank<R>.jsonl``, written by distcheck.rank.tracer) into typed events.
 
     from distcheck.analysis.trace_events import load_rank_trace, last_started, last_completed
     events = load_rank_trace("report/trace-rank0.jsonl")

@@ -13,7 +13,7 @@ a table of every record with its error. ``--nproc 1`` in the list runs the scrip
 run-to-run determinism check. Exit codes: 0 equal, 1 findings, 2 bad input.
 
 Zero code: a script with no ``distcheck.record`` call is compared on what distcheck records by itself in the ranks
-(distcheck/autocheck.py) for the first ``--steps K`` steps (default 3): the loss passed to ``backward()``
+(distcheck/rank/autocheck.py) for the first ``--steps K`` steps (default 3): the loss passed to ``backward()``
 (``auto/loss``, averaged over the ranks) and every parameter after each ``optimizer.step()`` (``auto/params``,
 full tensors). Explicit records take precedence: when the script records anything, the automatic records are not
 compared. Rows, findings and the table say which values were recorded automatically.
@@ -31,8 +31,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from distcheck.errors import UsageError
-from distcheck.findings import CheckResult, Finding
-from distcheck.report import Report, load_report, prepare_report_dir, render_text, write_report
+from distcheck.contract.findings import CheckResult, Finding
+from distcheck.contract.report import Report, load_report, prepare_report_dir, render_text, write_report
 
 DEFAULT_TIMEOUT = 300.0
 REFERENCE_DIR = "reference"
@@ -87,7 +87,7 @@ def parse_steps(text: str | None) -> int | None:
 @contextlib.contextmanager
 def auto_record_env(steps: int) -> Iterator[None]:
     """DISTCHECK_AUTO_RECORD_STEPS for the ranks: run_supervised hands this process's environment to them."""
-    from distcheck.records import ENV_AUTO_STEPS
+    from distcheck.rank.records import ENV_AUTO_STEPS
 
     saved = os.environ.get(ENV_AUTO_STEPS)
     os.environ[ENV_AUTO_STEPS] = str(steps)
@@ -161,7 +161,7 @@ def compare_command(args: argparse.Namespace, script: Path, script_args: list[st
     from distcheck.analysis.records import (AUTO_TEXT, Tolerances, compare_runs, has_explicit, load_run,
                                             record_files, render_table)
     from distcheck.cli import command_line
-    from distcheck.records import DEFAULT_AUTO_STEPS
+    from distcheck.rank.records import DEFAULT_AUTO_STEPS
 
     report_dir = prepare_report_dir(args.report_dir).resolve()
     for name in ("report.json", "report.txt"):

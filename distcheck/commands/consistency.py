@@ -14,12 +14,14 @@ import signal
 import sys
 from pathlib import Path
 
-from distcheck import consistency, runtime
+from distcheck.checks import consistency
+
+from distcheck.rank import runtime
 from distcheck.cli import command_line
 from distcheck.errors import UsageError
-from distcheck.models import BUILTIN, load_factory
-from distcheck.parallelize import MODES
-from distcheck.report import (Report, default_report_dir, load_report, prepare_report_dir, render_text,
+from distcheck.checks.models import BUILTIN, load_factory
+from distcheck.checks.parallelize import MODES
+from distcheck.contract.report import (Report, default_report_dir, load_report, prepare_report_dir, render_text,
                               write_report)
 
 
@@ -64,14 +66,14 @@ def main(args: argparse.Namespace) -> int:
     watcher = None
     try:
         report_dir = _shared_report_dir(session, given)
-        from distcheck.watchdog import rank_bootstrap
+        from distcheck.supervise.watchdog import rank_bootstrap
 
         # Traces (progress, last collectives) and, on local rank 0, a watcher process outside the ranks that dumps
         # every rank's stack with py-spy when nothing moves for --timeout seconds, even if a rank holds the GIL.
         watcher = rank_bootstrap(report_dir, args.timeout, native=args.native)
         return _run(args, session, options, report_dir)
     finally:
-        from distcheck import trace
+        from distcheck.rank import tracer as trace
 
         trace.uninstall()
         if watcher is not None and watcher.poll() is None:

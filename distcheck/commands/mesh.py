@@ -21,8 +21,8 @@ from distcheck.analysis.mesh import (MeshSpec, dim_role, mesh_findings, model_fi
                                      parse_world_size, plan_mesh)
 from distcheck.cli import command_line
 from distcheck.errors import UsageError
-from distcheck.findings import CheckResult
-from distcheck.report import Report, prepare_report_dir, render_text, write_report
+from distcheck.contract.findings import CheckResult
+from distcheck.contract.report import Report, prepare_report_dir, render_text, write_report
 
 log = logging.getLogger("distcheck")
 
@@ -43,14 +43,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def load_factory(spec: str):
     try:
-        from distcheck.models import load_factory as impl
-    except ImportError:  # distcheck.models is the one place --model specs are parsed
-        raise UsageError("--model needs distcheck.models, which this installation lacks") from None
+        from distcheck.checks.models import load_factory as impl
+    except ImportError:  # distcheck.checks.models is the one place --model specs are parsed
+        raise UsageError("--model needs distcheck.checks.models, which this installation lacks") from None
     return impl(spec)
 
 
 def main(args: argparse.Namespace) -> int:
-    from distcheck import mesh as meshlib
+    from distcheck.checks import mesh as meshlib
 
     t0 = time.perf_counter()
     world = parse_world_size(args.world_size)

@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from distcheck.errors import UsageError
-from distcheck.findings import Finding
-from distcheck.report import Report, load_report, render_text
+from distcheck.contract.findings import Finding
+from distcheck.contract.report import Report, load_report, render_text
 
 FORMATS = ("text", "json", "github")
 
@@ -76,7 +76,7 @@ def github_lines(report: Report) -> list[str]:
 def merge_reports(dirs: list[Path]) -> tuple[Report, str]:
     """The merged report and the text of the regrouped stacks ("" when fewer than two dirs hold stacks)."""
     from distcheck.analysis.hang import CollectiveRef, RankProgress, diagnose
-    from distcheck.stacks import load_stacks_document, render_stacks_text
+    from distcheck.supervise.stacks import load_stacks_document, render_stacks_text
 
     reports = [load_report(d) for d in dirs]
     if len(reports) == 1:

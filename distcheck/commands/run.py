@@ -9,7 +9,7 @@ aligned per process group: the first divergence is a ``collective_mismatch`` nam
 issued there and each rank's source line; a rank that raised or died is a ``rank_failure``; no progress is a
 ``hang``. The report directory holds report.json, report.txt, trace-rank<R>.jsonl and trace.json (Perfetto).
 
-With --nproc, distcheck starts and supervises the ranks (distcheck/launcher.py) and writes the report itself,
+With --nproc, distcheck starts and supervises the ranks (distcheck/supervise/launcher.py) and writes the report itself,
 even when ranks crash or hang. Under torchrun the ranks share the report directory (one node, or a shared file
 system) and rank 0 writes the report once every rank has finished, failed, or stopped progressing.
 Exit codes: 0 no findings, 1 findings, 2 bad input (missing script, not a Python file, bad options).
@@ -26,14 +26,14 @@ import time
 import traceback
 from pathlib import Path
 
-from distcheck import sink
+from distcheck.rank import sink
 from distcheck.analysis.trace_align import (STATE_DIED, STATE_ERROR, STATE_HUNG, STATE_OK, STATE_STOPPED,
                                             STATE_UNKNOWN, RankOutcome, analyze_run, provably_stuck)
-from distcheck.analysis.trace_events import RankError, RankTrace, load_traces
+from distcheck.analysis.trace_events import RankTrace, load_traces
 from distcheck.errors import UsageError
-from distcheck.findings import CheckResult, Finding, format_ranks
-from distcheck.report import Report, default_report_dir, prepare_report_dir, render_text, write_report
-from distcheck.runtime import backstop
+from distcheck.contract.findings import CheckResult, Finding, format_ranks
+from distcheck.contract.report import Report, default_report_dir, prepare_report_dir, render_text, write_report
+from distcheck.rank.runtime import backstop
 
 log = logging.getLogger("distcheck")
 
@@ -105,11 +105,11 @@ def outcome_from_trace(rank: int, trace: RankTrace | None) -> RankOutcome | None
 def build_report(report_dir: Path, command: str, world_size: int, traces: dict[int, RankTrace],
                  outcomes: dict[int, RankOutcome], timeout: float, seconds: float,
                  hang_findings: list[Finding] | None = None, stop_reason: str | None = None) -> Report:
-    from distcheck.chrome_trace import write_chrome_trace
+    from distcheck.contract.chrome_trace import write_chrome_trace
 
     findings = analyze_run(traces, outcomes, world_size, timeout=timeout, hang_findings=hang_findings)
     findings = merge_mesh_errors(findings + sink.collect(report_dir))
-    from distcheck.autocheck import report_parts
+    from distcheck.rank.autocheck import report_parts
 
     # Zero-code checks: model_check (its time), and the first NaN/Inf merged from every rank's own record.
     auto_findings, auto_checks = report_parts(report_dir)
@@ -153,7 +153,7 @@ def _clean_report_dir(report_dir: Path, ranks: range | list[int]) -> None:
 
 def run_supervised(args: argparse.Namespace, script: Path, script_args: list[str], nproc: int) -> int:
     from distcheck.cli import command_line
-    from distcheck.launcher import Supervisor
+    from distcheck.supervise.launcher import Supervisor
 
     report_dir = prepare_report_dir(args.report_dir).resolve()
     _clean_report_dir(report_dir, range(nproc))
@@ -172,7 +172,7 @@ def run_supervised(args: argparse.Namespace, script: Path, script_args: list[str
 
     def on_hang(pids: dict[int, int], directory: str) -> list[Finding]:
         # The supervisor is the ranks' parent: py-spy may attach even under Yama ptrace_scope=1.
-        from distcheck.watchdog import diagnose_hang
+        from distcheck.supervise.watchdog import diagnose_hang
 
         return diagnose_hang(pids, directory, native=args.native, timeout=args.timeout, world_size=nproc)
 
@@ -223,18 +223,6 @@ def _torchrun_default_dir() -> Path:
         return Path.cwd() / f"distcheck-report-{run_id}"
 
 
-def _user_site(tb) -> tuple[str | None, str | None, int | None]:
-    """The innermost traceback frame in the user's code (outside torch, distcheck and the stdlib)."""
-    from distcheck.trace import is_internal
-
-    found = (None, None, None)
-    for frame, lineno in traceback.walk_tb(tb):
-        path = frame.f_code.co_filename
-        if not is_internal(path):
-            found = (f"{os.path.basename(path)}:{lineno}", path, lineno)
-    return found
-
-
 def _execute(script: Path, script_args: list[str], tracer) -> tuple[bool, int]:
     """Run the script as __main__; record an exception (with the user's line) in the trace. (ok, exit code)"""
     sys.argv = [str(script), *script_args]
@@ -255,16 +243,18 @@ def _execute(script: Path, script_args: list[str], tracer) -> tuple[bool, int]:
     _report_mesh_error(exc_info[1], tracer.rank)
     sys.stderr.write(f"[distcheck rank {tracer.rank}] the script raised:\n{text}")
     sys.stderr.flush()
-    site, path, line = _user_site(exc_info[2])
+    from distcheck.rank.usersite import traceback_site
+
+    where = traceback_site(exc_info[2])
     tracer.note({"ev": "error", "exc_type": exc_info[0].__name__, "message": str(exc_info[1]), "traceback": text,
-                 "site": site, "file": path, "line": line})
+                 "site": where.site, "file": where.file, "line": where.line})
     return False, status
 
 
 def _report_mesh_error(exc: BaseException, rank: int) -> None:
     """A torch error from building a DeviceMesh is a mesh_mismatch (with the user's line), not just a crash."""
     try:
-        from distcheck.mesh import mesh_error_finding
+        from distcheck.checks.mesh import mesh_error_finding
 
         finding = mesh_error_finding(exc, exc.__traceback__)
     except Exception as err:  # the diagnosis must never hide the script's own error
@@ -299,8 +289,8 @@ def merge_mesh_errors(findings: list[Finding]) -> list[Finding]:
 
 
 def run_in_rank(args: argparse.Namespace, script: Path, script_args: list[str]) -> int:
-    from distcheck import trace
-    from distcheck.runtime import RankInfo, setup_logging
+    from distcheck.rank import tracer as trace
+    from distcheck.rank.runtime import RankInfo, setup_logging
 
     info = RankInfo.from_env()
     setup_logging(info)
@@ -311,11 +301,11 @@ def run_in_rank(args: argparse.Namespace, script: Path, script_args: list[str]) 
     if not supervised:
         _clean_report_dir(report_dir, [info.rank])
     tracer = trace.install(report_dir, info.rank)
-    from distcheck import autocheck
+    from distcheck.rank import autocheck
 
     # Finds the models (fully_shard/DDP/TP) and optimizers by itself; DISTCHECK_AUTOCHECK=0 turns it off.
     checker = autocheck.install(report_dir, info.rank)
-    from distcheck.watchdog import rank_bootstrap
+    from distcheck.supervise.watchdog import rank_bootstrap
 
     # Stack hooks (ptrace permission for our launcher, faulthandler fallback); under plain torchrun also the node
     # watcher, a process outside the ranks that dumps their stacks on a hang even when one holds the GIL.

@@ -24,8 +24,8 @@ from pathlib import Path
 
 from distcheck.analysis.hang import diagnose
 from distcheck.errors import UsageError
-from distcheck.findings import CheckResult, Finding
-from distcheck.stacks import (
+from distcheck.contract.findings import CheckResult, Finding
+from distcheck.supervise.stacks import (
     DEFAULT_DUMP_TIMEOUT, dump_all, find_pyspy, render_stacks_text, resolve_targets, stacks_document,
     write_stack_artifacts,
 )
@@ -56,8 +56,8 @@ def parse_pids(values: list[str]) -> list[int]:
 
 def main(args: argparse.Namespace) -> int:
     from distcheck.cli import command_line
-    from distcheck.report import Report, prepare_report_dir, write_report
-    from distcheck.watchdog import load_progress
+    from distcheck.contract.report import Report, prepare_report_dir, write_report
+    from distcheck.supervise.watchdog import load_progress
 
     pids = parse_pids(args.pids)
     if args.dump_timeout <= 0:

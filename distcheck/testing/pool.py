@@ -95,7 +95,7 @@ class Pool:
             if self.devices:
                 env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, self.devices))
             env.pop("PYTEST_XDIST_WORKER", None)
-            self.procs.append(subprocess.Popen([sys.executable, "-m", "distcheck.pool_worker"], env=env,
+            self.procs.append(subprocess.Popen([sys.executable, "-m", "distcheck.testing.pool_worker"], env=env,
                                                start_new_session=True))
         self._listener._listener._socket.settimeout(START_TIMEOUT)  # accept() must not block forever
         conns: dict[int, Connection] = {}

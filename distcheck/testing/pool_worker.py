@@ -1,4 +1,4 @@
-"""One rank of the pytest plugin's pool (started by distcheck.testpool; not a user entry point).
+"""One rank of the pytest plugin's pool (started by distcheck.testing.pool; not a user entry point).
 
 It joins the process group once, then runs test bodies sent by the pytest process until told to stop.
 """
@@ -15,7 +15,7 @@ from datetime import timedelta
 from multiprocessing.connection import Client
 from pathlib import Path
 
-from distcheck.testpool import RankOutcome, TestJob
+from distcheck.testing.pool import RankOutcome, TestJob
 
 
 class RankContext:
@@ -64,7 +64,9 @@ def main() -> int:
     import torch
     import torch.distributed as dist
 
-    from distcheck import autocheck, trace
+    from distcheck.rank import autocheck
+
+    from distcheck.rank import tracer as trace
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     stacks = open(Path(os.environ["DISTCHECK_POOL_DIR"]) / f"stacks-rank{rank}.txt", "w")

@@ -49,7 +49,8 @@ from typing import Any, Callable
 
 from distcheck.analysis.bad_values import (BadEvent, FlaggedTensor, classify, first_bad_finding, loss_value_name,
                                            plausible, tensor_stats, uninitialized_findings)
-from distcheck.findings import CheckResult, Finding
+from distcheck.contract.findings import CheckResult, Finding
+from distcheck.rank.usersite import caller_site
 
 log = logging.getLogger("distcheck")
 
@@ -185,9 +186,9 @@ class AutoCheck:
     def check_root(self, root: Any) -> list[Finding]:
         import torch
 
-        from distcheck import sink
-        from distcheck.placement import check_model, describe_model
-        from distcheck.runtime import current_channel
+        from distcheck.rank import sink
+        from distcheck.checks.placement import check_model, describe_model
+        from distcheck.rank.runtime import current_channel
 
         with torch.no_grad():
             findings = check_model(root)  # emits on rank 0 when a sink is set
@@ -274,7 +275,7 @@ class AutoCheck:
                 self._stop_naming()  # names serve only the parameter records of optimizer steps
         if self.first_bad is not None or loss.numel() != 1 or not loss.is_floating_point():
             return
-        site = _site_finder().find(1)
+        site = caller_site()
         self._losses.append((loss.detach().reshape(()), site))
 
     def after_backward(self) -> None:
@@ -293,7 +294,7 @@ class AutoCheck:
 
     # -- automatic records (zero-code compare) -------------------------------------------------------------------
     def _record_loss(self, loss: Any) -> None:
-        from distcheck import records
+        from distcheck.rank import records
 
         # A step is an optimizer step when the script has an optimizer (several backward() calls per step under
         # gradient accumulation are occurrences of one step), else one backward() call.
@@ -301,7 +302,7 @@ class AutoCheck:
         if step >= self.record_steps or loss.numel() != 1 or not loss.is_floating_point():
             return
         try:
-            site = _site_finder().find(1)
+            site = caller_site()
             # Each rank's own loss, not a cross-rank mean: compare averages per-rank values itself, so no rank
             # waits for another here; for tensor parallelism the ranks agree and the mean is the value.
             records.record_auto(records.AUTO_LOSS, loss.detach().reshape(()), step, site.file, site.line,
@@ -313,7 +314,7 @@ class AutoCheck:
     def on_optimizer_step_done(self, optimizer: Any) -> None:
         if not self.record_steps:
             return
-        from distcheck import records
+        from distcheck.rank import records
 
         step = self.opt_steps.get(id(optimizer), 1) - 1
         if step < self.record_steps:
@@ -321,7 +322,7 @@ class AutoCheck:
                 names = self._param_names()
                 pairs = [(names.get(id(p)) or f"param_groups.{g}.{i}", p)
                          for g, group in enumerate(optimizer.param_groups) for i, p in enumerate(group["params"])]
-                site = _site_finder().find(1)
+                site = caller_site()
                 records.record_auto(records.AUTO_PARAMS, pairs, step, site.file, site.line)
                 self.auto_records += 1
             except Exception as exc:
@@ -432,7 +433,7 @@ class AutoCheck:
                 "step_check_seconds": self.step_seconds, "auto_records": self.auto_records}
 
     def write_state(self) -> None:
-        from distcheck.report import atomic_write
+        from distcheck.contract.report import atomic_write
 
         try:
             atomic_write(state_path(self.out_dir, self.rank), json.dumps(self.state()) + "\n")
@@ -464,7 +465,7 @@ def _note_call(ref: weakref.ref, module: Any, args: Any) -> None:
 
 
 def _auto_record_steps() -> int:
-    from distcheck import records
+    from distcheck.rank import records
 
     steps = records.auto_steps()
     # active() caches whether records are written: only ask once compare has asked for automatic records.
@@ -477,18 +478,6 @@ def _any_forward(ref: weakref.ref, module: Any, args: Any) -> None:
         return
     if not check._checking and check.contains_watched(module):
         check.on_first_forward(module)
-
-
-_finder = None
-
-
-def _site_finder():
-    global _finder
-    if _finder is None:
-        from distcheck.trace import _SiteFinder
-
-        _finder = _SiteFinder()
-    return _finder
 
 
 def _strip(name: str) -> str:
@@ -567,8 +556,8 @@ def _reference_range(root: Any, name: str, row: Any) -> tuple[tuple[float, float
 
 
 def _append_findings(out_dir: Path, rank: int, findings: list[Finding]) -> None:
-    from distcheck.findings import jsonable
-    from distcheck.sink import findings_path
+    from distcheck.contract.findings import jsonable
+    from distcheck.rank.sink import findings_path
 
     if not findings:
         return
@@ -816,7 +805,7 @@ def test_findings(check: AutoCheck, key: str, timeout: float = 2.0) -> list[Find
     ``timeout`` per missing rank and merges what it got.
     """
     from distcheck.errors import ChannelTimeout
-    from distcheck.runtime import current_channel
+    from distcheck.rank.runtime import current_channel
 
     check.finish()
     channel = current_channel()
@@ -837,7 +826,7 @@ def test_findings(check: AutoCheck, key: str, timeout: float = 2.0) -> list[Find
 
 
 def failure_text(findings: list[Finding]) -> str:
-    from distcheck.findings import format_ranks
+    from distcheck.contract.findings import format_ranks
 
     lines = ["distcheck's automatic checks found what the test's asserts did not (DISTCHECK_AUTOCHECK=0 turns "
              "them off):"]

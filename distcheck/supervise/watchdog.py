@@ -1,7 +1,7 @@
 """Hang watchdog: when no rank makes progress for --timeout seconds, dump every rank's stack and name the odd one.
 
     python -m distcheck run --nproc 4 --timeout 60 -- train.py        # the supervisor calls diagnose_hang
-    python -m distcheck.watchdog watch --report-dir DIR --timeout 60  # the per-node watcher (started by local rank 0)
+    python -m distcheck.supervise.watchdog watch --report-dir DIR --timeout 60  # the per-node watcher (started by local rank 0)
 
 Three ways in, one diagnosis (:func:`diagnose_hang`: py-spy on all ranks in parallel, last collectives from the
 traces, stacks.txt + stacks.json, one ``hang`` finding):
@@ -33,8 +33,8 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from distcheck.analysis.hang import RankProgress, diagnose, progress_from_events
-from distcheck.findings import Finding
-from distcheck.stacks import (
+from distcheck.contract.findings import Finding
+from distcheck.supervise.stacks import (
     DEFAULT_DUMP_TIMEOUT, Target, _alive, _read_environ, dump_all, rank_descendants, write_stack_artifacts,
 )
 
@@ -264,7 +264,7 @@ def start_node_watcher(report_dir: str | os.PathLike, timeout: float, native: bo
 
     Its own session keeps torchrun's teardown signals from killing it halfway through writing the report.
     """
-    cmd = [sys.executable, "-m", "distcheck.watchdog", "watch", "--report-dir", str(report_dir),
+    cmd = [sys.executable, "-m", "distcheck.supervise.watchdog", "watch", "--report-dir", str(report_dir),
            "--timeout", str(timeout), "--parent", str(os.getpid())]
     if native:
         cmd.append("--native")
@@ -286,13 +286,13 @@ def rank_bootstrap(report_dir: str | os.PathLike, timeout: float, native: bool =
     on local rank 0 starts the node watcher; returns the watcher's Popen there, None elsewhere. ``watcher=False``
     when a supervisor outside the ranks already watches them.
     """
-    from distcheck.stacks import install_rank_hooks
+    from distcheck.supervise.stacks import install_rank_hooks
 
     Path(report_dir).mkdir(parents=True, exist_ok=True)
     rank = int(os.environ.get("RANK", "0"))
     install_rank_hooks(report_dir, rank)
     if trace:
-        from distcheck import trace as tracing
+        from distcheck.rank import tracer as tracing
 
         if tracing.current() is None:
             tracing.install(report_dir, rank)
@@ -304,8 +304,8 @@ def rank_bootstrap(report_dir: str | os.PathLike, timeout: float, native: bool =
 
 
 def _watch(args: argparse.Namespace) -> int:
-    from distcheck.findings import CheckResult
-    from distcheck.report import Report, write_report
+    from distcheck.contract.findings import CheckResult
+    from distcheck.contract.report import Report, write_report
 
     host = socket.gethostname()
     logging.basicConfig(level=logging.INFO, format=f"[distcheck watcher {host}] %(message)s")
@@ -347,7 +347,7 @@ def _watch(args: argparse.Namespace) -> int:
 
 
 def _report_so_far(out_dir: Path):
-    from distcheck.report import load_report
+    from distcheck.contract.report import load_report
 
     if not (out_dir / "report.json").exists():
         return None
@@ -358,7 +358,7 @@ def _report_so_far(out_dir: Path):
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m distcheck.watchdog")
+    parser = argparse.ArgumentParser(prog="python -m distcheck.supervise.watchdog")
     sub = parser.add_subparsers(dest="cmd", required=True)
     w = sub.add_parser("watch", help="watch this node's ranks; on a hang dump them, write the report, end them")
     w.add_argument("--report-dir", required=True)

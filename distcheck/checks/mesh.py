@@ -30,8 +30,8 @@ from distcheck.analysis.mesh import (EXPERT_ATTRS, HEAD_ATTRS, HIDDEN_ATTRS, Liv
                                      ModuleAttr, ParamShape, coordinate, group_of, live_mesh_findings,
                                      shard_sizes)
 from distcheck.errors import UsageError
-from distcheck.findings import Finding
-from distcheck.trace import is_internal
+from distcheck.contract.findings import Finding
+from distcheck.rank.usersite import traceback_site
 
 log = logging.getLogger("distcheck")
 
@@ -196,7 +196,7 @@ def check_live_mesh(mesh: Any, label: str | None = None) -> list[Finding]:
     Every rank of the world must call this with its own handle to the same mesh. Submeshes are checked through
     their root mesh. Without torch.distributed only the local view is checked.
     """
-    from distcheck.runtime import current_channel
+    from distcheck.rank.runtime import current_channel
 
     view = local_view(mesh)
     names = ",".join(view.names) if view.names else "x".join(map(str, view.shape))
@@ -229,7 +229,7 @@ def mesh_error_finding(exc: BaseException, tb: TracebackType | None = None) -> F
     if not in_mesh and not any(k in message for k in _KNOWN):
         return None
     first = in_mesh[0] if in_mesh else len(frames)
-    user = next((f for f in reversed(frames[:first]) if not is_internal(os.path.realpath(f.filename))), None)
+    user = traceback_site(tb, before=first)
     shape = names = None
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
@@ -240,7 +240,7 @@ def mesh_error_finding(exc: BaseException, tb: TracebackType | None = None) -> F
             shape = walker.tb_frame.f_locals.get("mesh_shape")
             names = walker.tb_frame.f_locals.get("mesh_dim_names")
         walker = walker.tb_next
-    where = f" at {Path(user.filename).name}:{user.lineno}" if user else ""
+    where = f" at {user.site}" if user else ""
     call = f"init_device_mesh({tuple(shape)!r}" + (f", mesh_dim_names={tuple(names)!r}" if names else "") + ")" \
         if shape is not None else "DeviceMesh(...)"
     hint = ""
@@ -252,10 +252,12 @@ def mesh_error_finding(exc: BaseException, tb: TracebackType | None = None) -> F
         detail["shape"] = list(shape)
     if names:
         detail["names"] = list(names)
-    if user is not None:
-        detail["file"] = user.filename
-        detail["line"] = user.lineno
-        detail["code"] = (user.line or "").strip()
+    if user:
+        import linecache
+
+        detail["file"] = user.file
+        detail["line"] = user.line
+        detail["code"] = linecache.getline(user.file, user.line).strip()
     return Finding("mesh_mismatch", [rank], f"{call}{where} failed on rank {rank}{hint} "
                                             f"(torch: {message})", detail)
 

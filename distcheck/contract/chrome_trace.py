@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from distcheck.analysis.trace_events import RankTrace
-from distcheck.report import atomic_write
+from distcheck.contract.report import atomic_write
 
 
 def chrome_events(traces: dict[int, RankTrace], end_time: float | None = None) -> list[dict[str, Any]]:

@@ -118,7 +118,7 @@ def _claim_gpus(nprocs: int) -> tuple[list[int], list]:
 
 
 def _get_pool(nprocs: int, backend: str):
-    from distcheck.testpool import Pool
+    from distcheck.testing.pool import Pool
 
     pool = _pools.get(nprocs)
     if pool is not None and pool.healthy:
@@ -151,7 +151,7 @@ def pytest_unconfigure(config) -> None:
 def pytest_pyfunc_call(pyfuncitem):
     if pyfuncitem.get_closest_marker("distributed") is None:
         return None
-    from distcheck.testpool import TestJob
+    from distcheck.testing.pool import TestJob
 
     nprocs, timeout = _marker_args(pyfuncitem)
     backend, _ = _backend_for(nprocs)
@@ -202,7 +202,7 @@ def _diagnose(pool, job, outcomes, hung: bool, nprocs: int, timeout: float, stop
     stacks: dict[int, str] = {}
     if hung:
         try:
-            from distcheck.watchdog import diagnose_hang
+            from distcheck.supervise.watchdog import diagnose_hang
 
             [finding] = diagnose_hang(pool.pids, job.trace_dir, timeout=None if stop_reason else timeout,
                                       world_size=nprocs)

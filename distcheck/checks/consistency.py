@@ -17,16 +17,20 @@ from typing import Callable
 import torch
 from torch import nn
 
-from distcheck import collective_sanity, envinfo, reference
+from distcheck.checks import collectives as collective_sanity
+
+from distcheck.checks import envinfo
+
+from distcheck.checks import reference
 from distcheck.analysis.envdiff import diff_env, render_env_table
-from distcheck.batches import BatchMaker, batch_maker
+from distcheck.checks.batches import BatchMaker, batch_maker
 from distcheck.errors import ChannelTimeout, UsageError
-from distcheck.findings import CheckResult, Finding, format_ranks
-from distcheck.models import build_model
-from distcheck.replicas import compare_replicas
-from distcheck.report import Report
-from distcheck.runtime import Session
-from distcheck.sourcesite import forward_site, init_site
+from distcheck.contract.findings import CheckResult, Finding, format_ranks
+from distcheck.checks.models import build_model
+from distcheck.checks.replicas import compare_replicas
+from distcheck.contract.report import Report
+from distcheck.rank.runtime import Session
+from distcheck.rank.usersite import forward_site, param_site
 
 SEED = 1234
 
@@ -86,12 +90,12 @@ def check_model_consistency(ctx: Context) -> list[Finding]:
     findings = compare_replicas("model", items, ctx.session.channel, list(range(ctx.session.world_size)),
                                 context="before parallelizing (same seed on every rank)")
     for f in findings:
-        _add_site(f, init_site(ctx.model, f.detail.get("name", "")), "created in")
+        _add_site(f, param_site(ctx.model, f.detail.get("name", "")), "created in")
     return findings
 
 
 def _add_site(finding: Finding, site, label: str) -> None:
-    if site is not None:
+    if site:
         finding.message += f" ({label} {site})"
         finding.detail.update(site.detail())
 
@@ -112,7 +116,7 @@ def check_parallel_vs_reference(ctx: Context) -> list[Finding]:
 
 def check_placements(ctx: Context) -> list[Finding]:
     """The placement table of the parallelized model, and parameters its sharding left out."""
-    from distcheck import placement
+    from distcheck.checks import placement
     from distcheck.analysis.placement import coverage_findings
 
     if ctx.outcome is None:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from distcheck.errors import UsageError
-from distcheck.findings import CheckResult, Finding, format_ranks, jsonable
+from distcheck.contract.findings import CheckResult, Finding, format_ranks, jsonable
 
 # Contract keys of report.json; extra data (placement tables, ...) goes under other keys and never replaces these.
 CONTRACT_KEYS = ("tool", "version", "command", "ok", "world_size", "findings", "checks", "artifacts")

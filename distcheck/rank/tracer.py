@@ -1,6 +1,6 @@
 """Collective tracer: every collective a rank issues, with its user call site, as JSON lines on disk.
 
-    DISTCHECK_TRACE=1 DISTCHECK_REPORT_DIR=out torchrun --nproc-per-node 2 train.py   # via distcheck.trace.install_from_env()
+    DISTCHECK_TRACE=1 DISTCHECK_REPORT_DIR=out torchrun --nproc-per-node 2 train.py   # via distcheck.rank.tracer.install_from_env()
     python -m distcheck run --nproc 2 -- train.py                                     # installs it in every rank
 
 ``install(report_dir, rank)`` replaces the collective functions of ``torch.distributed``,
@@ -28,14 +28,13 @@ import json
 import logging
 import os
 import sys
-import sysconfig
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 from distcheck.analysis.ops import C10D_OPS, FUNCOL_OPS, P2P_OPS
+from distcheck.rank.usersite import SiteFinder
 
 log = logging.getLogger("distcheck")
 
@@ -51,69 +50,11 @@ _SKIP_SHAPES = frozenset({"group", "op", "reduceOp", "async_op", "tag", "src", "
                           "scatter_object_input_list", "gather_dim", "scatter_dim", "src_dst", "p2p_op_list"})
 
 
-@dataclass(frozen=True)
-class Site:
-    site: str | None  # "train.py:88"
-    file: str | None
-    line: int | None
-
-
-_UNKNOWN_SITE = Site(None, None, None)
 _DEFAULT_GROUP = object()  # cache key of group=None (the default group)
 # Ops whose start line is not cached (their payload is not described by shapes alone).
 _UNCACHED = frozenset({"batch_isend_irecv", "all_gather_object", "gather_object", "broadcast_object_list",
                        "scatter_object_list", "send_object_list", "recv_object_list"})
 _CACHE_LIMIT = 4096  # distinct call signatures kept; dynamic shapes must not grow memory without bound
-
-
-@functools.lru_cache(maxsize=1)
-def _internal_roots() -> tuple[str, ...]:
-    import torch
-
-    roots = [os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(__file__))]
-    for key in ("stdlib", "platstdlib"):
-        path = sysconfig.get_paths().get(key)
-        if path:
-            roots.append(path)
-    return tuple(os.path.join(os.path.realpath(r), "") for r in roots) + tuple(os.path.join(r, "") for r in roots)
-
-
-def is_internal(filename: str) -> bool:
-    """Whether a frame's file is torch, distcheck, the standard library or interpreter machinery ("<frozen
-    runpy>", "<string>"): never the user's line."""
-    return filename.startswith("<") or filename.startswith(_internal_roots())
-
-
-class _SiteFinder:
-    """First frame outside torch, distcheck and the standard library; cached per (code object, line)."""
-
-    def __init__(self) -> None:
-        self._internal: dict[str, bool] = {}
-        self._sites: dict[tuple[Any, int], Site] = {}
-
-    def _is_internal(self, filename: str) -> bool:
-        hit = self._internal.get(filename)
-        if hit is None:  # the hot path: one dict lookup per frame after the first time
-            hit = self._internal[filename] = is_internal(filename)
-        return hit
-
-    def find(self, depth: int) -> Site:
-        try:
-            frame = sys._getframe(depth)
-        except ValueError:
-            return _UNKNOWN_SITE
-        internal = self._is_internal
-        while frame is not None and internal(frame.f_code.co_filename):
-            frame = frame.f_back
-        if frame is None:
-            return _UNKNOWN_SITE
-        key = (frame.f_code, frame.f_lineno)
-        site = self._sites.get(key)
-        if site is None:
-            path = frame.f_code.co_filename
-            site = Site(f"{os.path.basename(path)}:{frame.f_lineno}", path, frame.f_lineno)
-            self._sites[key] = site
-        return site
 
 
 class _Writer:
@@ -175,7 +116,7 @@ class Tracer:
         self.rank = rank
         self.path = trace_path(report_dir, rank)
         self.writer = _Writer(self.path)
-        self.sites = _SiteFinder()
+        self.sites = SiteFinder()
         self._ids = itertools.count(1)
         self._seq: dict[Any, int] = {}
         self._lines: dict[tuple, tuple[str, Any]] = {}

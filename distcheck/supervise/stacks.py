@@ -517,7 +517,7 @@ def write_stack_artifacts(report_dir: str | os.PathLike, stacks: Sequence[RankSt
 
     ``groups``/``summary`` come from the hang diagnosis, so the highlighted groups are the ranks it singled out.
     """
-    from distcheck.report import atomic_write
+    from distcheck.contract.report import atomic_write
 
     report_dir = Path(report_dir)
     atomic_write(report_dir / f"{stem}.txt", render_stacks_text(stacks, errors, title, progress, groups, summary))

@@ -47,7 +47,7 @@ def builtin_tp_plan(model: nn.Module) -> dict[str, object]:
 
 
 def check_tp_supported(model: nn.Module, world_size: int) -> None:
-    from distcheck.models import TinyTransformer
+    from distcheck.checks.models import TinyTransformer
 
     if hasattr(model, "distcheck_tp_plan"):
         return

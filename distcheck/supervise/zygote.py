@@ -1,6 +1,6 @@
 """A process that imports torch once and forks rank processes from it (used by the launcher).
 
-    python -m distcheck.zygote REQUEST_FD REPLY_FD      # started by distcheck.launcher, not by users
+    python -m distcheck.supervise.zygote REQUEST_FD REPLY_FD      # started by distcheck.supervise.launcher, not by users
 
 Every rank would otherwise spend seconds of CPU importing torch (about 3 s each on this project's 2-core
 machine); a `run --nproc 2` or `compare --nproc 2` pays that once here instead of once per rank, and `compare`
@@ -21,8 +21,8 @@ import sys
 
 # What every rank imports anyway: loaded once, before any fork.
 PRELOAD = ("torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.tensor.parallel",
-           "torch.distributed.fsdp", "distcheck.cli", "distcheck.commands.run", "distcheck.trace",
-           "distcheck.autocheck", "distcheck.watchdog")
+           "torch.distributed.fsdp", "distcheck.cli", "distcheck.commands.run", "distcheck.rank.tracer",
+           "distcheck.rank.autocheck", "distcheck.supervise.watchdog")
 
 
 def _preload() -> None:

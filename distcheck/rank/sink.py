@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 from typing import Iterable
 
-from distcheck.findings import Finding, jsonable
+from distcheck.contract.findings import Finding, jsonable
 
 ENV_REPORT_DIR = "DISTCHECK_REPORT_DIR"
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
-from distcheck.findings import Finding
+from distcheck.contract.findings import Finding
 
 log = logging.getLogger("distcheck")
 
@@ -108,7 +108,7 @@ class ForkedRank:
 
 
 class Zygote:
-    """The launcher's handle on ``python -m distcheck.zygote``: forks ranks that have torch imported already.
+    """The launcher's handle on ``python -m distcheck.supervise.zygote``: forks ranks that have torch imported already.
 
     One per supervising process (compare reuses it for the reference and the N-rank runs). Used for ranks that
     run ``python -m distcheck ...`` when DISTCHECK_ZYGOTE=1. Off by default: under heavy load the test suite saw
@@ -121,7 +121,7 @@ class Zygote:
     def __init__(self) -> None:
         req_r, self._req_w = os.pipe()
         self._reply_r, reply_w = os.pipe()
-        self.proc = subprocess.Popen([sys.executable, "-m", "distcheck.zygote", str(req_r), str(reply_w)],
+        self.proc = subprocess.Popen([sys.executable, "-m", "distcheck.supervise.zygote", str(req_r), str(reply_w)],
                                      pass_fds=(req_r, reply_w), stdin=subprocess.DEVNULL,
                                      preexec_fn=_die_with_parent if sys.platform == "linux" else None)
         os.close(req_r)

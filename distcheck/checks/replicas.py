@@ -11,12 +11,12 @@ from typing import Any, Iterable
 import torch
 import torch.distributed as dist
 
-from distcheck import sink
+from distcheck.rank import sink
 from distcheck.analysis.replicas import (DiffSummary, Entry, diff_chunk, divergence_finding, find_divergences,
                                          merge_summaries)
-from distcheck.findings import Finding
-from distcheck.fingerprint import fingerprint_many, local_tensor
-from distcheck.runtime import SideChannel, current_channel
+from distcheck.contract.findings import Finding
+from distcheck.checks.fingerprint import fingerprint_many, local_tensor
+from distcheck.rank.runtime import SideChannel, current_channel
 
 _calls: dict[str, int] = {}
 

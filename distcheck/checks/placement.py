@@ -16,7 +16,6 @@ import functools
 import inspect
 import logging
 import os
-import re
 from typing import Any, Iterable
 
 import torch
@@ -24,7 +23,8 @@ import torch.nn as nn
 
 from distcheck.analysis.placement import (PlacementRow, coverage_findings, merge_rank_findings,
                                           render_placement_table)
-from distcheck.findings import Finding
+from distcheck.contract.findings import Finding
+from distcheck.rank.usersite import param_site
 
 log = logging.getLogger("distcheck")
 
@@ -118,30 +118,6 @@ def _fsdp_managed(model: nn.Module) -> dict[int, str]:
     return managed
 
 
-def _user_location(module: nn.Module, attr: str) -> tuple[str | None, int | None]:
-    """Where the user's class assigns ``self.<attr>`` (or defines the class); None for torch's own modules.
-
-    fully_shard swaps the module's class for a generated ``FSDP<Name>`` subclass with no source, so walk the MRO
-    to the user's class.
-    """
-    pattern = re.compile(rf"self\.{re.escape(attr)}\s*(:[^=]*)?=")
-    for klass in type(module).__mro__:
-        if klass in (nn.Module, object):
-            break
-        try:
-            path = inspect.getsourcefile(klass)
-            if not path or os.path.realpath(path).startswith(_TORCH_DIR):
-                continue
-            lines, start = inspect.getsourcelines(klass)
-        except (TypeError, OSError):
-            continue
-        for i, text in enumerate(lines):
-            if pattern.search(text):
-                return path, start + i
-        return path, start
-    return None, None
-
-
 def describe_model(model: nn.Module) -> list[PlacementRow]:
     """One row per parameter and buffer (deduplicated like named_parameters), in module order."""
     from torch.nn.parallel import DistributedDataParallel
@@ -179,12 +155,8 @@ def describe_model(model: nn.Module) -> list[PlacementRow]:
             local = t
             mesh_shape = mesh_names = mesh_ranks = placements = None
             cls = "Tensor" if type(t) in (torch.Tensor, nn.Parameter) else type(t).__name__
-        file, line = _user_location(mod, attr)
-        walk = mname
-        while file is None and walk:  # torch's own module (nn.Linear): where the user's parent assigns it
-            parent, _, child = walk.rpartition(".")
-            file, line = _user_location(modules[parent], child)
-            walk = parent
+        site = param_site(model, f"{mname}.{attr}" if mname else attr)
+        file, line = site.file, site.line
         inner = mname.split(".", 1)[1] if is_ddp and mname.startswith("module") and "." in mname else ""
         rows.append(PlacementRow(
             name=name, role=role, cls=cls, dtype=str(t.dtype), mesh_shape=mesh_shape, mesh_dim_names=mesh_names,
@@ -227,10 +199,10 @@ def check_model(model: nn.Module) -> list[Finding]:
     """Placement/coverage findings, mesh checks and replica consistency; the same list on every rank."""
     import torch.distributed as dist
 
-    from distcheck import sink
-    from distcheck.mesh import check_live_mesh
-    from distcheck.replicas import compare_replicas, named_tensors
-    from distcheck.runtime import current_channel
+    from distcheck.rank import sink
+    from distcheck.checks.mesh import check_live_mesh
+    from distcheck.checks.replicas import compare_replicas, named_tensors
+    from distcheck.rank.runtime import current_channel
 
     rows = describe_model(model)
     channel = current_channel()

@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 
 from distcheck.analysis.tolerance import compare
-from distcheck.findings import Finding, format_ranks
-from distcheck.runtime import Session, bounded
+from distcheck.contract.findings import Finding, format_ranks
+from distcheck.rank.runtime import Session, bounded
 
 DTYPES = (torch.float32, torch.bfloat16, torch.int64)
 

@@ -1,0 +1,211 @@
+"""``distcheck.record``: values a training script records for ``distcheck compare``.
+
+    python -m distcheck compare --nproc 2 -- train.py        # runs train.py with 1 rank and with 2, compares records
+
+In the script::
+
+    import distcheck
+    distcheck.record("loss", loss)                  # a tensor, a DTensor (its full tensor) or a number
+    distcheck.record("model", model)                # an nn.Module: parameters, buffers and gradients (full tensors)
+    distcheck.record("logits", out, step=step)      # explicit step; by default an auto counter per name
+
+Outside ``distcheck run``/``compare`` every call returns after one cached check (the decision is taken once, from
+DISTCHECK_REPORT_DIR, which distcheck sets in each rank). Under distcheck each rank appends the raw bytes of the
+values to ``<report_dir>/records-rank<R>.bin`` and one JSON line per record to ``records-rank<R>.jsonl``, both with
+unbuffered ``os.write`` on O_APPEND descriptors: the data goes first, the index line last, so a rank that crashes
+or is killed keeps every record whose index line was written and never indexes half-written data.
+
+Keyword-only extras of :func:`record` (not part of the public ``distcheck.record`` signature):
+
+- ``rtol=``, ``atol=``: tolerances for this record, stronger than ``compare --rtol/--atol`` and dtype defaults;
+  :func:`tolerance` sets them for every later record of a name.
+- ``replicated=``: whether every rank must hold the same value. Modules and DTensors are always replicated (their
+  full tensors are). Plain tensors and numbers default to "auto": when the ranks agree that value is compared,
+  otherwise they are per-rank values (a loss each rank computed on its own shard) and their mean over the ranks is
+  compared, which equals the global-batch value for equal shards and mean losses. ``replicated=True`` turns
+  disagreement into a ``tensor_divergence`` finding; ``replicated=False`` always compares the mean.
+
+A DTensor (or a module holding DTensors, as under FSDP2 or tensor parallelism) is gathered with ``full_tensor()``,
+a collective: record it on every rank, in the same order.
+
+Automatic records (zero-code compare). ``distcheck compare`` sets DISTCHECK_AUTO_RECORD_STEPS=K in each rank; for
+the first K steps ``distcheck.rank.autocheck`` then records, through :func:`record_auto`, the loss passed to
+``backward()`` (``auto/loss``) and every parameter after each ``optimizer.step()`` (``auto/params``). Their index
+lines carry ``"auto": true``; the analysis drops them when the script records anything itself.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from distcheck.rank.usersite import caller_site
+
+ENV_REPORT_DIR = "DISTCHECK_REPORT_DIR"  # same variable as distcheck.rank.sink: set by run/compare in each rank
+# How many steps autocheck records by itself; set by compare only, so `distcheck run` never pays for it.
+ENV_AUTO_STEPS = "DISTCHECK_AUTO_RECORD_STEPS"
+DEFAULT_AUTO_STEPS = 3
+AUTO_LOSS = "auto/loss"
+AUTO_PARAMS = "auto/params"
+
+# Wrapper prefixes that differ between world sizes (DDP only when distributed, torch.compile, FSDP1, activation
+# checkpointing): stripped from parameter names so the 1-rank and N-rank module records line up.
+_WRAPPER_PARTS = ("module", "_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module")
+
+_decided = False
+_recorder: _Recorder | None = None
+_tolerances: dict[str, tuple[float | None, float | None]] = {}
+
+
+def record(name: str, value: Any, step: int | None = None, *, rtol: float | None = None,
+           atol: float | None = None, replicated: bool | None = None) -> None:
+    """Record ``value`` under ``(name, step)`` for ``distcheck compare``; a no-op outside distcheck."""
+    if not _decided:
+        _decide()
+    if _recorder is None:
+        return
+    _recorder.add(str(name), value, step, rtol, atol, replicated)
+
+
+def tolerance(name: str, rtol: float | None = None, atol: float | None = None) -> None:
+    """Tolerances for every later record of ``name`` (a record's own rtol=/atol= still wins)."""
+    for label, v in (("rtol", rtol), ("atol", atol)):
+        if v is not None and not (v >= 0 and v != float("inf")):
+            raise ValueError(f"distcheck.rank.records.tolerance({name!r}): {label} must be a finite number >= 0")
+    _tolerances[str(name)] = (rtol, atol)
+
+
+def record_auto(name: str, value: Any, step: int, file: str | None, line: int | None,
+                replicated: bool | None = None) -> None:
+    """A record distcheck takes by itself (marked ``auto``), at the user's line given by the caller.
+
+    ``value`` is a tensor, or a list of (key, tensor) for a set of parameters (gathered to full tensors: every rank
+    must call this at the same point when they are DTensors).
+    """
+    if not _decided:
+        _decide()
+    if _recorder is None:
+        return
+    _recorder.add(name, value, step, None, None, replicated, auto=True, site=(file, line))
+
+
+def auto_steps() -> int:
+    """K of DISTCHECK_AUTO_RECORD_STEPS (0: no automatic records; also when the value is not a whole number)."""
+    text = os.environ.get(ENV_AUTO_STEPS, "").strip()
+    return int(text) if text.isdigit() else 0
+
+
+def active() -> bool:
+    """Whether records are being written (this process runs under distcheck run/compare)."""
+    if not _decided:
+        _decide()
+    return _recorder is not None
+
+
+def _decide() -> None:
+    global _decided, _recorder
+    report_dir = os.environ.get(ENV_REPORT_DIR)
+    _recorder = _Recorder(report_dir, int(os.environ.get("RANK", "0") or 0)) if report_dir else None
+    _decided = True
+
+
+def reset() -> None:
+    """Forget the cached decision and close the files (tests; a process that changes DISTCHECK_REPORT_DIR)."""
+    global _decided, _recorder
+    if _recorder is not None:
+        _recorder.close()
+    _recorder = None
+    _decided = False
+    _tolerances.clear()
+
+
+def normalize_key(name: str) -> str:
+    return ".".join(p for p in name.split(".") if p not in _WRAPPER_PARTS)
+
+
+class _Recorder:
+    def __init__(self, report_dir: str, rank: int) -> None:
+        from distcheck.analysis.records import data_path, index_path
+
+        os.makedirs(report_dir, exist_ok=True)
+        self.rank = rank
+        flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND
+        self._data_fd = os.open(data_path(report_dir, rank), flags, 0o644)
+        self._index_fd = os.open(index_path(report_dir, rank), flags, 0o644)
+        # Appending to a reused file: offsets continue from its current end.
+        self._offset = os.fstat(self._data_fd).st_size
+        self._seq = 0
+        self._steps: dict[str, int] = {}
+
+    def close(self) -> None:
+        for fd in (self._data_fd, self._index_fd):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    def _write_tensor(self, t: Any) -> dict[str, Any]:
+        import torch
+
+        full = getattr(t, "full_tensor", None)
+        if callable(full):  # DTensor: the collective every rank takes part in
+            t = full()
+        t = t.detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        t = t.contiguous()
+        raw = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+        meta = {"dtype": str(t.dtype).replace("torch.", ""), "shape": list(t.shape), "offset": self._offset,
+                "nbytes": len(raw)}
+        view = memoryview(raw)
+        while view:  # os.write may write less than asked for large buffers
+            n = os.write(self._data_fd, view)
+            view = view[n:]
+        self._offset += len(raw)
+        return meta
+
+    def add(self, name: str, value: Any, step: int | None, rtol: float | None, atol: float | None,
+            replicated: bool | None, auto: bool = False,
+            site: tuple[str | None, int | None] | None = None) -> None:
+        import torch
+
+        if step is None:
+            step = self._steps.get(name, 0)
+        self._steps[name] = int(step) + 1
+        entry: dict[str, Any] = {"name": name, "step": int(step), "seq": self._seq, "rank": self.rank}
+        if auto:
+            entry["auto"] = True  # only on automatic records: explicit ones keep their old index lines
+        if isinstance(value, torch.nn.Module):
+            parts = []
+            named = [(n, "parameter", p) for n, p in value.named_parameters()]
+            named += [(n, "buffer", b) for n, b in value.named_buffers() if b is not None]
+            named += [(f"{n}.grad", "gradient", p.grad) for n, p in value.named_parameters() if p.grad is not None]
+            for n, role, t in named:
+                parts.append({"key": normalize_key(n), "role": role, **self._write_tensor(t)})
+            entry.update(kind="module", parts=parts, replicated=True)
+        elif auto and isinstance(value, list):
+            # Automatic parameter records: (name, parameter) pairs an optimizer updates, stored like a module.
+            parts = [{"key": normalize_key(n), "role": "parameter", **self._write_tensor(t)} for n, t in value]
+            entry.update(kind="module", parts=parts, replicated=True)
+        elif isinstance(value, torch.Tensor):
+            is_dtensor = callable(getattr(value, "full_tensor", None))
+            entry.update(kind="tensor", parts=[{"key": "", "role": "tensor", **self._write_tensor(value)}],
+                         replicated=True if is_dtensor else replicated)
+        elif isinstance(value, (bool, int, float)):
+            entry.update(kind="number", value=value, replicated=replicated)
+        else:
+            try:  # numpy scalars and other number-likes
+                number = float(value)
+            except (TypeError, ValueError):
+                raise TypeError(f"distcheck.record({name!r}, ...) takes a tensor, DTensor, number or nn.Module, "
+                                f"not {type(value).__name__}") from None
+            entry.update(kind="number", value=number, replicated=replicated)
+        own_rtol, own_atol = _tolerances.get(name, (None, None))
+        entry["rtol"] = rtol if rtol is not None else own_rtol
+        entry["atol"] = atol if atol is not None else own_atol
+        if site is None:
+            here = caller_site()
+            site = (here.file, here.line)
+        entry["file"], entry["line"] = site
+        self._seq += 1
+        os.write(self._index_fd, (json.dumps(entry) + "\n").encode())
