@@ -20,7 +20,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -30,11 +29,12 @@ sys.path.insert(0, str(ROOT))
 from distcheck.contract.findings import CheckResult  # noqa: E402
 from distcheck.contract.report import Report, write_report  # noqa: E402
 from distcheck.supervise.stacks import Target, dump_all, find_pyspy  # noqa: E402
-from distcheck.supervise.watchdog import Watchdog, terminate  # noqa: E402
+from distcheck.supervise.procs import terminate  # noqa: E402
+from distcheck.supervise.watch import HUNG, HangDump, WatchLoop  # noqa: E402
 
 FIXTURE = ROOT / "fixtures" / "hang_python.py"
 BOOT = """import os, runpy, sys
-from distcheck.supervise.watchdog import rank_bootstrap
+from distcheck.rank.bootstrap import rank_bootstrap
 rank_bootstrap(os.environ["DISTCHECK_REPORT_DIR"], 1e9, watcher=False)
 sys.argv = sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")
@@ -86,20 +86,17 @@ def timeout_to_report(nproc: int, timeout: float) -> tuple[float, float, str]:
         try:
             wait_until_stuck(report_dir, nproc)
             pids = {r: p.pid for r, p in enumerate(procs)}
-            ended = threading.Event()
-            marks: dict[str, float] = {}
-
-            def on_hang(findings):
-                write_report(Report("bench", nproc, findings, [CheckResult("watchdog", False, 0.0)]), report_dir)
-                marks["report"] = time.monotonic()
-                terminate(list(pids.values()))
-                marks["ended"] = time.monotonic()
-                ended.set()
-
-            dog = Watchdog(report_dir, timeout, pids, on_hang=on_hang, world_size=nproc, poll=0.1).start()
-            if not ended.wait(timeout + 60):
-                raise SystemExit("watchdog did not fire")
-            return marks["report"] - dog.hang_declared_at, marks["ended"] - dog.hang_declared_at, dog.findings[0].message
+            loop = WatchLoop(report_dir, timeout, live=lambda: {r: p.pid for r, p in enumerate(procs) if p.poll() is None},
+                             finished=lambda: {r for r, p in enumerate(procs) if p.poll() is not None},
+                             expected=nproc, dump=HangDump(world_size=nproc), poll=0.1)
+            result = loop.run()
+            if result.state != HUNG:
+                raise SystemExit("the watch loop did not declare the hang")
+            write_report(Report("bench", nproc, result.hang_findings, [CheckResult("watchdog", False, 0.0)]), report_dir)
+            reported = time.monotonic()
+            terminate(list(pids.values()))
+            ended = time.monotonic()
+            return reported - result.declared_at, ended - result.declared_at, result.hang_findings[0].message
         finally:
             kill_all(procs)
 

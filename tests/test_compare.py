@@ -105,3 +105,24 @@ def test_bad_input_is_one_line_exit_2(tmp_path, args, message):
     res = distcheck(["compare", "--report-dir", str(tmp_path / "r"), *args], timeout=60)
     assert res.returncode == 2, res.output
     assert message in res.stderr and "Traceback" not in res.stderr and len(res.stderr.strip().splitlines()) == 1
+
+
+def test_hang_in_the_n_rank_run_names_the_odd_rank_and_its_line(tmp_path):
+    """compare supervises its runs exactly like run: a hang is diagnosed from every rank's stack."""
+    out = tmp_path / "report"
+    res = distcheck(["compare", "--nproc", "2", "--timeout", "5", "--report-dir", str(out), "--",
+                     str(FIXTURES / "hang_python.py")], timeout=180)
+    assert res.returncode == 1, res.output
+    report = load_report(out)
+    (f,) = [f for f in report["findings"] if f["kind"] == "hang"]
+    sleep_line, wait_line = line_of("hang_python.py", "time.sleep(3600)"), line_of("hang_python.py", "dist.all_reduce")
+    assert f["ranks"] == [1] and f["detail"]["line"] == sleep_line
+    assert f["message"].startswith("2-rank run: no progress for 5s: ")
+    assert (f"rank 1 is in load_shard (hang_python.py:{sleep_line}) while rank 0 waits in all_reduce #2 "
+            f"(hang_python.py:{wait_line})") in f["message"]
+    assert set(f["detail"]["stacks"]) == {"0", "1"}
+    checks = {c["name"]: c for c in report["checks"]}
+    assert checks["reference run (1 rank)"]["ok"] and not checks["2-rank run"]["ok"]
+    assert not checks["compare 2 ranks vs reference"]["ok"]
+    assert "did not complete" in checks["compare 2 ranks vs reference"]["note"] and "records" not in checks
+    assert report["artifacts"]["nproc2/stacks.txt"] == "nproc2/stacks.txt" and (out / "nproc2" / "stacks.txt").exists()

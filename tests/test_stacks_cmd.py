@@ -34,7 +34,7 @@ def wait_for_peers():
 
 def main():
     if "hook" in sys.argv:
-        from distcheck.supervise.stacks import install_rank_hooks
+        from distcheck.rank.stack_hooks import install_rank_hooks
         install_rank_hooks(os.environ["DISTCHECK_REPORT_DIR"])
     print("ready", flush=True)
     (load_shard if os.environ.get("RANK") == "1" else wait_for_peers)()

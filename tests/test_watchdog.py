@@ -1,8 +1,8 @@
-"""The hang watchdog on real gloo ranks: the four hang fixtures, the no-hang control, and the per-node watcher.
+"""The watch loop on real gloo ranks: the four hang fixtures, the no-hang control, and the per-node watcher.
 
 Ranks run the fixture through a small bootstrap (written to tmp_path) that calls ``rank_bootstrap``: stack hooks,
 the collective tracer, and (for the torchrun test) the node watcher on local rank 0. The other tests launch the
-ranks themselves (env:// rendezvous, no torchrun agent to import) and supervise them with a ``Watchdog`` thread in
+ranks themselves (env:// rendezvous, no torchrun agent to import) and supervise them with the one watch loop in
 this process, as the distcheck launcher does.
 """
 from __future__ import annotations
@@ -21,12 +21,14 @@ import pytest
 
 from launch_helpers import FIXTURES, env_for_ranks, torchrun
 
-from distcheck.supervise.stacks import install_rank_hooks
-from distcheck.supervise.watchdog import ProgressMonitor, Watchdog, local_ranks, terminate
+from distcheck.rank.stack_hooks import install_rank_hooks
+from distcheck.supervise.node_watcher import local_ranks
+from distcheck.supervise.procs import terminate
+from distcheck.supervise.watch import DONE, HUNG, HangDump, WatchLoop
 
 BOOTSTRAP = '''\
 import os, runpy, sys
-from distcheck.supervise.watchdog import rank_bootstrap
+from distcheck.rank.bootstrap import rank_bootstrap
 rank_bootstrap(os.environ["DISTCHECK_REPORT_DIR"], float(os.environ["WATCH_TIMEOUT"]),
                watcher=os.environ.get("NODE_WATCHER") == "1")
 script = sys.argv[1]
@@ -76,12 +78,6 @@ class Ranks:
 
 def supervise(tmp_path: Path, fixture: str, nproc: int, timeout: float, limit: float = 90):
     ranks = Ranks(tmp_path, fixture, nproc, timeout)
-    ended = threading.Event()
-
-    def on_hang(findings):
-        terminate(list(ranks.pids().values()))
-        ended.set()
-
     deadline = time.monotonic() + limit
     # Short test timeouts count from the moment every rank has issued its first collective: importing torch and
     # the gloo rendezvous on 2 busy cores can take longer than the timeout itself.
@@ -93,16 +89,17 @@ def supervise(tmp_path: Path, fixture: str, nproc: int, timeout: float, limit: f
         if any(p.poll() is not None for p in ranks.procs):
             break
         time.sleep(0.05)
-    dog = Watchdog(ranks.report_dir, timeout, ranks.pids, on_hang=on_hang, world_size=nproc, poll=0.1).start()
+    loop = WatchLoop(ranks.report_dir, timeout, live=ranks.pids, expected=nproc,
+                     finished=lambda: {r for r, p in enumerate(ranks.procs) if p.poll() is not None},
+                     dump=HangDump(world_size=nproc), poll=0.1)
     try:
-        while time.monotonic() < deadline and not ended.is_set() and any(p.poll() is None for p in ranks.procs):
-            time.sleep(0.1)
-        assert time.monotonic() < deadline, f"{fixture}: neither finished nor declared hung within {limit}s"
-        dog.join(30)
+        result = loop.run()
+        if result.state == HUNG:
+            terminate(list(ranks.pids().values()))
         ended_at = time.monotonic()
-        return dog, ranks, ended_at
+        assert ended_at < deadline, f"{fixture}: neither finished nor declared hung within {limit}s"
+        return result, ranks, ended_at
     finally:
-        dog.stop()
         ranks.kill()
 
 
@@ -127,31 +124,27 @@ def test_native_fixture_really_holds_the_gil():
     assert during <= 2 and after >= 10, (during, after)
 
 
-def test_progress_monitor_counts_new_complete_lines_only(tmp_path):
-    mon = ProgressMonitor(tmp_path)
-    assert mon.poll() is False
-    trace = tmp_path / "trace-rank0.jsonl"
-    trace.write_text('{"ev":"meta","rank":0}\n')
-    assert mon.poll() is True and mon.poll() is False
-    with open(trace, "a") as fh:
-        fh.write('{"ev":"start","id":1,')  # half a line: not yet progress
-    assert mon.poll() is False
-    with open(trace, "a") as fh:
-        fh.write('"op":"barrier"}\n')
-    assert mon.poll() is True
+def test_progress_is_any_growth_of_a_trace_or_a_rank_ending(tmp_path):
+    from distcheck.supervise.watch import Progress
+
+    prog = Progress(tmp_path, [0, 1])
+    before = prog.sizes()
+    assert before == (-1, -1) and prog.starting(before)
+    (tmp_path / "trace-rank0.jsonl").write_text('{"ev":"meta","rank":0}\n')
+    (tmp_path / "trace-rank1.jsonl").write_text('{"ev":"meta","rank":1}\n')
+    after = prog.sizes()
+    assert after != before and not prog.starting(after)
+    assert prog.sizes() == after  # nothing written: no progress
 
 
-def test_watchdog_fires_only_after_progress_stops(tmp_path):
+def test_watch_loop_fires_only_after_progress_stops(tmp_path):
     """A live process whose trace grows every 0.2 s never trips a 1 s timeout; when the writes stop, it fires."""
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
     trace = tmp_path / "trace-rank0.jsonl"
-    stop_writing = threading.Event()
     last_write = [time.monotonic()]
 
     def writer():
         for i in range(15):
-            if stop_writing.is_set():
-                return
             with open(trace, "a") as fh:
                 fh.write(json.dumps({"ev": "start", "id": i, "seq": i, "pg": "0", "op": "all_reduce",
                                      "site": "t.py:1", "file": "/t.py", "line": 1, "t": time.time()}) + "\n")
@@ -159,33 +152,58 @@ def test_watchdog_fires_only_after_progress_stops(tmp_path):
             last_write[0] = time.monotonic()
             time.sleep(0.2)
 
-    fired = []
-    dog = Watchdog(tmp_path, 1.0, {0: sleeper.pid}, on_hang=fired.append, poll=0.05)
+    loop = WatchLoop(tmp_path, 1.0, live=lambda: {0: sleeper.pid}, finished=set, expected=1,
+                     dump=HangDump(world_size=1), poll=0.05)
+    w = threading.Thread(target=writer)
     try:
-        w = threading.Thread(target=writer)
         w.start()
-        dog.start()
+        started = time.monotonic()
+        result = loop.run()
         w.join()
-        assert not dog.fired.is_set()  # 3 s of steady progress with a 1 s timeout
-        assert dog.fired.wait(10)
-        assert dog.hang_declared_at - last_write[0] >= 1.0
-        (f,) = fired[0]
+        assert result.state == HUNG
+        assert result.declared_at - started >= 2.8  # 3 s of steady progress with a 1 s timeout
+        assert result.declared_at - last_write[0] >= 1.0
+        (f,) = result.hang_findings
         assert f.kind == "hang" and f.ranks == [0]
         assert f.detail["last_collectives"]["0"]["last_completed"]["seq"] == 14
         assert (tmp_path / "stacks.txt").exists() and json.loads((tmp_path / "stacks.json").read_text())["ranks"]
     finally:
-        stop_writing.set()
-        dog.stop()
+        w.join()
         sleeper.kill()
         sleeper.wait()
 
 
-def test_watchdog_stops_quietly_when_ranks_exit(tmp_path):
+def test_watch_loop_ends_quietly_when_ranks_exit(tmp_path):
     p = subprocess.Popen([sys.executable, "-c", "pass"])
     p.wait()
-    dog = Watchdog(tmp_path, 0.5, {0: p.pid}, poll=0.05).start()
-    dog.join(5)
-    assert not dog.fired.is_set() and dog.findings == []
+    loop = WatchLoop(tmp_path, 0.5, live=dict, finished=lambda: {0}, expected=1, poll=0.05)
+    result = loop.run()
+    assert result.state == DONE and result.hang_findings == []
+
+
+def test_watch_loop_stops_a_run_that_provably_cannot_progress(tmp_path):
+    for r in (0, 1):
+        (tmp_path / f"trace-rank{r}.jsonl").write_text('{"ev":"meta","rank":%d}\n' % r)
+    asked = []
+
+    def should_stop(done):
+        asked.append(set(done))
+        return "rank 0 waits for rank 1, which finished"
+
+    loop = WatchLoop(tmp_path, 30.0, live=lambda: {0: os.getpid()}, finished=lambda: {1}, expected=2,
+                     should_stop=should_stop, stop_grace=0.3, poll=0.05)
+    result = loop.run()
+    assert result.state == "stopped" and result.stop_reason.startswith("rank 0 waits") and asked == [{1}]
+    assert result.seconds < 5
+
+
+def test_terminate_escalates_to_sigkill(tmp_path):
+    p = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                          "print('ready', flush=True); time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "ready"
+    t0 = time.monotonic()
+    terminate([p.pid], grace=0.5)
+    assert p.wait(timeout=10) == -signal.SIGKILL and time.monotonic() - t0 < 5
 
 
 def test_local_ranks_from_hook_files_ignores_stale_ones(tmp_path):
@@ -200,7 +218,7 @@ def test_rank_hooks_name_the_parent_as_ptracer(monkeypatch, tmp_path):
     """Yama ptrace_scope=1 cannot be switched on here (no Yama LSM): check the prctl call itself instead."""
     import ctypes
 
-    from distcheck.supervise import stacks
+    from distcheck.rank import stack_hooks as stacks
 
     calls = []
 
@@ -233,9 +251,9 @@ def test_rank_hooks_name_the_parent_as_ptracer(monkeypatch, tmp_path):
 ])
 def test_hang_fixture_is_diagnosed(tmp_path, fixture, nproc, odd, odd_marker, waiting, wait_marker, message):
     timeout = 3.0
-    dog, ranks, ended_at = supervise(tmp_path, fixture, nproc, timeout)
-    assert dog.fired.is_set(), [p.returncode for p in ranks.procs]
-    (f,) = dog.findings
+    result, ranks, ended_at = supervise(tmp_path, fixture, nproc, timeout)
+    assert result.state == HUNG, [p.returncode for p in ranks.procs]
+    (f,) = result.hang_findings
     odd_line, wait_line = line_of(fixture, odd_marker), line_of(fixture, wait_marker)
     assert f.kind == "hang" and f.ranks == odd
     assert f.message == f"no progress for 3s: " + message.format(odd=odd_line, wait=wait_line)
@@ -244,15 +262,15 @@ def test_hang_fixture_is_diagnosed(tmp_path, fixture, nproc, odd, odd_marker, wa
     assert set(f.detail["stacks"]) == {str(r) for r in range(nproc)}
     assert set(f.detail["methods"].values()) == {"py-spy"}
     # ends in time: the dump took well under the 10 s budget and every rank is gone
-    assert dog.diagnosed_at - dog.hang_declared_at < 10
-    assert ended_at - dog.hang_declared_at < 15 and all(p.poll() is not None for p in ranks.procs)
+    assert result.diagnosed_at - result.declared_at < 10
+    assert ended_at - result.declared_at < 15 and all(p.poll() is not None for p in ranks.procs)
     text = (ranks.report_dir / "stacks.txt").read_text()
     assert "MINORITY" in text and "last collectives (from the trace):" in text
 
 
 def test_no_hang_control_runs_past_the_timeout_without_firing(tmp_path):
-    dog, ranks, _ = supervise(tmp_path, "hang_none.py", 2, timeout=3.0)
-    assert not dog.fired.is_set() and dog.findings == []
+    result, ranks, _ = supervise(tmp_path, "hang_none.py", 2, timeout=3.0)
+    assert result.state == DONE and result.hang_findings == []
     assert [p.returncode for p in ranks.procs] == [0, 0]
 
 
@@ -278,7 +296,7 @@ def test_node_watcher_under_torchrun_ends_the_job_and_writes_the_report(tmp_path
     # the watcher is gone too (it exits after ending the ranks)
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and any(
-            "distcheck.supervise.watchdog" in Path(f"/proc/{p}/cmdline").read_text(errors="replace").replace("\0", " ")
+            "distcheck.supervise.node_watcher" in Path(f"/proc/{p}/cmdline").read_text(errors="replace").replace("\0", " ")
             and str(report_dir) in Path(f"/proc/{p}/cmdline").read_text(errors="replace")
             for p in _pids()):
         time.sleep(0.2)

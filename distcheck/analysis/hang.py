@@ -13,12 +13,12 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from distcheck.analysis.ops import PEER_OPS
 from distcheck.analysis.stack_groups import (
     Frame, RankStack, StackGroup, group_stacks, innermost_user_frame, stack_collective,
 )
 from distcheck.contract.findings import Finding, format_ranks
 
-P2P_OPS = frozenset({"send", "recv", "isend", "irecv", "batch_isend_irecv"})
 
 
 # --- last collectives from the per-rank trace ------------------------------------------------------------------
@@ -191,21 +191,42 @@ class HangDiagnosis:
 
     def to_finding(self, stacks: Sequence[RankStack], progress: dict[int, RankProgress],
                    errors: Sequence[str] = ()) -> Finding:
-        detail: dict[str, Any] = {}
-        if self.primary is not None and self.primary.file:
-            detail["file"], detail["line"] = self.primary.file, self.primary.line
-        detail.update({
-            "odd_ranks": self.odd_ranks,
-            "waiting_ranks": self.waiting.ranks if self.waiting else [],
-            "locations": [loc.to_json() for loc in self.locations],
-            "groups": [g.to_json() for g in self.groups],
-            "methods": {str(s.rank): s.method for s in stacks},
-            "stacks": {str(s.rank): s.to_json() for s in sorted(stacks, key=lambda s: s.rank)},
-            "last_collectives": {str(r): p.to_json() for r, p in sorted(progress.items())},
-            "errors": list(errors),
-        })
-        detail.update(self.extra)
-        return Finding("hang", self.odd_ranks or self.all_ranks, self.message, detail)
+        site = (self.primary.file, self.primary.line) if self.primary is not None and self.primary.file else None
+        return hang_finding(self.odd_ranks or self.all_ranks, self.message, timeout=self.extra.get("timeout"),
+                            stacks=stacks, progress=progress, site=site, odd_ranks=self.odd_ranks,
+                            waiting_ranks=self.waiting.ranks if self.waiting else [], locations=self.locations,
+                            groups=self.groups, errors=errors,
+                            **{k: v for k, v in self.extra.items() if k != "timeout"})
+
+
+def hang_finding(ranks: Sequence[int], message: str, *, timeout: float | None = None,
+                 stacks: Sequence[RankStack] = (), progress: dict[int, RankProgress] | None = None,
+                 site: tuple[str | None, int | None] | None = None, odd_ranks: Sequence[int] = (),
+                 waiting_ranks: Sequence[int] = (), locations: Sequence[Location] = (),
+                 groups: Sequence[StackGroup] = (), errors: Sequence[str] = (), **extra: Any) -> Finding:
+    """Every ``hang`` finding distcheck makes, whoever declares it (a watch loop with stacks, the trace analysis
+    alone, a check whose peers never arrived): one detail shape, so readers of report.json need one code path.
+
+    ``detail``: timeout, odd_ranks, waiting_ranks, locations, groups, methods and stacks (py-spy-style JSON per
+    rank, ``{}`` when none could be dumped), last_collectives, errors; file/line when a user line is known; then
+    whatever the caller adds (artifacts, positions, the check that was waiting).
+    """
+    detail: dict[str, Any] = {}
+    if site is not None and site[0]:
+        detail["file"], detail["line"] = site
+    detail.update({
+        "timeout": timeout,
+        "odd_ranks": list(odd_ranks),
+        "waiting_ranks": list(waiting_ranks),
+        "locations": [loc.to_json() for loc in locations],
+        "groups": [g.to_json() for g in groups],
+        "methods": {str(s.rank): s.method for s in stacks},
+        "stacks": {str(s.rank): s.to_json() for s in sorted(stacks, key=lambda s: s.rank)},
+        "last_collectives": {str(r): p.to_json() for r, p in sorted((progress or {}).items())},
+        "errors": list(errors),
+    })
+    detail.update(extra)
+    return Finding("hang", list(ranks), message, detail)
 
 
 def _verb(loc: Location, one: str, many: str) -> str:
@@ -292,7 +313,7 @@ def _pick_waiting(known: list[Location], world: int) -> Location | None:
     if not in_coll:
         return None
     def scope(loc: Location) -> tuple:
-        return (-(len(loc.pg) if loc.pg else world), loc.collective in P2P_OPS, loc.ranks[0])
+        return (-(len(loc.pg) if loc.pg else world), loc.collective in PEER_OPS, loc.ranks[0])
     best = sorted(in_coll, key=scope)
     if len(best) > 1 and scope(best[0])[:2] == scope(best[1])[:2]:
         return None  # two groups in equally wide collectives: nothing singles one out

@@ -21,3 +21,5 @@ FUNCOL_OPS = (
 )
 # Point-to-point: matched by peer, not by position in a group.
 P2P_OPS = frozenset({"send", "recv", "isend", "irecv", "send_object_list", "recv_object_list"})
+# Not matched by position in a process group: point-to-point ops, and batches of them (their peers are per item).
+PEER_OPS = P2P_OPS | {"batch_isend_irecv"}

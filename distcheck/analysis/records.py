@@ -25,22 +25,23 @@ import torch
 from distcheck.analysis.replicas import Divergence, diff_chunk, divergence_finding
 from distcheck.analysis.tolerance import Comparison, compare, ratio_hint, tolerance_for
 from distcheck.contract.findings import Finding, format_ranks
-from distcheck.rank.records import AUTO_LOSS, AUTO_PARAMS
+from distcheck.contract import files
+from distcheck.contract.files import AUTO_LOSS, AUTO_PARAMS
 
 # Python numbers usually come from ``loss.item()`` of a float32 tensor: float64 tolerances would flag rounding.
 NUMBER_TOL_DTYPE = torch.float32
 
 
 def index_path(report_dir: str | os.PathLike, rank: int) -> Path:
-    return Path(report_dir) / f"records-rank{rank}.jsonl"
+    return files.rank_file(report_dir, "records_index", rank)
 
 
 def data_path(report_dir: str | os.PathLike, rank: int) -> Path:
-    return Path(report_dir) / f"records-rank{rank}.bin"
+    return files.rank_file(report_dir, "records_data", rank)
 
 
 def record_files(report_dir: str | os.PathLike) -> list[Path]:
-    return sorted(Path(report_dir).glob("records-rank*.jsonl")) + sorted(Path(report_dir).glob("records-rank*.bin"))
+    return [*files.rank_files(report_dir, "records_index").values(), *files.rank_files(report_dir, "records_data").values()]
 
 
 @dataclass
@@ -126,22 +127,21 @@ def load_rank(report_dir: str | os.PathLike, rank: int) -> list[Record]:
     except FileNotFoundError:
         data = b""
     out = []
+    path = index_path(report_dir, rank)
     for line in lines:
         try:
-            out.append(parse_entry(json.loads(line), data))
+            entry = json.loads(line)
+            files.check_format(entry, path)
+            out.append(parse_entry(entry, data))
+        except files.FormatError:
+            raise
         except (ValueError, KeyError, TypeError, RuntimeError):
             continue
     return out
 
 
 def load_run(report_dir: str | os.PathLike) -> dict[int, list[Record]]:
-    ranks = []
-    for path in Path(report_dir).glob("records-rank*.jsonl"):
-        try:
-            ranks.append(int(path.stem.removeprefix("records-rank")))
-        except ValueError:
-            continue
-    return {r: load_rank(report_dir, r) for r in sorted(ranks)}
+    return {r: load_rank(report_dir, r) for r in files.rank_files(report_dir, "records_index")}
 
 
 def has_explicit(*runs: dict[int, list[Record]]) -> bool:

@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from distcheck.analysis.hang import hang_finding as make_hang_finding, progress_from_events
+from distcheck.analysis.ops import PEER_OPS
 from distcheck.analysis.trace_events import (P2P_OPS, RankError, RankTrace, TraceEvent, last_completed,
                                              last_started, open_events)
 from distcheck.contract.findings import Finding, format_ranks
@@ -101,7 +103,7 @@ def _collectives_by_group(traces: dict[int, RankTrace]) -> dict[str, tuple[tuple
     groups: dict[str, tuple[tuple[int, ...], dict[int, list[TraceEvent]]]] = {}
     for rank, trace in traces.items():
         for e in trace.events:
-            if e.op in P2P_OPS or e.op == "batch_isend_irecv":
+            if e.op in PEER_OPS:
                 continue
             members, per_rank = groups.setdefault(e.group_key, (e.pg, {}))
             per_rank.setdefault(rank, []).append(e)
@@ -315,21 +317,21 @@ def failure_finding(o: RankOutcome, traces: dict[int, RankTrace], outcomes: dict
     return Finding("rank_failure", [o.rank], message, detail)
 
 
-def hang_finding(traces: dict[int, RankTrace], outcomes: dict[int, RankOutcome], timeout: float,
-                 stacks: dict[int, str] | None = None) -> Finding:
+def hang_finding(traces: dict[int, RankTrace], outcomes: dict[int, RankOutcome], timeout: float) -> Finding:
     """No progress for ``timeout`` seconds: every rank's position, from the traces alone."""
     ranks = sorted(set(traces) | set(outcomes))
     hung = [r for r in ranks if outcomes.get(r) is not None and outcomes[r].state == STATE_HUNG] or ranks
     positions = {r: position_of(r, traces.get(r), outcomes.get(r)) for r in ranks}
-    detail: dict[str, Any] = {"timeout": timeout, "positions": positions, "stacks": stacks or {}}
+    site = None
     for r in hung:
         waiting = open_events(traces[r].events) if r in traces else []
         if waiting and waiting[-1].line is not None:
-            detail.update(file=waiting[-1].file, line=waiting[-1].line)
+            site = (waiting[-1].file, waiting[-1].line)
             break
     message = (f"no progress for {timeout:g}s: "
                + "; ".join(describe_position(r, traces.get(r), outcomes.get(r)) for r in ranks))
-    return Finding("hang", hung, message, detail)
+    progress = {r: progress_from_events(r, t.events) for r, t in traces.items()}
+    return make_hang_finding(hung, message, timeout=timeout, progress=progress, site=site, positions=positions)
 
 
 def _explained_by(o: RankOutcome, divergences: list[Divergence], trace: RankTrace | None) -> Divergence | None:
@@ -410,7 +412,7 @@ def provably_stuck(traces: dict[int, RankTrace], finished: set[int]) -> str | No
         if rank in finished:
             continue
         for e in open_events(trace.events):
-            if e.op in P2P_OPS or e.op == "batch_isend_irecv" or e.extra.get("api") == "functional":
+            if e.op in PEER_OPS or e.extra.get("api") == "functional":
                 continue
             members, per_rank = groups.get(e.group_key, ((), {}))
             for m in members:

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
 from distcheck.analysis.ops import P2P_OPS
+from distcheck.contract import files
 
-_TRACE_NAME = re.compile(r"trace-rank(\d+)\.jsonl$")
 
 
 @dataclass
@@ -155,17 +154,22 @@ def parse_lines(lines: Iterable[str], rank: int) -> RankTrace:
                                         str(rec.get("traceback", "")), rec.get("site"), rec.get("file"),
                                         _opt_int(rec.get("line")), float(rec.get("t", 0.0))))
             elif ev == "meta":
+                files.check_format(rec, f"the trace of rank {rank}")
                 meta = rec
             elif ev == "exit":
                 finished = rec
+        except files.FormatError:
+            raise
         except (KeyError, TypeError, ValueError):
             continue
     return RankTrace(rank, order, errors, meta, finished)
 
 
 def rank_of_path(path: str | os.PathLike) -> int:
-    match = _TRACE_NAME.search(str(path))
-    return int(match.group(1)) if match else 0
+    try:
+        return files.rank_of(path, "trace")
+    except ValueError:
+        return 0
 
 
 def load_rank_records(path: str | os.PathLike, rank: int | None = None) -> RankTrace:
@@ -186,11 +190,7 @@ def load_rank_trace(path: str | os.PathLike, rank: int | None = None) -> list[Tr
 
 def load_traces(report_dir: str | os.PathLike) -> dict[int, RankTrace]:
     """Every ``trace-rank<R>.jsonl`` of a report directory, by rank."""
-    out: dict[int, RankTrace] = {}
-    for path in Path(report_dir).glob("trace-rank*.jsonl"):
-        rank = rank_of_path(path)
-        out[rank] = load_rank_records(path, rank)
-    return dict(sorted(out.items()))
+    return {rank: load_rank_records(path, rank) for rank, path in files.rank_files(report_dir, "trace").items()}
 
 
 def last_started(events: list[TraceEvent]) -> TraceEvent | None:

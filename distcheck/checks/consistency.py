@@ -22,6 +22,7 @@ from distcheck.checks import collectives as collective_sanity
 from distcheck.checks import envinfo
 
 from distcheck.checks import reference
+from distcheck.analysis.hang import hang_finding
 from distcheck.analysis.envdiff import diff_env, render_env_table
 from distcheck.checks.batches import BatchMaker, batch_maker
 from distcheck.errors import ChannelTimeout, UsageError
@@ -179,10 +180,10 @@ def run_checks(session: Session, options: Options, ctx: Context | None = None,
         except UsageError:
             raise  # bad --model/--parallel input: exit 2 on every rank, not a finding
         except ChannelTimeout as exc:
-            findings = [Finding("hang", exc.missing_ranks,
-                                f"{format_ranks(exc.missing_ranks)} did not reach the {check.name} check within "
-                                f"{exc.seconds:g}s (dead or stuck): later checks were skipped",
-                                {"check": check.name, "missing_ranks": exc.missing_ranks})]
+            findings = [hang_finding(exc.missing_ranks,
+                                     f"{format_ranks(exc.missing_ranks)} did not reach the {check.name} check "
+                                     f"within {exc.seconds:g}s (dead or stuck): later checks were skipped",
+                                     timeout=exc.seconds, check=check.name, missing_ranks=exc.missing_ranks)]
             results.append((check.name, time.perf_counter() - start, findings))
             break
         except Exception as exc:
@@ -224,8 +225,8 @@ def build_report(session: Session, options: Options, local: list, ctx: Context) 
     except ChannelTimeout as exc:
         missing = exc.missing_ranks
         gathered = [local]
-        lost = Finding("hang", missing, f"{format_ranks(missing)} never reported their results within "
-                                        f"{exc.seconds:g}s (dead or stuck)", {"missing_ranks": missing})
+        lost = hang_finding(missing, f"{format_ranks(missing)} never reported their results within "
+                                     f"{exc.seconds:g}s (dead or stuck)", timeout=exc.seconds, missing_ranks=missing)
         local = local + [("results", 0.0, [lost])]
     checks, findings = merge(gathered, local if session.rank == 0 else gathered[0], session.world_size)
     return Report(options.command, session.world_size, findings, checks, {}, ctx.data, ctx.sections)

@@ -19,6 +19,7 @@ from distcheck.checks import consistency
 from distcheck.rank import runtime
 from distcheck.cli import command_line
 from distcheck.errors import UsageError
+from distcheck.options import ConsistencyOptions
 from distcheck.checks.models import BUILTIN, load_factory
 from distcheck.checks.parallelize import MODES
 from distcheck.contract.report import (Report, default_report_dir, load_report, prepare_report_dir, render_text,
@@ -52,26 +53,32 @@ def _shared_report_dir(session: runtime.Session, given: Path | None) -> Path:
     return prepare_report_dir(name)
 
 
-def main(args: argparse.Namespace) -> int:
+def options(args: argparse.Namespace) -> ConsistencyOptions:
     if args.steps < 1:
         raise UsageError(f"--steps {args.steps}: must be at least 1")
     if args.timeout <= 0:
         raise UsageError(f"--timeout {args.timeout:g}: must be positive")
-    load_factory(args.model)  # bad --model fails here, on every rank, before any rank waits for another
-    given = prepare_report_dir(args.report_dir) if args.report_dir else None
-    bound = runtime.backstop(args.timeout)
-    options = consistency.Options(args.model, args.parallel, args.steps, bound, command_line(args.argv),
-                                  args.rtol, args.atol)
+    return ConsistencyOptions(args.model, args.parallel, args.steps, args.timeout, args.report_dir, args.native,
+                              args.rtol, args.atol, command_line(args.argv))
+
+
+def main(args: argparse.Namespace) -> int:
+    opts = options(args)
+    load_factory(opts.model)  # bad --model fails here, on every rank, before any rank waits for another
+    given = prepare_report_dir(opts.report_dir) if opts.report_dir else None
+    bound = runtime.backstop(opts.timeout)
+    check_options = consistency.Options(opts.model, opts.parallel, opts.steps, bound, opts.command,
+                                        opts.rtol, opts.atol)
     session = runtime.start(bound)
     watcher = None
     try:
         report_dir = _shared_report_dir(session, given)
-        from distcheck.supervise.watchdog import rank_bootstrap
+        from distcheck.rank.bootstrap import rank_bootstrap
 
         # Traces (progress, last collectives) and, on local rank 0, a watcher process outside the ranks that dumps
         # every rank's stack with py-spy when nothing moves for --timeout seconds, even if a rank holds the GIL.
-        watcher = rank_bootstrap(report_dir, args.timeout, native=args.native)
-        return _run(args, session, options, report_dir)
+        watcher = rank_bootstrap(report_dir, opts.timeout, native=opts.native)
+        return _run(opts, session, check_options, report_dir)
     finally:
         from distcheck.rank import tracer as trace
 
@@ -85,24 +92,25 @@ def main(args: argparse.Namespace) -> int:
         runtime.stop(session)
 
 
-def _run(args: argparse.Namespace, session: runtime.Session, options: consistency.Options, report_dir: Path) -> int:
+def _run(opts: ConsistencyOptions, session: runtime.Session, check_options: consistency.Options,
+         report_dir: Path) -> int:
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
-    ctx = consistency.Context(session, options)
+    ctx = consistency.Context(session, check_options)
     current = {"check": consistency.CHECKS[0].name}
 
     def before_check(name: str, results: list) -> None:
         current["check"] = name
         if session.rank == 0:  # a report that survives SIGKILL: how far the run got
             partial = consistency.interrupted_report(
-                session, options, ctx, name, "the process was killed before it finished (by a signal, the "
+                session, check_options, ctx, name, "the process was killed before it finished (by a signal, the "
                 "launcher after another rank failed, or the watchdog)", [])
             partial.artifacts.update(consistency.report_files(report_dir))
             write_report(partial, report_dir)
 
     try:
         try:
-            local, ctx = consistency.run_checks(session, options, ctx, before_check)
-            report = consistency.build_report(session, options, local, ctx)
+            local, ctx = consistency.run_checks(session, check_options, ctx, before_check)
+            report = consistency.build_report(session, check_options, local, ctx)
         except UsageError:
             # Bad input found mid-run (a factory that raises): exit 2 with its message, and no partial report
             # pretending the run was killed.
@@ -116,7 +124,7 @@ def _run(args: argparse.Namespace, session: runtime.Session, options: consistenc
             if behind:
                 why += f"; rank {session.rank} was waiting for rank(s) {','.join(map(str, behind))}, which never " \
                        f"arrived (see torchrun's output for their exit code)"
-            report = consistency.interrupted_report(session, options, ctx, current["check"], why, behind)
+            report = consistency.interrupted_report(session, check_options, ctx, current["check"], why, behind)
             if session.rank == 0:
                 watched = _watchdog_report(report_dir)
                 if watched is not None:  # the watchdog ended the run: its diagnosis is the report
@@ -128,7 +136,7 @@ def _run(args: argparse.Namespace, session: runtime.Session, options: consistenc
             _write(report, report_dir)
         try:
             # Nobody exits before rank 0 has written: torchrun kills the other ranks when one exits non-zero.
-            session.channel.exchange("consistency/done", True, timeout=min(args.timeout, 60.0))
+            session.channel.exchange("consistency/done", True, timeout=min(opts.timeout, 60.0))
         except Exception:
             pass
         return report.exit_code

@@ -57,7 +57,7 @@ def parse_pids(values: list[str]) -> list[int]:
 def main(args: argparse.Namespace) -> int:
     from distcheck.cli import command_line
     from distcheck.contract.report import Report, prepare_report_dir, write_report
-    from distcheck.supervise.watchdog import load_progress
+    from distcheck.supervise.hang import load_progress
 
     pids = parse_pids(args.pids)
     if args.dump_timeout <= 0:

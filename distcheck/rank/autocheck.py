@@ -49,6 +49,7 @@ from typing import Any, Callable
 
 from distcheck.analysis.bad_values import (BadEvent, FlaggedTensor, classify, first_bad_finding, loss_value_name,
                                            plausible, tensor_stats, uninitialized_findings)
+from distcheck.contract import files
 from distcheck.contract.findings import CheckResult, Finding
 from distcheck.rank.usersite import caller_site
 
@@ -65,7 +66,7 @@ def enabled() -> bool:
 
 
 def state_path(out_dir: str | os.PathLike, rank: int) -> Path:
-    return Path(out_dir) / f"autocheck-rank{rank}.json"
+    return files.rank_file(out_dir, "autocheck", rank)
 
 
 # -- the active check of this process ----------------------------------------------------------------------------
@@ -427,7 +428,7 @@ class AutoCheck:
         return max(self.opt_steps.values()) if self.opt_steps else self.backwards
 
     def state(self) -> dict[str, Any]:
-        return {"rank": self.rank, "model_checks": self.model_checks, "steps": self.steps_done,
+        return {files.FORMAT_KEY: files.FORMAT, "rank": self.rank, "model_checks": self.model_checks, "steps": self.steps_done,
                 "counter": "optimizer.step" if self.opt_steps else "backward", "backwards": self.backwards,
                 "first_bad": self.first_bad.to_json() if self.first_bad else None,
                 "step_check_seconds": self.step_seconds, "auto_records": self.auto_records}
@@ -755,10 +756,13 @@ def uninstall() -> None:
 
 def load_states(report_dir: str | os.PathLike) -> dict[int, dict[str, Any]]:
     out: dict[int, dict[str, Any]] = {}
-    for path in Path(report_dir).glob("autocheck-rank*.json"):
+    for path in files.rank_files(report_dir, "autocheck").values():
         try:
             data = json.loads(path.read_text())
+            files.check_format(data, path)
             out[int(data["rank"])] = data
+        except files.FormatError:
+            raise
         except (OSError, ValueError, KeyError):
             continue
     return out

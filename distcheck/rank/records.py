@@ -39,14 +39,14 @@ import json
 import os
 from typing import Any
 
+from distcheck.contract import files
 from distcheck.rank.usersite import caller_site
 
 ENV_REPORT_DIR = "DISTCHECK_REPORT_DIR"  # same variable as distcheck.rank.sink: set by run/compare in each rank
 # How many steps autocheck records by itself; set by compare only, so `distcheck run` never pays for it.
 ENV_AUTO_STEPS = "DISTCHECK_AUTO_RECORD_STEPS"
 DEFAULT_AUTO_STEPS = 3
-AUTO_LOSS = "auto/loss"
-AUTO_PARAMS = "auto/params"
+AUTO_LOSS, AUTO_PARAMS = files.AUTO_LOSS, files.AUTO_PARAMS
 
 # Wrapper prefixes that differ between world sizes (DDP only when distributed, torch.compile, FSDP1, activation
 # checkpointing): stripped from parameter names so the 1-rank and N-rank module records line up.
@@ -125,13 +125,11 @@ def normalize_key(name: str) -> str:
 
 class _Recorder:
     def __init__(self, report_dir: str, rank: int) -> None:
-        from distcheck.analysis.records import data_path, index_path
-
         os.makedirs(report_dir, exist_ok=True)
         self.rank = rank
         flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND
-        self._data_fd = os.open(data_path(report_dir, rank), flags, 0o644)
-        self._index_fd = os.open(index_path(report_dir, rank), flags, 0o644)
+        self._data_fd = os.open(files.rank_file(report_dir, "records_data", rank), flags, 0o644)
+        self._index_fd = os.open(files.rank_file(report_dir, "records_index", rank), flags, 0o644)
         # Appending to a reused file: offsets continue from its current end.
         self._offset = os.fstat(self._data_fd).st_size
         self._seq = 0
@@ -172,7 +170,7 @@ class _Recorder:
         if step is None:
             step = self._steps.get(name, 0)
         self._steps[name] = int(step) + 1
-        entry: dict[str, Any] = {"name": name, "step": int(step), "seq": self._seq, "rank": self.rank}
+        entry: dict[str, Any] = {files.FORMAT_KEY: files.FORMAT, "name": name, "step": int(step), "seq": self._seq, "rank": self.rank}
         if auto:
             entry["auto"] = True  # only on automatic records: explicit ones keep their old index lines
         if isinstance(value, torch.nn.Module):

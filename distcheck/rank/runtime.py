@@ -261,3 +261,24 @@ def bounded(collective: Callable[..., Any], *args: Any, timeout: float, **kwargs
     work = collective(*args, async_op=True, **kwargs)
     if work is not None:
         work.wait(timeout=timedelta(seconds=timeout))
+
+
+def end_rank(code: int) -> None:
+    """End a rank whose script has returned: the script's atexit handlers run (they are the user's), then the
+    process exits without torch's C++ teardown, which can abort (SIGABRT) after a correct script."""
+    import atexit
+
+    try:
+        atexit._run_exitfuncs()
+    except Exception:  # an atexit handler's error is printed by atexit itself; the exit code stays ours
+        pass
+    hard_exit(code)
+
+
+def hard_exit(code: int) -> None:
+    """After a failure the process group may hold threads blocked on dead peers: exit without joining them."""
+    import sys
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -10,13 +10,14 @@ import os
 from pathlib import Path
 from typing import Iterable
 
+from distcheck.contract import files
 from distcheck.contract.findings import Finding, jsonable
 
 ENV_REPORT_DIR = "DISTCHECK_REPORT_DIR"
 
 
 def findings_path(report_dir: str | os.PathLike, rank: int) -> Path:
-    return Path(report_dir) / f"findings-rank{rank}.jsonl"
+    return files.rank_file(report_dir, "findings", rank)
 
 
 def emit(findings: Iterable[Finding], rank: int | None = None) -> None:
@@ -36,8 +37,7 @@ def emit(findings: Iterable[Finding], rank: int | None = None) -> None:
 def collect(report_dir: str | os.PathLike) -> list[Finding]:
     """Every finding any rank emitted into report_dir, in rank order; truncated last lines are skipped."""
     out: list[Finding] = []
-    for path in sorted(Path(report_dir).glob("findings-rank*.jsonl"),
-                       key=lambda p: int(p.stem.removeprefix("findings-rank") or 0)):
+    for path in files.rank_files(report_dir, "findings").values():
         for line in path.read_text(encoding="utf-8").splitlines():
             try:
                 out.append(Finding.from_json(json.loads(line)))

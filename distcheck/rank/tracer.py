@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from distcheck.analysis.ops import C10D_OPS, FUNCOL_OPS, P2P_OPS
+from distcheck.contract import files
 from distcheck.rank.usersite import SiteFinder
 
 log = logging.getLogger("distcheck")
@@ -87,7 +88,7 @@ class _Writer:
 
 
 def trace_path(report_dir: str | os.PathLike, rank: int) -> Path:
-    return Path(report_dir) / f"trace-rank{rank}.jsonl"
+    return files.rank_file(report_dir, "trace", rank)
 
 
 def _dtype_name(t: Any) -> str:
@@ -123,7 +124,7 @@ class Tracer:
         self._groups: dict[Any, tuple[str, str | None, tuple[int, ...]]] = {}
         self._local = threading.local()
         self._patched: list[tuple[Any, str, Any]] = []
-        self.writer.write({"ev": "meta", "rank": rank, "pid": os.getpid(), "ppid": os.getppid(), "t": time.time(),
+        self.writer.write({"ev": "meta", files.FORMAT_KEY: files.FORMAT, "rank": rank, "pid": os.getpid(), "ppid": os.getppid(), "t": time.time(),
                            "argv": list(sys.argv), "torch": torch.__version__})
 
     # -- process groups -------------------------------------------------------------------------------------

@@ -17,7 +17,6 @@ run early that can provably not progress (a rank waits in a collective a finishe
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -29,10 +28,12 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from distcheck.contract.findings import Finding
+from distcheck.supervise.procs import die_with_parent, terminate
+from distcheck.supervise.watch import HUNG, STOP_GRACE, STOPPED, HangDump, WatchLoop
+from distcheck.supervise.zygote import Zygote
 
 log = logging.getLogger("distcheck")
 
-OnHang = Callable[[dict[int, int], str], list[Finding]]
 ShouldStop = Callable[[dict[int, "int | None"]], "str | None"]
 
 
@@ -63,120 +64,6 @@ def _signal_name(returncode: int | None) -> str | None:
         return f"signal {-returncode}"
 
 
-def _die_with_parent() -> None:
-    """Ranks get SIGKILL if the supervisor dies, so a killed distcheck never leaves ranks behind (Linux)."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except Exception:
-        pass
-
-
-class ForkedRank:
-    """A rank forked by the zygote: the subset of subprocess.Popen the supervisor uses."""
-
-    def __init__(self, pid: int, zygote: "Zygote"):
-        self.pid = pid
-        self.returncode: int | None = None
-        self._zygote = zygote
-
-    def poll(self) -> int | None:
-        if self.returncode is None:
-            self._zygote.collect()
-            self.returncode = self._zygote.exits.get(self.pid)
-        return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self.poll() is None:
-            if deadline is not None and time.monotonic() >= deadline:
-                raise subprocess.TimeoutExpired(f"rank pid {self.pid}", timeout)
-            time.sleep(0.02)
-        return self.returncode
-
-    def send_signal(self, sig: int) -> None:
-        if self.poll() is None:
-            os.kill(self.pid, sig)
-
-    def kill(self) -> None:
-        try:
-            self.send_signal(signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
-class Zygote:
-    """The launcher's handle on ``python -m distcheck.supervise.zygote``: forks ranks that have torch imported already.
-
-    One per supervising process (compare reuses it for the reference and the N-rank runs). Used for ranks that
-    run ``python -m distcheck ...`` when DISTCHECK_ZYGOTE=1. Off by default: under heavy load the test suite saw
-    a forked rank stall at the end of its script in about one run in fifteen (cause not yet found), so fresh
-    interpreters stay the default until it is.
-    """
-
-    _shared: "Zygote | None" = None
-
-    def __init__(self) -> None:
-        req_r, self._req_w = os.pipe()
-        self._reply_r, reply_w = os.pipe()
-        self.proc = subprocess.Popen([sys.executable, "-m", "distcheck.supervise.zygote", str(req_r), str(reply_w)],
-                                     pass_fds=(req_r, reply_w), stdin=subprocess.DEVNULL,
-                                     preexec_fn=_die_with_parent if sys.platform == "linux" else None)
-        os.close(req_r)
-        os.close(reply_w)
-        os.set_blocking(self._reply_r, False)
-        self._buffer = b""
-        self.exits: dict[int, int] = {}
-        self._pids: list[int] = []
-        self._ready = False
-
-    @classmethod
-    def shared(cls) -> "Zygote | None":
-        if os.environ.get("DISTCHECK_ZYGOTE", "0") != "1" or sys.platform != "linux":
-            return None
-        if cls._shared is None or cls._shared.proc.poll() is not None:
-            cls._shared = cls()
-        return cls._shared
-
-    def _read(self, timeout: float) -> None:
-        import select
-
-        ready, _, _ = select.select([self._reply_r], [], [], timeout)
-        if not ready:
-            return
-        try:
-            chunk = os.read(self._reply_r, 65536)
-        except BlockingIOError:
-            return
-        if not chunk:
-            raise RuntimeError("the zygote exited")
-        self._buffer += chunk
-        while b"\n" in self._buffer:
-            line, self._buffer = self._buffer.split(b"\n", 1)
-            msg = json.loads(line)
-            if "ready" in msg:
-                self._ready = True
-            elif "pid" in msg:
-                self._pids.append(msg["pid"])
-            elif "exit" in msg:
-                self.exits[msg["exit"]] = msg["code"]
-
-    def collect(self) -> None:
-        self._read(0)
-
-    def spawn(self, argv: Sequence[str], env: dict[str, str], timeout: float = 120.0) -> ForkedRank:
-        """Fork a rank running ``python -m distcheck <argv>``; waits (bounded) for the zygote's torch import."""
-        os.write(self._req_w, (json.dumps({"argv": list(argv), "env": env, "cwd": os.getcwd()}) + "\n").encode())
-        deadline = time.monotonic() + timeout
-        while not self._pids:
-            if time.monotonic() > deadline or self.proc.poll() is not None:
-                raise RuntimeError("the zygote did not fork the rank")
-            self._read(0.05)
-        return ForkedRank(self._pids.pop(0), self)
-
-
 def _distcheck_args(argv: Sequence[str]) -> list[str] | None:
     """The arguments after ``python -m distcheck``, or None for any other command line."""
     argv = list(argv)
@@ -189,22 +76,20 @@ class Supervisor:
     """Launch ``nproc`` ranks of ``argv_for_rank(rank)`` and supervise them until they end or stop progressing."""
 
     def __init__(self, nproc: int, argv_for_rank: Callable[[int], Sequence[str]], *, report_dir: str | os.PathLike,
-                 timeout: float, env: dict[str, str] | None = None, on_hang: OnHang | None = None,
-                 should_stop: ShouldStop | None = None, stop_grace: float = 2.0, poll: float = 0.1,
+                 timeout: float, env: dict[str, str] | None = None, dump: HangDump | None = None,
+                 should_stop: ShouldStop | None = None, stop_grace: float = STOP_GRACE, poll: float = 0.1,
                  kill_grace: float = 3.0, startup_timeout: float | None = None) -> None:
         self.nproc = nproc
         self.argv_for_rank = argv_for_rank
         self.report_dir = Path(report_dir)
         self.timeout = timeout
         self.env = dict(os.environ if env is None else env)
-        self.on_hang = on_hang
+        self.dump = dump
         self.should_stop = should_stop
         self.stop_grace = min(stop_grace, timeout)
         self.poll = poll
         self.kill_grace = kill_grace
-        # Until every rank has opened its trace file it is still importing torch, which takes seconds on a loaded
-        # machine: that phase gets its own, longer limit so a short --timeout does not fire before the script runs.
-        self.startup_timeout = max(timeout, 120.0) if startup_timeout is None else startup_timeout
+        self.startup_timeout = startup_timeout
         self.procs: dict[int, subprocess.Popen] = {}
         self._store = None
 
@@ -223,33 +108,6 @@ class Supervisor:
         env.setdefault("OMP_NUM_THREADS", "1")
         return env
 
-    def _progress_token(self) -> tuple:
-        sizes = []
-        for r in range(self.nproc):
-            try:
-                sizes.append((self.report_dir / f"trace-rank{r}.jsonl").stat().st_size)
-            except OSError:
-                sizes.append(-1)
-        return tuple(sizes), tuple(p.poll() for p in self.procs.values())
-
-    def _kill(self, ranks: list[int]) -> None:
-        """SIGTERM, then SIGKILL after kill_grace: only the pids we started."""
-        for r in ranks:
-            p = self.procs[r]
-            if p.poll() is None:
-                try:
-                    p.send_signal(signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
-        deadline = time.monotonic() + self.kill_grace
-        for r in ranks:
-            p = self.procs[r]
-            try:
-                p.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-
     def run(self) -> SupervisorResult:
         import socket
         from datetime import timedelta
@@ -263,25 +121,9 @@ class Supervisor:
         listener.listen(128)
         port = listener.getsockname()[1]
         killed: dict[int, str] = {}
-        hung = False
-        stop_reason: str | None = None
-        hang_findings: list[Finding] = []
+        result = None
         try:
-            zygote = Zygote.shared()
-            for rank in range(self.nproc):
-                argv = list(self.argv_for_rank(rank))
-                args = _distcheck_args(argv)
-                if zygote is not None and args is not None:
-                    env = self._rank_env(rank, port)
-                    env["DISTCHECK_PTRACER"] = str(os.getpid())  # py-spy runs from here, not from the zygote
-                    try:
-                        self.procs[rank] = zygote.spawn(args, env)
-                        continue
-                    except (OSError, RuntimeError) as exc:  # a broken zygote costs speed, never the run
-                        log.warning("zygote unavailable (%s): starting ranks as fresh interpreters", exc)
-                        zygote = Zygote._shared = None
-                self.procs[rank] = subprocess.Popen(argv, env=self._rank_env(rank, port),
-                                                    preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+            self._launch(port)
             import torch.distributed as dist
 
             # The agent store, hosted as torchrun's agent hosts it, on the socket bound above.
@@ -289,44 +131,19 @@ class Supervisor:
                                         timedelta(seconds=max(self.timeout, 60)), wait_for_workers=False,
                                         master_listen_fd=listener.fileno())
             listener.detach()  # the store owns (and closes) the descriptor now
-            token = self._progress_token()
-            last_progress = last_stop_check = time.monotonic()
-            while True:
-                time.sleep(self.poll)
-                now = time.monotonic()
-                new = self._progress_token()
-                if new != token:
-                    token, last_progress = new, now
-                alive = [r for r, p in self.procs.items() if p.poll() is None]
-                if not alive:
-                    break
-                idle = now - last_progress
-                starting = any(size < 0 for size in token[0])
-                if idle >= (self.startup_timeout if starting else self.timeout):
-                    hung = True
-                    log.warning("no progress for %.0fs: declaring the run hung", idle)
-                    if self.on_hang is not None:
-                        try:
-                            hang_findings = list(self.on_hang(self.pids(), str(self.report_dir)) or [])
-                        except Exception as exc:  # the watchdog must not cost us the report
-                            log.warning("hang callback failed: %s", exc)
-                    killed.update({r: "hang" for r in alive})
-                    self._kill(alive)
-                    break
-                if (self.should_stop is not None and not starting and idle >= self.stop_grace
-                        and now - last_stop_check >= self.stop_grace):
-                    last_stop_check = now
-                    codes = {r: p.poll() for r, p in self.procs.items()}
-                    stop_reason = self.should_stop(codes)
-                    if stop_reason:
-                        log.warning("stopping the run: %s", stop_reason)
-                        killed.update({r: "stop" for r in alive})
-                        self._kill(alive)
-                        break
+            loop = WatchLoop(self.report_dir, self.timeout, live=self.pids, expected=self.nproc,
+                             finished=lambda: {r for r, p in self.procs.items() if p.poll() is not None},
+                             should_stop=self._should_stop, dump=self.dump, startup_timeout=self.startup_timeout,
+                             stop_grace=self.stop_grace, poll=self.poll)
+            result = loop.run()
+            if result.state in (HUNG, STOPPED):
+                alive = sorted(self.pids())
+                killed.update({r: "hang" if result.state == HUNG else "stop" for r in alive})
+                self._end(alive)
         finally:
-            leftover = [r for r, p in self.procs.items() if p.poll() is None]
+            leftover = sorted(self.pids())
             if leftover:  # interrupted (Ctrl-C, an exception): never leave ranks behind
-                self._kill(leftover)
+                self._end(leftover)
             self._store = None
             if listener.fileno() >= 0:
                 listener.close()
@@ -335,4 +152,38 @@ class Supervisor:
             code = p.returncode
             exits[r] = RankExit(r, p.pid, None if r in killed else code,
                                 None if r in killed else _signal_name(code), killed.get(r))
-        return SupervisorResult(exits, hung, stop_reason, hang_findings, time.monotonic() - started)
+        return SupervisorResult(exits, result is not None and result.state == HUNG,
+                                result.stop_reason if result is not None else None,
+                                result.hang_findings if result is not None else [], time.monotonic() - started)
+
+    def _should_stop(self, finished: set[int]) -> str | None:
+        if self.should_stop is None:
+            return None
+        return self.should_stop({r: p.poll() for r, p in self.procs.items()})
+
+    def _launch(self, port: int) -> None:
+        zygote = Zygote.shared()
+        for rank in range(self.nproc):
+            argv = list(self.argv_for_rank(rank))
+            args = _distcheck_args(argv)
+            if zygote is not None and args is not None:
+                env = self._rank_env(rank, port)
+                env["DISTCHECK_PTRACER"] = str(os.getpid())  # py-spy runs from here, not from the zygote
+                try:
+                    self.procs[rank] = zygote.spawn(args, env)
+                    continue
+                except (OSError, RuntimeError) as exc:  # a broken zygote costs speed, never the run
+                    log.warning("zygote unavailable (%s): starting ranks as fresh interpreters", exc)
+                    zygote = Zygote._shared = None
+            self.procs[rank] = subprocess.Popen(argv, env=self._rank_env(rank, port),
+                                                preexec_fn=die_with_parent if sys.platform == "linux" else None)
+
+    def _end(self, ranks: list[int]) -> None:
+        """The one kill routine (SIGTERM, then SIGKILL after kill_grace), then reap our children."""
+        terminate([self.procs[r].pid for r in ranks if self.procs[r].poll() is None], grace=self.kill_grace)
+        for r in ranks:
+            try:
+                self.procs[r].wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.procs[r].kill()
+                self.procs[r].wait()

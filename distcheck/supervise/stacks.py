@@ -6,22 +6,14 @@ Nothing here runs inside the process being dumped, so a rank stuck in native cod
 like any other: py-spy reads the interpreter's memory from outside (ptrace), and the faulthandler fallback is a
 C-level signal handler that needs no GIL.
 
-ptrace permission. Under Yama ``ptrace_scope=1`` (the default on Ubuntu and many clusters) a process may only be
-ptraced by its ancestors or by a process it named with ``prctl(PR_SET_PTRACER)`` (and that process's
-descendants). py-spy is a child of the supervisor or watcher, never an ancestor of the ranks, so ranks started by
-distcheck call :func:`install_rank_hooks`, which names their parent (torchrun's agent, or the ``distcheck run``
-supervisor) as ptracer: py-spy, started by that parent or by a watcher that a rank spawned, is its descendant and
-is allowed. The same function registers a faulthandler dump on a signal, used when py-spy is missing or denied.
+ptrace permission and the faulthandler fallback are set up inside each rank: see distcheck/rank/stack_hooks.py.
 """
 from __future__ import annotations
 
-import ctypes
-import faulthandler
 import json
 import logging
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -36,12 +28,13 @@ from distcheck.analysis.stack_groups import (
     render_groups,
 )
 
+from distcheck.contract import files
+from distcheck.rank.stack_hooks import HookInfo, yama_scope
+from distcheck.supervise.procs import alive, children_map, is_python, proc_name, rank_descendants, read_environ, safe_environ
+
 log = logging.getLogger("distcheck")
 
 PYSPY_ENV = "DISTCHECK_PYSPY"  # path of the py-spy binary, when it is not next to python or on PATH
-STACK_SIGNAL_ENV = "DISTCHECK_STACK_SIGNAL"  # signal name for the faulthandler fallback (default SIGUSR2)
-PR_SET_PTRACER = 0x59616D61
-PR_SET_PTRACER_ANY = -1 & 0xFFFFFFFFFFFFFFFF
 DEFAULT_DUMP_TIMEOUT = 8.0
 PERMISSION_FIX = ("run distcheck as the same user as the job or as root; in a container add --cap-add SYS_PTRACE; "
                   "or allow ptrace with 'sysctl kernel.yama.ptrace_scope=0'")
@@ -81,81 +74,6 @@ class DumpResult:
     seconds: float = 0.0
 
 
-# --- /proc ----------------------------------------------------------------------------------------------------
-
-
-def _read_environ(pid: int) -> dict[str, str]:
-    raw = Path(f"/proc/{pid}/environ").read_bytes()
-    env = {}
-    for item in raw.split(b"\0"):
-        key, sep, value = item.partition(b"=")
-        if sep:
-            env[key.decode(errors="replace")] = value.decode(errors="replace")
-    return env
-
-
-def _proc_name(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/comm").read_text().strip()
-    except OSError:
-        return "?"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state not in ("Z", "X")  # a zombie has exited; only its exit status remains
-
-
-def _is_python(pid: int) -> bool | None:
-    """True/False from the process's memory map (interpreter binary or libpython); None when unreadable."""
-    try:
-        maps = Path(f"/proc/{pid}/maps").read_text()
-    except PermissionError:
-        return None
-    except OSError:
-        return False
-    return any("python" in os.path.basename(line.split()[-1]) for line in maps.splitlines()
-               if line.count(" ") >= 5 and "/" in line)
-
-
-def _children_map() -> dict[int, list[int]]:
-    children: dict[int, list[int]] = {}
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry.name}/stat").read_text()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        children.setdefault(ppid, []).append(int(entry.name))
-    return children
-
-
-def rank_descendants(pid: int, children: dict[int, list[int]] | None = None) -> list[int]:
-    """The topmost descendants of ``pid`` that have RANK in their environment: torchrun's workers.
-
-    The search stops at a rank: its own children (DataLoader workers) inherit RANK but are not ranks.
-    """
-    children = _children_map() if children is None else children
-    found: list[int] = []
-    stack = list(children.get(pid, []))
-    while stack:
-        child = stack.pop()
-        try:
-            env = _read_environ(child)
-        except OSError:
-            env = {}
-        if "RANK" in env and _alive(child):
-            found.append(child)
-        else:
-            stack.extend(children.get(child, []))
-    return sorted(found)
-
-
 def _int(value: str | None) -> int | None:
     try:
         return int(value) if value is not None else None
@@ -170,13 +88,13 @@ def resolve_targets(pids: Sequence[int]) -> tuple[list[Target], list[DumpError]]
     seen: set[int] = set()
     children = None
     for pid in pids:
-        if not Path(f"/proc/{pid}").exists() or not _alive(pid):
+        if not Path(f"/proc/{pid}").exists() or not alive(pid):
             errors.append(DumpError(pid, "no_such_process", f"pid {pid}: no such process (it is not running)"))
             continue
         try:
-            env = _read_environ(pid)
+            env = read_environ(pid)
         except PermissionError:
-            errors.append(DumpError(pid, "permission", f"pid {pid} ({_proc_name(pid)}): permission denied reading "
+            errors.append(DumpError(pid, "permission", f"pid {pid} ({proc_name(pid)}): permission denied reading "
                                                        f"its environment: {PERMISSION_FIX}"))
             continue
         except OSError:
@@ -185,23 +103,23 @@ def resolve_targets(pids: Sequence[int]) -> tuple[list[Target], list[DumpError]]
         if "RANK" in env:
             pids_here = [pid]
         else:
-            children = _children_map() if children is None else children
+            children = children_map() if children is None else children
             pids_here = rank_descendants(pid, children) or [pid]
         for p in pids_here:
             if p in seen:
                 continue
             seen.add(p)
-            penv = env if p == pid else _safe_environ(p)
-            python = _is_python(p)
+            penv = env if p == pid else safe_environ(p)
+            python = is_python(p)
             if python is False:
-                errors.append(DumpError(p, "not_python", f"pid {p} ({_proc_name(p)}) is not a Python process: "
+                errors.append(DumpError(p, "not_python", f"pid {p} ({proc_name(p)}) is not a Python process: "
                                                          "pass the pid of a rank or of its torchrun agent"))
                 continue
             rank, source = _int(penv.get("RANK")), "RANK"
             if rank is None:
                 rank, source = _int(penv.get("LOCAL_RANK")), "LOCAL_RANK"
             targets.append(Target(p, rank if rank is not None else -1, source if rank is not None else "argument order",
-                                  _int(penv.get("WORLD_SIZE")), penv.get("DISTCHECK_REPORT_DIR"), _proc_name(p)))
+                                  _int(penv.get("WORLD_SIZE")), penv.get("DISTCHECK_REPORT_DIR"), proc_name(p)))
     # Processes without a rank get numbers after the known ranks, in the order given, so grouping still works.
     used = {t.rank for t in targets if t.rank >= 0}
     next_rank = max(used, default=-1) + 1
@@ -212,13 +130,6 @@ def resolve_targets(pids: Sequence[int]) -> tuple[list[Target], list[DumpError]]
             t.rank, t.rank_source = next_rank, "argument order"
             used.add(next_rank)
     return sorted(targets, key=lambda t: t.rank), errors
-
-
-def _safe_environ(pid: int) -> dict[str, str]:
-    try:
-        return _read_environ(pid)
-    except OSError:
-        return {}
 
 
 # --- py-spy -----------------------------------------------------------------------------------------------------
@@ -235,28 +146,21 @@ def find_pyspy() -> str | None:
     return shutil.which("py-spy")
 
 
-def _yama_scope() -> str | None:
-    try:
-        return Path("/proc/sys/kernel/yama/ptrace_scope").read_text().strip()
-    except OSError:
-        return None
-
-
 def permission_message(pid: int) -> str:
-    scope = _yama_scope()
+    scope = yama_scope()
     where = f" (kernel.yama.ptrace_scope is {scope} here)" if scope not in (None, "0") else ""
-    return f"pid {pid} ({_proc_name(pid)}): permission denied to read its stack{where}: {PERMISSION_FIX}"
+    return f"pid {pid} ({proc_name(pid)}): permission denied to read its stack{where}: {PERMISSION_FIX}"
 
 
 def classify_pyspy_failure(pid: int, stderr: str) -> DumpError:
     """A py-spy failure as one actionable line; py-spy's own message is a Rust backtrace."""
     text = stderr.lower()
-    if not _alive(pid):
+    if not alive(pid):
         return DumpError(pid, "exited", f"pid {pid} exited during the dump")
     if "permission denied" in text or "operation not permitted" in text or "os error 1)" in text:
         return DumpError(pid, "permission", permission_message(pid))
     if "failed to find python version" in text or "failed to find a python interpreter" in text:
-        return DumpError(pid, "not_python", f"pid {pid} ({_proc_name(pid)}) is not a Python process "
+        return DumpError(pid, "not_python", f"pid {pid} ({proc_name(pid)}) is not a Python process "
                                             "(py-spy found no interpreter in it)")
     first = next((ln.strip() for ln in stderr.splitlines() if ln.strip()), "no output")
     return DumpError(pid, "failed", f"pid {pid}: py-spy failed: {first[:200]}")
@@ -289,95 +193,12 @@ def pyspy_dump(target: Target, pyspy: str, native: bool = False, timeout: float 
 # --- faulthandler fallback and in-rank hooks -------------------------------------------------------------------
 
 
-def stack_signal() -> signal.Signals:
-    name = os.environ.get(STACK_SIGNAL_ENV, "SIGUSR2").upper()
-    try:
-        return signal.Signals[name if name.startswith("SIG") else "SIG" + name]
-    except KeyError:
-        return signal.SIGUSR2
-
-
-def hook_path(report_dir: str | os.PathLike, pid: int) -> Path:
-    return Path(report_dir) / f"stackhook-pid{pid}.json"
-
-
-def allow_ptrace_from(pid: int | None) -> tuple[bool, str]:
-    """prctl(PR_SET_PTRACER, pid): let ``pid`` and its descendants ptrace this process under Yama scope 1.
-
-    Returns (done, reason). Without Yama the call fails with EINVAL, which is fine: nothing restricts ptrace
-    beyond the usual same-user rule then.
-    """
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        value = ctypes.c_ulong(PR_SET_PTRACER_ANY if pid is None else pid)
-        rc = libc.prctl(ctypes.c_int(PR_SET_PTRACER), value, ctypes.c_ulong(0), ctypes.c_ulong(0),
-                        ctypes.c_ulong(0))
-    except (OSError, AttributeError) as exc:
-        return False, f"prctl unavailable: {exc}"
-    if rc == 0:
-        return True, f"PR_SET_PTRACER {pid if pid is not None else 'ANY'}"
-    err = ctypes.get_errno()
-    if err == 22 and _yama_scope() is None:
-        return False, "no Yama LSM on this kernel: ptrace is not restricted beyond same-user"
-    return False, f"prctl(PR_SET_PTRACER) failed: {os.strerror(err)}"
-
-
-@dataclass
-class HookInfo:
-    pid: int
-    rank: int
-    signal: int
-    file: str
-    ptracer: str
-    host: str = ""
-
-    def to_json(self) -> dict[str, Any]:
-        return {"pid": self.pid, "rank": self.rank, "signal": self.signal, "file": self.file, "ptracer": self.ptracer,
-                "host": self.host}
-
-
-_hook_file: Any = None
-
-
-def install_rank_hooks(report_dir: str | os.PathLike, rank: int | None = None,
-                       ptracer_pid: int | None | str = "parent") -> HookInfo:
-    """Call once in each rank process started by distcheck (run/compare/consistency/pytest).
-
-    1. Names the parent process (the launcher) as ptracer, so py-spy started by it or by a watcher below it can
-       attach under Yama ptrace_scope=1 (``ptracer_pid=None`` allows any process of the same user).
-    2. Registers a faulthandler dump of all threads on SIGUSR2 (``DISTCHECK_STACK_SIGNAL``) into
-       ``<report_dir>/faulthandler-rank<R>.txt``: the fallback when py-spy is missing or denied. It is a C signal
-       handler, so it works while another thread or native code holds the GIL.
-    3. Writes ``stackhook-pid<PID>.json`` so the dumper knows this process accepts the signal (signalling a
-       process without the handler would kill it).
-    """
-    global _hook_file
-    rank = int(os.environ.get("RANK", "0")) if rank is None else rank
-    pid = os.getpid()
-    if ptracer_pid == "parent":
-        # A rank forked by the launcher's zygote has the zygote as parent; the launcher (which runs py-spy)
-        # names itself in DISTCHECK_PTRACER.
-        target = int(os.environ.get("DISTCHECK_PTRACER") or os.getppid())
-    else:
-        target = ptracer_pid
-    _, reason = allow_ptrace_from(target)  # type: ignore[arg-type]
-    path = Path(report_dir) / f"faulthandler-rank{rank}.txt"
-    if _hook_file is not None:
-        _hook_file.close()
-    _hook_file = open(path, "a", encoding="utf-8")
-    sig = stack_signal()
-    faulthandler.register(sig, file=_hook_file, all_threads=True, chain=False)
-    info = HookInfo(pid, rank, int(sig), str(path), reason, socket.gethostname())
-    hook_path(report_dir, pid).write_text(json.dumps(info.to_json()))
-    return info
-
-
 def find_hook(pid: int, report_dirs: Iterable[str | os.PathLike | None]) -> HookInfo | None:
     for d in report_dirs:
         if not d:
             continue
         try:
-            data = json.loads(hook_path(d, pid).read_text())
+            data = json.loads(files.hook_file(d, pid).read_text())
         except (OSError, ValueError):
             continue
         if int(data.get("pid", -1)) == pid:
@@ -415,7 +236,7 @@ def faulthandler_dump(target: Target, hook: HookInfo, timeout: float = 3.0,
                                  target.rank_source, target.world_size)
         if size != last_size:
             last_size, stable_since = size, time.monotonic()
-        if not _alive(target.pid):
+        if not alive(target.pid):
             return DumpError(target.pid, "exited", f"pid {target.pid} exited during the dump", target.rank)
         time.sleep(0.02)
     return DumpError(target.pid, "timeout", f"pid {target.pid}: no faulthandler dump within {timeout:g}s",

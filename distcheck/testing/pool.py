@@ -28,6 +28,7 @@ log = logging.getLogger("distcheck")
 
 START_TIMEOUT = 120.0
 STOP_AFTER = 2.0  # seconds before asking whether a test can still progress at all
+FAILURE_GRACE = 5.0  # seconds the other ranks get once one rank failed
 
 
 @dataclass
@@ -122,26 +123,13 @@ class Pool:
         ranks provably cannot progress (e.g. they wait in different collectives), so the test is a hang now
         rather than at its timeout.
         """
+        from distcheck.supervise.watch import DONE, WatchLoop
+
         for conn in self.conns:
             conn.send(job)
         outcomes: dict[int, RankOutcome] = {}
-        start = time.monotonic()
-        deadline = start + job.timeout
-        first_failure: float | None = None
-        next_check = start + STOP_AFTER
-        stop_reason: str | None = None
-        while len(outcomes) < self.world_size:
-            now = time.monotonic()
-            if should_stop is not None and now >= next_check:
-                next_check = now + 1.0
-                stop_reason = should_stop(set(outcomes))
-                if stop_reason:
-                    break
-            # After one rank fails, the others are often blocked in a collective that will never complete:
-            # give them a short grace period instead of the full timeout.
-            limit = deadline if first_failure is None else min(deadline, first_failure + 5.0)
-            if now > limit:
-                break
+
+        def finished() -> set[int]:
             for rank, conn in enumerate(self.conns):
                 if rank in outcomes:
                     continue
@@ -150,21 +138,32 @@ class Pool:
                     outcomes[rank] = RankOutcome(rank, "died", f"rank {rank} exited with code {code} "
                                                  f"(signal {-code})" if code < 0 else f"rank {rank} exited "
                                                  f"with code {code}")
-                    first_failure = first_failure or time.monotonic()
-                elif conn.poll(0.02):
+                elif conn.poll(0):
                     try:
                         outcomes[rank] = conn.recv()
                     except EOFError:
                         continue
-                    if outcomes[rank].status != "passed":
-                        first_failure = first_failure or time.monotonic()
-        hung = len(outcomes) < self.world_size
+            return set(outcomes)
+
+        def live() -> dict[int, int]:
+            return {r: p.pid for r, p in enumerate(self.procs) if r not in outcomes and p.poll() is None}
+
+        def failed() -> bool:
+            return any(o.status not in ("passed", "skipped") for o in outcomes.values())
+
+        # The marker's timeout is a no-progress limit, like --timeout: a test that keeps issuing collectives is
+        # not cut off. After one rank fails, the others often wait in a collective that will never complete.
+        loop = WatchLoop(job.trace_dir or self.workdir, job.timeout, live=live, finished=finished,
+                         expected=self.world_size, should_stop=should_stop, startup_timeout=job.timeout,
+                         stop_grace=STOP_AFTER, failure_grace=FAILURE_GRACE, failed=failed, poll=0.02)
+        result = loop.run()
+        hung = result.state != DONE
         for rank in range(self.world_size):
             if rank not in outcomes:
                 outcomes[rank] = RankOutcome(rank, "hung", "")
         if hung or any(o.status != "passed" and o.status != "skipped" for o in outcomes.values()):
             self.healthy = False
-        return [outcomes[r] for r in range(self.world_size)], hung, stop_reason
+        return [outcomes[r] for r in range(self.world_size)], hung, result.stop_reason
 
     def dump_stacks(self) -> dict[int, str]:
         """Every rank's Python stacks, via faulthandler on SIGUSR1: a C-level handler, so it works even when a
@@ -186,6 +185,8 @@ class Pool:
         return out
 
     def close(self) -> None:
+        from distcheck.supervise.procs import terminate
+
         for conn in self.conns:
             try:
                 conn.send(None)
@@ -197,12 +198,10 @@ class Pool:
                 proc.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 pass
-            if proc.poll() is None:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                proc.wait(timeout=10)
+        # Each rank leads its own session: the group kill also ends its DataLoader workers.
+        terminate([p.pid for p in self.procs if p.poll() is None], grace=0.5, group=True)
+        for proc in self.procs:
+            proc.wait(timeout=10)
         for conn in self.conns:
             conn.close()
         if self._listener is not None:

@@ -202,7 +202,7 @@ def _diagnose(pool, job, outcomes, hung: bool, nprocs: int, timeout: float, stop
     stacks: dict[int, str] = {}
     if hung:
         try:
-            from distcheck.supervise.watchdog import diagnose_hang
+            from distcheck.supervise.hang import diagnose_hang
 
             [finding] = diagnose_hang(pool.pids, job.trace_dir, timeout=None if stop_reason else timeout,
                                       world_size=nprocs)

@@ -1,0 +1,96 @@
+"""The files of a report directory: every name, and the format version the per-rank files carry.
+
+    python -m distcheck run --nproc 2 --report-dir out -- train.py    # ranks write out/trace-rank0.jsonl, ...
+
+Ranks write per-rank files as things happen (so a rank that dies keeps what it wrote); the supervisor and the
+analysis read them. Both sides take the names from here, and every per-rank file carries ``FORMAT`` (the trace's
+meta line, each record index line, the autocheck state), which the readers check with :func:`check_format`, as
+Flight Recorder's ``check_version`` does: a report directory written by another distcheck version is named as
+such instead of being misread.
+"""
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any, Iterable
+
+# Bump when a per-rank file changes in a way an older reader would misread.
+FORMAT = 1
+FORMAT_KEY = "format"
+
+REPORT_JSON = "report.json"
+REPORT_TXT = "report.txt"
+CHROME_TRACE = "trace.json"
+STACKS_STEM = "stacks"  # stacks.txt / stacks.json
+STACKS_TXT = STACKS_STEM + ".txt"
+STACKS_JSON = STACKS_STEM + ".json"
+
+_PER_RANK = {
+    "trace": "trace-rank{rank}.jsonl",  # collective start/end events (rank/tracer.py)
+    "findings": "findings-rank{rank}.jsonl",  # findings of API calls inside the script (rank/sink.py)
+    "autocheck": "autocheck-rank{rank}.json",  # zero-code check state (rank/autocheck.py)
+    "records_index": "records-rank{rank}.jsonl",  # distcheck.record index (rank/records.py)
+    "records_data": "records-rank{rank}.bin",  # distcheck.record tensor bytes
+    "faulthandler": "faulthandler-rank{rank}.txt",  # stack dump fallback (rank/stack_hooks.py)
+}
+_RANK_OF = {kind: re.compile("^" + re.escape(pattern).replace(r"\{rank\}", r"(\d+)") + "$")
+            for kind, pattern in _PER_RANK.items()}
+# The names of the records distcheck makes by itself in zero-code compare (rank/autocheck.py, analysis/records.py).
+AUTO_LOSS = "auto/loss"
+AUTO_PARAMS = "auto/params"
+STACK_HOOK = "stackhook-pid{pid}.json"  # per process: "this pid takes the faulthandler signal"
+
+
+class FormatError(ValueError):
+    """A per-rank file written by a distcheck whose file format this one does not read."""
+
+
+def rank_file(report_dir: str | os.PathLike, kind: str, rank: int) -> Path:
+    return Path(report_dir) / _PER_RANK[kind].format(rank=rank)
+
+
+def rank_files(report_dir: str | os.PathLike, kind: str) -> dict[int, Path]:
+    """``{rank: path}`` of the per-rank files of one kind present in ``report_dir``."""
+    out: dict[int, Path] = {}
+    pattern = _RANK_OF[kind]
+    glob = _PER_RANK[kind].format(rank="*")
+    for path in Path(report_dir).glob(glob):
+        match = pattern.match(path.name)
+        if match:
+            out[int(match.group(1))] = path
+    return dict(sorted(out.items()))
+
+
+def rank_of(path: str | os.PathLike, kind: str) -> int:
+    match = _RANK_OF[kind].match(Path(path).name)
+    if not match:
+        raise ValueError(f"{path} is not a {_PER_RANK[kind].format(rank='<R>')} file")
+    return int(match.group(1))
+
+
+def hook_file(report_dir: str | os.PathLike, pid: int) -> Path:
+    return Path(report_dir) / STACK_HOOK.format(pid=pid)
+
+
+def hook_files(report_dir: str | os.PathLike) -> list[Path]:
+    return sorted(Path(report_dir).glob(STACK_HOOK.format(pid="*")))
+
+
+def remove_rank_files(report_dir: str | os.PathLike, ranks: Iterable[int],
+                      kinds: Iterable[str] = ("trace", "findings", "autocheck")) -> None:
+    """Per-rank files are appended to: a reused report dir must not mix in an earlier run."""
+    for rank in ranks:
+        for kind in kinds:
+            rank_file(report_dir, kind, rank).unlink(missing_ok=True)
+
+
+def check_format(data: dict[str, Any], path: str | os.PathLike) -> None:
+    """Raise FormatError when ``data`` (a meta line or state document) names a format other than ours.
+
+    A file without the key predates versioning and has format 1.
+    """
+    found = data.get(FORMAT_KEY, 1)
+    if found != FORMAT:
+        raise FormatError(f"{path} has distcheck file format {found!r}, this distcheck reads format {FORMAT}: "
+                          "read it with the distcheck version that wrote it")

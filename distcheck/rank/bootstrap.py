@@ -1,0 +1,37 @@
+"""What every rank runs first under distcheck: stack hooks, the collective tracer, and (under plain torchrun, on
+local rank 0) the node watcher.
+
+    torchrun --nproc-per-node 2 -m distcheck consistency      # each rank calls rank_bootstrap()
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+
+def rank_bootstrap(report_dir: str | os.PathLike, timeout: float, native: bool = False,
+                   trace: bool = True, watcher: bool = True) -> subprocess.Popen | None:
+    """Call at the start of every rank under torchrun (consistency, the pytest marker, ``torchrun -m distcheck run``).
+
+    Installs the stack hooks (ptracer + faulthandler), the collective tracer (progress and last collectives), and
+    on local rank 0 starts the node watcher; returns the watcher's Popen there, None elsewhere. ``watcher=False``
+    when a supervisor outside the ranks already watches them.
+    """
+    from distcheck.rank.stack_hooks import install_rank_hooks
+
+    Path(report_dir).mkdir(parents=True, exist_ok=True)
+    rank = int(os.environ.get("RANK", "0"))
+    install_rank_hooks(report_dir, rank)
+    if trace:
+        from distcheck.rank import tracer as tracing
+
+        if tracing.current() is None:
+            tracing.install(report_dir, rank)
+    if not watcher or int(os.environ.get("LOCAL_RANK", "0")) != 0:
+        return None
+    ws = os.environ.get("WORLD_SIZE")
+    lws = os.environ.get("LOCAL_WORLD_SIZE")
+    from distcheck.supervise.node_watcher import start_node_watcher
+
+    return start_node_watcher(report_dir, timeout, native, int(ws) if ws else None, int(lws) if lws else None)

@@ -1,0 +1,135 @@
+"""What a rank runs for ``distcheck run``: the user's script as ``__main__``, traced and checked.
+
+    python -m distcheck run --nproc 2 -- train.py                # the launcher starts each rank with this
+    torchrun --nproc-per-node 2 -m distcheck run -- train.py     # every rank runs this under torchrun
+
+Each rank installs the tracer, the zero-code checks and the stack hooks, runs SCRIPT (sys.argv = [SCRIPT,
+ARGS...]), records an exception with the user's line in its trace, and writes its exit line. Supervised ranks
+end there; under torchrun, rank 0's monitor thread (supervise/torchrun_monitor.py) writes the report.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import runpy
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+
+from distcheck.contract import files
+from distcheck.contract.report import default_report_dir, prepare_report_dir
+from distcheck.options import ENV_SUPERVISED, RunOptions
+from distcheck.rank import sink
+from distcheck.rank.bootstrap import rank_bootstrap
+from distcheck.rank.usersite import traceback_site
+from distcheck.rank.runtime import end_rank
+from distcheck.supervise.torchrun_monitor import TorchrunMonitor, report_done_marker
+
+log = logging.getLogger("distcheck")
+
+
+def run_in_rank(opts: RunOptions) -> int:
+    """Run the script in this rank, traced and checked; under torchrun rank 0 also writes the report."""
+    from distcheck.rank import tracer as trace
+    from distcheck.rank.runtime import RankInfo, setup_logging
+
+    info = RankInfo.from_env()
+    setup_logging(info)
+    supervised = os.environ.get(ENV_SUPERVISED) == "1"
+    report_dir = Path(opts.report_dir) if opts.report_dir else _torchrun_default_dir()
+    report_dir = prepare_report_dir(report_dir).resolve()
+    os.environ[sink.ENV_REPORT_DIR] = str(report_dir)
+    if not supervised:
+        files.remove_rank_files(report_dir, [info.rank])
+    tracer = trace.install(report_dir, info.rank)
+    from distcheck.rank import autocheck
+
+    # Finds the models (fully_shard/DDP/TP) and optimizers by itself; DISTCHECK_AUTOCHECK=0 turns it off.
+    checker = autocheck.install(report_dir, info.rank)
+    # Stack hooks (ptrace permission for our launcher, faulthandler fallback); under plain torchrun also the node
+    # watcher, a process outside the ranks that dumps their stacks on a hang even when one holds the GIL.
+    rank_bootstrap(report_dir, opts.timeout, native=opts.native, trace=False, watcher=not supervised)
+    done_marker = report_done_marker(report_dir)
+    if not supervised and info.rank == 0:
+        done_marker.unlink(missing_ok=True)
+    finalizer = None
+    main_done = threading.Event()
+    if not supervised:
+        finalizer = TorchrunMonitor(info.rank, info.world_size, report_dir, opts, done_marker, main_done)
+        finalizer.start()
+    ok, code = _execute(opts.script, list(opts.script_args), tracer)
+    if checker is not None:
+        checker.finish()  # before the exit line: rank 0 reads every rank's autocheck file once all have exited
+    tracer.note({"ev": "exit", "ok": ok, "code": code})
+    main_done.set()
+    # Every rank ends through end_rank: the script has returned and everything is flushed, and torch's own
+    # interpreter teardown (gloo threads destroyed while joinable: "terminate called without an active exception",
+    # SIGABRT) would otherwise turn a correct script into a dead rank.
+    if supervised:
+        end_rank(0 if ok else code or 1)
+    assert finalizer is not None
+    if info.rank == 0:
+        finalizer.join()  # it writes the report once every rank has finished, failed or stopped progressing
+        end_rank(finalizer.exit_code)
+    if not ok:
+        # Under torchrun a non-zero exit makes the agent kill every other rank at once: stay until rank 0 has
+        # written the report (bounded), so the report survives our failure.
+        deadline = time.monotonic() + opts.timeout + 30
+        while time.monotonic() < deadline and not done_marker.exists():
+            time.sleep(0.1)
+    end_rank(0 if ok else code or 1)
+    return 0  # not reached
+
+
+def _torchrun_default_dir() -> Path:
+    """All local ranks must agree on the default directory: stamp it with the start time of their common parent
+    (torchrun's agent), not each rank's own clock."""
+    try:
+        ticks = int(Path(f"/proc/{os.getppid()}/stat").read_text().rsplit(")", 1)[1].split()[19])
+        btime = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                     if line.startswith("btime"))
+        return default_report_dir(btime + ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError, StopIteration):
+        run_id = os.environ.get("TORCHELASTIC_RUN_ID", "run")
+        return Path.cwd() / f"distcheck-report-{run_id}"
+
+
+def _execute(script: Path, script_args: list[str], tracer) -> tuple[bool, int]:
+    """Run the script as __main__; record an exception (with the user's line) in the trace. (ok, exit code)"""
+    sys.argv = [str(script), *script_args]
+    sys.path.insert(0, str(script.parent))
+    try:
+        runpy.run_path(str(script), run_name="__main__")
+        return True, 0
+    except SystemExit as exc:
+        code = exc.code
+        if code in (None, 0):
+            return True, 0
+        exc_info = (type(exc), exc, exc.__traceback__)
+        status = code if isinstance(code, int) else 1
+    except BaseException as exc:  # noqa: BLE001 - every failure of the script is a finding
+        exc_info = (type(exc), exc, exc.__traceback__)
+        status = 1
+    text = "".join(traceback.format_exception(*exc_info))
+    _report_mesh_error(exc_info[1], tracer.rank)
+    sys.stderr.write(f"[distcheck rank {tracer.rank}] the script raised:\n{text}")
+    sys.stderr.flush()
+    where = traceback_site(exc_info[2])
+    tracer.note({"ev": "error", "exc_type": exc_info[0].__name__, "message": str(exc_info[1]), "traceback": text,
+                 "site": where.site, "file": where.file, "line": where.line})
+    return False, status
+
+
+def _report_mesh_error(exc: BaseException, rank: int) -> None:
+    """A torch error from building a DeviceMesh is a mesh_mismatch (with the user's line), not just a crash."""
+    try:
+        from distcheck.checks.mesh import mesh_error_finding
+
+        finding = mesh_error_finding(exc, exc.__traceback__)
+    except Exception as err:  # the diagnosis must never hide the script's own error
+        log.debug("mesh error check failed: %s", err)
+        return
+    if finding is not None:
+        sink.emit([finding], rank)

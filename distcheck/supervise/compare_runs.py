@@ -1,0 +1,126 @@
+"""``compare``: run the script with 1 rank (the reference) and with each N, then compare what the runs recorded.
+
+    python -m distcheck compare --nproc 2 --report-dir out -- train.py
+
+Each run is a supervised run exactly like ``distcheck run --nproc N`` (supervise/supervised_run.py: the same
+watch loop, hang diagnosis with every rank's stack, rank failures) into its own sub report dir (``reference/``,
+``nproc<N>/``). A run that did not complete (it hung, a rank crashed) is reported with its own findings, and its
+records are not compared: half a run's records would only add "recorded in one run only" noise on top of the
+real cause. The comparison itself is pure (analysis/records.py).
+"""
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+from distcheck.contract.findings import CheckResult, Finding
+from distcheck.contract.report import Report, prepare_report_dir, write_report
+from distcheck.options import CompareOptions
+from distcheck.supervise.supervised_run import supervised_run
+
+REFERENCE_DIR = "reference"
+
+
+def run_label(nproc: int, reference: bool = False) -> str:
+    return "reference run (1 rank)" if reference else f"{nproc}-rank run"
+
+
+def _prefixed(findings: list[Finding], label: str, nproc: int) -> list[Finding]:
+    out = []
+    for f in findings:
+        detail = dict(f.detail)
+        detail.setdefault("run", label)
+        detail.setdefault("nproc", nproc)
+        out.append(Finding(f.kind, f.ranks, f"{label}: {f.message}", detail))
+    return out
+
+
+def _completed(report: Report) -> bool:
+    """Whether every rank of a run ran its script to the end (findings about its values may still exist)."""
+    return not any(f.kind in ("hang", "rank_failure") for f in report.findings) and all(
+        c.ok for c in report.checks if c.name == "ranks_completed")
+
+
+def compare(opts: CompareOptions) -> tuple[Report, Path]:
+    from distcheck.analysis.records import (AUTO_TEXT, Tolerances, compare_runs, has_explicit, load_run,
+                                            record_files, render_table)
+    from distcheck.rank.records import DEFAULT_AUTO_STEPS, ENV_AUTO_STEPS
+
+    report_dir = prepare_report_dir(opts.run.report_dir).resolve()
+    for name in ("report.json", "report.txt"):
+        (report_dir / name).unlink(missing_ok=True)
+    plan = [(1, REFERENCE_DIR, True)] + [(n, f"nproc{n}", False) for n in opts.nprocs]
+    # Always recorded (cheap: K steps); dropped by the analysis when the script records anything itself. The
+    # ranks cannot know that in advance, and stopping at the first explicit record could leave ranks that record
+    # on rank 0 only out of step in the parameters' full_tensor() collectives.
+    auto_steps = opts.steps if opts.steps is not None else DEFAULT_AUTO_STEPS
+    findings: list[Finding] = []
+    checks: list[CheckResult] = []
+    artifacts: dict[str, str] = {}
+    runs: dict[str, dict] = {}
+    loaded: dict[str, dict] = {}
+    completed: dict[str, bool] = {}
+    for nproc, sub, is_ref in plan:
+        label = run_label(nproc, is_ref)
+        sys.stdout.write(f"distcheck compare: {label} ...\n")
+        sys.stdout.flush()
+        run_dir = report_dir / sub
+        run_dir.mkdir(parents=True, exist_ok=True)
+        for path in record_files(run_dir):  # appended to: a reused report dir must not mix in an earlier run
+            path.unlink(missing_ok=True)
+        started = time.monotonic()
+        sub_opts = opts.run.with_(report_dir=str(run_dir), nproc=nproc, env={ENV_AUTO_STEPS: str(auto_steps)})
+        sub_report, _ = supervised_run(sub_opts, nproc)
+        seconds = time.monotonic() - started
+        findings.extend(_prefixed(sub_report.findings, label, nproc))
+        completed[sub] = _completed(sub_report)
+        checks.append(CheckResult(label, sub_report.ok, seconds,
+                                  note="" if completed[sub] else "did not complete: see its findings"))
+        runs[REFERENCE_DIR if is_ref else str(nproc)] = {"nproc": nproc, "ok": sub_report.ok,
+                                                         "completed": completed[sub],
+                                                         "exit_code": sub_report.exit_code, "report_dir": sub,
+                                                         "seconds": round(seconds, 3)}
+        artifacts[f"{sub}/report.json"] = f"{sub}/report.json"
+        for key, rel in sub_report.artifacts.items():
+            if key.startswith("stacks"):
+                artifacts[f"{sub}/{key}"] = f"{sub}/{rel}"
+        for path in record_files(run_dir):
+            artifacts[f"{sub}/{path.stem}{path.suffix}"] = f"{sub}/{path.name}"
+        loaded[sub] = load_run(run_dir)
+    tables: dict[str, str] = {}
+    records_json: dict[str, list] = {}
+    tol = Tolerances(opts.rtol, opts.atol)
+    automatic: dict[str, list[str]] = {}
+    for nproc in opts.nprocs:
+        name = f"compare {nproc} ranks vs reference"
+        unfinished = [run_label(n, sub == REFERENCE_DIR) for n, sub in ((1, REFERENCE_DIR), (nproc, f"nproc{nproc}"))
+                      if not completed[sub]]
+        if unfinished:
+            checks.append(CheckResult(name, False, 0.0, note=f"not compared: the {' and the '.join(unfinished)} "
+                                                             "did not complete (see its findings)"))
+            continue
+        started = time.monotonic()
+        result = compare_runs(loaded[REFERENCE_DIR], loaded[f"nproc{nproc}"], nproc, tol, opts.steps)
+        findings.extend(result.findings)
+        records_json[str(nproc)] = [row.to_json() for row in result.rows]
+        tables[f"records: {nproc} ranks vs the 1-rank reference"] = render_table(result.rows)
+        auto_names = sorted({row.name for row in result.rows if row.auto})
+        if auto_names:
+            automatic[str(nproc)] = auto_names
+        checks.append(CheckResult(name, result.ok, time.monotonic() - started,
+                                  note=f"{AUTO_TEXT} for the first {auto_steps} steps: {', '.join(auto_names)}"
+                                  if auto_names else ""))
+    if all(completed.values()) and not any(recs for run_records in loaded.values() for recs in run_records.values()):
+        checks.append(CheckResult("records", False, 0.0,
+                                  note="nothing was recorded: the script calls neither distcheck.record(name, value) "
+                                       "nor backward() or optimizer.step() that distcheck records by itself "
+                                       "(DISTCHECK_AUTOCHECK=0 turns that off)"))
+    report = Report(command=opts.run.command, world_size=max(opts.nprocs), findings=findings, checks=checks,
+                    artifacts=artifacts, data={"runs": runs, "records": records_json,
+                                               "tolerances": {"rtol": opts.rtol, "atol": opts.atol},
+                                               "steps": opts.steps, "recorded_automatically": automatic,
+                                               "explicit_records": has_explicit(*loaded.values())},
+                    sections=tables)
+    write_report(report, report_dir)
+    return report, report_dir

@@ -1,0 +1,75 @@
+"""The one hang-diagnosis path: dump every live rank in parallel, read their traces, write stacks.txt/.json,
+and return the one ``hang`` finding (analysis/hang.py composes it).
+
+    python -m distcheck run --nproc 4 --timeout 60 -- train.py    # a watch loop calls diagnose_hang on a hang
+
+Called by the watch loop (supervise/watch.py) of every supervisor, and by the pytest plugin when a test cannot
+progress. It never raises: when the dump itself fails, the finding says so, with each rank's last collective
+from its trace, in the same shape.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+from distcheck.analysis.hang import RankProgress, diagnose, hang_finding, progress_from_events
+from distcheck.contract import files
+from distcheck.contract.findings import Finding, format_ranks
+from distcheck.supervise.stacks import DEFAULT_DUMP_TIMEOUT, Target, dump_all, write_stack_artifacts
+
+log = logging.getLogger("distcheck")
+
+
+def load_progress(report_dir: str | os.PathLike) -> dict[int, RankProgress]:
+    """Each traced rank's last started and last completed collective, from ``trace-rank<R>.jsonl``."""
+    from distcheck.analysis.trace_events import load_traces
+
+    return {rank: progress_from_events(rank, rt.events) for rank, rt in load_traces(report_dir).items()}
+
+
+def diagnose_hang(rank_pids: dict[int, int], report_dir: str | os.PathLike, native: bool = False,
+                  timeout: float | None = None, world_size: int | None = None,
+                  dump_timeout: float = DEFAULT_DUMP_TIMEOUT, stem: str = files.STACKS_STEM,
+                  out_dir: str | os.PathLike | None = None) -> list[Finding]:
+    """Dump all ranks in parallel, read their traces, write ``<stem>.txt``/``<stem>.json``; return the hang finding.
+
+    Traces and faulthandler hooks are read from ``report_dir``; stacks are written to ``out_dir`` (default: the
+    same). Plugs into the launcher as ``on_hang=lambda pids, d: diagnose_hang(pids, d, native, timeout)``.
+    """
+    try:
+        return _diagnose_hang(rank_pids, report_dir, native, timeout, world_size, dump_timeout, stem, out_dir)
+    except Exception as exc:  # never lose the chance to report the hang and end the job
+        log.warning("hang diagnosis failed: %s", exc)
+        try:
+            progress = load_progress(report_dir)
+        except Exception:
+            progress = {}
+        ranks = sorted(rank_pids) or sorted(progress)
+        what = f"no progress for {timeout:g}s" if timeout else "no progress"
+        return [hang_finding(ranks, f"{what} on {format_ranks(ranks) if ranks else 'any rank'} "
+                             f"(the stack dump failed: {exc})", timeout=timeout, progress=progress,
+                             errors=[str(exc)])]
+
+
+def _diagnose_hang(rank_pids: dict[int, int], report_dir: str | os.PathLike, native: bool, timeout: float | None,
+                   world_size: int | None, dump_timeout: float, stem: str,
+                   out_dir: str | os.PathLike | None) -> list[Finding]:
+    t0 = time.monotonic()
+    targets = [Target(pid, rank, "launcher", world_size, str(report_dir)) for rank, pid in sorted(rank_pids.items())]
+    result = dump_all(targets, native=native, timeout=dump_timeout, report_dirs=[report_dir])
+    try:
+        progress = load_progress(report_dir)
+    except Exception as exc:  # a broken trace must not cost us the stacks
+        log.warning("could not read traces in %s: %s", report_dir, exc)
+        progress = {}
+    errors_by_rank = {e.rank: e.message for e in result.errors if e.rank is not None}
+    diag = diagnose(result.stacks, progress, world_size or len(rank_pids) or None, timeout, errors_by_rank)
+    finding = diag.to_finding(result.stacks, progress, [e.message for e in result.errors])
+    title = f"distcheck watchdog: no progress for {timeout:g}s" if timeout else "distcheck watchdog"
+    artifacts = write_stack_artifacts(out_dir or report_dir, result.stacks, result.errors, native, progress, title,
+                                      stem, diag.groups, diag.message)
+    finding.detail["artifacts"] = artifacts
+    finding.detail["dump_seconds"] = round(result.seconds, 3)
+    finding.detail["diagnose_seconds"] = round(time.monotonic() - t0, 3)
+    return [finding]

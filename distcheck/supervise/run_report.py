@@ -1,0 +1,149 @@
+"""The report of a ``run``: from the per-rank files and how each rank ended, to report.json and report.txt.
+
+    python -m distcheck run --nproc 2 -- train.py                    # the launcher builds it after the ranks end
+    torchrun --nproc-per-node 2 -m distcheck run -- train.py         # rank 0's monitor builds it
+
+Every run-shaped command (``run`` with ``--nproc`` or under torchrun, each run of ``compare``) ends here: the
+outcomes of the ranks, the trace alignment, the findings the ranks emitted, the zero-code checks, and the hang
+diagnosis of the watch loop become one Report, written by :func:`publish` (contract/report.py writes the files).
+"""
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from pathlib import Path
+
+from distcheck.analysis.trace_align import (STATE_DIED, STATE_ERROR, STATE_HUNG, STATE_OK, STATE_STOPPED,
+                                            STATE_UNKNOWN, RankOutcome, analyze_run)
+from distcheck.analysis.trace_events import RankTrace
+from distcheck.contract import files
+from distcheck.contract.chrome_trace import write_chrome_trace
+from distcheck.contract.findings import CheckResult, Finding, format_ranks
+from distcheck.contract.report import Report, render_text, write_report
+from distcheck.rank import sink
+from distcheck.rank.autocheck import report_parts
+
+log = logging.getLogger("distcheck")
+
+
+def outcome_from_trace(rank: int, trace: RankTrace | None) -> RankOutcome | None:
+    """The outcome a rank wrote itself (its exit line), or None if it never got that far."""
+    if trace is None or trace.finished is None:
+        return None
+    err = trace.errors[-1] if trace.errors else None
+    if trace.finished.get("ok"):
+        return RankOutcome(rank, STATE_OK, exit_code=0)
+    return RankOutcome(rank, STATE_ERROR, exit_code=int(trace.finished.get("code", 1) or 1), error=err)
+
+
+def build_report(report_dir: Path, command: str, world_size: int, traces: dict[int, RankTrace],
+                 outcomes: dict[int, RankOutcome], timeout: float, seconds: float,
+                 hang_findings: list[Finding] | None = None, stop_reason: str | None = None) -> Report:
+    findings = analyze_run(traces, outcomes, world_size, timeout=timeout, hang_findings=hang_findings)
+    findings = merge_mesh_errors(findings + sink.collect(report_dir))
+    # Zero-code checks: model_check (its time), and the first NaN/Inf merged from every rank's own record.
+    auto_findings, auto_checks = report_parts(report_dir)
+    findings += auto_findings
+    # A script that calls check_model itself gets the same findings from the automatic check: report them once.
+    seen: set[tuple] = set()
+    findings = [f for f in findings if not ((f.kind, tuple(f.ranks), f.message) in seen
+                                            or seen.add((f.kind, tuple(f.ranks), f.message)))]
+    mismatch = any(f.kind == "collective_mismatch" for f in findings)
+    failed = any(o.state != STATE_OK for o in outcomes.values())
+    checks = [CheckResult("collective_order", not mismatch, seconds),
+              CheckResult("ranks_completed", not failed, 0.0,
+                          note=stop_reason or "")] + auto_checks
+    artifacts: dict[str, str] = {}
+    for r in sorted(traces):
+        name = files.rank_file(report_dir, "trace", r).name
+        artifacts[name.removesuffix(".jsonl")] = name
+    try:
+        write_chrome_trace(traces, report_dir / files.CHROME_TRACE, end_time=time.time())
+        artifacts[files.CHROME_TRACE] = files.CHROME_TRACE
+    except OSError as exc:
+        log.warning("could not write %s: %s", files.CHROME_TRACE, exc)
+    for kind in ("findings", "autocheck"):
+        for path in files.rank_files(report_dir, kind).values():
+            artifacts[path.stem] = path.name
+    outcomes_json = {str(r): {"state": o.state, "exit_code": o.exit_code, "signal": o.signal}
+                     for r, o in sorted(outcomes.items())}
+    return Report(command=command, world_size=world_size, findings=findings, checks=checks, artifacts=artifacts,
+                  data={"ranks": outcomes_json, "collectives": {str(r): len(t.events) for r, t in traces.items()}})
+
+
+def merge_mesh_errors(findings: list[Finding]) -> list[Finding]:
+    """One mesh_mismatch per failing init_device_mesh call (every rank raises the same error), and no
+    rank_failure for the ranks whose failure it explains."""
+    merged: dict[tuple, Finding] = {}
+    out: list[Finding] = []
+    for f in findings:
+        if f.kind != "mesh_mismatch" or "torch_error" not in f.detail:
+            out.append(f)
+            continue
+        key = (f.detail.get("file"), f.detail.get("line"), f.detail["torch_error"])
+        if key in merged:
+            first = merged[key]
+            ranks = sorted(set(first.ranks) | set(f.ranks))
+            first.message = first.message.replace(f"failed on {format_ranks(first.ranks)}",
+                                                  f"failed on {format_ranks(ranks)}", 1)
+            first.ranks = ranks
+            continue
+        merged[key] = f
+        out.append(f)
+    explained = {(r, f.detail["torch_error"].split(":", 1)[0]) for f in merged.values() for r in f.ranks}
+    return [f for f in out if not (f.kind == "rank_failure" and len(f.ranks) == 1
+                                   and (f.ranks[0], f.detail.get("exception")) in explained)]
+
+
+def outcomes_from_exits(exits: dict, traces: dict[int, RankTrace]) -> dict[int, RankOutcome]:
+    """Each rank's outcome when distcheck launched it: its own exit line, else its exit code or signal."""
+    outcomes: dict[int, RankOutcome] = {}
+    for r, ex in exits.items():
+        trace = traces.get(r)
+        if ex.killed == "hang":
+            outcomes[r] = RankOutcome(r, STATE_HUNG)
+            continue
+        if ex.killed == "stop":
+            outcomes[r] = RankOutcome(r, STATE_STOPPED)
+            continue
+        own = outcome_from_trace(r, trace)
+        if own is not None and not (own.state == STATE_OK and ex.returncode not in (0, None)):
+            own.exit_code = ex.returncode
+            outcomes[r] = own
+        elif ex.returncode == 0:
+            outcomes[r] = RankOutcome(r, STATE_OK, exit_code=0)
+        else:
+            err = trace.errors[-1] if trace is not None and trace.errors else None
+            outcomes[r] = RankOutcome(r, STATE_ERROR if err else STATE_DIED, ex.returncode, ex.signal, err)
+    return outcomes
+
+
+def outcomes_from_traces(traces: dict[int, RankTrace], world_size: int, hung: bool,
+                         running: set[int]) -> dict[int, RankOutcome]:
+    """Each rank's outcome under torchrun, where only the traces (and, on one node, pids) tell how ranks ended."""
+    outcomes: dict[int, RankOutcome] = {}
+    for r in range(world_size):
+        trace = traces.get(r)
+        o = outcome_from_trace(r, trace)
+        if o is None:
+            if r in running:
+                o = RankOutcome(r, STATE_HUNG if hung else STATE_STOPPED)
+            else:
+                err = trace.errors[-1] if trace is not None and trace.errors else None
+                o = RankOutcome(r, STATE_DIED if trace is not None else STATE_UNKNOWN, error=err)
+        outcomes[r] = o
+    return outcomes
+
+
+def clean(report_dir: Path, ranks) -> None:
+    """A reused report dir must not mix in an earlier run: per-rank files are appended to."""
+    files.remove_rank_files(report_dir, ranks)
+
+
+def publish(report: Report, report_dir: Path) -> int:
+    """Write report.json/report.txt and print report.txt; the command's exit code."""
+    write_report(report, report_dir)
+    sys.stdout.write(render_text(report, report_dir))
+    sys.stdout.flush()
+    return report.exit_code

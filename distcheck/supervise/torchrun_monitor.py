@@ -1,0 +1,114 @@
+"""Under torchrun, rank 0's report writer for ``run``: a thread in each rank, since torchrun has no distcheck
+supervisor to build the report.
+
+    torchrun --nproc-per-node 2 -m distcheck run --timeout 60 -- train.py
+
+Rank 0's thread runs the one watch loop (supervise/watch.py) over every rank's trace: once every rank has
+finished, died or provably cannot progress, it builds and writes the report (supervise/run_report.py) and drops
+a marker file. The thread in the other ranks ends its rank once the marker appears while the script is still
+stuck in it. The node watcher (supervise/node_watcher.py), a process outside the ranks, diagnoses a hang at
+``--timeout`` with every rank's stack; this loop's own hang limit is the backstop for when it cannot.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+
+from distcheck.analysis.trace_align import provably_stuck
+from distcheck.analysis.trace_events import RankTrace, load_traces
+from distcheck.options import RunOptions
+from distcheck.rank.runtime import backstop, hard_exit
+from distcheck.supervise import run_report
+from distcheck.supervise.watch import HUNG, STARTUP_TIMEOUT, STOPPED, WatchLoop
+
+log = logging.getLogger("distcheck")
+
+
+def report_done_marker(report_dir: Path) -> Path:
+    """The file rank 0 writes once the report is written (one per torchrun job: run id and port)."""
+    return report_dir / f".done-{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}-{os.environ.get('MASTER_PORT', '')}"
+
+
+class TorchrunMonitor(threading.Thread):
+    def __init__(self, rank: int, world_size: int, report_dir: Path, opts: RunOptions, done_marker: Path,
+                 main_done: threading.Event) -> None:
+        super().__init__(name="distcheck-run-monitor", daemon=True)
+        self.rank, self.world_size, self.report_dir, self.opts = rank, world_size, report_dir, opts
+        self.done_marker, self.main_done = done_marker, main_done
+        self.exit_code = 1
+        self.started_at = time.monotonic()
+
+    def run(self) -> None:
+        try:
+            if self.rank == 0:
+                self._finalize()
+            else:
+                self._follow()
+        except Exception:  # the monitor must never be what breaks the run
+            log.exception("distcheck run monitor failed")
+            if self.rank == 0 and not self.main_done.is_set():
+                hard_exit(1)
+
+    def _follow(self) -> None:
+        while not self.main_done.is_set():
+            if self.done_marker.exists():
+                # Rank 0 wrote the report while our script is still inside it: stuck on a collective.
+                time.sleep(0.5)
+                if not self.main_done.is_set():
+                    hard_exit(1)
+            time.sleep(0.2)
+
+    def _traces(self) -> dict[int, RankTrace]:
+        # A reused report dir may still hold a trace of an earlier run from a rank that has not started yet:
+        # only the ranks of this torchrun (same agent process as parent) count.
+        ppid = os.getppid()
+        return {r: t for r, t in load_traces(self.report_dir).items()
+                if r < self.world_size and t.meta.get("ppid", ppid) == ppid}
+
+    def _running(self, traces: dict[int, RankTrace]) -> dict[int, int]:
+        """Ranks whose trace has no exit line and whose process (same node: pid from the trace) still runs."""
+        out = {}
+        for r, t in traces.items():
+            pid = t.meta.get("pid")
+            if t.finished is None and _pid_alive(pid):
+                out[r] = pid if isinstance(pid, int) else 0
+        return out
+
+    def _finished(self) -> set[int]:
+        traces = self._traces()
+        running = self._running(traces)
+        return {r for r in traces if r not in running}
+
+    def _finalize(self) -> None:
+        timeout = self.opts.timeout
+        loop = WatchLoop(self.report_dir, backstop(timeout), expected=self.world_size,
+                         live=lambda: self._running(self._traces()), finished=self._finished,
+                         should_stop=lambda done: provably_stuck(self._traces(), done),
+                         startup_timeout=max(backstop(timeout), STARTUP_TIMEOUT), poll=0.2)
+        result = loop.run()
+        traces = self._traces()
+        running = set(self._running(traces))
+        outcomes = run_report.outcomes_from_traces(traces, self.world_size, result.state == HUNG, running)
+        report = run_report.build_report(self.report_dir, self.opts.command, self.world_size, traces, outcomes,
+                                         timeout, time.monotonic() - self.started_at,
+                                         stop_reason=result.stop_reason if result.state == STOPPED else None)
+        self.exit_code = run_report.publish(report, self.report_dir)
+        self.done_marker.write_text("done\n")
+        if not self.main_done.is_set():
+            time.sleep(0.5)  # let the other ranks see the marker
+            hard_exit(self.exit_code)
+
+
+def _pid_alive(pid: object) -> bool:
+    if not isinstance(pid, int):
+        return True  # no pid in the trace: assume it runs, the hang limit bounds the wait
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
