@@ -1,6 +1,7 @@
 # distcheck set-up, checks and tests. Everything runs from a local .venv created here.
 #   make check   create .venv, install torch + distcheck, run the built-in consistency check on 2 CPU ranks
-#   make test    the test suite (what .ci/run runs)
+#   make test    the test suite, both tiers (what .ci/run runs)
+#   make test-unit   the unit tier alone (no process launched; seconds)
 #   make bench   the benchmarks quoted in README.md
 # GPU users: make check TORCH_VERSION=2.13.0 TORCH_INDEX=https://download.pytorch.org/whl/cu128
 PYTHON ?= python3
@@ -11,7 +12,7 @@ NPROC ?= 2
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(TORCH_VERSION)
 
-.PHONY: setup check test bench clean
+.PHONY: setup check test test-unit bench clean
 
 setup: $(STAMP)
 
@@ -29,6 +30,9 @@ check: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -n 2 -q tests
+
+test-unit: $(STAMP)
+	$(PY) -m pytest -q tests/unit
 
 bench: $(STAMP)
 	$(PY) -m pip install --quiet -e ".[test,bench]"

@@ -1,6 +1,51 @@
+"""Shared by both tiers (tests/unit launches no process; tests/integration runs real ranks, always with timeouts).
+
+    make test-unit     # seconds
+    make test          # both tiers
+"""
+from __future__ import annotations
+
+import ast
 import sys
 from pathlib import Path
+from types import ModuleType
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import pytest
+
+TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent
+FIXTURES = ROOT / "fixtures"
+# Helpers (launch_helpers) and the fixture scripts (imported as modules by in-process tests) are importable.
+sys.path.insert(0, str(TESTS))
+sys.path.insert(0, str(FIXTURES))
 
 pytest_plugins = ["pytester"]
+
+
+def source_line(source: str | Path | ModuleType | None, marker: str, text: str | None = None) -> int:
+    """The one rule for "the line of this marker": the first line after the module docstring that contains it.
+
+    ``source`` is a fixture's file name (``"coll_hang.py"``), a path, or an imported module; or pass ``text``.
+    Fixture docstrings quote the buggy lines, so the docstring is skipped.
+    """
+    if text is None:
+        if isinstance(source, ModuleType):
+            source = source.__file__
+        path = Path(source)
+        text = (path if path.is_absolute() or path.exists() else FIXTURES / path).read_text()
+    lines = text.splitlines()
+    body = ast.parse(text).body
+    skip = 0
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
+            and isinstance(body[0].value.value, str):
+        skip = body[0].end_lineno
+    for number, line in enumerate(lines[skip:], skip + 1):
+        if marker in line:
+            return number
+    raise AssertionError(f"{marker!r} is not in {source or 'the text'}")
+
+
+@pytest.fixture
+def line_of():
+    """``line_of("coll_hang.py", "# BUG")`` -> the line number (see source_line)."""
+    return source_line

@@ -21,7 +21,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from distcheck.contract.findings import Finding, format_ranks
+from distcheck.contract.findings import CheckResult, Finding, format_ranks
 
 # No initializer (normal/uniform/xavier/kaiming/trunc_normal/ones/zeros/eye/orthogonal) produces a magnitude above
 # this for any realistic fan-in; leftovers of uninitialized memory routinely do (1e31, 1e38).
@@ -286,3 +286,31 @@ def loss_value_name(value: float) -> str:
     if math.isnan(value):
         return "nan"
     return "inf" if value > 0 else "-inf"
+
+
+def merge_states(states: dict[int, dict[str, Any]]) -> tuple[list[Finding], list[CheckResult]]:
+    """The first-NaN finding and the ``model_check`` / ``bad_values`` checks from the ranks' autocheck files."""
+    if not states:
+        return [], []
+    events = {r: BadEvent.from_json(s["first_bad"]) if s.get("first_bad") else None for r, s in states.items()}
+    steps = {r: int(s.get("steps", 0)) for r, s in states.items()}
+    finding = first_bad_finding(events, steps)
+    findings = [finding] if finding is not None else []
+    checks: list[CheckResult] = []
+    model_checks = [s.get("model_checks", []) for s in states.values()]
+    if any(model_checks):
+        seconds = max(sum(c["seconds"] for c in mc) for mc in model_checks)
+        roots = sorted({c["root"] for mc in model_checks for c in mc})
+        bad = sum(c["findings"] for mc in model_checks for c in mc)
+        checks.append(CheckResult("model_check", bad == 0, seconds,
+                                  note=f"found by itself at the first forward: {', '.join(roots)}"))
+    else:
+        checks.append(CheckResult("model_check", True, 0.0,
+                                  note="no model passed to fully_shard/DDP/parallelize_module/distribute_module"))
+    step_seconds = max(float(s.get("step_check_seconds", 0.0)) for s in states.values())
+    counter = next(iter(states.values())).get("counter", "optimizer.step")
+    done = max(steps.values())
+    note = ("" if finding is not None else "no backward() ran" if done == 0 else
+            f"loss and gradients finite on every {counter} ({done} steps)")
+    checks.append(CheckResult("bad_values", finding is None, step_seconds, note=note))
+    return findings, checks

@@ -13,7 +13,6 @@ from typing import Iterable, Sequence
 
 import torch
 
-from distcheck.errors import UsageError
 from distcheck.contract.findings import Finding, format_ranks
 
 # How distcheck reads mesh dim names: the dims a model's tensors are sharded over, and what gets sharded.
@@ -54,36 +53,14 @@ class MeshSpec:
         return "(" + ", ".join(map(str, self.shape)) + ")"
 
 
-def parse_world_size(value: int | str) -> int:
-    try:
-        world = int(value)
-    except (TypeError, ValueError):
-        raise UsageError(f"--world-size {value!r} is not an integer: pass the number of ranks, e.g. 4096") from None
-    if world < 1:
-        raise UsageError(f"--world-size {world} must be at least 1: pass the number of ranks, e.g. 4096")
-    return world
-
-
-def parse_shape(text: str, world_size: int) -> tuple[tuple[int, ...], list[Finding]]:
-    """``"64,8,8"`` -> (64, 8, 8). One dim may be ``-1``: world_size divided by the others (torchtitan style).
+def resolve_shape(shape: Sequence[int], world_size: int) -> tuple[tuple[int, ...], list[Finding]]:
+    """Fill in the one ``-1`` dim (torchtitan style: world_size divided by the others).
 
     Returns the shape and a mesh_mismatch finding when ``-1`` cannot be inferred because the world size does not
     divide by the other dims (then the -1 dim is set to 0 so callers stop there).
     """
-    parts = [p.strip() for p in str(text).split(",")]
-    if not text or any(not p for p in parts):
-        raise UsageError(f"--shape {text!r} is not a comma-separated list of sizes: pass e.g. --shape 8,4,2")
-    shape: list[int] = []
-    for p in parts:
-        try:
-            shape.append(int(p))
-        except ValueError:
-            raise UsageError(f"--shape {text!r}: {p!r} is not an integer: pass e.g. --shape 8,4,2") from None
-    if shape.count(-1) > 1:
-        raise UsageError(f"--shape {text!r} has more than one -1: at most one dim can be inferred")
-    bad = [s for s in shape if s < 1 and s != -1]
-    if bad:
-        raise UsageError(f"--shape {text!r}: dim size {bad[0]} is not positive: every dim needs at least 1 rank")
+    shape = list(shape)
+    text = ",".join(map(str, shape))
     findings: list[Finding] = []
     if -1 in shape:
         i = shape.index(-1)
@@ -98,21 +75,6 @@ def parse_shape(text: str, world_size: int) -> tuple[tuple[int, ...], list[Findi
         else:
             shape[i] = world_size // rest
     return tuple(shape), findings
-
-
-def parse_names(text: str | None, ndim: int) -> tuple[str, ...] | None:
-    if text is None:
-        return None
-    names = tuple(n.strip() for n in text.split(","))
-    if any(not n for n in names):
-        raise UsageError(f"--names {text!r} has an empty name: pass e.g. --names dp,tp,pp")
-    if len(names) != ndim:
-        raise UsageError(f"--names {text!r} has {len(names)} names but --shape has {ndim} dims: "
-                         f"pass one name per dim")
-    dup = sorted({n for n in names if names.count(n) > 1})
-    if dup:
-        raise UsageError(f"--names {text!r} repeats {dup[0]!r}: mesh dim names must be unique")
-    return names
 
 
 def strides(shape: Sequence[int]) -> tuple[int, ...]:

@@ -49,7 +49,7 @@ def snapshot(device: torch.device, backend: str, config: dict[str, str] | None =
         "device.type": device.type,
         "device.count": str(torch.cuda.device_count() if cuda else 0),
         "device.index": str(device.index if device.index is not None else ""),
-        "device.name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
+        "device.name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.machine(),  # processor() runs `uname -p` in a subprocess
         "backend": backend,
         "torch.default_dtype": str(torch.get_default_dtype()),
         "torch.deterministic_algorithms": str(torch.are_deterministic_algorithms_enabled()),

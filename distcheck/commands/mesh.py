@@ -17,17 +17,66 @@ import argparse
 import logging
 import time
 
-from distcheck.analysis.mesh import (MeshSpec, dim_role, mesh_findings, model_findings, parse_names, parse_shape,
-                                     parse_world_size, plan_mesh)
+from distcheck.analysis.mesh import (MeshSpec, dim_role, mesh_findings, model_findings, plan_mesh,
+                                     resolve_shape)
 from distcheck.cli import command_line
 from distcheck.errors import UsageError
-from distcheck.contract.findings import CheckResult
+from distcheck.contract.findings import CheckResult, Finding
 from distcheck.contract.report import Report, prepare_report_dir, render_text, write_report
 
 log = logging.getLogger("distcheck")
 
 # Above this many ranks torch's LocalTensorMode (exact collectives in one process) gets too slow to be useful.
 LOCAL_TENSOR_MAX_RANKS = 64
+
+
+def parse_world_size(value: int | str) -> int:
+    try:
+        world = int(value)
+    except (TypeError, ValueError):
+        raise UsageError(f"--world-size {value!r} is not an integer: pass the number of ranks, e.g. 4096") from None
+    if world < 1:
+        raise UsageError(f"--world-size {world} must be at least 1: pass the number of ranks, e.g. 4096")
+    return world
+
+
+def parse_shape(text: str, world_size: int) -> tuple[tuple[int, ...], list[Finding]]:
+    """``"64,8,8"`` -> (64, 8, 8). One dim may be ``-1``: world_size divided by the others (torchtitan style).
+
+    Returns the shape and a mesh_mismatch finding when ``-1`` cannot be inferred because the world size does not
+    divide by the other dims (then the -1 dim is set to 0 so callers stop there).
+    """
+    parts = [p.strip() for p in str(text).split(",")]
+    if not text or any(not p for p in parts):
+        raise UsageError(f"--shape {text!r} is not a comma-separated list of sizes: pass e.g. --shape 8,4,2")
+    shape: list[int] = []
+    for p in parts:
+        try:
+            shape.append(int(p))
+        except ValueError:
+            raise UsageError(f"--shape {text!r}: {p!r} is not an integer: pass e.g. --shape 8,4,2") from None
+    if shape.count(-1) > 1:
+        raise UsageError(f"--shape {text!r} has more than one -1: at most one dim can be inferred")
+    bad = [s for s in shape if s < 1 and s != -1]
+    if bad:
+        raise UsageError(f"--shape {text!r}: dim size {bad[0]} is not positive: every dim needs at least 1 rank")
+    return resolve_shape(shape, world_size)
+
+
+def parse_names(text: str | None, ndim: int) -> tuple[str, ...] | None:
+    if text is None:
+        return None
+    names = tuple(n.strip() for n in text.split(","))
+    if any(not n for n in names):
+        raise UsageError(f"--names {text!r} has an empty name: pass e.g. --names dp,tp,pp")
+    if len(names) != ndim:
+        raise UsageError(f"--names {text!r} has {len(names)} names but --shape has {ndim} dims: "
+                         f"pass one name per dim")
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise UsageError(f"--names {text!r} repeats {dup[0]!r}: mesh dim names must be unique")
+    return names
+
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -15,6 +15,8 @@ import re
 from pathlib import Path
 from typing import Any, Iterable
 
+from distcheck.errors import UsageError
+
 # Bump when a per-rank file changes in a way an older reader would misread.
 FORMAT = 1
 FORMAT_KEY = "format"
@@ -42,7 +44,7 @@ AUTO_PARAMS = "auto/params"
 STACK_HOOK = "stackhook-pid{pid}.json"  # per process: "this pid takes the faulthandler signal"
 
 
-class FormatError(ValueError):
+class FormatError(UsageError, ValueError):
     """A per-rank file written by a distcheck whose file format this one does not read."""
 
 

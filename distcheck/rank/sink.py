@@ -28,9 +28,14 @@ def emit(findings: Iterable[Finding], rank: int | None = None) -> None:
         return
     if rank is None:
         rank = int(os.environ.get("RANK", "0"))
+    append(report_dir, rank, findings)
+
+
+def append(report_dir: str | os.PathLike, rank: int, findings: Iterable[Finding]) -> None:
+    """Append findings, one versioned JSON line each, to ``findings-rank<R>.jsonl`` in ``report_dir``."""
     with open(findings_path(report_dir, rank), "a", encoding="utf-8") as fh:
         for f in findings:
-            fh.write(json.dumps(jsonable(f.to_json())) + "\n")
+            fh.write(json.dumps({files.FORMAT_KEY: files.FORMAT, **jsonable(f.to_json())}) + "\n")
         fh.flush()
 
 
@@ -40,7 +45,11 @@ def collect(report_dir: str | os.PathLike) -> list[Finding]:
     for path in files.rank_files(report_dir, "findings").values():
         for line in path.read_text(encoding="utf-8").splitlines():
             try:
-                out.append(Finding.from_json(json.loads(line)))
+                data = json.loads(line)
+                files.check_format(data, path)
+                out.append(Finding.from_json(data))
+            except files.FormatError:
+                raise
             except (ValueError, KeyError):
                 continue
     return out

@@ -9,11 +9,15 @@ diagnosis of the watch loop become one Report, written by :func:`publish` (contr
 """
 from __future__ import annotations
 
+import json
 import logging
+import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
+from distcheck.analysis.bad_values import merge_states
 from distcheck.analysis.trace_align import (STATE_DIED, STATE_ERROR, STATE_HUNG, STATE_OK, STATE_STOPPED,
                                             STATE_UNKNOWN, RankOutcome, analyze_run)
 from distcheck.analysis.trace_events import RankTrace
@@ -22,7 +26,6 @@ from distcheck.contract.chrome_trace import write_chrome_trace
 from distcheck.contract.findings import CheckResult, Finding, format_ranks
 from distcheck.contract.report import Report, render_text, write_report
 from distcheck.rank import sink
-from distcheck.rank.autocheck import report_parts
 
 log = logging.getLogger("distcheck")
 
@@ -147,3 +150,22 @@ def publish(report: Report, report_dir: Path) -> int:
     sys.stdout.write(render_text(report, report_dir))
     sys.stdout.flush()
     return report.exit_code
+
+
+def load_autocheck_states(report_dir: str | os.PathLike) -> dict[int, dict[str, Any]]:
+    out: dict[int, dict[str, Any]] = {}
+    for path in files.rank_files(report_dir, "autocheck").values():
+        try:
+            data = json.loads(path.read_text())
+            files.check_format(data, path)
+            out[int(data["rank"])] = data
+        except files.FormatError:
+            raise
+        except (OSError, ValueError, KeyError):
+            continue
+    return out
+
+
+def report_parts(report_dir: str | os.PathLike) -> tuple[list[Finding], list[CheckResult]]:
+    """The zero-code checks' findings and checks (model_check, bad_values), from the ranks' autocheck files."""
+    return merge_states(load_autocheck_states(report_dir))

@@ -27,7 +27,7 @@ from distcheck.supervise.procs import die_with_parent
 # What every rank imports anyway: loaded once, before any fork.
 PRELOAD = ("torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.tensor.parallel",
            "torch.distributed.fsdp", "distcheck.cli", "distcheck.commands.run", "distcheck.rank.tracer",
-           "distcheck.rank.autocheck", "distcheck.supervise.hang")
+           "distcheck.rank.autocheck", "distcheck.rank.entry", "distcheck.supervise.hang")
 
 
 def _preload() -> None:

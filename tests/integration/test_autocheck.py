@@ -8,11 +8,6 @@ import pytest
 from launch_helpers import FIXTURES, distcheck, load_report
 
 
-def line_of(fixture: str, text: str) -> int:
-    lines = (FIXTURES / fixture).read_text().splitlines()
-    return next(i for i, line in enumerate(lines, 1) if text in line)
-
-
 def run_fixture(tmp_path, fixture: str):
     out = tmp_path / "report"
     res = distcheck(["run", "--nproc", "2", "--timeout", "60", "--report-dir", str(out), "--",
@@ -20,7 +15,7 @@ def run_fixture(tmp_path, fixture: str):
     return res, load_report(out)
 
 
-def test_meta_init_leaves_block_params_uninitialized(tmp_path):
+def test_meta_init_leaves_block_params_uninitialized(line_of, tmp_path):
     res, report = run_fixture(tmp_path, "zc_meta_init.py")
     assert res.returncode == 1, res.output
     uninit = {f["detail"]["param"]: f for f in report["findings"]
@@ -38,7 +33,7 @@ def test_meta_init_leaves_block_params_uninitialized(tmp_path):
     assert not checks["model_check"]["ok"] and checks["model_check"]["seconds"] > 0
 
 
-def test_nan_in_one_ranks_batch_names_step_and_rank(tmp_path):
+def test_nan_in_one_ranks_batch_names_step_and_rank(line_of, tmp_path):
     res, report = run_fixture(tmp_path, "zc_nan_batch.py")
     assert res.returncode == 1, res.output
     [finding] = report["findings"]
@@ -53,7 +48,7 @@ def test_nan_in_one_ranks_batch_names_step_and_rank(tmp_path):
     assert detail["first_param"] == "2.bias"  # the last layer: the first gradient backward produces
 
 
-def test_unwrapped_root_is_found_without_any_distcheck_call(tmp_path):
+def test_unwrapped_root_is_found_without_any_distcheck_call(line_of, tmp_path):
     res, report = run_fixture(tmp_path, "zc_unwrapped_root.py")
     assert res.returncode == 1, res.output
     uncovered = {f["detail"]["param"]: f for f in report["findings"] if f["kind"] == "uncovered_param"}

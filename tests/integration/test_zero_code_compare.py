@@ -1,25 +1,14 @@
-"""Zero-code compare: ``distcheck compare`` on scripts with no ``distcheck.record`` call.
-
-The two integration tests launch real gloo ranks (1, then 2) on the zc_cmp_* fixtures; the in-process tests run
-autocheck's hooks on a plain CPU training loop (no process group) and read back what they recorded.
-"""
+"""Zero-code compare: ``distcheck compare`` on scripts with no ``distcheck.record`` call, on real gloo ranks (1,
+then 2) on the zc_cmp_* fixtures (the hooks in-process: tests/unit/test_auto_records.py)."""
 from __future__ import annotations
 
 import pytest
-import torch
-import torch.nn as nn
 from launch_helpers import FIXTURES, distcheck, load_report
 
 from distcheck.rank import autocheck
 
 from distcheck.rank import records
 from distcheck.analysis.records import load_rank
-
-
-def line_of(fixture: str, code: str) -> int:
-    """The line of ``code`` as a statement (docstrings mention the same calls)."""
-    lines = (FIXTURES / fixture).read_text().splitlines()
-    return next(i for i, text in enumerate(lines, 1) if text.strip().startswith(code))
 
 
 def compare(tmp_path, fixture: str, extra: list[str] | None = None):
@@ -29,7 +18,7 @@ def compare(tmp_path, fixture: str, extra: list[str] | None = None):
     return res, load_report(out), out
 
 
-def test_unmodified_fsdp2_script_compares_equal(tmp_path):
+def test_unmodified_fsdp2_script_compares_equal(line_of, tmp_path):
     res, report, out = compare(tmp_path, "zc_cmp_fsdp2_ok.py")
     assert res.returncode == 0, res.output
     assert report["ok"] and report["findings"] == []
@@ -53,7 +42,7 @@ def test_unmodified_fsdp2_script_compares_equal(tmp_path):
     assert "the script recorded nothing" not in text and "nothing was recorded" not in text
 
 
-def test_loss_summed_over_local_batch_is_reference_mismatch(tmp_path):
+def test_loss_summed_over_local_batch_is_reference_mismatch(line_of, tmp_path):
     res, report, out = compare(tmp_path, "zc_cmp_loss_sum.py", ["--steps", "2"])
     assert res.returncode == 1, res.output
     (f,) = report["findings"]
@@ -91,66 +80,3 @@ def auto_recording(tmp_path, monkeypatch):
         records.reset()
 
 
-class Wrapper(nn.Module):
-    """Stands in for DDP: a wrapper only at some world sizes, whose ``module.`` prefix must not reach the names."""
-
-    def __init__(self, inner: nn.Module) -> None:
-        super().__init__()
-        self.module = inner
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.module(x)
-
-
-def test_hooks_record_loss_per_backward_and_params_per_step(auto_recording):
-    out, check = auto_recording
-    torch.manual_seed(0)
-    model = Wrapper(nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1)))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    x, y = torch.randn(4, 3), torch.randn(4, 1)
-    before = model.module[0].weight.detach().clone()
-    losses = []
-    for _ in range(3):  # K = 2: the third step is not recorded
-        for half in (x[:2], x[2:]):  # gradient accumulation: two backward() calls per step
-            loss = nn.functional.mse_loss(model(half), y[:2])
-            losses.append(loss.item())
-            loss.backward()  # LOSS LINE
-        opt.step()  # STEP LINE
-        opt.zero_grad()
-    got = load_rank(out, 0)
-    src = open(__file__).read().splitlines()
-    loss_line = next(i for i, t in enumerate(src, 1) if t.strip() == "loss.backward()  # LOSS LINE")
-    step_line = next(i for i, t in enumerate(src, 1) if t.strip() == "opt.step()  # STEP LINE")
-    assert [(r.name, r.step) for r in got] == [("auto/loss", 0), ("auto/loss", 0), ("auto/params", 0),
-                                              ("auto/loss", 1), ("auto/loss", 1), ("auto/params", 1)]
-    assert all(r.auto for r in got) and check.auto_records == 6
-    assert {(r.file, r.line) for r in got if r.name == "auto/loss"} == {(__file__, loss_line)}
-    assert {(r.file, r.line) for r in got if r.name == "auto/params"} == {(__file__, step_line)}
-    assert [float(r.parts[0].value) for r in got if r.name == "auto/loss"] == pytest.approx(losses[:4])
-    assert all(r.replicated is False for r in got if r.name == "auto/loss")  # per-rank values: compared as a mean
-    params = [r for r in got if r.name == "auto/params"]
-    assert [p.key for p in params[0].parts] == ["0.weight", "0.bias", "2.weight", "2.bias"]
-    # the values after each update: step 0's differ from the initial weights and from step 1's
-    first, second = params[0].parts[0].value, params[1].parts[0].value
-    assert not torch.equal(first, before) and not torch.equal(first, second)
-    assert check._naming is None  # the forward hook that names the parameters is gone after the first step
-
-
-def test_nothing_recorded_outside_compare(tmp_path, monkeypatch):
-    # `distcheck run` sets DISTCHECK_REPORT_DIR but not the step count: it must not pay for recording.
-    monkeypatch.setenv("DISTCHECK_REPORT_DIR", str(tmp_path))
-    monkeypatch.setenv("RANK", "0")
-    monkeypatch.setenv("DISTCHECK_AUTOCHECK", "1")
-    monkeypatch.delenv(records.ENV_AUTO_STEPS, raising=False)
-    records.reset()
-    check = autocheck.install(tmp_path, 0)
-    try:
-        model = nn.Linear(3, 1)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        model(torch.randn(2, 3)).sum().backward()
-        opt.step()
-        assert check.record_steps == 0 and check._naming is None and check.auto_records == 0
-    finally:
-        autocheck.uninstall()
-        records.reset()
-    assert load_rank(tmp_path, 0) == [] and not list(tmp_path.glob("records-rank*"))

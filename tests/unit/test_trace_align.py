@@ -5,7 +5,7 @@ import json
 
 from distcheck.analysis.trace_align import (STATE_DIED, STATE_ERROR, STATE_HUNG, STATE_OK, RankOutcome,
                                             analyze_run, find_divergences, provably_stuck, signature)
-from distcheck.analysis.trace_events import (RankError, last_completed, last_started, load_rank_trace,
+from distcheck.analysis.trace_events import (last_completed, last_started, load_rank_trace,
                                              parse_lines)
 from distcheck.contract.chrome_trace import chrome_events
 

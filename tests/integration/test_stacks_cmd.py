@@ -59,10 +59,6 @@ def cli(capsys, monkeypatch):
     return run
 
 
-def line_of(path: Path, marker: str) -> int:
-    return next(i for i, line in enumerate(path.read_text().splitlines(), 1) if marker in line)
-
-
 @pytest.fixture
 def spawn(tmp_path):
     """Start target processes (each in its own session) and always kill them, by pid, at the end."""
@@ -105,7 +101,7 @@ def fake_pyspy(tmp_path: Path, body: str) -> str:
     return str(path)
 
 
-def test_groups_ranks_and_names_the_odd_one(spawn, tmp_path, cli):
+def test_groups_ranks_and_names_the_odd_one(line_of, spawn, tmp_path, cli):
     procs = [spawn(r) for r in range(3)]
     out = tmp_path / "out"
     res = cli(["stacks", *[str(p.pid) for p in procs], "--report-dir", str(out)])
@@ -181,7 +177,7 @@ def test_pyspy_missing(spawn, tmp_path, cli):
                                                    "installed (pip install py-spy, or set DISTCHECK_PYSPY to its path)")
 
 
-def test_pyspy_missing_falls_back_to_faulthandler_hook(spawn, tmp_path, cli):
+def test_pyspy_missing_falls_back_to_faulthandler_hook(line_of, spawn, tmp_path, cli):
     hooks = tmp_path / "hooks"
     hooks.mkdir()
     procs = [spawn(r, "hook", env={"DISTCHECK_REPORT_DIR": str(hooks)}) for r in (0, 1, 2)]
@@ -228,7 +224,7 @@ def test_process_exiting_during_the_dump(spawn, tmp_path, cli):
                               "message": f"pid {victim.pid} exited during the dump"}]
 
 
-def test_torchrun_agent_pid_finds_workers_and_names_stuck_rank(tmp_path, cli):
+def test_torchrun_agent_pid_finds_workers_and_names_stuck_rank(line_of, tmp_path, cli):
     """The real use: `distcheck stacks <torchrun pid>` on the hang_python fixture."""
     fixture = FIXTURES / "hang_python.py"
     agent = subprocess.Popen([str(BIN / "torchrun"), "--standalone", "--nproc-per-node=2", str(fixture)],

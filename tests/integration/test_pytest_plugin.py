@@ -43,7 +43,7 @@ def test_mismatched_collectives(dist_ctx):
 '''
 
 
-def test_pass_fail_hang_parametrize(pytester):
+def test_pass_fail_hang_parametrize(pytester, line_of):
     pytester.makepyfile(test_dist=PASSING_FAILING_HANGING)
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-v", "--durations=0", timeout=240)
     out = result.stdout.str()
@@ -52,20 +52,18 @@ def test_pass_fail_hang_parametrize(pytester):
     # A failure shows the failing rank's assertion, labelled, once per test; rank 0 passed so is not shown.
     assert out.count("[rank 1] ----------") >= 2 and "rank-one-broke-1" in out and "rank-one-broke-2" in out
     assert "---------- [rank 0] ----------" not in out
-    lines = PASSING_FAILING_HANGING.strip("\n").splitlines()
-
-    def line_of(text):
-        return next(i for i, line in enumerate(lines, 1) if text in line)
+    def line_in_test(marker):
+        return line_of(None, marker, text=PASSING_FAILING_HANGING.strip("\n"))
 
     # A hang names the odd rank and its line, where the others wait, and shows the grouped stacks.
-    sleep = line_of("time.sleep(60)")
+    sleep = line_in_test("time.sleep(60)")
     assert (f"distributed test hung: no progress for 4s: rank 1 is in test_hangs (test_dist.py:{sleep}) while "
             f"rank 0 waits in barrier #1 (test_dist.py:{sleep + 1})") in out
     assert "MINORITY" in out and "last collectives (from the trace)" in out
     # Mismatched collectives fail in seconds (not at the 60 s timeout) and show the first divergence.
     assert "distributed test cannot progress" in out
     assert (f"first divergence: collective #1 on group [0,1] differs in op, reduce_op, root: rank 0 issued "
-            f"all_reduce [4] float32 SUM at test_dist.py:{line_of('rank 0' + chr(39) + 's collective')}") in out
+            f"all_reduce [4] float32 SUM at test_dist.py:{line_in_test('rank 0' + chr(39) + 's collective')}") in out
     duration = re.search(r"([0-9.]+)s call +test_dist.py::test_mismatched_collectives", out)
     assert duration and float(duration.group(1)) < 30  # it did not wait for its 60 s timeout
 

@@ -8,13 +8,6 @@ import pytest
 from launch_helpers import FIXTURES, distcheck, load_report
 
 
-def line_of(fixture: str, marker: str) -> int:
-    for n, text in enumerate((FIXTURES / fixture).read_text().splitlines(), start=1):
-        if text.strip().startswith(marker):  # code lines only: docstrings mention the same calls
-            return n
-    raise AssertionError(f"{marker!r} not in {fixture}")
-
-
 def compare(tmp_path: Path, fixture: str, nproc: str = "2", extra: list[str] | None = None):
     out = tmp_path / "report"
     res = distcheck(["compare", "--nproc", nproc, "--timeout", "60", "--report-dir", str(out), *(extra or []), "--",
@@ -38,7 +31,7 @@ def test_correct_scripts_compare_equal(tmp_path, fixture):
     assert "records: 2 ranks vs the 1-rank reference" in (out / "report.txt").read_text()
 
 
-def test_loss_summed_with_several_world_sizes(tmp_path):
+def test_loss_summed_with_several_world_sizes(line_of, tmp_path):
     res, report, out = compare(tmp_path, "cmp_loss_sum.py", nproc="1,2")
     assert res.returncode == 1, res.output
     assert sorted(report["runs"]) == ["1", "2", "reference"] and report["world_size"] == 2
@@ -53,7 +46,7 @@ def test_loss_summed_with_several_world_sizes(tmp_path):
     assert "reference_mismatch" in res.stdout
 
 
-def test_gradients_summed_not_divided(tmp_path):
+def test_gradients_summed_not_divided(line_of, tmp_path):
     res, report, _ = compare(tmp_path, "cmp_grad_sum.py")
     assert res.returncode == 1, res.output
     (f,) = report["findings"]
@@ -64,7 +57,7 @@ def test_gradients_summed_not_divided(tmp_path):
     assert "2x the reference" in f["message"] and "the loss matches the reference at step 0" in f["message"]
 
 
-def test_whole_batch_with_per_rank_loss_scale(tmp_path):
+def test_whole_batch_with_per_rank_loss_scale(line_of, tmp_path):
     res, report, _ = compare(tmp_path, "cmp_whole_batch.py")
     assert res.returncode == 1, res.output
     (f,) = report["findings"]
@@ -73,7 +66,7 @@ def test_whole_batch_with_per_rank_loss_scale(tmp_path):
     assert "1/2 of the reference" in f["message"]
 
 
-def test_dropout_rng_per_rank(tmp_path):
+def test_dropout_rng_per_rank(line_of, tmp_path):
     res, report, _ = compare(tmp_path, "cmp_dropout_rng.py")
     assert res.returncode == 1, res.output
     (f,) = report["findings"]
@@ -83,7 +76,7 @@ def test_dropout_rng_per_rank(tmp_path):
     assert "x the reference" not in f["message"] and "of the reference" not in f["message"]
 
 
-def test_unsynchronized_replicas_are_tensor_divergence(tmp_path):
+def test_unsynchronized_replicas_are_tensor_divergence(line_of, tmp_path):
     res, report, _ = compare(tmp_path, "cmp_no_grad_sync.py")
     assert res.returncode == 1, res.output
     (div,) = [f for f in report["findings"] if f["kind"] == "tensor_divergence"]
@@ -107,7 +100,7 @@ def test_bad_input_is_one_line_exit_2(tmp_path, args, message):
     assert message in res.stderr and "Traceback" not in res.stderr and len(res.stderr.strip().splitlines()) == 1
 
 
-def test_hang_in_the_n_rank_run_names_the_odd_rank_and_its_line(tmp_path):
+def test_hang_in_the_n_rank_run_names_the_odd_rank_and_its_line(line_of, tmp_path):
     """compare supervises its runs exactly like run: a hang is diagnosed from every rank's stack."""
     out = tmp_path / "report"
     res = distcheck(["compare", "--nproc", "2", "--timeout", "5", "--report-dir", str(out), "--",

@@ -2,21 +2,12 @@
 from __future__ import annotations
 
 import json
-import re
 import time
 from pathlib import Path
 
 import pytest
 
 from launch_helpers import FIXTURES, distcheck, load_report, torchrun
-
-
-def line_of(fixture: str, marker: str) -> int:
-    """The line of a fixture holding ``marker`` (so tests do not hard-code line numbers)."""
-    for n, text in enumerate((FIXTURES / fixture).read_text().splitlines(), start=1):
-        if marker in text and not text.lstrip().startswith(("#", '"')) and n > 8:
-            return n
-    raise AssertionError(f"{marker!r} not in {fixture}")
 
 
 def run_fixture(tmp_path: Path, fixture: str, nproc: int = 2, timeout: float = 30, limit: float = 150):
@@ -32,7 +23,7 @@ def only(report: dict, kind: str) -> dict:
     return found[0]
 
 
-def test_op_mismatch(tmp_path):
+def test_op_mismatch(line_of, tmp_path):
     res, report, out = run_fixture(tmp_path, "coll_op_mismatch.py")
     assert res.returncode == 1, res.output
     f = only(report, "collective_mismatch")
@@ -48,7 +39,7 @@ def test_op_mismatch(tmp_path):
     assert "collective_mismatch" in res.stdout
 
 
-def test_extra_collective_keeps_backend_error(tmp_path):
+def test_extra_collective_keeps_backend_error(line_of, tmp_path):
     res, report, _ = run_fixture(tmp_path, "coll_extra.py")
     assert res.returncode == 1, res.output
     f = only(report, "collective_mismatch")
@@ -62,7 +53,7 @@ def test_extra_collective_keeps_backend_error(tmp_path):
 
 
 @pytest.mark.parametrize("fixture,field", [("coll_shape_mismatch.py", "shapes"), ("coll_dtype_mismatch.py", "dtypes")])
-def test_shape_and_dtype_mismatch(tmp_path, fixture, field):
+def test_shape_and_dtype_mismatch(line_of, tmp_path, fixture, field):
     res, report, _ = run_fixture(tmp_path, fixture)
     assert res.returncode == 1, res.output
     f = only(report, "collective_mismatch")
@@ -72,7 +63,7 @@ def test_shape_and_dtype_mismatch(tmp_path, fixture, field):
     assert not any(x["kind"] == "rank_failure" for x in report["findings"])  # a SIGABRT in gloo is evidence
 
 
-def test_subgroup_mismatch_on_4_ranks(tmp_path):
+def test_subgroup_mismatch_on_4_ranks(line_of, tmp_path):
     res, report, _ = run_fixture(tmp_path, "coll_subgroup_mismatch.py", nproc=4)
     assert res.returncode == 1, res.output
     f = only(report, "collective_mismatch")
@@ -81,7 +72,7 @@ def test_subgroup_mismatch_on_4_ranks(tmp_path):
     assert f"coll_subgroup_mismatch.py:{l2}" in f["message"] and f"coll_subgroup_mismatch.py:{l3}" in f["message"]
 
 
-def test_rank_crash(tmp_path):
+def test_rank_crash(line_of, tmp_path):
     res, report, _ = run_fixture(tmp_path, "coll_crash.py")
     assert res.returncode == 1, res.output
     f = only(report, "rank_failure")
@@ -93,7 +84,7 @@ def test_rank_crash(tmp_path):
     assert not any(x["kind"] == "collective_mismatch" for x in report["findings"])
 
 
-def test_hang_is_bounded_by_timeout(tmp_path):
+def test_hang_is_bounded_by_timeout(line_of, tmp_path):
     start = time.monotonic()
     res, report, _ = run_fixture(tmp_path, "coll_hang.py", timeout=4)
     assert time.monotonic() - start < 60
@@ -109,7 +100,7 @@ def test_hang_is_bounded_by_timeout(tmp_path):
 
 
 @pytest.mark.parametrize("fixture", ["coll_uneven_allgather.py", "train_fsdp2.py", "train_tp.py"])
-def test_non_bugs_have_no_findings(tmp_path, fixture):
+def test_non_bugs_have_no_findings(line_of, tmp_path, fixture):
     res, report, out = run_fixture(tmp_path, fixture)
     assert res.returncode == 0, res.output + json.dumps(report["findings"], indent=1)
     assert report["ok"] and report["findings"] == []
@@ -157,7 +148,7 @@ def test_every_op_is_recorded(tmp_path):
         assert by_line  # sanity
 
 
-def test_under_torchrun_rank0_writes_the_report(tmp_path):
+def test_under_torchrun_rank0_writes_the_report(line_of, tmp_path):
     out = tmp_path / "report"
     res = torchrun(["-m", "distcheck", "run", "--timeout", "30", "--report-dir", str(out), "--",
                     str(FIXTURES / "coll_extra.py")], timeout=150)
@@ -168,7 +159,7 @@ def test_under_torchrun_rank0_writes_the_report(tmp_path):
     assert report["world_size"] == 2 and (out / "trace.json").exists()
 
 
-def test_under_torchrun_crash(tmp_path):
+def test_under_torchrun_crash(line_of, tmp_path):
     out = tmp_path / "report"
     torchrun(["-m", "distcheck", "run", "--timeout", "30", "--report-dir", str(out), "--",
               str(FIXTURES / "coll_crash.py")], timeout=150)
@@ -187,7 +178,7 @@ def test_bad_scripts_exit_2(tmp_path):
     assert res.returncode == 2 and "no script given" in res.stderr
 
 
-def test_mesh_error_in_run_is_mesh_mismatch(tmp_path):
+def test_mesh_error_in_run_is_mesh_mismatch(line_of, tmp_path):
     res, report, _ = run_fixture(tmp_path, "mesh_2x2_on_2_ranks.py")
     assert res.returncode == 1, res.output
     f = only(report, "mesh_mismatch")

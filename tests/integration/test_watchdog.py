@@ -21,8 +21,6 @@ import pytest
 
 from launch_helpers import FIXTURES, env_for_ranks, torchrun
 
-from distcheck.rank.stack_hooks import install_rank_hooks
-from distcheck.supervise.node_watcher import local_ranks
 from distcheck.supervise.procs import terminate
 from distcheck.supervise.watch import DONE, HUNG, HangDump, WatchLoop
 
@@ -35,10 +33,6 @@ script = sys.argv[1]
 sys.argv = sys.argv[1:]
 runpy.run_path(script, run_name="__main__")
 '''
-
-
-def line_of(name: str, marker: str) -> int:
-    return next(i for i, line in enumerate((FIXTURES / name).read_text().splitlines(), 1) if marker in line)
 
 
 def free_port() -> int:
@@ -124,19 +118,6 @@ def test_native_fixture_really_holds_the_gil():
     assert during <= 2 and after >= 10, (during, after)
 
 
-def test_progress_is_any_growth_of_a_trace_or_a_rank_ending(tmp_path):
-    from distcheck.supervise.watch import Progress
-
-    prog = Progress(tmp_path, [0, 1])
-    before = prog.sizes()
-    assert before == (-1, -1) and prog.starting(before)
-    (tmp_path / "trace-rank0.jsonl").write_text('{"ev":"meta","rank":0}\n')
-    (tmp_path / "trace-rank1.jsonl").write_text('{"ev":"meta","rank":1}\n')
-    after = prog.sizes()
-    assert after != before and not prog.starting(after)
-    assert prog.sizes() == after  # nothing written: no progress
-
-
 def test_watch_loop_fires_only_after_progress_stops(tmp_path):
     """A live process whose trace grows every 0.2 s never trips a 1 s timeout; when the writes stop, it fires."""
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
@@ -173,30 +154,6 @@ def test_watch_loop_fires_only_after_progress_stops(tmp_path):
         sleeper.wait()
 
 
-def test_watch_loop_ends_quietly_when_ranks_exit(tmp_path):
-    p = subprocess.Popen([sys.executable, "-c", "pass"])
-    p.wait()
-    loop = WatchLoop(tmp_path, 0.5, live=dict, finished=lambda: {0}, expected=1, poll=0.05)
-    result = loop.run()
-    assert result.state == DONE and result.hang_findings == []
-
-
-def test_watch_loop_stops_a_run_that_provably_cannot_progress(tmp_path):
-    for r in (0, 1):
-        (tmp_path / f"trace-rank{r}.jsonl").write_text('{"ev":"meta","rank":%d}\n' % r)
-    asked = []
-
-    def should_stop(done):
-        asked.append(set(done))
-        return "rank 0 waits for rank 1, which finished"
-
-    loop = WatchLoop(tmp_path, 30.0, live=lambda: {0: os.getpid()}, finished=lambda: {1}, expected=2,
-                     should_stop=should_stop, stop_grace=0.3, poll=0.05)
-    result = loop.run()
-    assert result.state == "stopped" and result.stop_reason.startswith("rank 0 waits") and asked == [{1}]
-    assert result.seconds < 5
-
-
 def test_terminate_escalates_to_sigkill(tmp_path):
     p = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
                           "print('ready', flush=True); time.sleep(60)"], stdout=subprocess.PIPE, text=True)
@@ -204,38 +161,6 @@ def test_terminate_escalates_to_sigkill(tmp_path):
     t0 = time.monotonic()
     terminate([p.pid], grace=0.5)
     assert p.wait(timeout=10) == -signal.SIGKILL and time.monotonic() - t0 < 5
-
-
-def test_local_ranks_from_hook_files_ignores_stale_ones(tmp_path):
-    info = install_rank_hooks(tmp_path, rank=0)
-    (tmp_path / "stackhook-pid4194999.json").write_text(json.dumps({"pid": 4194999, "rank": 1, "signal": 12,
-                                                                     "file": "x", "host": socket.gethostname()}))
-    assert local_ranks(tmp_path) == {0: os.getpid()}
-    assert info.pid == os.getpid() and info.file.endswith("faulthandler-rank0.txt")
-
-
-def test_rank_hooks_name_the_parent_as_ptracer(monkeypatch, tmp_path):
-    """Yama ptrace_scope=1 cannot be switched on here (no Yama LSM): check the prctl call itself instead."""
-    import ctypes
-
-    from distcheck.rank import stack_hooks as stacks
-
-    calls = []
-
-    class FakeLibc:
-        def prctl(self, option, arg, *rest):
-            calls.append((option.value, arg.value))
-            return 0
-
-    monkeypatch.setattr(ctypes, "CDLL", lambda *a, **k: FakeLibc())
-    info = stacks.install_rank_hooks(tmp_path, rank=3)
-    assert calls == [(stacks.PR_SET_PTRACER, os.getppid())]
-    assert info.ptracer == f"PR_SET_PTRACER {os.getppid()}"
-    # and on this kernel the real call reports honestly why nothing was needed
-    monkeypatch.undo()
-    done, reason = stacks.allow_ptrace_from(os.getppid())
-    if not Path("/proc/sys/kernel/yama").exists():
-        assert not done and "no Yama LSM" in reason
 
 
 @pytest.mark.parametrize("fixture,nproc,odd,odd_marker,waiting,wait_marker,message", [
@@ -249,7 +174,7 @@ def test_rank_hooks_name_the_parent_as_ptracer(monkeypatch, tmp_path):
      "rank 0 is in all_reduce #1 on group 0,1 (hang_subgroup.py:{odd}) where rank 1 never arrived while ranks 1-3 "
      "wait in all_reduce #2 (hang_subgroup.py:{wait})"),
 ])
-def test_hang_fixture_is_diagnosed(tmp_path, fixture, nproc, odd, odd_marker, waiting, wait_marker, message):
+def test_hang_fixture_is_diagnosed(line_of, tmp_path, fixture, nproc, odd, odd_marker, waiting, wait_marker, message):
     timeout = 3.0
     result, ranks, ended_at = supervise(tmp_path, fixture, nproc, timeout)
     assert result.state == HUNG, [p.returncode for p in ranks.procs]
@@ -274,7 +199,7 @@ def test_no_hang_control_runs_past_the_timeout_without_firing(tmp_path):
     assert [p.returncode for p in ranks.procs] == [0, 0]
 
 
-def test_node_watcher_under_torchrun_ends_the_job_and_writes_the_report(tmp_path):
+def test_node_watcher_under_torchrun_ends_the_job_and_writes_the_report(line_of, tmp_path):
     """No supervisor: local rank 0 starts the watcher process, which dumps, reports and ends the ranks."""
     report_dir = tmp_path / "report"
     boot = tmp_path / "boot.py"

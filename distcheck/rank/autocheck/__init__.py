@@ -1,0 +1,181 @@
+"""Zero-code checks in a rank: three jobs behind one switch (DISTCHECK_AUTOCHECK=0 turns them off).
+
+    python -m distcheck run --nproc 2 -- train.py          # installed in every rank
+    python -m distcheck compare --nproc 2 -- train.py      # plus the automatic records
+    pytest -n 2 tests/                                       # the distributed marker installs it per test
+
+* discovery.py: find the models the script parallelizes and check each once at its first forward
+  (``check_model`` plus uninitialized values: ``uncovered_param``, ``bad_values``, ...);
+* nan_watch.py: the first step whose loss or gradients hold NaN/Inf (``bad_values``);
+* auto_records.py: under ``compare``, the loss and parameters of the first K steps (``auto/loss``, ``auto/params``).
+
+patches.py holds the hooks (fully_shard, DDP, parallelize_module, optimizers, ``backward``) that feed the three
+jobs through :class:`AutoCheck`, which also owns the step counters they share and the per-rank state file
+``autocheck-rank<R>.json`` the supervisor reads (supervise/run_report.py).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from distcheck.contract import files
+from distcheck.contract.findings import Finding
+from distcheck.rank.autocheck import patches
+from distcheck.rank.autocheck.auto_records import AutoRecords
+from distcheck.rank.autocheck.discovery import ModelWatch
+from distcheck.rank.autocheck.nan_watch import NanWatch
+
+log = logging.getLogger("distcheck")
+
+ENV_AUTOCHECK = "DISTCHECK_AUTOCHECK"
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV_AUTOCHECK, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def state_path(out_dir: str | os.PathLike, rank: int) -> Path:
+    return files.rank_file(out_dir, "autocheck", rank)
+
+
+def current() -> AutoCheck | None:
+    return patches.active
+
+
+class AutoCheck:
+    """The zero-code checks of one run (or one pytest test) in this rank: the hooks' events go to the three jobs."""
+
+    def __init__(self, out_dir: str | os.PathLike, rank: int, emit: bool) -> None:
+        self.out_dir = Path(out_dir)
+        self.rank = rank
+        self.opt_steps: dict[int, int] = {}  # id(optimizer) -> steps taken
+        self.backwards = 0
+        self.optimizers = 0
+        self.models = ModelWatch(self, self.out_dir, rank, emit)
+        self.nan = NanWatch(self)
+        self.records = AutoRecords(self)
+        self.models.on_watch.append(self.nan.forget_names)
+
+    @property
+    def active(self) -> bool:
+        return patches.active is self
+
+    # -- events from the hooks -------------------------------------------------------------------------------------
+    def watch(self, module: Any) -> None:
+        self.models.watch(module)
+
+    def on_backward(self, loss: Any) -> None:
+        self.backwards += 1
+        self.records.on_backward(loss)
+        self.nan.on_backward(loss)
+
+    def after_backward(self) -> None:
+        self.nan.after_backward()
+
+    def on_optimizer_step(self, optimizer: Any) -> None:
+        step = self.opt_steps.get(id(optimizer), 0)
+        self.opt_steps[id(optimizer)] = step + 1
+        self.nan.on_optimizer_step(optimizer, step)
+
+    def on_optimizer_step_done(self, optimizer: Any) -> None:
+        self.records.on_optimizer_step_done(optimizer)
+
+    # -- results --------------------------------------------------------------------------------------------------
+    @property
+    def findings(self) -> list[Finding]:
+        return self.models.findings
+
+    @property
+    def model_checks(self) -> list[dict[str, Any]]:
+        return self.models.model_checks
+
+    @property
+    def auto_records(self) -> int:
+        return self.records.count
+
+    @property
+    def steps_done(self) -> int:
+        return max(self.opt_steps.values()) if self.opt_steps else self.backwards
+
+    @property
+    def counter(self) -> str:
+        return "optimizer.step" if self.opt_steps else "backward"
+
+    def state(self) -> dict[str, Any]:
+        return {files.FORMAT_KEY: files.FORMAT, "rank": self.rank, "model_checks": self.models.model_checks,
+                "steps": self.steps_done, "counter": self.counter, "backwards": self.backwards,
+                "first_bad": self.nan.first_bad.to_json() if self.nan.first_bad else None,
+                "step_check_seconds": self.nan.seconds, "auto_records": self.records.count}
+
+    def write_state(self) -> None:
+        from distcheck.contract.report import atomic_write
+
+        try:
+            atomic_write(state_path(self.out_dir, self.rank), json.dumps(self.state()) + "\n")
+        except OSError as exc:
+            log.warning("distcheck: cannot write %s: %s", state_path(self.out_dir, self.rank), exc)
+
+    def finish(self) -> None:
+        self.nan.finish(self.steps_done, self.counter)
+        self.write_state()
+
+    def stop_watching(self) -> None:
+        self.records.stop_naming()
+        self.models.stop()
+
+
+def install(out_dir: str | os.PathLike, rank: int, emit: bool = False) -> AutoCheck | None:
+    """Activate the zero-code checks for this process (None when DISTCHECK_AUTOCHECK=0)."""
+    if not enabled():
+        return None
+    patches.patch_once()
+    patches.active = AutoCheck(out_dir, rank, emit)
+    return patches.active
+
+
+def uninstall() -> None:
+    if patches.active is not None:
+        patches.active.stop_watching()
+    patches.active = None
+
+
+# -- the pytest marker's pool: one verdict per test -------------------------------------------------------------
+
+def test_findings(check: AutoCheck, key: str, timeout: float = 2.0) -> list[Finding]:
+    """After a test body: rank 0 gets every rank's first-NaN record (side channel) and returns all findings.
+
+    The other ranks only publish and never wait, so a rank stuck elsewhere cannot stall them; rank 0 waits at most
+    ``timeout`` per missing rank and merges what it got.
+    """
+    from distcheck.analysis.bad_values import merge_states
+    from distcheck.errors import ChannelTimeout
+    from distcheck.rank.runtime import current_channel
+
+    check.finish()
+    channel = current_channel()
+    states = {check.rank: check.state()}
+    if channel is not None:
+        channel.put(f"autocheck/{key}/{check.rank}", states[check.rank])
+        if check.rank != 0:
+            return []
+        # A test that ran no model and no backward here (plain collectives) has nothing to merge: do not wait.
+        quiet = not check.model_checks and not check.backwards
+        for r in ([] if quiet else range(1, channel.world_size)):
+            try:
+                states[r] = channel.get(f"autocheck/{key}/{r}", r, timeout=timeout)
+            except ChannelTimeout:
+                log.warning("distcheck: rank %s sent no automatic-check record for this test", r)
+    findings, _ = merge_states(states)
+    return list(check.findings) + findings
+
+
+def failure_text(findings: list[Finding]) -> str:
+    from distcheck.contract.findings import format_ranks
+
+    lines = ["distcheck's automatic checks found what the test's asserts did not (DISTCHECK_AUTOCHECK=0 turns "
+             "them off):"]
+    lines += [f"  [{f.kind}] {format_ranks(f.ranks) if f.ranks else 'all ranks'}: {f.message}" for f in findings]
+    return "\n".join(lines)

@@ -1,0 +1,115 @@
+"""Automatic records for zero-code ``compare``: the loss and the parameters of the first K steps.
+
+    python -m distcheck compare --nproc 2 -- train.py      # DISTCHECK_AUTO_RECORD_STEPS=K in the ranks
+
+The first K steps record, marked automatic: the loss passed to ``backward()`` as ``auto/loss`` at the user's
+``backward()`` line (each rank's own value: the analysis averages them over the ranks, so the training loop waits
+for no other rank), and after each ``optimizer.step()`` (a global step post-hook) every parameter that optimizer
+updates as ``auto/params`` at the user's ``step()`` line, gathered to full tensors (a collective on the user's
+process group, which every rank reaches at the same step). Parameters are named from the outermost modules whose
+forward ran before the first step (a global forward pre-hook, removed at that step), so the names agree with or
+without DDP/FSDP wrappers. Outside ``compare`` K is 0 and nothing here runs.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import weakref
+from typing import Any
+
+from distcheck.rank.usersite import caller_site
+
+log = logging.getLogger("distcheck")
+
+
+def record_steps_from_env() -> int:
+    from distcheck.rank import records
+
+    steps = records.auto_steps()
+    # active() caches whether records are written: only ask once compare has asked for automatic records.
+    return steps if steps and records.active() else 0
+
+
+class AutoRecords:
+    def __init__(self, owner: Any) -> None:
+        self.owner = owner  # the AutoCheck: step counters and the watched models
+        self.steps = record_steps_from_env()
+        self.count = 0
+        self._called: dict[int, weakref.ref] = {}  # modules whose forward ran before the first step
+        self._naming: Any = None
+        if self.steps:
+            from torch.nn.modules.module import register_module_forward_pre_hook
+
+            self._naming = register_module_forward_pre_hook(functools.partial(_note_call, weakref.ref(owner)))
+
+    def on_backward(self, loss: Any) -> None:
+        if not self.steps:
+            return
+        self._record_loss(loss)
+        if not self.owner.optimizers and self.owner.backwards > self.steps:
+            self.stop_naming()  # names serve only the parameter records of optimizer steps
+
+    def _record_loss(self, loss: Any) -> None:
+        from distcheck.rank import records
+
+        # A step is an optimizer step when the script has an optimizer (several backward() calls per step under
+        # gradient accumulation are occurrences of one step), else one backward() call.
+        owner = self.owner
+        step = max(owner.opt_steps.values(), default=0) if owner.optimizers else owner.backwards - 1
+        if step >= self.steps or loss.numel() != 1 or not loss.is_floating_point():
+            return
+        try:
+            site = caller_site()
+            # Each rank's own loss, not a cross-rank mean: compare averages per-rank values itself, so no rank
+            # waits for another here; for tensor parallelism the ranks agree and the mean is the value.
+            records.record_auto(records.AUTO_LOSS, loss.detach().reshape(()), step, site.file, site.line,
+                                replicated=False)
+            self.count += 1
+        except Exception as exc:  # recording must never break the user's training
+            log.warning("distcheck: recording the loss failed: %s: %s", type(exc).__name__, exc)
+
+    def on_optimizer_step_done(self, optimizer: Any) -> None:
+        if not self.steps:
+            return
+        from distcheck.rank import records
+
+        step = self.owner.opt_steps.get(id(optimizer), 1) - 1
+        if step < self.steps:
+            try:
+                names = self._param_names()
+                pairs = [(names.get(id(p)) or f"param_groups.{g}.{i}", p)
+                         for g, group in enumerate(optimizer.param_groups) for i, p in enumerate(group["params"])]
+                site = caller_site()
+                records.record_auto(records.AUTO_PARAMS, pairs, step, site.file, site.line)
+                self.count += 1
+            except Exception as exc:
+                log.warning("distcheck: recording the parameters failed: %s: %s", type(exc).__name__, exc)
+        # Every model has run forward by the end of the first step: the naming hook has done its job.
+        self.stop_naming()
+
+    def _param_names(self) -> dict[int, str]:
+        """id(parameter) -> its name in the outermost module holding it (watched roots, then modules that ran)."""
+        modules = self.owner.models.alive() + [m for m in (r() for r in self._called.values()) if m is not None]
+        inner = {id(sub) for m in modules for sub in m.modules() if sub is not m}
+        names: dict[int, str] = {}
+        for m in modules:
+            if id(m) in inner:
+                continue
+            for n, p in m.named_parameters():
+                names.setdefault(id(p), n)
+        return names
+
+    def note_call(self, module: Any) -> None:
+        if id(module) not in self._called:
+            self._called[id(module)] = weakref.ref(module)
+
+    def stop_naming(self) -> None:
+        if self._naming is not None:
+            self._naming.remove()
+            self._naming = None
+
+
+def _note_call(ref: weakref.ref, module: Any, args: Any) -> None:
+    check = ref()
+    if check is not None and check.active:
+        check.records.note_call(module)

@@ -1,0 +1,136 @@
+"""The NaN/Inf watch: the first step whose loss or gradients are not finite, on each rank.
+
+    python -m distcheck run --nproc 2 -- train.py      # installed in every rank by rank/autocheck
+
+Each ``optimizer.step()`` (a global step pre-hook) checks that step's losses (the scalars passed to
+``backward()``) and gradients: one ``torch._foreach_norm`` over the local gradients and one host read per step
+(on CUDA the read is a non-blocking copy checked at a later step, so there is no added sync). Without an
+optimizer a step is a ``backward()`` call. Only the rank's first bad step is kept, written to
+``autocheck-rank<R>.json``; the supervisor merges the ranks' events, so no cross-rank traffic is needed per step.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from typing import Any
+
+from distcheck.analysis.bad_values import BadEvent, loss_value_name
+from distcheck.rank.usersite import caller_site
+
+log = logging.getLogger("distcheck")
+
+
+def _strip(name: str) -> str:
+    """DDP's ``module.`` prefix is not part of the user's parameter names."""
+    return name.removeprefix("module.")
+
+
+class NanWatch:
+    def __init__(self, owner: Any) -> None:
+        self.owner = owner  # the AutoCheck: step counters, the watched models and their backward order
+        self.first_bad: BadEvent | None = None
+        self.seconds = 0.0  # time spent in the per-step checks
+        self._losses: list[tuple[Any, Any]] = []  # (0-d loss tensor, site) since the last step check
+        self._pending: list[tuple[int, str, Any, list[str], Any, Any, int]] = []  # CUDA reads not yet done
+        self._names: dict[int, str] = {}  # id(parameter) -> name, for the gradient check
+
+    def forget_names(self) -> None:
+        self._names.clear()  # parameters may have been replaced (fully_shard swaps them for DTensors)
+
+    def on_backward(self, loss: Any) -> None:
+        if self.first_bad is not None or loss.numel() != 1 or not loss.is_floating_point():
+            return
+        self._losses.append((loss.detach().reshape(()), caller_site()))
+
+    def after_backward(self) -> None:
+        """Without an optimizer, a step is a backward() call: check right after it."""
+        if self.owner.optimizers == 0 and self.first_bad is None:
+            params = [p for m in self.owner.models.alive() for p in m.parameters()]
+            self.check_step(self.owner.backwards - 1, "backward", params)
+
+    def on_optimizer_step(self, optimizer: Any, step: int) -> None:
+        if self.first_bad is None:
+            params = [p for g in optimizer.param_groups for p in g["params"]]
+            self.check_step(step, "optimizer.step", params)
+
+    def check_step(self, step: int, counter: str, params: list[Any]) -> None:
+        import torch
+
+        started = time.perf_counter()
+        try:
+            self._resolve(block=False)
+            if not self._names:
+                self._names = {id(p): _strip(n) for m in self.owner.models.alive() for n, p in m.named_parameters()}
+            grads, names = [], []
+            for p in params:
+                g = p.grad
+                if g is None:
+                    continue
+                grads.append(g.to_local() if callable(getattr(g, "to_local", None)) else g)
+                names.append(self._names.get(id(p), f"<parameter {len(names)}>"))
+            losses = self._losses
+            self._losses = []
+            parts = []
+            if losses:
+                parts.append(torch.stack([t.float() for t, _ in losses]))
+            if grads:
+                with torch.no_grad():
+                    norms = torch._foreach_norm(grads)
+                parts.append(torch.stack([n.float().to(parts[0].device if parts else n.device) for n in norms]))
+            if not parts:
+                return
+            device = parts[0].device
+            values = torch.cat([p.to(device) for p in parts])
+            sites = [s for _, s in losses]
+            if device.type == "cpu":
+                self._inspect(step, counter, values, len(losses), names, sites)
+            else:
+                # A non-blocking copy read at a later step: no device->host sync on the training path.
+                host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+                host.copy_(values, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record()
+                self._pending.append((step, counter, host, names, sites, event, len(losses)))
+        except Exception as exc:
+            log.warning("distcheck: the NaN/Inf check failed: %s: %s", type(exc).__name__, exc)
+        finally:
+            self.seconds += time.perf_counter() - started
+
+    def _resolve(self, block: bool) -> None:
+        while self._pending and self.first_bad is None:
+            step, counter, host, names, sites, event, n_losses = self._pending[0]
+            if not block and not event.query():
+                return
+            event.synchronize()
+            self._pending.pop(0)
+            self._inspect(step, counter, host, n_losses, names, sites)
+        if self.first_bad is not None:
+            self._pending.clear()
+
+    def _inspect(self, step: int, counter: str, values: Any, n_losses: int, names: list[str], sites: list[Any]
+                 ) -> None:
+        flat = values.tolist()
+        losses, norms = flat[:n_losses], flat[n_losses:]
+        bad_losses = [i for i, v in enumerate(losses) if not math.isfinite(v)]
+        bad_grads = [names[i] for i, v in enumerate(norms) if not math.isfinite(v)]
+        if not bad_losses and not bad_grads:
+            return
+        order = self.owner.models.backward_order
+        bad_grads.sort(key=lambda n: order.get(n, len(order)))
+        site = sites[bad_losses[0]] if bad_losses else (sites[0] if sites else None)
+        self.first_bad = BadEvent(step, counter, bool(bad_losses),
+                                  loss_value_name(losses[bad_losses[0]]) if bad_losses else None, bad_grads,
+                                  getattr(site, "file", None), getattr(site, "line", None))
+        self._losses = []
+        self.owner.write_state()
+
+    def finish(self, steps_done: int, counter: str) -> None:
+        try:
+            self._resolve(block=True)
+        except Exception as exc:
+            log.warning("distcheck: the NaN/Inf check failed: %s", exc)
+        if self._losses and self.first_bad is None:
+            # Losses after the last optimizer step (an evaluation, or a script without an optimizer).
+            self.check_step(steps_done, counter, [])
+            self._resolve(block=True)

@@ -1,0 +1,196 @@
+"""The hooks behind the zero-code checks, installed once per process; they act only while a check is active.
+
+    python -m distcheck run --nproc 2 -- train.py      # every rank installs them (DISTCHECK_AUTOCHECK=0: not)
+
+The functions that parallelize a model are wrapped where users import them from:
+``torch.distributed.fsdp.fully_shard`` (also reached as ``torch.distributed._composable.fsdp.fully_shard``),
+``DistributedDataParallel.__init__``, ``torch.distributed.tensor.parallel.parallelize_module`` and
+``torch.distributed.tensor.distribute_module``; ``torch.optim.Optimizer.__init__`` counts the optimizers, global
+optimizer step hooks and ``Tensor.backward`` mark the steps. The FSDP and DTensor modules cost seconds to import,
+so they are patched when the script imports them (an import hook), not imported here. Every wrapper calls the
+original untouched.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.abc
+import importlib.util
+import logging
+import sys
+from typing import Any, Callable
+
+log = logging.getLogger("distcheck")
+
+
+# The AutoCheck of this process while one is installed (distcheck.rank.autocheck.install sets it).
+active: Any = None
+
+
+def current() -> Any:
+    return active
+
+
+_patched = False
+
+
+def _watching(fn: Callable, pick: Callable[[tuple, dict, Any], Any]) -> Callable:
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        result = fn(*args, **kwargs)
+        check = current()
+        if check is not None:
+            try:
+                target = pick(args, kwargs, result)
+                for m in target if isinstance(target, (list, tuple)) else [target]:
+                    check.watch(m)
+            except Exception as exc:
+                log.debug("distcheck: could not watch a model: %s", exc)
+        return result
+
+    wrapper.__distcheck_original__ = fn  # type: ignore[attr-defined]
+    return wrapper
+
+
+def _replace(attr: str, original: Any, wrapper: Any, prefix: str) -> None:
+    """Rebind ``attr`` in every loaded module under ``prefix`` that holds ``original`` (package re-exports)."""
+    for name, module in list(sys.modules.items()):
+        if module is not None and name.startswith(prefix) and getattr(module, attr, None) is original:
+            setattr(module, attr, wrapper)
+
+
+def _patch_fsdp(_module: Any) -> None:
+    import torch.distributed.fsdp as fsdp
+
+    original = fsdp.fully_shard
+    if hasattr(original, "__distcheck_original__"):
+        return
+    wrapper = _watching(original, lambda a, k, r: r if r is not None else a[0])
+    _replace("fully_shard", original, wrapper, "torch.distributed")
+
+
+def _patch_tensor(_module: Any) -> None:
+    import torch.distributed.tensor as dt
+
+    original = dt.distribute_module
+    if not hasattr(original, "__distcheck_original__"):
+        _replace("distribute_module", original, _watching(original, lambda a, k, r: r if r is not None else a[0]),
+                 "torch.distributed")
+
+
+def _patch_tp(_module: Any) -> None:
+    import torch.distributed.tensor.parallel as tp
+
+    original = tp.parallelize_module
+    if not hasattr(original, "__distcheck_original__"):
+        _replace("parallelize_module", original,
+                 _watching(original, lambda a, k, r: r if r is not None else a[0]), "torch.distributed")
+
+
+class _AfterLoader(importlib.abc.Loader):
+    """Runs ``after(module)`` once the real loader has executed the module."""
+
+    def __init__(self, inner: Any, after: Callable[[Any], None]) -> None:
+        self.inner, self.after = inner, after
+
+    def create_module(self, spec: Any) -> Any:
+        return self.inner.create_module(spec)
+
+    def exec_module(self, module: Any) -> None:
+        self.inner.exec_module(module)
+        try:
+            self.after(module)
+        except Exception as exc:
+            log.debug("distcheck: patching %s failed: %s", module.__name__, exc)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    def __init__(self, targets: dict[str, Callable[[Any], None]]) -> None:
+        self.targets = targets
+        self._busy: set[str] = set()
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname not in self.targets or fullname in self._busy:
+            return None
+        self._busy.add(fullname)
+        try:
+            spec = importlib.util.find_spec(fullname)
+        finally:
+            self._busy.discard(fullname)
+        if spec is None or spec.loader is None:
+            return None
+        spec.loader = _AfterLoader(spec.loader, self.targets[fullname])
+        return spec
+
+
+def patch_once() -> None:
+    """Install the wrappers (once per process): now for what is imported, on import for the rest."""
+    global _patched
+    if _patched:
+        return
+    _patched = True
+    import torch
+    from torch.nn.parallel import DistributedDataParallel
+
+    targets = {"torch.distributed.fsdp": _patch_fsdp, "torch.distributed.tensor": _patch_tensor,
+               "torch.distributed.tensor.parallel": _patch_tp}
+    later = {}
+    for name, patch in targets.items():
+        if name in sys.modules:
+            patch(sys.modules[name])
+        else:
+            later[name] = patch
+    if later:
+        sys.meta_path.insert(0, _PatchOnImport(later))
+
+    ddp_init = DistributedDataParallel.__init__
+
+    @functools.wraps(ddp_init)
+    def ddp_wrapper(self: Any, *args: Any, **kwargs: Any) -> None:
+        ddp_init(self, *args, **kwargs)
+        if current() is not None:
+            current().watch(self)
+
+    DistributedDataParallel.__init__ = ddp_wrapper
+
+    opt_init = torch.optim.Optimizer.__init__
+
+    @functools.wraps(opt_init)
+    def opt_wrapper(self: Any, *args: Any, **kwargs: Any) -> None:
+        opt_init(self, *args, **kwargs)
+        if current() is not None:
+            current().optimizers += 1
+
+    torch.optim.Optimizer.__init__ = opt_wrapper
+
+    def step_pre_hook(optimizer: Any, args: Any, kwargs: Any) -> None:
+        if current() is not None:
+            current().on_optimizer_step(optimizer)
+
+    def step_post_hook(optimizer: Any, args: Any, kwargs: Any) -> None:
+        if current() is not None:
+            current().on_optimizer_step_done(optimizer)
+
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+    register_optimizer_step_pre_hook(step_pre_hook)
+    register_optimizer_step_post_hook(step_post_hook)
+
+    backward = torch.Tensor.backward
+
+    @functools.wraps(backward)
+    def backward_wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        check = current()
+        if check is None:
+            return backward(self, *args, **kwargs)
+        try:
+            check.on_backward(self)
+        except Exception as exc:
+            log.debug("distcheck: loss check failed: %s", exc)
+        result = backward(self, *args, **kwargs)
+        check.after_backward()
+        return result
+
+    torch.Tensor.backward = backward_wrapper

@@ -1,0 +1,94 @@
+"""Zero-code compare, in this process: autocheck's hooks on a plain CPU training loop (no process group) record
+the loss per backward() and the parameters per optimizer.step(); read back from the files (real ranks:
+tests/integration/test_zero_code_compare.py)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from distcheck.analysis.records import load_rank
+from distcheck.rank import autocheck, records
+
+
+# -- the hooks in this process (no process group) ----------------------------------------------------------------
+
+@pytest.fixture
+def auto_recording(tmp_path, monkeypatch):
+    """autocheck installed as in a rank of `distcheck compare` with K = 2, writing records into tmp_path."""
+    monkeypatch.setenv("DISTCHECK_REPORT_DIR", str(tmp_path))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("DISTCHECK_AUTOCHECK", "1")
+    monkeypatch.setenv(records.ENV_AUTO_STEPS, "2")
+    records.reset()
+    check = autocheck.install(tmp_path, 0)
+    try:
+        yield tmp_path, check
+    finally:
+        autocheck.uninstall()
+        records.reset()
+
+
+class Wrapper(nn.Module):
+    """Stands in for DDP: a wrapper only at some world sizes, whose ``module.`` prefix must not reach the names."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.module = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.module(x)
+
+
+def test_hooks_record_loss_per_backward_and_params_per_step(auto_recording):
+    out, check = auto_recording
+    torch.manual_seed(0)
+    model = Wrapper(nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(4, 3), torch.randn(4, 1)
+    before = model.module[0].weight.detach().clone()
+    losses = []
+    for _ in range(3):  # K = 2: the third step is not recorded
+        for half in (x[:2], x[2:]):  # gradient accumulation: two backward() calls per step
+            loss = nn.functional.mse_loss(model(half), y[:2])
+            losses.append(loss.item())
+            loss.backward()  # LOSS LINE
+        opt.step()  # STEP LINE
+        opt.zero_grad()
+    got = load_rank(out, 0)
+    src = open(__file__).read().splitlines()
+    loss_line = next(i for i, t in enumerate(src, 1) if t.strip() == "loss.backward()  # LOSS LINE")
+    step_line = next(i for i, t in enumerate(src, 1) if t.strip() == "opt.step()  # STEP LINE")
+    assert [(r.name, r.step) for r in got] == [("auto/loss", 0), ("auto/loss", 0), ("auto/params", 0),
+                                              ("auto/loss", 1), ("auto/loss", 1), ("auto/params", 1)]
+    assert all(r.auto for r in got) and check.records.count == 6
+    assert {(r.file, r.line) for r in got if r.name == "auto/loss"} == {(__file__, loss_line)}
+    assert {(r.file, r.line) for r in got if r.name == "auto/params"} == {(__file__, step_line)}
+    assert [float(r.parts[0].value) for r in got if r.name == "auto/loss"] == pytest.approx(losses[:4])
+    assert all(r.replicated is False for r in got if r.name == "auto/loss")  # per-rank values: compared as a mean
+    params = [r for r in got if r.name == "auto/params"]
+    assert [p.key for p in params[0].parts] == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    # the values after each update: step 0's differ from the initial weights and from step 1's
+    first, second = params[0].parts[0].value, params[1].parts[0].value
+    assert not torch.equal(first, before) and not torch.equal(first, second)
+    assert check.records._naming is None  # the forward hook that names the parameters is gone after the first step
+
+
+def test_nothing_recorded_outside_compare(tmp_path, monkeypatch):
+    # `distcheck run` sets DISTCHECK_REPORT_DIR but not the step count: it must not pay for recording.
+    monkeypatch.setenv("DISTCHECK_REPORT_DIR", str(tmp_path))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("DISTCHECK_AUTOCHECK", "1")
+    monkeypatch.delenv(records.ENV_AUTO_STEPS, raising=False)
+    records.reset()
+    check = autocheck.install(tmp_path, 0)
+    try:
+        model = nn.Linear(3, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        model(torch.randn(2, 3)).sum().backward()
+        opt.step()
+        assert check.records.steps == 0 and check.records._naming is None and check.records.count == 0
+    finally:
+        autocheck.uninstall()
+        records.reset()
+    assert load_rank(tmp_path, 0) == [] and not list(tmp_path.glob("records-rank*"))

@@ -1,0 +1,64 @@
+"""Per-rank file names and their format version (contract/files.py), checked by every reader."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from distcheck.analysis.records import load_run
+from distcheck.analysis.trace_events import load_traces
+from distcheck.contract import files
+from distcheck.rank import sink
+from distcheck.supervise.run_report import load_autocheck_states as load_states
+
+
+def test_names_round_trip():
+    assert files.rank_file("d", "trace", 3).name == "trace-rank3.jsonl"
+    assert files.rank_of("d/records-rank12.jsonl", "records_index") == 12
+    with pytest.raises(ValueError):
+        files.rank_of("d/trace-rank1.jsonl.bak", "trace")
+
+
+def test_rank_files_ignores_other_names(tmp_path):
+    for name in ("trace-rank0.jsonl", "trace-rank10.jsonl", "trace-rank1.jsonl.tmp", "trace-rankX.jsonl"):
+        (tmp_path / name).write_text("")
+    assert list(files.rank_files(tmp_path, "trace")) == [0, 10]
+
+
+def _write_all(tmp_path, fmt):
+    meta = {"ev": "meta", "rank": 0, "pid": 1}
+    if fmt is not None:
+        meta["format"] = fmt
+    files.rank_file(tmp_path, "trace", 0).write_text(json.dumps(meta) + "\n")
+    finding = {"kind": "hang", "ranks": [0], "message": "m", "detail": {}}
+    index = {"name": "loss", "step": 0, "rank": 0, "kind": "number", "value": 1.0}
+    state = {"rank": 0, "model_checks": []}
+    for data in (finding, index, state):
+        if fmt is not None:
+            data["format"] = fmt
+    files.rank_file(tmp_path, "findings", 0).write_text(json.dumps(finding) + "\n")
+    files.rank_file(tmp_path, "records_index", 0).write_text(json.dumps(index) + "\n")
+    files.rank_file(tmp_path, "autocheck", 0).write_text(json.dumps(state))
+
+
+@pytest.mark.parametrize("reader", [load_traces, sink.collect, load_run, load_states])
+def test_readers_accept_this_format_and_unversioned_files(tmp_path, reader):
+    for fmt in (files.FORMAT, None):  # None: written before files carried a version, i.e. format 1
+        _write_all(tmp_path, fmt)
+        assert reader(tmp_path)
+
+
+@pytest.mark.parametrize("reader", [load_traces, sink.collect, load_run, load_states])
+def test_readers_name_a_file_from_another_format(tmp_path, reader):
+    _write_all(tmp_path, files.FORMAT + 1)
+    with pytest.raises(files.FormatError, match=f"format {files.FORMAT + 1}.*reads format {files.FORMAT}"):
+        reader(tmp_path)
+
+
+def test_writers_stamp_the_format(tmp_path, monkeypatch):
+    from distcheck.contract.findings import Finding
+
+    monkeypatch.setenv(sink.ENV_REPORT_DIR, str(tmp_path))
+    sink.emit([Finding("hang", [0], "m")], rank=0)
+    line = json.loads(files.rank_file(tmp_path, "findings", 0).read_text())
+    assert line["format"] == files.FORMAT
