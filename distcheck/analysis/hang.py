@@ -235,8 +235,11 @@ def _verb(loc: Location, one: str, many: str) -> str:
 
 def diagnose(stacks: Sequence[RankStack], progress: dict[int, RankProgress] | None = None,
              world_size: int | None = None, timeout: float | None = None,
-             errors_by_rank: dict[int, str] | None = None) -> HangDiagnosis:
-    """Group the ranks by where they are and name the ranks that are somewhere other than the rest."""
+             errors_by_rank: dict[int, str] | None = None, prefix: str | None = None) -> HangDiagnosis:
+    """Group the ranks by where they are and name the ranks that are somewhere other than the rest.
+
+    The message starts with ``prefix``, by default "no progress for <timeout>s: ".
+    """
     progress = dict(progress or {})
     errors_by_rank = dict(errors_by_rank or {})
     by_rank = {s.rank: s for s in stacks}
@@ -262,7 +265,8 @@ def diagnose(stacks: Sequence[RankStack], progress: dict[int, RankProgress] | No
         if loc.collective and loc.pg:
             loc.absent = [r for r in loc.pg if r not in loc.ranks]
     waiting = _pick_waiting(known, world)
-    prefix = f"no progress for {timeout:g}s: " if timeout else ""
+    if prefix is None:
+        prefix = f"no progress for {timeout:g}s: " if timeout else ""
     odd = [loc for loc in known if loc is not waiting] if waiting is not None else []
 
     if waiting is not None and not odd:

@@ -102,8 +102,14 @@ def main(args: argparse.Namespace) -> int:
                          "not under torchrun")
     from distcheck.contract.report import render_text
     from distcheck.supervise.compare_runs import compare
+    from distcheck.supervise.signals import StopNow, StopSignals
 
-    report, report_dir = compare(opts)
+    try:
+        with StopSignals() as interrupt:
+            report, report_dir = compare(opts, interrupt)
+    except StopNow as stop:
+        sys.stderr.write(f"distcheck: {stop}: the ranks were killed; no report was written\n")
+        return 1
     sys.stdout.write(render_text(report, report_dir))
     sys.stdout.flush()
     return report.exit_code

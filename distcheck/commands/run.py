@@ -13,7 +13,9 @@ With --nproc, distcheck starts and supervises the ranks (distcheck/supervise/sup
 itself, even when ranks crash or hang. Under torchrun each rank runs distcheck/rank/entry.py; the ranks share the
 report directory (one node, or a shared file system) and rank 0 writes the report once every rank has finished,
 failed, or stopped progressing (distcheck/supervise/torchrun_monitor.py).
-Exit codes: 0 no findings, 1 findings, 2 bad input (missing script, not a Python file, bad options).
+Exit codes: 0 no findings, 1 findings (also when SIGTERM/SIGINT/SIGHUP stopped the run: the report then says so,
+with every rank's stack; a second signal stops at once without a report), 2 bad input (missing script, not a
+Python file, bad options).
 """
 from __future__ import annotations
 
@@ -87,9 +89,16 @@ def main(args: argparse.Namespace) -> int:
 
         return run_in_rank(opts)
     from distcheck.contract.report import render_text
+    from distcheck.supervise.signals import StopNow, StopSignals
     from distcheck.supervise.supervised_run import supervised_run
 
-    report, report_dir = supervised_run(opts, opts.nproc or 1)
+    try:
+        with StopSignals() as interrupt:
+            report, report_dir = supervised_run(opts, opts.nproc or 1, interrupt)
+    except StopNow as stop:
+        sys.stderr.write(f"distcheck: {stop}: the ranks were killed; no report was written (per-rank traces stay "
+                         f"in the report directory)\n")
+        return 1
     sys.stdout.write(render_text(report, report_dir))
     sys.stdout.flush()
     return report.exit_code

@@ -35,6 +35,7 @@ _PER_RANK = {
     "records_index": "records-rank{rank}.jsonl",  # distcheck.record index (rank/records.py)
     "records_data": "records-rank{rank}.bin",  # distcheck.record tensor bytes
     "faulthandler": "faulthandler-rank{rank}.txt",  # stack dump fallback (rank/stack_hooks.py)
+    "stderr": "stderr-rank{rank}.txt",  # a copy of the rank's stderr, for the failure reports (rank/stderr_tee.py)
 }
 _RANK_OF = {kind: re.compile("^" + re.escape(pattern).replace(r"\{rank\}", r"(\d+)") + "$")
             for kind, pattern in _PER_RANK.items()}
@@ -80,7 +81,7 @@ def hook_files(report_dir: str | os.PathLike) -> list[Path]:
 
 
 def remove_rank_files(report_dir: str | os.PathLike, ranks: Iterable[int],
-                      kinds: Iterable[str] = ("trace", "findings", "autocheck")) -> None:
+                      kinds: Iterable[str] = ("trace", "findings", "autocheck", "stderr")) -> None:
     """Per-rank files are appended to: a reused report dir must not mix in an earlier run."""
     for rank in ranks:
         for kind in kinds:

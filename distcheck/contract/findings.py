@@ -40,6 +40,27 @@ class Finding:
 
 
 @dataclass
+class Note:
+    """A report.json "warnings" entry: same shape as a Finding, but what it reports is not a bug in the user's
+    code (torch's own teardown abort after the script finished, ...). Notes never change ``ok`` or the exit code."""
+
+    kind: str  # e.g. "teardown_abort"
+    ranks: list[int]
+    message: str
+    detail: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.ranks = sorted({int(r) for r in self.ranks})
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": self.kind, "ranks": list(self.ranks), "message": self.message, "detail": self.detail}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Note:
+        return cls(str(data["kind"]), list(data.get("ranks", [])), str(data["message"]), dict(data.get("detail", {})))
+
+
+@dataclass
 class CheckResult:
     """One entry of report.json's "checks". ``note`` says why a check means little (e.g. world size 1)."""
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -14,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from distcheck.errors import UsageError
-from distcheck.contract.findings import CheckResult, Finding, format_ranks, jsonable
+from distcheck.contract.findings import CheckResult, Finding, Note, format_ranks, jsonable
 
 # Contract keys of report.json; extra data (placement tables, ...) goes under other keys and never replaces these.
 CONTRACT_KEYS = ("tool", "version", "command", "ok", "world_size", "findings", "checks", "artifacts")
@@ -38,6 +39,7 @@ class Report:
     # Extra top-level JSON data and matching text sections for report.txt (e.g. the placement table).
     data: dict[str, Any] = field(default_factory=dict)
     sections: dict[str, str] = field(default_factory=dict)
+    warnings: list[Note] = field(default_factory=list)  # never change ok or the exit code
 
     @property
     def ok(self) -> bool:
@@ -58,14 +60,16 @@ class Report:
             "checks": [c.to_json() for c in self.checks],
             "artifacts": dict(self.artifacts),
         }
+        if self.warnings:
+            out["warnings"] = [jsonable(w.to_json()) for w in self.warnings]
         for key, value in self.data.items():
-            if key not in CONTRACT_KEYS:
+            if key not in CONTRACT_KEYS and key != "warnings":
                 out[key] = jsonable(value)
         return out
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Report:
-        extra = {k: v for k, v in data.items() if k not in CONTRACT_KEYS}
+        extra = {k: v for k, v in data.items() if k not in CONTRACT_KEYS and k != "warnings"}
         return cls(
             command=data.get("command", ""),
             world_size=int(data.get("world_size", 0)),
@@ -73,6 +77,7 @@ class Report:
             checks=[CheckResult.from_json(c) for c in data.get("checks", [])],
             artifacts=dict(data.get("artifacts", {})),
             data=extra,
+            warnings=[Note.from_json(w) for w in data.get("warnings", [])],
         )
 
 
@@ -98,6 +103,10 @@ def render_text(report: Report, report_dir: str | os.PathLike | None = None) -> 
         for kind, count in shown.items():
             if count > TEXT_FINDINGS_PER_KIND:
                 lines.append(f"  ... and {count - TEXT_FINDINGS_PER_KIND} more {kind} findings in report.json")
+    if report.warnings:
+        lines.append("warnings (not findings: the verdict does not depend on them):")
+        for w in report.warnings:
+            lines.append(f"  [{w.kind}] {format_ranks(w.ranks) if w.ranks else 'all ranks'}: {w.message}")
     for title, body in report.sections.items():
         lines.append(f"{title}:")
         lines.extend("  " + line for line in body.rstrip("\n").splitlines())
@@ -145,12 +154,23 @@ def prepare_report_dir(path: str | os.PathLike | None) -> Path:
     return target
 
 
-def write_report(report: Report, report_dir: str | os.PathLike) -> Path:
-    """Write report.json and report.txt into report_dir; returns the report.json path."""
+def write_report(report: Report, report_dir: str | os.PathLike) -> Path | None:
+    """Write report.json and report.txt into report_dir; returns the report.json path.
+
+    The one writer of report files. When the directory stopped being writable during the run (deleted, full,
+    replaced), the report is not lost: report.json goes to stderr with a line saying why, and None is returned.
+    """
     report_dir = Path(report_dir)
     report.artifacts.setdefault("report.txt", "report.txt")
-    atomic_write(report_dir / "report.txt", render_text(report, report_dir))
-    atomic_write(report_dir / "report.json", json.dumps(report.to_json(), indent=2) + "\n")
+    try:
+        atomic_write(report_dir / "report.txt", render_text(report, report_dir))
+        atomic_write(report_dir / "report.json", json.dumps(report.to_json(), indent=2) + "\n")
+    except OSError as exc:
+        sys.stderr.write(f"distcheck: error: could not write the report into {report_dir} "
+                         f"({exc.strerror or exc}); report.json follows on stderr\n")
+        sys.stderr.write(json.dumps(report.to_json(), indent=2) + "\n")
+        sys.stderr.flush()
+        return None
     return report_dir / "report.json"
 
 

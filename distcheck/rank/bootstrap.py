@@ -14,14 +14,17 @@ def rank_bootstrap(report_dir: str | os.PathLike, timeout: float, native: bool =
                    trace: bool = True, watcher: bool = True) -> subprocess.Popen | None:
     """Call at the start of every rank under torchrun (consistency, the pytest marker, ``torchrun -m distcheck run``).
 
-    Installs the stack hooks (ptracer + faulthandler), the collective tracer (progress and last collectives), and
+    Copies the rank's stderr into the report dir, installs the stack hooks (ptracer + faulthandler), the collective
+    tracer (progress and last collectives), and
     on local rank 0 starts the node watcher; returns the watcher's Popen there, None elsewhere. ``watcher=False``
     when a supervisor outside the ranks already watches them.
     """
     from distcheck.rank.stack_hooks import install_rank_hooks
+    from distcheck.rank.stderr_tee import tee_stderr
 
     Path(report_dir).mkdir(parents=True, exist_ok=True)
     rank = int(os.environ.get("RANK", "0"))
+    tee_stderr(report_dir, rank)  # failure reports quote the last lines of this rank's stderr
     install_rank_hooks(report_dir, rank)
     if trace:
         from distcheck.rank import tracer as tracing

@@ -113,6 +113,11 @@ def install_rank_hooks(report_dir: str | os.PathLike, rank: int | None = None,
     _hook_file = open(path, "a", encoding="utf-8")
     sig = stack_signal()
     faulthandler.register(sig, file=_hook_file, all_threads=True, chain=False)
+    # A fatal signal (SIGSEGV in a custom op, SIGABRT in torch's teardown) prints every thread's Python stack to
+    # stderr, which the report quotes (rank/stderr_tee.py): the line where the rank died.
+    import sys
+
+    faulthandler.enable(file=sys.stderr, all_threads=True)
     info = HookInfo(pid, rank, int(sig), str(path), reason, socket.gethostname())
     hook_path(report_dir, pid).write_text(json.dumps(info.to_json()))
     return info

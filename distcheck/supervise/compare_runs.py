@@ -17,6 +17,7 @@ from pathlib import Path
 from distcheck.contract.findings import CheckResult, Finding
 from distcheck.contract.report import Report, prepare_report_dir, write_report
 from distcheck.options import CompareOptions
+from distcheck.supervise.signals import Interrupt
 from distcheck.supervise.supervised_run import supervised_run
 
 REFERENCE_DIR = "reference"
@@ -42,7 +43,7 @@ def _completed(report: Report) -> bool:
         c.ok for c in report.checks if c.name == "ranks_completed")
 
 
-def compare(opts: CompareOptions) -> tuple[Report, Path]:
+def compare(opts: CompareOptions, interrupt: Interrupt | None = None) -> tuple[Report, Path]:
     from distcheck.analysis.records import (AUTO_TEXT, Tolerances, compare_runs, has_explicit, load_run,
                                             record_files, render_table)
     from distcheck.rank.records import DEFAULT_AUTO_STEPS, ENV_AUTO_STEPS
@@ -63,6 +64,11 @@ def compare(opts: CompareOptions) -> tuple[Report, Path]:
     completed: dict[str, bool] = {}
     for nproc, sub, is_ref in plan:
         label = run_label(nproc, is_ref)
+        if interrupt is not None and interrupt.is_set():
+            checks.append(CheckResult(label, False, 0.0, note=f"not run: stopped from outside by {interrupt.cause}"))
+            completed[sub] = False
+            loaded[sub] = {}
+            continue
         sys.stdout.write(f"distcheck compare: {label} ...\n")
         sys.stdout.flush()
         run_dir = report_dir / sub
@@ -71,7 +77,7 @@ def compare(opts: CompareOptions) -> tuple[Report, Path]:
             path.unlink(missing_ok=True)
         started = time.monotonic()
         sub_opts = opts.run.with_(report_dir=str(run_dir), nproc=nproc, env={ENV_AUTO_STEPS: str(auto_steps)})
-        sub_report, _ = supervised_run(sub_opts, nproc)
+        sub_report, _ = supervised_run(sub_opts, nproc, interrupt)
         seconds = time.monotonic() - started
         findings.extend(_prefixed(sub_report.findings, label, nproc))
         completed[sub] = _completed(sub_report)

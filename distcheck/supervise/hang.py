@@ -31,14 +31,18 @@ def load_progress(report_dir: str | os.PathLike) -> dict[int, RankProgress]:
 def diagnose_hang(rank_pids: dict[int, int], report_dir: str | os.PathLike, native: bool = False,
                   timeout: float | None = None, world_size: int | None = None,
                   dump_timeout: float = DEFAULT_DUMP_TIMEOUT, stem: str = files.STACKS_STEM,
-                  out_dir: str | os.PathLike | None = None) -> list[Finding]:
+                  out_dir: str | os.PathLike | None = None, stopped_by: str | None = None,
+                  after: float | None = None) -> list[Finding]:
     """Dump all ranks in parallel, read their traces, write ``<stem>.txt``/``<stem>.json``; return the hang finding.
 
     Traces and faulthandler hooks are read from ``report_dir``; stacks are written to ``out_dir`` (default: the
-    same). Plugs into the launcher as ``on_hang=lambda pids, d: diagnose_hang(pids, d, native, timeout)``.
+    same). ``stopped_by`` (a signal name): the run did not hang but was stopped from outside ``after`` seconds.
     """
+    prefix = (f"the run was stopped from outside by {stopped_by} after {after or 0:.0f}s: " if stopped_by
+              else f"no progress for {timeout:g}s: " if timeout else "")
     try:
-        return _diagnose_hang(rank_pids, report_dir, native, timeout, world_size, dump_timeout, stem, out_dir)
+        found = _diagnose_hang(rank_pids, report_dir, native, timeout, world_size, dump_timeout, stem, out_dir,
+                               prefix)
     except Exception as exc:  # never lose the chance to report the hang and end the job
         log.warning("hang diagnosis failed: %s", exc)
         try:
@@ -46,15 +50,18 @@ def diagnose_hang(rank_pids: dict[int, int], report_dir: str | os.PathLike, nati
         except Exception:
             progress = {}
         ranks = sorted(rank_pids) or sorted(progress)
-        what = f"no progress for {timeout:g}s" if timeout else "no progress"
-        return [hang_finding(ranks, f"{what} on {format_ranks(ranks) if ranks else 'any rank'} "
-                             f"(the stack dump failed: {exc})", timeout=timeout, progress=progress,
-                             errors=[str(exc)])]
+        found = [hang_finding(ranks, f"{prefix or 'no progress: '}{format_ranks(ranks) if ranks else 'no rank'} "
+                              f"could not be dumped ({exc})", timeout=timeout, progress=progress,
+                              errors=[str(exc)])]
+    if stopped_by:
+        for f in found:
+            f.detail["stopped_by"] = stopped_by
+    return found
 
 
 def _diagnose_hang(rank_pids: dict[int, int], report_dir: str | os.PathLike, native: bool, timeout: float | None,
                    world_size: int | None, dump_timeout: float, stem: str,
-                   out_dir: str | os.PathLike | None) -> list[Finding]:
+                   out_dir: str | os.PathLike | None, prefix: str) -> list[Finding]:
     t0 = time.monotonic()
     targets = [Target(pid, rank, "launcher", world_size, str(report_dir)) for rank, pid in sorted(rank_pids.items())]
     result = dump_all(targets, native=native, timeout=dump_timeout, report_dirs=[report_dir])
@@ -64,9 +71,9 @@ def _diagnose_hang(rank_pids: dict[int, int], report_dir: str | os.PathLike, nat
         log.warning("could not read traces in %s: %s", report_dir, exc)
         progress = {}
     errors_by_rank = {e.rank: e.message for e in result.errors if e.rank is not None}
-    diag = diagnose(result.stacks, progress, world_size or len(rank_pids) or None, timeout, errors_by_rank)
+    diag = diagnose(result.stacks, progress, world_size or len(rank_pids) or None, timeout, errors_by_rank, prefix)
     finding = diag.to_finding(result.stacks, progress, [e.message for e in result.errors])
-    title = f"distcheck watchdog: no progress for {timeout:g}s" if timeout else "distcheck watchdog"
+    title = f"distcheck watchdog: {prefix.rstrip(': ')}" if prefix else "distcheck watchdog"
     artifacts = write_stack_artifacts(out_dir or report_dir, result.stacks, result.errors, native, progress, title,
                                       stem, diag.groups, diag.message)
     finding.detail["artifacts"] = artifacts

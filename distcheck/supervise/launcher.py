@@ -29,7 +29,8 @@ from typing import Callable, Sequence
 
 from distcheck.contract.findings import Finding
 from distcheck.supervise.procs import die_with_parent, terminate
-from distcheck.supervise.watch import HUNG, STOP_GRACE, STOPPED, HangDump, WatchLoop
+from distcheck.supervise.signals import Interrupt, StopNow
+from distcheck.supervise.watch import HUNG, INTERRUPTED, STOP_GRACE, STOPPED, HangDump, WatchLoop
 from distcheck.supervise.zygote import Zygote
 
 log = logging.getLogger("distcheck")
@@ -43,7 +44,7 @@ class RankExit:
     pid: int
     returncode: int | None  # None: still running when distcheck killed it
     signal: str | None = None  # the signal that ended it, when returncode < 0
-    killed: str | None = None  # "hang" or "stop" when distcheck ended it
+    killed: str | None = None  # "hang", "stop" or "interrupt" (a signal to the launcher) when distcheck ended it
 
 
 @dataclass
@@ -78,13 +79,15 @@ class Supervisor:
     def __init__(self, nproc: int, argv_for_rank: Callable[[int], Sequence[str]], *, report_dir: str | os.PathLike,
                  timeout: float, env: dict[str, str] | None = None, dump: HangDump | None = None,
                  should_stop: ShouldStop | None = None, stop_grace: float = STOP_GRACE, poll: float = 0.1,
-                 kill_grace: float = 3.0, startup_timeout: float | None = None) -> None:
+                 kill_grace: float = 3.0, startup_timeout: float | None = None,
+                 interrupt: Interrupt | None = None) -> None:
         self.nproc = nproc
         self.argv_for_rank = argv_for_rank
         self.report_dir = Path(report_dir)
         self.timeout = timeout
         self.env = dict(os.environ if env is None else env)
         self.dump = dump
+        self.interrupt = interrupt
         self.should_stop = should_stop
         self.stop_grace = min(stop_grace, timeout)
         self.poll = poll
@@ -134,12 +137,16 @@ class Supervisor:
             loop = WatchLoop(self.report_dir, self.timeout, live=self.pids, expected=self.nproc,
                              finished=lambda: {r for r, p in self.procs.items() if p.poll() is not None},
                              should_stop=self._should_stop, dump=self.dump, startup_timeout=self.startup_timeout,
-                             stop_grace=self.stop_grace, poll=self.poll)
+                             stop_grace=self.stop_grace, poll=self.poll, interrupt=self.interrupt)
             result = loop.run()
-            if result.state in (HUNG, STOPPED):
+            if result.state in (HUNG, STOPPED, INTERRUPTED):
                 alive = sorted(self.pids())
-                killed.update({r: "hang" if result.state == HUNG else "stop" for r in alive})
+                why = {HUNG: "hang", STOPPED: "stop", INTERRUPTED: "interrupt"}[result.state]
+                killed.update({r: why for r in alive})
                 self._end(alive)
+        except StopNow:
+            self._end(sorted(self.pids()), grace=0.0)  # a second signal: at once
+            raise
         finally:
             leftover = sorted(self.pids())
             if leftover:  # interrupted (Ctrl-C, an exception): never leave ranks behind
@@ -152,8 +159,10 @@ class Supervisor:
             code = p.returncode
             exits[r] = RankExit(r, p.pid, None if r in killed else code,
                                 None if r in killed else _signal_name(code), killed.get(r))
-        return SupervisorResult(exits, result is not None and result.state == HUNG,
-                                result.stop_reason if result is not None else None,
+        reason = result.stop_reason if result is not None else None
+        if result is not None and result.state == INTERRUPTED:
+            reason = f"stopped from outside by {reason}"
+        return SupervisorResult(exits, result is not None and result.state == HUNG, reason,
                                 result.hang_findings if result is not None else [], time.monotonic() - started)
 
     def _should_stop(self, finished: set[int]) -> str | None:
@@ -178,9 +187,10 @@ class Supervisor:
             self.procs[rank] = subprocess.Popen(argv, env=self._rank_env(rank, port),
                                                 preexec_fn=die_with_parent if sys.platform == "linux" else None)
 
-    def _end(self, ranks: list[int]) -> None:
+    def _end(self, ranks: list[int], grace: float | None = None) -> None:
         """The one kill routine (SIGTERM, then SIGKILL after kill_grace), then reap our children."""
-        terminate([self.procs[r].pid for r in ranks if self.procs[r].poll() is None], grace=self.kill_grace)
+        terminate([self.procs[r].pid for r in ranks if self.procs[r].poll() is None],
+                  grace=self.kill_grace if grace is None else grace)
         for r in ranks:
             try:
                 self.procs[r].wait(timeout=5)

@@ -20,12 +20,13 @@ from typing import Any
 from distcheck.analysis.bad_values import merge_states
 from distcheck.analysis.trace_align import (STATE_DIED, STATE_ERROR, STATE_HUNG, STATE_OK, STATE_STOPPED,
                                             STATE_UNKNOWN, RankOutcome, analyze_run)
-from distcheck.analysis.trace_events import RankTrace
+from distcheck.analysis.trace_events import RankTrace, open_events
 from distcheck.contract import files
 from distcheck.contract.chrome_trace import write_chrome_trace
-from distcheck.contract.findings import CheckResult, Finding, format_ranks
+from distcheck.contract.findings import CheckResult, Finding, Note, format_ranks
 from distcheck.contract.report import Report, render_text, write_report
 from distcheck.rank import sink
+from distcheck.rank.stderr_tee import tail
 
 log = logging.getLogger("distcheck")
 
@@ -42,7 +43,8 @@ def outcome_from_trace(rank: int, trace: RankTrace | None) -> RankOutcome | None
 
 def build_report(report_dir: Path, command: str, world_size: int, traces: dict[int, RankTrace],
                  outcomes: dict[int, RankOutcome], timeout: float, seconds: float,
-                 hang_findings: list[Finding] | None = None, stop_reason: str | None = None) -> Report:
+                 hang_findings: list[Finding] | None = None, stop_reason: str | None = None,
+                 warnings: list[Note] | None = None) -> Report:
     findings = analyze_run(traces, outcomes, world_size, timeout=timeout, hang_findings=hang_findings)
     findings = merge_mesh_errors(findings + sink.collect(report_dir))
     # Zero-code checks: model_check (its time), and the first NaN/Inf merged from every rank's own record.
@@ -52,6 +54,7 @@ def build_report(report_dir: Path, command: str, world_size: int, traces: dict[i
     seen: set[tuple] = set()
     findings = [f for f in findings if not ((f.kind, tuple(f.ranks), f.message) in seen
                                             or seen.add((f.kind, tuple(f.ranks), f.message)))]
+    add_stderr_tails(report_dir, findings)
     mismatch = any(f.kind == "collective_mismatch" for f in findings)
     failed = any(o.state != STATE_OK for o in outcomes.values())
     checks = [CheckResult("collective_order", not mismatch, seconds),
@@ -66,13 +69,52 @@ def build_report(report_dir: Path, command: str, world_size: int, traces: dict[i
         artifacts[files.CHROME_TRACE] = files.CHROME_TRACE
     except OSError as exc:
         log.warning("could not write %s: %s", files.CHROME_TRACE, exc)
-    for kind in ("findings", "autocheck"):
+    for kind in ("findings", "autocheck", "stderr"):
         for path in files.rank_files(report_dir, kind).values():
             artifacts[path.stem] = path.name
     outcomes_json = {str(r): {"state": o.state, "exit_code": o.exit_code, "signal": o.signal}
                      for r, o in sorted(outcomes.items())}
     return Report(command=command, world_size=world_size, findings=findings, checks=checks, artifacts=artifacts,
-                  data={"ranks": outcomes_json, "collectives": {str(r): len(t.events) for r, t in traces.items()}})
+                  data={"ranks": outcomes_json, "collectives": {str(r): len(t.events) for r, t in traces.items()}},
+                  warnings=list(warnings or []))
+
+
+def add_stderr_tails(report_dir: Path, findings: list[Finding]) -> None:
+    """Every rank_failure and hang carries the last lines of its ranks' stderr (rank/stderr_tee.py)."""
+    paths = files.rank_files(report_dir, "stderr")
+    for f in findings:
+        if f.kind not in ("rank_failure", "hang"):
+            continue
+        tails = {str(r): lines for r in f.ranks if r in paths and (lines := tail(paths[r]))}
+        if tails:
+            f.detail["stderr_tail"] = tails
+        if f.kind == "rank_failure" and f.detail.get("signal") and len(f.ranks) == 1 and f.ranks[0] in paths:
+            crash = crash_site(paths[f.ranks[0]])
+            if crash is not None:  # faulthandler printed the Python stack of the fatal signal: name the line
+                died = f"died from {f.detail['signal']} (exit code {f.detail.get('exit_code')})"
+                where = f" in {crash.name} at {crash.where}"
+                f.message = (f.message.replace(died, died + where, 1) if died in f.message
+                             else f"{f.message}; it crashed{where}")
+                f.detail.update(file=crash.file, line=crash.line, crashed_in=crash.name)
+
+
+def crash_site(stderr_path: Path):
+    """The user's innermost frame in the last "Fatal Python error" stack a rank printed (faulthandler), or None."""
+    from distcheck.analysis.stack_groups import innermost_user_frame, parse_faulthandler
+
+    try:
+        with open(stderr_path, "rb") as fh:
+            size = fh.seek(0, os.SEEK_END)
+            fh.seek(max(0, size - 256 * 1024))
+            text = fh.read().decode("utf-8", errors="replace")
+    except OSError:
+        return None
+    cut = text.rfind("Fatal Python error:")
+    if cut < 0:
+        return None
+    threads = parse_faulthandler(text[cut:])
+    current = next((t for t in threads if t.name == "current"), threads[-1] if threads else None)
+    return innermost_user_frame(current)
 
 
 def merge_mesh_errors(findings: list[Finding]) -> list[Finding]:
@@ -99,18 +141,29 @@ def merge_mesh_errors(findings: list[Finding]) -> list[Finding]:
                                    and (f.ranks[0], f.detail.get("exception")) in explained)]
 
 
-def outcomes_from_exits(exits: dict, traces: dict[int, RankTrace]) -> dict[int, RankOutcome]:
-    """Each rank's outcome when distcheck launched it: its own exit line, else its exit code or signal."""
+def outcomes_from_exits(exits: dict, traces: dict[int, RankTrace],
+                        report_dir: Path | None = None) -> tuple[dict[int, RankOutcome], list[Note]]:
+    """Each rank's outcome when distcheck launched it: its own exit line, else its exit code or signal.
+
+    A rank that died after its script returned, with every collective complete, did not fail: torch's
+    process-group teardown aborted (gloo's "terminate called without an active exception"). That is a warning.
+    """
     outcomes: dict[int, RankOutcome] = {}
+    notes: list[Note] = []
     for r, ex in exits.items():
         trace = traces.get(r)
-        if ex.killed == "hang":
+        if ex.killed in ("hang", "interrupt"):  # still running when the hang or the stop signal was declared
             outcomes[r] = RankOutcome(r, STATE_HUNG)
             continue
         if ex.killed == "stop":
             outcomes[r] = RankOutcome(r, STATE_STOPPED)
             continue
         own = outcome_from_trace(r, trace)
+        if (own is not None and own.state == STATE_OK and ex.returncode not in (0, None)
+                and not open_events(trace.events)):
+            outcomes[r] = RankOutcome(r, STATE_OK, exit_code=0)
+            notes.append(teardown_note(r, ex, report_dir))
+            continue
         if own is not None and not (own.state == STATE_OK and ex.returncode not in (0, None)):
             own.exit_code = ex.returncode
             outcomes[r] = own
@@ -119,7 +172,17 @@ def outcomes_from_exits(exits: dict, traces: dict[int, RankTrace]) -> dict[int, 
         else:
             err = trace.errors[-1] if trace is not None and trace.errors else None
             outcomes[r] = RankOutcome(r, STATE_ERROR if err else STATE_DIED, ex.returncode, ex.signal, err)
-    return outcomes
+    return outcomes, notes
+
+
+def teardown_note(rank: int, ex: Any, report_dir: Path | None) -> Note:
+    how = f"died from {ex.signal}" if ex.signal else f"exited with code {ex.returncode}"
+    detail: dict[str, Any] = {"exit_code": ex.returncode, "signal": ex.signal}
+    path = files.rank_file(report_dir, "stderr", rank) if report_dir is not None else None
+    if path is not None and (lines := tail(path)):
+        detail["stderr_tail"] = lines
+    return Note("teardown_abort", [rank], f"rank {rank} {how} after its script had returned with every collective "
+                f"complete: torch's process-group teardown, not your code", detail)
 
 
 def outcomes_from_traces(traces: dict[int, RankTrace], world_size: int, hung: bool,

@@ -23,11 +23,12 @@ from distcheck.contract.report import Report, prepare_report_dir, write_report
 from distcheck.rank import sink
 from distcheck.supervise import run_report
 from distcheck.supervise.launcher import Supervisor
+from distcheck.supervise.signals import Interrupt
 from distcheck.supervise.watch import HangDump
 
 
 
-def supervised_run(opts: RunOptions, nproc: int) -> tuple[Report, Path]:
+def supervised_run(opts: RunOptions, nproc: int, interrupt: Interrupt | None = None) -> tuple[Report, Path]:
     """Launch, watch and report one run of ``opts.script`` on ``nproc`` ranks; returns the written report."""
     report_dir = prepare_report_dir(opts.report_dir).resolve()
     run_report.clean(report_dir, range(nproc))
@@ -45,12 +46,13 @@ def supervised_run(opts: RunOptions, nproc: int) -> tuple[Report, Path]:
         return provably_stuck(load_traces(report_dir), finished)
 
     supervisor = Supervisor(nproc, lambda rank: argv, report_dir=report_dir, timeout=opts.timeout, env=env,
-                            dump=HangDump(native=opts.native, world_size=nproc), should_stop=should_stop)
+                            dump=HangDump(native=opts.native, world_size=nproc), should_stop=should_stop,
+                            interrupt=interrupt)
     result = supervisor.run()
     traces = load_traces(report_dir)
-    outcomes = run_report.outcomes_from_exits(result.exits, traces)
+    outcomes, notes = run_report.outcomes_from_exits(result.exits, traces, report_dir)
     report = run_report.build_report(report_dir, opts.command, nproc, traces, outcomes, opts.timeout,
-                                     result.seconds, result.hang_findings, result.stop_reason)
+                                     result.seconds, result.hang_findings, result.stop_reason, notes)
     for finding in result.hang_findings:
         report.artifacts.update(finding.detail.get("artifacts", {}))
     write_report(report, report_dir)

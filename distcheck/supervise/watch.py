@@ -31,12 +31,13 @@ from typing import Callable, Iterable
 
 from distcheck.contract import files
 from distcheck.contract.findings import Finding
+from distcheck.supervise.signals import Interrupt
 
 log = logging.getLogger("distcheck")
 
 STOP_GRACE = 2.0  # seconds of idleness before asking whether the ranks can progress at all
 STARTUP_TIMEOUT = 120.0  # the least time a rank gets to import torch and open its trace
-DONE, HUNG, STOPPED, CANCELLED = "done", "hung", "stopped", "cancelled"
+DONE, HUNG, STOPPED, INTERRUPTED, CANCELLED = "done", "hung", "stopped", "interrupted", "cancelled"
 
 
 @dataclass
@@ -50,7 +51,7 @@ class HangDump:
 
 @dataclass
 class WatchResult:
-    state: str  # DONE | HUNG | STOPPED | CANCELLED
+    state: str  # DONE | HUNG | STOPPED | INTERRUPTED (a signal from outside) | CANCELLED
     stop_reason: str | None = None
     hang_findings: list[Finding] = field(default_factory=list)
     seconds: float = 0.0
@@ -64,20 +65,24 @@ class Progress:
     def __init__(self, report_dir: str | os.PathLike, ranks: Iterable[int] | None = None) -> None:
         self.report_dir = Path(report_dir)
         self.ranks = sorted(ranks) if ranks is not None else None
+        self._up: set[int] = set()  # positions whose trace existed once: those ranks are past their start
 
     def sizes(self) -> tuple[int, ...]:
         if self.ranks is None:  # whoever has a trace (the node watcher does not know the global ranks)
             return tuple(p.stat().st_size for p in files.rank_files(self.report_dir, "trace").values())
         out = []
-        for r in self.ranks:
+        for i, r in enumerate(self.ranks):
             try:
                 out.append(files.rank_file(self.report_dir, "trace", r).stat().st_size)
+                self._up.add(i)
             except OSError:
                 out.append(-1)
         return tuple(out)
 
     def starting(self, sizes: tuple[int, ...]) -> bool:
-        return any(s < 0 for s in sizes)
+        """Some rank has not opened its trace yet (a trace that vanished later does not count: the report
+        directory was removed under the run, and the normal limit applies)."""
+        return any(s < 0 and i not in self._up for i, s in enumerate(sizes))
 
 
 class WatchLoop:
@@ -92,7 +97,7 @@ class WatchLoop:
                  ranks: Iterable[int] | None = None, startup_timeout: float | None = None,
                  stop_grace: float = STOP_GRACE, failure_grace: float | None = None,
                  failed: Callable[[], bool] | None = None, poll: float = 0.1,
-                 cancel: threading.Event | None = None) -> None:
+                 cancel: threading.Event | None = None, interrupt: Interrupt | None = None) -> None:
         self.report_dir = str(report_dir)
         self.timeout = timeout
         self.live = live
@@ -108,6 +113,9 @@ class WatchLoop:
         self.failed = failed
         self.poll = poll
         self.cancel = cancel or threading.Event()
+        self.interrupt = interrupt
+        if interrupt is not None:
+            self.cancel = interrupt.event
 
     def _over(self, done: set[int], seen: set[int]) -> bool:
         if self.expected is not None:
@@ -147,17 +155,24 @@ class WatchLoop:
                 if reason:
                     log.warning("stopping the run: %s", reason)
                     return WatchResult(STOPPED, reason, seconds=time.monotonic() - started)
+        if self.interrupt is not None and self.interrupt.cause:
+            return self._hang(time.monotonic() - started, started, cause=self.interrupt.cause)
         return WatchResult(CANCELLED, seconds=time.monotonic() - started)
 
-    def _hang(self, idle: float, started: float) -> WatchResult:
+    def _hang(self, idle: float, started: float, cause: str | None = None) -> WatchResult:
+        """Dump every live rank: for a hang (no progress for ``timeout``), or a stop signal (``cause``)."""
         from distcheck.supervise.hang import diagnose_hang
 
         declared = time.monotonic()
         live = self.live()
-        log.warning("no progress for %.0fs: declaring the run hung (%d ranks still running)", idle, len(live))
+        if cause:
+            log.warning("stopped from outside by %s: dumping %d running ranks", cause, len(live))
+        else:
+            log.warning("no progress for %.0fs: declaring the run hung (%d ranks still running)", idle, len(live))
         findings: list[Finding] = []
         if self.dump is not None:
             findings = diagnose_hang(live, self.report_dir, native=self.dump.native, timeout=self.timeout,
-                                     world_size=self.dump.world_size, out_dir=self.dump.out_dir)
-        return WatchResult(HUNG, hang_findings=findings, seconds=time.monotonic() - started, declared_at=declared,
-                           diagnosed_at=time.monotonic())
+                                     world_size=self.dump.world_size, out_dir=self.dump.out_dir,
+                                     stopped_by=cause, after=idle if cause else None)
+        return WatchResult(INTERRUPTED if cause else HUNG, stop_reason=cause, hang_findings=findings,
+                           seconds=time.monotonic() - started, declared_at=declared, diagnosed_at=time.monotonic())

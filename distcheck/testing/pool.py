@@ -125,6 +125,7 @@ class Pool:
         """
         from distcheck.supervise.watch import DONE, WatchLoop
 
+        self._stderr_offsets = {r: self._stderr_size(r) for r in range(self.world_size)}
         for conn in self.conns:
             conn.send(job)
         outcomes: dict[int, RankOutcome] = {}
@@ -164,6 +165,22 @@ class Pool:
         if hung or any(o.status != "passed" and o.status != "skipped" for o in outcomes.values()):
             self.healthy = False
         return [outcomes[r] for r in range(self.world_size)], hung, result.stop_reason
+
+    def _stderr_size(self, rank: int) -> int:
+        from distcheck.contract import files
+
+        try:
+            return files.rank_file(self.workdir, "stderr", rank).stat().st_size
+        except OSError:
+            return 0
+
+    def stderr_tail(self, rank: int) -> list[str]:
+        """The last lines this rank wrote to stderr during the current test."""
+        from distcheck.contract import files
+        from distcheck.rank.stderr_tee import tail
+
+        since = getattr(self, "_stderr_offsets", {}).get(rank, 0)
+        return tail(files.rank_file(self.workdir, "stderr", rank), since=since)
 
     def dump_stacks(self) -> dict[int, str]:
         """Every rank's Python stacks, via faulthandler on SIGUSR1: a C-level handler, so it works even when a

@@ -68,7 +68,10 @@ def main() -> int:
 
     from distcheck.rank import tracer as trace
 
+    from distcheck.rank.stderr_tee import tee_stderr
+
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    tee_stderr(os.environ["DISTCHECK_POOL_DIR"], rank)  # a failing or hung test quotes its stderr
     stacks = open(Path(os.environ["DISTCHECK_POOL_DIR"]) / f"stacks-rank{rank}.txt", "w")
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     host, port = os.environ["DISTCHECK_POOL_ADDR"].rsplit(":", 1)

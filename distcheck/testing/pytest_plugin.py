@@ -219,6 +219,12 @@ def _diagnose(pool, job, outcomes, hung: bool, nprocs: int, timeout: float, stop
     for o in outcomes:
         if o.status in ("failed", "died"):
             parts.append(f"---------- [rank {o.rank}] ----------\n{o.text.rstrip()}")
+    for o in outcomes:
+        if o.status in ("died", "hung"):
+            lines = pool.stderr_tail(o.rank)
+            if lines:
+                parts.append(f"---------- [rank {o.rank}] stderr (last {len(lines)} lines) ----------\n"
+                             + "\n".join(lines))
     for rank, text in sorted(stacks.items()):
         parts.append(f"---------- [rank {rank}] stack (faulthandler) ----------\n{text.rstrip()}")
     state = {"passed": trace_align.STATE_OK, "skipped": trace_align.STATE_OK, "failed": trace_align.STATE_ERROR,

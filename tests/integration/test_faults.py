@@ -1,0 +1,200 @@
+"""Fault injection on real ranks: signals to the launcher, killed ranks, a killed launcher, a segfault, a report dir
+that disappears midway, py-spy missing. Each test asserts the report (or the stated fallback), the exit code, a
+bounded time and that no rank outlives the run."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from launch_helpers import FIXTURES, env_for_ranks, load_report
+
+
+def rank_pids(report_dir: Path) -> dict[int, int]:
+    out = {}
+    for path in report_dir.glob("trace-rank*.jsonl"):
+        for line in path.read_text().splitlines():
+            data = json.loads(line)
+            if data.get("ev") == "meta":
+                out[int(data["rank"])] = int(data["pid"])
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+class Launch:
+    """``python -m distcheck ARGS`` in its own session, so that signals reach only the launcher."""
+
+    def __init__(self, args: list[str], env: dict[str, str] | None = None):
+        self.proc = subprocess.Popen([sys.executable, "-m", "distcheck", *args], stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True, env=env_for_ranks(env),
+                                     start_new_session=True)
+
+    def wait_until(self, condition, limit: float = 90) -> None:
+        deadline = time.monotonic() + limit
+        while not condition():
+            assert self.proc.poll() is None, f"the launcher ended early: {self.proc.communicate()}"
+            assert time.monotonic() < deadline, "the ranks never got where the test needs them"
+            time.sleep(0.1)
+
+    def finish(self, limit: float) -> tuple[int, str, str, float]:
+        t0 = time.monotonic()
+        try:
+            out, err = self.proc.communicate(timeout=limit)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            out, err = self.proc.communicate()
+            raise AssertionError(f"the launcher did not end within {limit}s:\n{out}\n{err}") from None
+        return self.proc.returncode, out, err, time.monotonic() - t0
+
+    def cleanup(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(timeout=10)
+
+
+def hanging(tmp_path: Path, timeout: str = "300", env: dict[str, str] | None = None) -> tuple[Launch, Path]:
+    """hang_python.py under run --nproc 2: rank 1 sleeps in load_shard, rank 0 waits in all_reduce #2."""
+    out = tmp_path / "report"
+    launch = Launch(["run", "--nproc", "2", "--timeout", timeout, "--report-dir", str(out), "--",
+                     str(FIXTURES / "hang_python.py")], env)
+
+    def stuck() -> bool:
+        trace = out / "trace-rank0.jsonl"
+        return trace.exists() and trace.read_text().count('"ev":"start"') >= 2 and len(rank_pids(out)) == 2
+
+    launch.wait_until(stuck)
+    return launch, out
+
+
+def assert_no_rank_left(pids: dict[int, int]) -> None:
+    deadline = time.monotonic() + 10
+    while any(alive(p) for p in pids.values()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(alive(p) for p in pids.values()), f"ranks left behind: {pids}"
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_signal_to_the_launcher_leaves_a_complete_report(tmp_path, line_of, sig):
+    launch, out = hanging(tmp_path)
+    try:
+        pids = rank_pids(out)
+        launch.proc.send_signal(sig)
+        code, stdout, stderr, seconds = launch.finish(60)
+        assert code == 1, stderr
+        assert seconds < 10 + 8  # 10 s plus the stack dump's own bound
+        report = load_report(out)
+        assert not report["ok"]
+        (f,) = [f for f in report["findings"] if f["kind"] == "hang"]
+        assert f["detail"]["stopped_by"] == sig.name and f["ranks"] == [1]
+        assert f["message"].startswith(f"the run was stopped from outside by {sig.name} after ")
+        assert f"rank 1 is in load_shard (hang_python.py:{line_of('hang_python.py', '# HANG')})" in f["message"]
+        assert set(f["detail"]["stacks"]) == {"0", "1"} and f["detail"]["last_collectives"]["0"]["last_started"]
+        checks = {c["name"]: c for c in report["checks"]}
+        assert checks["ranks_completed"]["note"] == f"stopped from outside by {sig.name}"
+        assert "distcheck FAILED" in stdout and (out / "stacks.txt").exists()
+        assert_no_rank_left(pids)
+    finally:
+        launch.cleanup()
+
+
+def test_a_second_signal_stops_at_once(tmp_path):
+    launch, out = hanging(tmp_path, env={"DISTCHECK_PYSPY": "/nonexistent/py-spy"})
+    try:
+        pids = rank_pids(out)
+        launch.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.05)
+        launch.proc.send_signal(signal.SIGTERM)
+        code, _, stderr, seconds = launch.finish(30)
+        assert code == 1 and seconds < 10 and "stopped at once by a second SIGTERM" in stderr
+        assert (out / "trace-rank0.jsonl").exists()  # what was written stays
+        assert_no_rank_left(pids)
+    finally:
+        launch.cleanup()
+
+
+def test_sigkill_of_one_rank_is_a_rank_failure_naming_it(tmp_path):
+    launch, out = hanging(tmp_path)
+    try:
+        pids = rank_pids(out)
+        os.kill(pids[1], signal.SIGKILL)
+        code, _, stderr, seconds = launch.finish(60)
+        assert code == 1 and seconds < 30, stderr
+        report = load_report(out)
+        killed = [f for f in report["findings"] if f["kind"] == "rank_failure" and f["ranks"] == [1]]
+        assert killed and "rank 1 died from SIGKILL" in killed[0]["message"]
+        assert_no_rank_left(pids)
+    finally:
+        launch.cleanup()
+
+
+def test_sigkill_of_the_launcher_takes_the_ranks_along(tmp_path):
+    launch, out = hanging(tmp_path)
+    try:
+        pids = rank_pids(out)
+        launch.proc.send_signal(signal.SIGKILL)
+        launch.finish(10)
+        assert_no_rank_left(pids)  # each rank dies with its parent (PR_SET_PDEATHSIG)
+    finally:
+        launch.cleanup()
+
+
+def test_a_segfaulting_rank_is_named_with_its_line_and_stderr(tmp_path, line_of):
+    out = tmp_path / "report"
+    launch = Launch(["run", "--nproc", "2", "--timeout", "60", "--report-dir", str(out), "--",
+                     str(FIXTURES / "fault_segfault.py")])
+    try:
+        code, _, stderr, seconds = launch.finish(120)
+        assert code == 1, stderr
+        report = load_report(out)
+        (f,) = [f for f in report["findings"] if f["kind"] == "rank_failure"]
+        bug = line_of("fault_segfault.py", "# BUG")
+        assert f["ranks"] == [1] and f["detail"]["signal"] == "SIGSEGV" and f["detail"]["line"] == bug
+        assert f"rank 1 died from SIGSEGV (exit code -11) in native_op at fault_segfault.py:{bug}" in f["message"]
+        tail = f["detail"]["stderr_tail"]["1"]
+        assert 0 < len(tail) <= 40 and any("fault_segfault.py" in line for line in tail)
+    finally:
+        launch.cleanup()
+
+
+def test_a_report_dir_that_disappears_midway_sends_the_report_to_stderr(tmp_path):
+    launch, out = hanging(tmp_path, timeout="4")
+    try:
+        pids = rank_pids(out)
+        out.rename(tmp_path / "moved")
+        out.write_text("not a directory any more")
+        code, _, stderr, seconds = launch.finish(60)
+        assert code == 1 and seconds < 40
+        assert "could not write the report into" in stderr
+        document = json.loads(stderr[stderr.index("\n{") + 1:])
+        assert document["tool"] == "distcheck" and not document["ok"]
+        assert [f["kind"] for f in document["findings"]] == ["hang"]
+        assert_no_rank_left(pids)
+    finally:
+        launch.cleanup()
+
+
+def test_py_spy_missing_falls_back_to_faulthandler(tmp_path, line_of):
+    launch, out = hanging(tmp_path, timeout="4", env={"DISTCHECK_PYSPY": "/nonexistent/py-spy"})
+    try:
+        code, _, stderr, seconds = launch.finish(60)
+        assert code == 1, stderr
+        (f,) = [f for f in load_report(out)["findings"] if f["kind"] == "hang"]
+        assert set(f["detail"]["methods"].values()) == {"faulthandler"}
+        assert f["ranks"] == [1] and f["detail"]["line"] == line_of("hang_python.py", "# HANG")
+    finally:
+        launch.cleanup()
