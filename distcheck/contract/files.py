@@ -36,7 +36,12 @@ _PER_RANK = {
     "records_data": "records-rank{rank}.bin",  # distcheck.record tensor bytes
     "faulthandler": "faulthandler-rank{rank}.txt",  # stack dump fallback (rank/stack_hooks.py)
     "stderr": "stderr-rank{rank}.txt",  # a copy of the rank's stderr, for the failure reports (rank/stderr_tee.py)
+    # Every thread's stack, dumped by the rank itself when torchrun's agent passes on a stop signal.
+    "stop_SIGTERM": "stop-rank{rank}-SIGTERM.txt",
+    "stop_SIGINT": "stop-rank{rank}-SIGINT.txt",
+    "stop_SIGHUP": "stop-rank{rank}-SIGHUP.txt",
 }
+STOP_SIGNAL_NAMES = ("SIGTERM", "SIGINT", "SIGHUP")
 _RANK_OF = {kind: re.compile("^" + re.escape(pattern).replace(r"\{rank\}", r"(\d+)") + "$")
             for kind, pattern in _PER_RANK.items()}
 # The names of the records distcheck makes by itself in zero-code compare (rank/autocheck.py, analysis/records.py).
@@ -86,6 +91,30 @@ def remove_rank_files(report_dir: str | os.PathLike, ranks: Iterable[int],
     for rank in ranks:
         for kind in kinds:
             rank_file(report_dir, kind, rank).unlink(missing_ok=True)
+
+
+_DUMP_KINDS = ("faulthandler", "stderr", *(f"stop_{s}" for s in STOP_SIGNAL_NAMES))
+
+
+def remove_empty_rank_files(report_dir: str | os.PathLike, rank: int) -> None:
+    """A rank's dump files that nothing was written to (no stack dump happened) are not artifacts."""
+    for kind in _DUMP_KINDS:
+        path = rank_file(report_dir, kind, rank)
+        try:
+            if path.stat().st_size == 0:
+                path.unlink()
+        except OSError:
+            pass
+
+
+def tidy(report_dir: str | os.PathLike) -> None:
+    """Once every rank has ended: the empty dump files of every rank and the stack-hook files (only meaningful
+    while their process runs) go; what remains is the run's artifacts."""
+    ranks = {r for kind in _DUMP_KINDS for r in rank_files(report_dir, kind)}
+    for rank in ranks:
+        remove_empty_rank_files(report_dir, rank)
+    for path in hook_files(report_dir):
+        path.unlink(missing_ok=True)
 
 
 def check_format(data: dict[str, Any], path: str | os.PathLike) -> None:

@@ -11,30 +11,34 @@ from pathlib import Path
 
 
 def rank_bootstrap(report_dir: str | os.PathLike, timeout: float, native: bool = False,
-                   trace: bool = True, watcher: bool = True) -> subprocess.Popen | None:
+                   trace: bool = True, watcher: bool = True, stop_dumps: bool = False) -> subprocess.Popen | None:
     """Call at the start of every rank under torchrun (consistency, the pytest marker, ``torchrun -m distcheck run``).
 
-    Copies the rank's stderr into the report dir, installs the stack hooks (ptracer + faulthandler), the collective
-    tracer (progress and last collectives), and
-    on local rank 0 starts the node watcher; returns the watcher's Popen there, None elsewhere. ``watcher=False``
-    when a supervisor outside the ranks already watches them.
+    On local rank 0 starts the node watcher (its Popen is returned there, None elsewhere); copies the rank's stderr
+    into the report dir, installs the stack hooks (ptracer + faulthandler) and the collective tracer (progress and
+    last collectives). ``watcher=False``
+    when a supervisor outside the ranks already watches them. ``stop_dumps``: dump every thread on a stop signal
+    (torchrun passing on SIGTERM/SIGINT/SIGHUP), for a command that leaves its report to the node watcher then.
     """
     from distcheck.rank.stack_hooks import install_rank_hooks
     from distcheck.rank.stderr_tee import tee_stderr
 
     Path(report_dir).mkdir(parents=True, exist_ok=True)
     rank = int(os.environ.get("RANK", "0"))
+    node_watcher = None
+    if watcher and int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        from distcheck.supervise.node_watcher import start_node_watcher
+
+        ws = os.environ.get("WORLD_SIZE")
+        lws = os.environ.get("LOCAL_WORLD_SIZE")
+        # Started before the stderr copy: the watcher prints its report to the job's console, not into the copy.
+        node_watcher = start_node_watcher(report_dir, timeout, native, int(ws) if ws else None,
+                                          int(lws) if lws else None)
     tee_stderr(report_dir, rank)  # failure reports quote the last lines of this rank's stderr
-    install_rank_hooks(report_dir, rank)
+    install_rank_hooks(report_dir, rank, stop_dumps=stop_dumps)
     if trace:
         from distcheck.rank import tracer as tracing
 
         if tracing.current() is None:
             tracing.install(report_dir, rank)
-    if not watcher or int(os.environ.get("LOCAL_RANK", "0")) != 0:
-        return None
-    ws = os.environ.get("WORLD_SIZE")
-    lws = os.environ.get("LOCAL_WORLD_SIZE")
-    from distcheck.supervise.node_watcher import start_node_watcher
-
-    return start_node_watcher(report_dir, timeout, native, int(ws) if ws else None, int(lws) if lws else None)
+    return node_watcher

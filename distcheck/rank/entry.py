@@ -23,6 +23,7 @@ from distcheck.contract.report import default_report_dir, prepare_report_dir
 from distcheck.options import ENV_SUPERVISED, RunOptions
 from distcheck.rank import sink
 from distcheck.rank.bootstrap import rank_bootstrap
+from distcheck.rank.stack_hooks import remove_rank_hooks
 from distcheck.rank.usersite import traceback_site
 from distcheck.rank.runtime import end_rank
 from distcheck.supervise.torchrun_monitor import TorchrunMonitor, report_done_marker
@@ -50,7 +51,8 @@ def run_in_rank(opts: RunOptions) -> int:
     checker = autocheck.install(report_dir, info.rank)
     # Stack hooks (ptrace permission for our launcher, faulthandler fallback); under plain torchrun also the node
     # watcher, a process outside the ranks that dumps their stacks on a hang even when one holds the GIL.
-    rank_bootstrap(report_dir, opts.timeout, native=opts.native, trace=False, watcher=not supervised)
+    rank_bootstrap(report_dir, opts.timeout, native=opts.native, trace=False, watcher=not supervised,
+                   stop_dumps=not supervised)
     done_marker = report_done_marker(report_dir)
     if not supervised and info.rank == 0:
         done_marker.unlink(missing_ok=True)
@@ -64,6 +66,7 @@ def run_in_rank(opts: RunOptions) -> int:
         checker.finish()  # before the exit line: rank 0 reads every rank's autocheck file once all have exited
     tracer.note({"ev": "exit", "ok": ok, "code": code})
     main_done.set()
+    remove_rank_hooks(report_dir, info.rank)
     # Every rank ends through end_rank: the script has returned and everything is flushed, and torch's own
     # interpreter teardown (gloo threads destroyed while joinable: "terminate called without an active exception",
     # SIGABRT) would otherwise turn a correct script into a dead rank.

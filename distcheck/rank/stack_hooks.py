@@ -86,7 +86,7 @@ _hook_file: Any = None
 
 
 def install_rank_hooks(report_dir: str | os.PathLike, rank: int | None = None,
-                       ptracer_pid: int | None | str = "parent") -> HookInfo:
+                       ptracer_pid: int | None | str = "parent", stop_dumps: bool = False) -> HookInfo:
     """Call once in each rank process started by distcheck (run/compare/consistency/pytest).
 
     1. Names the parent process (the launcher) as ptracer, so py-spy started by it or by a watcher below it can
@@ -118,6 +118,30 @@ def install_rank_hooks(report_dir: str | os.PathLike, rank: int | None = None,
     import sys
 
     faulthandler.enable(file=sys.stderr, all_threads=True)
+    if stop_dumps:
+        # Under torchrun a stop signal to the agent reaches every rank: each dumps its own stacks before dying
+        # (a C-level handler, so a rank blocked in a collective dumps too), for the node watcher's report.
+        # After the dump the signal's default action ends the rank, SIGINT too: a KeyboardInterrupt would wait
+        # for a rank blocked in a collective to return to Python, which it never does.
+        for name in files.STOP_SIGNAL_NAMES:
+            stop_file = open(files.rank_file(report_dir, f"stop_{name}", rank), "w", encoding="utf-8")
+            _stop_files.append(stop_file)
+            signal.signal(getattr(signal, name), signal.SIG_DFL)
+            faulthandler.register(getattr(signal, name), file=stop_file, all_threads=True, chain=True)
     info = HookInfo(pid, rank, int(sig), str(path), reason, socket.gethostname())
     hook_path(report_dir, pid).write_text(json.dumps(info.to_json()))
     return info
+
+
+_stop_files: list = []
+
+
+def remove_rank_hooks(report_dir: str | os.PathLike, rank: int) -> None:
+    """At a rank's normal end: its hook file and the dump files nothing was written to go."""
+    files.hook_file(report_dir, os.getpid()).unlink(missing_ok=True)
+    for fh in _stop_files + ([_hook_file] if _hook_file is not None else []):
+        try:
+            fh.flush()
+        except (OSError, ValueError):
+            pass
+    files.remove_empty_rank_files(report_dir, rank)

@@ -70,26 +70,27 @@ def start_node_watcher(report_dir: str | os.PathLike, timeout: float, native: bo
         cmd += ["--world-size", str(world_size)]
     if local_world_size:
         cmd += ["--local-world-size", str(local_world_size)]
-    log_path = Path(report_dir) / f"watcher-{socket.gethostname()}.log"
-    with open(log_path, "a") as logf:
-        return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
-                                start_new_session=True, close_fds=True)
+    cmd += ["--log", str(Path(report_dir) / f"watcher-{socket.gethostname()}.log")]
+    # stdout/stderr: the rank's, i.e. the job's console, where the report is printed; the log goes to a file.
+    return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, start_new_session=True, close_fds=True)
 
 
 def watch(report_dir: str, timeout: float, native: bool = False, parent: int = 0, world_size: int | None = None,
           local_world_size: int | None = None) -> int:
-    from distcheck.contract.findings import CheckResult
-    from distcheck.contract.report import Report, write_report
-
     host = socket.gethostname()
     multi_node = bool(world_size and local_world_size and world_size > local_world_size)
     out_dir = Path(report_dir) / f"node-{host}" if multi_node else Path(report_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     seen: set[int] = set()
 
+    last: list[dict[int, int]] = [{}]
+
     def live() -> dict[int, int]:
         ranks = local_ranks(report_dir, host)
         seen.update(ranks)
+        if ranks != last[0]:
+            log.info("ranks running on this node: %s", ranks)
+            last[0] = ranks
         return ranks
 
     def finished() -> set[int]:
@@ -104,30 +105,108 @@ def watch(report_dir: str, timeout: float, native: bool = False, parent: int = 0
                 cancel.set()
 
     threading.Thread(target=orphaned, daemon=True).start()
+    started = time.monotonic()
     # Traces and hooks are read from the (possibly shared) report dir; this node's stacks and report go to out_dir.
     loop = WatchLoop(report_dir, timeout, live=live, finished=finished, expected=None, ranks=None,
                      startup_timeout=timeout, dump=HangDump(native, world_size, out_dir), poll=0.2, cancel=cancel)
     result = loop.run()
     cancel.set()
-    if result.state != HUNG:
-        return 0
-    pids = local_ranks(report_dir, host)
-    check = CheckResult("watchdog", False, (result.diagnosed_at or 0) - (result.declared_at or 0),
-                        note=f"no progress for {timeout:g}s")
+    if result.state == HUNG:
+        pids = local_ranks(report_dir, host)
+        write_node_report(report_dir, out_dir, result.hang_findings, world_size or len(pids), timeout,
+                          time.monotonic() - started, "watchdog", f"no progress for {timeout:g}s",
+                          (result.diagnosed_at or 0) - (result.declared_at or 0))
+        terminate(list(pids.values()), grace=2.0)
+        files.tidy(report_dir)
+        return 1
+    stopped = stop_finding(report_dir, out_dir, native, world_size)
+    if stopped is not None:  # torchrun passed a stop signal on to the ranks: they dumped their stacks and died
+        write_node_report(report_dir, out_dir, [stopped], world_size or len(seen), timeout,
+                          time.monotonic() - started, "stopped", f"stopped from outside by {stopped.detail['stopped_by']}")
+        files.tidy(report_dir)
+        return 1
+    return 0
+
+
+def stop_finding(report_dir: str, out_dir: Path, native: bool, world_size: int | None):
+    """The ``hang`` finding for ranks that dumped their stacks on a stop signal (rank/stack_hooks.py), or None
+    when no rank of this node got one (or every rank had finished its script anyway)."""
+    from distcheck.analysis.hang import diagnose
+    from distcheck.analysis.stack_groups import RankStack, parse_faulthandler
+    from distcheck.analysis.trace_events import load_traces
+    from distcheck.supervise.hang import load_progress
+    from distcheck.supervise.stacks import write_stack_artifacts
+
+    host = socket.gethostname()
+    traces = load_traces(report_dir)
+    stacks, signals = [], set()
+    for name in files.STOP_SIGNAL_NAMES:
+        for rank, path in files.rank_files(report_dir, f"stop_{name}").items():
+            text = path.read_text(errors="replace") if path.stat().st_size else ""
+            trace = traces.get(rank)
+            if not text or (trace is not None and trace.finished is not None):
+                continue
+            threads = parse_faulthandler(text)
+            if threads:
+                pid = trace.meta.get("pid", 0) if trace is not None else 0
+                stacks.append(RankStack(rank, int(pid or 0), host, f"faulthandler ({name})", threads, "RANK",
+                                        world_size))
+                signals.add(name)
+    if not stacks:
+        return None
+    cause = "/".join(sorted(signals))
+    progress = load_progress(report_dir)
+    prefix = f"the run was stopped from outside by {cause} (torchrun passed it on to the ranks): "
+    diag = diagnose(stacks, progress, world_size, None, {}, prefix)
+    finding = diag.to_finding(stacks, progress)
+    finding.detail["stopped_by"] = cause
+    finding.detail["artifacts"] = write_stack_artifacts(out_dir, stacks, [], native, progress,
+                                                        f"distcheck: stopped by {cause}", files.STACKS_STEM,
+                                                        diag.groups, diag.message)
+    return finding
+
+
+def write_node_report(report_dir: str, out_dir: Path, findings: list, world_size: int, timeout: float,
+                      seconds: float, check_name: str, note: str, check_seconds: float = 0.0) -> None:
+    """This node's report on a hang or a stop signal, printed to the console (stderr) too.
+
+    A command that wrote a partial report (consistency: what completed before) keeps it, with the diagnosis added;
+    for ``run`` the whole run report is built from the ranks' files, as rank 0 would have built it.
+    """
+    from distcheck.analysis.trace_events import load_traces
+    from distcheck.contract.findings import CheckResult
+    from distcheck.contract.report import Report, render_text, write_report
+    from distcheck.supervise import run_report
+
+    check = CheckResult(check_name, False, check_seconds, note=note)
     report = _report_so_far(out_dir)
+    traces = load_traces(report_dir)
     if report is not None:
-        # The command wrote a partial report (what completed before the hang): keep it, add the diagnosis.
-        report.findings = [f for f in report.findings if not f.detail.get("partial")] + result.hang_findings
+        report.findings = [f for f in report.findings if not f.detail.get("partial")] + findings
         report.checks.append(check)
+    elif traces:
+        running = {r for r, t in traces.items() if t.finished is None}
+        outcomes = run_report.outcomes_from_traces(traces, world_size, True, running)
+        report = run_report.build_report(Path(report_dir), command_of(traces), world_size, traces, outcomes,
+                                         timeout, seconds, hang_findings=findings, stop_reason=note)
     else:
-        report = Report(command=f"distcheck watchdog --timeout {timeout:g} (node {host})",
-                        world_size=world_size or len(pids), findings=result.hang_findings, checks=[check])
+        report = Report(command="distcheck (under torchrun)", world_size=world_size, findings=findings,
+                        checks=[check])
     report.artifacts.update({files.STACKS_TXT: files.STACKS_TXT, files.STACKS_JSON: files.STACKS_JSON})
     write_report(report, out_dir)
-    for f in result.hang_findings:
+    for f in findings:
         log.warning("[%s] %s", f.kind, f.message)
-    terminate(list(pids.values()), grace=2.0)
-    return 1
+    sys.stderr.write(render_text(report, out_dir))  # the console of the job, through rank 0's stderr
+    sys.stderr.flush()
+
+
+def command_of(traces: dict) -> str:
+    """The user's distcheck command, from a rank's argv in its trace."""
+    for trace in traces.values():
+        argv = trace.meta.get("argv") or []
+        if len(argv) > 1 and str(argv[0]).endswith("__main__.py"):
+            return "distcheck " + " ".join(map(str, argv[1:]))
+    return "distcheck (under torchrun)"
 
 
 def _report_so_far(out_dir: Path):
@@ -149,8 +228,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--parent", type=int, default=0, help="pid of the rank that started this watcher")
     parser.add_argument("--world-size", type=int, default=None)
     parser.add_argument("--local-world-size", type=int, default=None)
+    parser.add_argument("--log", default=None, help="log file (default: stderr)")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format=f"[distcheck watcher {socket.gethostname()}] %(message)s")
+    logging.basicConfig(level=logging.INFO, format=f"[distcheck watcher {socket.gethostname()}] %(message)s",
+                        filename=args.log)
     return watch(args.report_dir, args.timeout, args.native, args.parent, args.world_size, args.local_world_size)
 
 

@@ -49,6 +49,7 @@ def supervised_run(opts: RunOptions, nproc: int, interrupt: Interrupt | None = N
                             dump=HangDump(native=opts.native, world_size=nproc), should_stop=should_stop,
                             interrupt=interrupt)
     result = supervisor.run()
+    files.tidy(report_dir)
     traces = load_traces(report_dir)
     outcomes, notes = run_report.outcomes_from_exits(result.exits, traces, report_dir)
     report = run_report.build_report(report_dir, opts.command, nproc, traces, outcomes, opts.timeout,

@@ -90,6 +90,9 @@ class TorchrunMonitor(threading.Thread):
                          startup_timeout=max(backstop(timeout), STARTUP_TIMEOUT), poll=0.2)
         result = loop.run()
         traces = self._traces()
+        if stopped_from_outside(self.report_dir, traces):
+            # torchrun passed a stop signal on: the node watcher, outside the ranks, reports it with every stack.
+            hard_exit(1)
         running = set(self._running(traces))
         outcomes = run_report.outcomes_from_traces(traces, self.world_size, result.state == HUNG, running)
         report = run_report.build_report(self.report_dir, self.opts.command, self.world_size, traces, outcomes,
@@ -100,6 +103,18 @@ class TorchrunMonitor(threading.Thread):
         if not self.main_done.is_set():
             time.sleep(0.5)  # let the other ranks see the marker
             hard_exit(self.exit_code)
+
+
+def stopped_from_outside(report_dir: Path, traces: dict[int, RankTrace]) -> bool:
+    """Whether a rank that did not finish its script dumped its stacks on a stop signal (rank/stack_hooks.py)."""
+    from distcheck.contract import files
+
+    for name in files.STOP_SIGNAL_NAMES:
+        for rank, path in files.rank_files(report_dir, f"stop_{name}").items():
+            trace = traces.get(rank)
+            if (trace is None or trace.finished is None) and path.stat().st_size:
+                return True
+    return False
 
 
 def _pid_alive(pid: object) -> bool:

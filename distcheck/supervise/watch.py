@@ -70,6 +70,10 @@ class Progress:
     def sizes(self) -> tuple[int, ...]:
         if self.ranks is None:  # whoever has a trace (the node watcher does not know the global ranks)
             return tuple(p.stat().st_size for p in files.rank_files(self.report_dir, "trace").values())
+        if not self.report_dir.is_dir():
+            # The report directory was removed or replaced under the run: no trace will appear, so no rank is
+            # "still starting" any more and the normal no-progress limit applies.
+            self._up.update(range(len(self.ranks)))
         out = []
         for i, r in enumerate(self.ranks):
             try:
@@ -131,6 +135,7 @@ class WatchLoop:
         while not self.cancel.wait(self.poll):
             now = time.monotonic()
             done = set(self.finished())
+            seen.update(done)  # a rank that finished was running once, even if no poll saw it live
             seen.update(self.live())
             if self._over(done, seen):
                 return WatchResult(DONE, seconds=now - started)

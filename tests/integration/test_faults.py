@@ -54,9 +54,11 @@ class Launch:
         try:
             out, err = self.proc.communicate(timeout=limit)
         except subprocess.TimeoutExpired:
+            ps = subprocess.run(["ps", "-eo", "pid,ppid,pgid,stat,args"], capture_output=True, text=True).stdout
+            ps = "\n".join(line[:160] for line in ps.splitlines() if "distcheck" in line or "tee" in line)
             os.killpg(self.proc.pid, signal.SIGKILL)
             out, err = self.proc.communicate()
-            raise AssertionError(f"the launcher did not end within {limit}s:\n{out}\n{err}") from None
+            raise AssertionError(f"the launcher did not end within {limit}s:\n{out}\n{err}\n{ps}") from None
         return self.proc.returncode, out, err, time.monotonic() - t0
 
     def cleanup(self) -> None:
@@ -196,5 +198,38 @@ def test_py_spy_missing_falls_back_to_faulthandler(tmp_path, line_of):
         (f,) = [f for f in load_report(out)["findings"] if f["kind"] == "hang"]
         assert set(f["detail"]["methods"].values()) == {"faulthandler"}
         assert f["ranks"] == [1] and f["detail"]["line"] == line_of("hang_python.py", "# HANG")
+    finally:
+        launch.cleanup()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_signal_to_torchrun_leaves_the_report(tmp_path, line_of, sig):
+    """torchrun's agent passes the signal on: each rank dumps its own stacks, the node watcher writes the report."""
+    from launch_helpers import BIN
+
+    out = tmp_path / "report"
+    proc = subprocess.Popen([str(BIN / "torchrun"), "--standalone", "--nproc-per-node=2", "-m", "distcheck", "run",
+                             "--timeout", "300", "--report-dir", str(out), "--", str(FIXTURES / "hang_python.py")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env_for_ranks(),
+                            start_new_session=True)
+    launch = Launch.__new__(Launch)
+    launch.proc = proc
+    try:
+        launch.wait_until(lambda: (out / "trace-rank0.jsonl").exists() and len(rank_pids(out)) == 2 and
+                          (out / "trace-rank0.jsonl").read_text().count('"ev":"start"') >= 2)
+        pids = rank_pids(out)
+        proc.send_signal(sig)
+        _, stdout, stderr, seconds = launch.finish(60)
+        assert seconds < 10 + 8
+        deadline = time.monotonic() + 10  # the node watcher writes right after the ranks are gone
+        while not (out / "report.json").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        report = load_report(out)
+        (f,) = report["findings"]
+        assert f["kind"] == "hang" and f["ranks"] == [1] and f["detail"]["stopped_by"] == sig.name
+        assert f"rank 1 is in load_shard (hang_python.py:{line_of('hang_python.py', '# HANG')})" in f["message"]
+        assert report["command"].startswith("distcheck run --timeout 300")
+        assert "distcheck FAILED" in stdout + stderr  # printed to the job's console
+        assert_no_rank_left(pids)
     finally:
         launch.cleanup()

@@ -101,3 +101,23 @@ def test_after_a_failure_the_others_get_the_failure_grace(tmp_path):
     result = WatchLoop(tmp_path, 30.0, live=lambda: {1: 2}, finished=lambda: {0}, expected=2,
                        failed=lambda: True, failure_grace=0.2, poll=0.01).run()
     assert result.state == HUNG and result.seconds < 5
+
+
+def test_without_an_expected_count_the_run_is_over_once_the_seen_ranks_are_gone(tmp_path):
+    """The node watcher's case: ranks that finished count as seen even when no poll caught them running."""
+    calls = []
+
+    def live():
+        calls.append(1)
+        return {0: 123} if len(calls) == 1 else {}  # alive for one call only (the finished() probe)
+
+    result = WatchLoop(tmp_path, 30.0, live=live, finished=lambda: {0} if len(calls) > 1 else set(),
+                       expected=None, poll=0.01).run()
+    assert result.state == DONE and result.seconds < 5
+
+
+def test_a_vanished_report_dir_ends_the_startup_allowance(tmp_path):
+    from distcheck.supervise.watch import Progress
+
+    prog = Progress(tmp_path / "gone", [0, 1])
+    assert not prog.starting(prog.sizes())
