@@ -3,6 +3,7 @@
 #   make test    the test suite, both tiers (what .ci/run runs)
 #   make test-unit   the unit tier alone (no process launched; seconds)
 #   make bench   the benchmarks quoted in README.md
+#   make soak    50 runs each of a correct FSDP2 and DDP script under distcheck run --nproc 2: zero findings
 # GPU users: make check TORCH_VERSION=2.13.0 TORCH_INDEX=https://download.pytorch.org/whl/cu128
 PYTHON ?= python3
 VENV ?= .venv
@@ -12,7 +13,7 @@ NPROC ?= 2
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(TORCH_VERSION)
 
-.PHONY: setup check test test-unit bench clean
+.PHONY: setup check test test-unit bench soak clean
 
 setup: $(STAMP)
 
@@ -37,6 +38,9 @@ test-unit: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m pip install --quiet -e ".[test,bench]"
 	$(PY) bench/run_all.py
+
+soak: $(STAMP)
+	$(PY) bench/soak.py
 
 clean:
 	rm -rf $(VENV) distcheck-report-* .pytest_cache

@@ -233,3 +233,40 @@ def test_a_stop_signal_to_torchrun_leaves_the_report(tmp_path, line_of, sig):
         assert_no_rank_left(pids)
     finally:
         launch.cleanup()
+
+
+def test_the_rendezvous_store_dying_with_torchruns_agent(tmp_path, line_of):
+    """torchrun's agent hosts the rendezvous store: SIGKILL it. The node watcher, outside the agent, still
+    diagnoses the hang, writes the report and ends the orphaned ranks."""
+    from launch_helpers import BIN
+
+    out = tmp_path / "report"
+    proc = subprocess.Popen([str(BIN / "torchrun"), "--standalone", "--nproc-per-node=2", "-m", "distcheck", "run",
+                             "--timeout", "4", "--report-dir", str(out), "--", str(FIXTURES / "hang_python.py")],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env_for_ranks(),
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 90
+        while not (len(rank_pids(out)) == 2 and "hang_python" in (out / "trace-rank1.jsonl").read_text()):
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.1)
+        pids = rank_pids(out)
+        proc.kill()  # the agent and its store are gone; the ranks are orphans now
+        proc.wait(timeout=10)
+        t0 = time.monotonic()
+        while not (out / "report.json").exists() and time.monotonic() - t0 < 60:
+            time.sleep(0.2)
+        assert time.monotonic() - t0 < 4 + 30, "no report after the store died"
+        (f,) = [f for f in load_report(out)["findings"] if f["kind"] == "hang"]
+        assert f["ranks"] == [1] and f["detail"]["line"] == line_of("hang_python.py", "# HANG")
+        assert_no_rank_left(pids)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        for pid in rank_pids(out).values():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
