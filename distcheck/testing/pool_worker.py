@@ -72,6 +72,7 @@ def main() -> int:
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     tee_stderr(os.environ["DISTCHECK_POOL_DIR"], rank)  # a failing or hung test quotes its stderr
+    faulthandler.enable(all_threads=True)  # a fatal signal prints the Python stack into that stderr
     stacks = open(Path(os.environ["DISTCHECK_POOL_DIR"]) / f"stacks-rank{rank}.txt", "w")
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     host, port = os.environ["DISTCHECK_POOL_ADDR"].rsplit(":", 1)

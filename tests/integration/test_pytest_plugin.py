@@ -79,3 +79,26 @@ def test_sum_{i}(dist_ctx):
     pytester.makepyfile(test_many="import pytest, torch, torch.distributed as dist\n" + body)
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-n", "2", timeout=240)
     result.assert_outcomes(passed=6)
+
+
+CRASHING = '''
+import ctypes, sys, pytest, torch.distributed as dist
+
+@pytest.mark.distributed(nprocs=2, timeout=30)
+def test_crashes_on_rank_1(dist_ctx):
+    if dist_ctx.rank == 1:
+        print("rank-one-about-to-crash", file=sys.stderr, flush=True)
+        ctypes.string_at(0)
+    dist.barrier()
+'''
+
+
+def test_a_rank_that_dies_shows_its_stderr(pytester):
+    pytester.makepyfile(test_crash=CRASHING)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", timeout=240)
+    result.assert_outcomes(failed=1)
+    out = result.stdout.str()
+    assert "rank 1 exited with code -11" in out
+    stderr_part = out[out.index("[rank 1] stderr (last"):]
+    assert "rank-one-about-to-crash" in stderr_part and "Segmentation fault" in stderr_part
+    assert "test_crash.py" in stderr_part  # faulthandler's stack names the test's line
