@@ -69,18 +69,28 @@ class Launch:
         self.proc.wait(timeout=10)
 
 
+def stuck(out: Path) -> bool:
+    """hang_python.py's ranks are in place: rank 1 sleeps in load_shard, rank 0 waits in all_reduce #2."""
+    trace = out / "trace-rank0.jsonl"
+    return trace.exists() and trace.read_text().count('"ev":"start"') >= 2 and len(rank_pids(out)) == 2
+
+
 def hanging(tmp_path: Path, timeout: str = "300", env: dict[str, str] | None = None) -> tuple[Launch, Path]:
-    """hang_python.py under run --nproc 2: rank 1 sleeps in load_shard, rank 0 waits in all_reduce #2."""
+    """hang_python.py under run --nproc 2, once its ranks are stuck."""
     out = tmp_path / "report"
     launch = Launch(["run", "--nproc", "2", "--timeout", timeout, "--report-dir", str(out), "--",
                      str(FIXTURES / "hang_python.py")], env)
-
-    def stuck() -> bool:
-        trace = out / "trace-rank0.jsonl"
-        return trace.exists() and trace.read_text().count('"ev":"start"') >= 2 and len(rank_pids(out)) == 2
-
-    launch.wait_until(stuck)
+    launch.wait_until(lambda: stuck(out))
     return launch, out
+
+
+def torchrun_hanging(out: Path, timeout: str, **popen) -> subprocess.Popen:
+    """hang_python.py under ``torchrun -m distcheck run``, in its own session (signals reach the agent only)."""
+    from launch_helpers import BIN
+
+    return subprocess.Popen([str(BIN / "torchrun"), "--standalone", "--nproc-per-node=2", "-m", "distcheck", "run",
+                             "--timeout", timeout, "--report-dir", str(out), "--", str(FIXTURES / "hang_python.py")],
+                            env=env_for_ranks(), start_new_session=True, **popen)
 
 
 def assert_no_rank_left(pids: dict[int, int]) -> None:
@@ -205,18 +215,12 @@ def test_py_spy_missing_falls_back_to_faulthandler(tmp_path, line_of):
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_a_stop_signal_to_torchrun_leaves_the_report(tmp_path, line_of, sig):
     """torchrun's agent passes the signal on: each rank dumps its own stacks, the node watcher writes the report."""
-    from launch_helpers import BIN
-
     out = tmp_path / "report"
-    proc = subprocess.Popen([str(BIN / "torchrun"), "--standalone", "--nproc-per-node=2", "-m", "distcheck", "run",
-                             "--timeout", "300", "--report-dir", str(out), "--", str(FIXTURES / "hang_python.py")],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env_for_ranks(),
-                            start_new_session=True)
+    proc = torchrun_hanging(out, "300", stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     launch = Launch.__new__(Launch)
     launch.proc = proc
     try:
-        launch.wait_until(lambda: (out / "trace-rank0.jsonl").exists() and len(rank_pids(out)) == 2 and
-                          (out / "trace-rank0.jsonl").read_text().count('"ev":"start"') >= 2)
+        launch.wait_until(lambda: stuck(out))
         pids = rank_pids(out)
         proc.send_signal(sig)
         _, stdout, stderr, seconds = launch.finish(60)
@@ -238,16 +242,11 @@ def test_a_stop_signal_to_torchrun_leaves_the_report(tmp_path, line_of, sig):
 def test_the_rendezvous_store_dying_with_torchruns_agent(tmp_path, line_of):
     """torchrun's agent hosts the rendezvous store: SIGKILL it. The node watcher, outside the agent, still
     diagnoses the hang, writes the report and ends the orphaned ranks."""
-    from launch_helpers import BIN
-
     out = tmp_path / "report"
-    proc = subprocess.Popen([str(BIN / "torchrun"), "--standalone", "--nproc-per-node=2", "-m", "distcheck", "run",
-                             "--timeout", "4", "--report-dir", str(out), "--", str(FIXTURES / "hang_python.py")],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env_for_ranks(),
-                            start_new_session=True)
+    proc = torchrun_hanging(out, "4", stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 90
-        while not (len(rank_pids(out)) == 2 and "hang_python" in (out / "trace-rank1.jsonl").read_text()):
+        while not stuck(out):
             assert time.monotonic() < deadline and proc.poll() is None
             time.sleep(0.1)
         pids = rank_pids(out)

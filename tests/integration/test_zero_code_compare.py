@@ -5,9 +5,6 @@ from __future__ import annotations
 import pytest
 from launch_helpers import FIXTURES, distcheck, load_report
 
-from distcheck.rank import autocheck
-
-from distcheck.rank import records
 from distcheck.analysis.records import load_rank
 
 
@@ -60,23 +57,3 @@ def test_loss_summed_over_local_batch_is_reference_mismatch(line_of, tmp_path):
     step = line_of("zc_cmp_loss_sum.py", "opt.step()")
     assert [r["status"] for r in params] == ["MISMATCH"] * 2 and params[0]["site"] == f"zc_cmp_loss_sum.py:{step}"
     assert "reference_mismatch" in res.stdout
-
-
-# -- the hooks in this process (no process group) ----------------------------------------------------------------
-
-@pytest.fixture
-def auto_recording(tmp_path, monkeypatch):
-    """autocheck installed as in a rank of `distcheck compare` with K = 2, writing records into tmp_path."""
-    monkeypatch.setenv("DISTCHECK_REPORT_DIR", str(tmp_path))
-    monkeypatch.setenv("RANK", "0")
-    monkeypatch.setenv("DISTCHECK_AUTOCHECK", "1")
-    monkeypatch.setenv(records.ENV_AUTO_STEPS, "2")
-    records.reset()
-    check = autocheck.install(tmp_path, 0)
-    try:
-        yield tmp_path, check
-    finally:
-        autocheck.uninstall()
-        records.reset()
-
-
