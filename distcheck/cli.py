@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import re
 import sys
 from typing import NoReturn, Sequence
 
@@ -61,14 +62,33 @@ def build_parser(command: str | None = None) -> OneLineParser:
     return parser
 
 
+def join_negative_values(argv: list[str]) -> list[str]:
+    """``--shape -1,4`` -> ``--shape=-1,4``: argparse takes a value starting with "-" for an option unless it looks
+    like a plain negative number, so the documented form would fail with "expected one argument"."""
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--":
+            return out + argv[i:]
+        if arg.startswith("--") and "=" not in arg and i + 1 < len(argv) and re.match(r"^-\d", argv[i + 1]):
+            out.append(f"{arg}={argv[i + 1]}")
+            i += 2
+            continue
+        out.append(arg)
+        i += 1
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    typed = list(sys.argv[1:] if argv is None else argv)
+    argv = join_negative_values(typed)
     parser = build_parser(next((a for a in argv if not a.startswith("-")), None))
     args = parser.parse_args(argv)
     if not getattr(args, "command", None):
         parser.print_help(sys.stderr)
         return EXIT_USAGE
-    args.argv = argv
+    args.argv = typed  # report.json's "command": as the user typed it
     try:
         return int(args._module.main(args))
     except UsageError as exc:

@@ -7,8 +7,11 @@ builds options itself (compare building the options of its runs) cannot forget a
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+
+from distcheck.errors import UsageError
 
 # Set by the launcher for the ranks it starts: a rank under it leaves watching and reporting to the launcher.
 ENV_SUPERVISED = "DISTCHECK_SUPERVISED"
@@ -49,3 +52,64 @@ class ConsistencyOptions:
     rtol: float | None
     atol: float | None
     command: str
+
+
+# -- numeric options: every value finite and in range, or one line naming the flag and an example ---------------
+
+def seconds(flag: str, value: object) -> float:
+    """A positive, finite number of seconds (``--timeout``): nan, inf, 0 and negatives are bad input."""
+    try:
+        number = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        number = float("nan")
+    if not (math.isfinite(number) and number > 0):
+        raise UsageError(f"{flag} {value}: expected a finite number of seconds > 0, e.g. {flag} 300")
+    return number
+
+
+def tolerance(flag: str, value: object) -> float | None:
+    """A finite tolerance >= 0 (``--rtol``/``--atol``), or None when not given."""
+    if value is None:
+        return None
+    try:
+        number = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        number = float("nan")
+    if not (math.isfinite(number) and number >= 0):
+        raise UsageError(f"{flag} {value!r}: expected a finite number >= 0, e.g. {flag} 1e-4")
+    return number
+
+
+def count(flag: str, value: object, minimum: int = 1, maximum: int | None = None) -> int:
+    """A whole number in [minimum, maximum] (``--steps``, ``--nproc``)."""
+    text = str(value).strip()
+    if not text.isdigit() or int(text) < minimum or (maximum is not None and int(text) > maximum):
+        upper = f" and <= {maximum}" if maximum is not None else ""
+        raise UsageError(f"{flag} {value!r}: expected a whole number >= {minimum}{upper}")
+    return int(text)
+
+
+def capacity() -> tuple[int, str]:
+    """How many ranks this machine can run: one per GPU where CUDA has devices, else 4 per CPU core."""
+    import os
+
+    try:
+        import torch
+
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:  # no usable torch: the CPU bound still applies
+        gpus = 0
+    if gpus:
+        return gpus, f"this machine has {gpus} GPU{'s' if gpus != 1 else ''}"
+    cores = os.cpu_count() or 1
+    return 4 * cores, f"this machine has no GPU and {cores} CPU core{'s' if cores != 1 else ''} (4 ranks a core)"
+
+
+def check_capacity(nprocs: list[int] | tuple[int, ...], oversubscribe: bool) -> None:
+    """More ranks than the machine can run would start interpreters until the machine stops: exit 2 instead."""
+    if oversubscribe or not nprocs:
+        return
+    limit, why = capacity()
+    if max(nprocs) > limit:
+        raise UsageError(f"--nproc {max(nprocs)}: {why}, so it runs at most {limit} ranks: use --nproc {limit} or "
+                         "less, or pass --oversubscribe to start them anyway")

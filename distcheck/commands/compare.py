@@ -21,12 +21,11 @@ compared. Rows, findings and the table say which values were recorded automatica
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 
 from distcheck.errors import UsageError
-from distcheck.options import ENV_SUPERVISED, CompareOptions, RunOptions
+from distcheck.options import ENV_SUPERVISED, CompareOptions, RunOptions, check_capacity, seconds, tolerance
 
 DEFAULT_TIMEOUT = 300.0
 
@@ -38,10 +37,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--atol", type=str, default=None, help="absolute tolerance (default: by dtype)")
     parser.add_argument("--steps", type=str, default=None,
                         help="compare only the first K steps (automatic records: the first K steps, default 3)")
-    parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT,
+    parser.add_argument("--timeout", default=DEFAULT_TIMEOUT,
                         help="no-progress limit in seconds for each run (default 300)")
     parser.add_argument("--report-dir", default=None, help="report directory (default: distcheck-report-<time>)")
     parser.add_argument("--native", action="store_true", help="include native frames in hang stack dumps")
+    parser.add_argument("--oversubscribe", action="store_true",
+                        help="start the ranks even when that is more than the machine can run")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, metavar="-- SCRIPT [ARGS...]",
                         help="the Python script to run, and its arguments")
 
@@ -59,15 +60,7 @@ def parse_nproc(text: str) -> list[int]:
 
 
 def parse_tolerance(flag: str, text: str | None) -> float | None:
-    if text is None:
-        return None
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not (value >= 0 and math.isfinite(value)):
-        raise UsageError(f"{flag} {text!r}: expected a finite number >= 0, e.g. {flag} 1e-4")
-    return value
+    return tolerance(flag, text)
 
 
 def parse_steps(text: str | None) -> int | None:
@@ -87,10 +80,9 @@ def options(args: argparse.Namespace) -> CompareOptions:
     rtol = parse_tolerance("--rtol", args.rtol)
     atol = parse_tolerance("--atol", args.atol)
     steps = parse_steps(args.steps)
-    if args.timeout is None or not args.timeout > 0:
-        raise UsageError(f"--timeout {args.timeout} must be a positive number of seconds")
+    timeout = seconds("--timeout", args.timeout)
     script, script_args = validate_script(list(args.script_args))
-    run = RunOptions(script, tuple(script_args), None, args.timeout, args.report_dir, args.native,
+    run = RunOptions(script, tuple(script_args), None, timeout, args.report_dir, args.native,
                      command_line(args.argv))
     return CompareOptions(run, tuple(nprocs), rtol, atol, steps)
 
@@ -100,6 +92,7 @@ def main(args: argparse.Namespace) -> int:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ and os.environ.get(ENV_SUPERVISED) != "1":
         raise UsageError("compare launches its own ranks (1, then N): run it with python -m distcheck compare, "
                          "not under torchrun")
+    check_capacity(opts.nprocs, args.oversubscribe)
     from distcheck.contract.report import render_text
     from distcheck.supervise.compare_runs import compare
     from distcheck.supervise.signals import StopNow, StopSignals
@@ -112,4 +105,8 @@ def main(args: argparse.Namespace) -> int:
         return 1
     sys.stdout.write(render_text(report, report_dir))
     sys.stdout.flush()
+    nothing = next((c for c in report.checks if c.name == "records" and not c.ok), None)
+    if nothing is not None:  # both runs completed and neither recorded anything: nothing was compared
+        sys.stderr.write(f"distcheck: error: nothing to compare: {nothing.note}\n")
+        return 2
     return report.exit_code

@@ -18,8 +18,9 @@ from distcheck.checks import consistency
 
 from distcheck.rank import runtime
 from distcheck.cli import command_line
+from distcheck.contract import files
 from distcheck.errors import UsageError
-from distcheck.options import ConsistencyOptions
+from distcheck.options import ConsistencyOptions, count, seconds, tolerance
 from distcheck.checks.models import BUILTIN, load_factory
 from distcheck.checks.parallelize import MODES
 from distcheck.contract.report import (Report, default_report_dir, load_report, prepare_report_dir, render_text,
@@ -32,13 +33,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default: the built-in small transformer)")
     parser.add_argument("--parallel", default="fsdp", choices=MODES,
                         help="fsdp: FSDP2 fully_shard per block and root (default); ddp; tp (built-in model)")
-    parser.add_argument("--steps", type=int, default=3, help="optimizer steps compared with the reference")
+    parser.add_argument("--steps", default=3, help="optimizer steps compared with the reference")
     parser.add_argument("--report-dir", default=None, help="default: ./distcheck-report-<timestamp>/")
-    parser.add_argument("--timeout", type=float, default=300.0,
+    parser.add_argument("--timeout", default=300.0,
                         help="no-progress limit in seconds: then every rank's stack is dumped and the run ends")
     parser.add_argument("--native", action="store_true", help="include native frames in hang stack dumps")
-    parser.add_argument("--rtol", type=float, default=None, help="relative tolerance (default: by dtype)")
-    parser.add_argument("--atol", type=float, default=None, help="absolute tolerance (default: by dtype)")
+    parser.add_argument("--rtol", default=None, help="relative tolerance (default: by dtype)")
+    parser.add_argument("--atol", default=None, help="absolute tolerance (default: by dtype)")
 
 
 def _on_sigterm(signum, frame):
@@ -53,13 +54,15 @@ def _shared_report_dir(session: runtime.Session, given: Path | None) -> Path:
     return prepare_report_dir(name)
 
 
+def _clear_earlier_run(session: runtime.Session, report_dir: Path) -> None:
+    if session.rank == 0:
+        files.clear_shared(report_dir)
+
+
 def options(args: argparse.Namespace) -> ConsistencyOptions:
-    if args.steps < 1:
-        raise UsageError(f"--steps {args.steps}: must be at least 1")
-    if args.timeout <= 0:
-        raise UsageError(f"--timeout {args.timeout:g}: must be positive")
-    return ConsistencyOptions(args.model, args.parallel, args.steps, args.timeout, args.report_dir, args.native,
-                              args.rtol, args.atol, command_line(args.argv))
+    return ConsistencyOptions(args.model, args.parallel, count("--steps", args.steps), seconds("--timeout", args.timeout),
+                              args.report_dir, args.native, tolerance("--rtol", args.rtol),
+                              tolerance("--atol", args.atol), command_line(args.argv))
 
 
 def main(args: argparse.Namespace) -> int:
@@ -73,6 +76,7 @@ def main(args: argparse.Namespace) -> int:
     watcher = None
     try:
         report_dir = _shared_report_dir(session, given)
+        _clear_earlier_run(session, report_dir)
         from distcheck.rank.bootstrap import rank_bootstrap
 
         # Traces (progress, last collectives) and, on local rank 0, a watcher process outside the ranks that dumps

@@ -25,18 +25,21 @@ import sys
 from pathlib import Path
 
 from distcheck.errors import UsageError
-from distcheck.options import ENV_SUPERVISED, RunOptions
+from distcheck.options import ENV_SUPERVISED, RunOptions, check_capacity, count, seconds
 
 DEFAULT_TIMEOUT = 300.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--nproc", type=int, default=None,
+    parser.add_argument("--nproc", default=None,
                         help="launch this many ranks on this machine (default: 1, or the ranks of torchrun)")
-    parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT,
+    parser.add_argument("--timeout", default=DEFAULT_TIMEOUT,
                         help="no-progress limit in seconds: after it the run is declared hung (default 300)")
     parser.add_argument("--report-dir", default=None, help="report directory (default: distcheck-report-<time>)")
     parser.add_argument("--native", action="store_true", help="include native frames in hang stack dumps")
+    parser.add_argument("--oversubscribe", action="store_true",
+                        help="start --nproc ranks even when that is more than the machine can run (one per GPU, "
+                             "else 4 per CPU core)")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, metavar="-- SCRIPT [ARGS...]",
                         help="the Python script to run on every rank, and its arguments")
 
@@ -59,6 +62,14 @@ def validate_script(script_args: list[str]) -> tuple[Path, list[str]]:
         if not (head.startswith(b"#!") and b"python" in head):
             raise UsageError(f"script {str(script)!r} is not a Python file: pass a .py file "
                              "(or a script with a python #! line)")
+    try:
+        # Compiled once here, before any rank starts: a syntax error is bad input, not a crash on every rank.
+        compile(script.read_bytes(), str(script), "exec")
+    except SyntaxError as exc:
+        raise UsageError(f"{script}:{exc.lineno}: syntax error: {exc.msg}: fix the script before running it") \
+            from None
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"script {str(script)!r} cannot be read as Python ({exc}): pass a Python script") from None
     return script.resolve(), script_args[1:]
 
 
@@ -66,12 +77,10 @@ def options(args: argparse.Namespace) -> RunOptions:
     """argv -> RunOptions, or a UsageError naming the problem and the fix."""
     from distcheck.cli import command_line
 
+    timeout = seconds("--timeout", args.timeout)
+    nproc = count("--nproc", args.nproc) if args.nproc is not None else None
     script, script_args = validate_script(list(args.script_args))
-    if args.timeout is None or args.timeout <= 0:
-        raise UsageError(f"--timeout {args.timeout} must be a positive number of seconds")
-    if args.nproc is not None and args.nproc < 1:
-        raise UsageError(f"--nproc {args.nproc} must be at least 1")
-    return RunOptions(script, tuple(script_args), args.nproc, args.timeout, args.report_dir, args.native,
+    return RunOptions(script, tuple(script_args), nproc, timeout, args.report_dir, args.native,
                       command_line(args.argv))
 
 
@@ -81,6 +90,8 @@ def in_torchrun() -> bool:
 
 def main(args: argparse.Namespace) -> int:
     opts = options(args)
+    if not in_torchrun() and opts.nproc is not None:
+        check_capacity([opts.nproc], args.oversubscribe)
     if in_torchrun():
         if opts.nproc is not None and os.environ.get(ENV_SUPERVISED) != "1":
             raise UsageError("--nproc is for launching ranks yourself; under torchrun drop it "

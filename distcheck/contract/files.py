@@ -107,6 +107,13 @@ def remove_empty_rank_files(report_dir: str | os.PathLike, rank: int) -> None:
             pass
 
 
+def clear_shared(report_dir: str | os.PathLike) -> None:
+    """Before a run writes into a reused directory: the earlier run's report, Chrome trace and stack dumps go
+    (a stale stacks.txt next to a new PASSED report would contradict it). Only distcheck's own files."""
+    for name in (REPORT_JSON, REPORT_TXT, CHROME_TRACE, STACKS_TXT, STACKS_JSON):
+        (Path(report_dir) / name).unlink(missing_ok=True)
+
+
 def tidy(report_dir: str | os.PathLike) -> None:
     """Once every rank has ended: the empty dump files of every rank and the stack-hook files (only meaningful
     while their process runs) go; what remains is the run's artifacts."""

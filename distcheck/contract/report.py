@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from distcheck.errors import UsageError
-from distcheck.contract.findings import CheckResult, Finding, Note, format_ranks, jsonable
+from distcheck.contract.findings import KINDS, CheckResult, Finding, Note, format_ranks, jsonable
 
 # Contract keys of report.json; extra data (placement tables, ...) goes under other keys and never replaces these.
 CONTRACT_KEYS = ("tool", "version", "command", "ok", "world_size", "findings", "checks", "artifacts")
@@ -117,11 +117,21 @@ def render_text(report: Report, report_dir: str | os.PathLike | None = None) -> 
     return "\n".join(lines) + "\n"
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+_UMASK = _umask()
+
+
 def atomic_write(path: str | os.PathLike, text: str) -> None:
     """Write via a temporary file in the same directory and rename, so readers never see half a file."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
+        os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp makes 0600; reports are shared like every other file (CI artifacts)
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
             fh.write(text)
         os.replace(tmp, path)
@@ -133,9 +143,11 @@ def atomic_write(path: str | os.PathLike, text: str) -> None:
         raise
 
 
-def default_report_dir(now: float | None = None) -> Path:
+def default_report_dir(now: float | None = None, suffix: str | int | None = None) -> Path:
+    """``distcheck-report-<timestamp>-<suffix>``: the suffix (by default this process's pid) keeps two commands
+    started in the same second apart; ranks that must agree pass a shared one (their torchrun agent's pid)."""
     stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now if now is not None else time.time()))
-    return Path.cwd() / f"distcheck-report-{stamp}"
+    return Path.cwd() / f"distcheck-report-{stamp}-{os.getpid() if suffix is None else suffix}"
 
 
 def prepare_report_dir(path: str | os.PathLike | None) -> Path:
@@ -175,10 +187,51 @@ def write_report(report: Report, report_dir: str | os.PathLike) -> Path | None:
 
 
 def load_report(report_dir: str | os.PathLike) -> Report:
+    """Read and validate a report.json; anything that does not follow the contract is a UsageError naming the
+    field, never a report that passes."""
     path = Path(report_dir) / "report.json"
     try:
-        return Report.from_json(json.loads(path.read_text()))
+        data = json.loads(path.read_text())
     except FileNotFoundError:
         raise UsageError(f"{path} does not exist: pass a directory written by distcheck --report-dir") from None
     except json.JSONDecodeError as exc:
         raise UsageError(f"{path} is not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    problem = contract_problem(data)
+    if problem:
+        raise UsageError(f"{path} is not a distcheck report: {problem} (re-run the distcheck command that writes it)")
+    return Report.from_json(data)
+
+
+def contract_problem(data: Any) -> str | None:
+    """What makes ``data`` not a report.json of the contract (the first problem found), or None."""
+    if not isinstance(data, dict):
+        return f"the top level must be an object, not {type(data).__name__}"
+    if data.get("tool") != "distcheck":
+        return f"'tool' must be \"distcheck\", not {data.get('tool')!r}"
+    types = {"version": str, "command": str, "ok": bool, "world_size": int, "findings": list, "checks": list,
+             "artifacts": dict}
+    for key, kind in types.items():
+        if key not in data:
+            return f"'{key}' is missing"
+        value = data[key]
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            return f"'{key}' must be {kind.__name__}, not {type(value).__name__}"
+    for i, f in enumerate(data["findings"]):
+        where = f"findings[{i}]"
+        if not isinstance(f, dict):
+            return f"{where} must be an object"
+        if f.get("kind") not in KINDS:
+            return f"{where}.kind {f.get('kind')!r} is not one of the contract's kinds"
+        if not isinstance(f.get("ranks"), list) or not all(isinstance(r, int) for r in f["ranks"]):
+            return f"{where}.ranks must be a list of integers"
+        if not isinstance(f.get("message"), str) or not isinstance(f.get("detail", {}), dict):
+            return f"{where} needs a string 'message' and an object 'detail'"
+    for i, c in enumerate(data["checks"]):
+        if not (isinstance(c, dict) and isinstance(c.get("name"), str) and isinstance(c.get("ok"), bool)
+                and isinstance(c.get("seconds"), (int, float))):
+            return f"checks[{i}] must be an object with 'name' (string), 'ok' (boolean) and 'seconds' (number)"
+    if data["ok"] and (data["findings"] or not all(c["ok"] for c in data["checks"])):
+        return "'ok' is true although it holds findings or failed checks"
+    if not data["ok"] and not data["findings"] and all(c["ok"] for c in data["checks"]):
+        return "'ok' is false but no finding or failed check says why"
+    return None

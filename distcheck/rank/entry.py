@@ -56,6 +56,7 @@ def run_in_rank(opts: RunOptions) -> int:
     done_marker = report_done_marker(report_dir)
     if not supervised and info.rank == 0:
         done_marker.unlink(missing_ok=True)
+        files.clear_shared(report_dir)
     finalizer = None
     main_done = threading.Event()
     if not supervised:
@@ -93,7 +94,7 @@ def _torchrun_default_dir() -> Path:
         ticks = int(Path(f"/proc/{os.getppid()}/stat").read_text().rsplit(")", 1)[1].split()[19])
         btime = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
                      if line.startswith("btime"))
-        return default_report_dir(btime + ticks / os.sysconf("SC_CLK_TCK"))
+        return default_report_dir(btime + ticks / os.sysconf("SC_CLK_TCK"), suffix=os.getppid())
     except (OSError, ValueError, IndexError, StopIteration):
         run_id = os.environ.get("TORCHELASTIC_RUN_ID", "run")
         return Path.cwd() / f"distcheck-report-{run_id}"

@@ -32,8 +32,7 @@ def supervised_run(opts: RunOptions, nproc: int, interrupt: Interrupt | None = N
     """Launch, watch and report one run of ``opts.script`` on ``nproc`` ranks; returns the written report."""
     report_dir = prepare_report_dir(opts.report_dir).resolve()
     run_report.clean(report_dir, range(nproc))
-    for name in (files.REPORT_JSON, files.REPORT_TXT, files.CHROME_TRACE, files.STACKS_TXT, files.STACKS_JSON):
-        (report_dir / name).unlink(missing_ok=True)
+    files.clear_shared(report_dir)
     argv = [sys.executable, "-m", "distcheck", "run", "--timeout", str(opts.timeout),
             "--report-dir", str(report_dir), "--", str(opts.script), *opts.script_args]
     env = dict(os.environ)

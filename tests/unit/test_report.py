@@ -54,3 +54,28 @@ def test_nan_in_detail_stays_valid_json(tmp_path):
     report = Report("x", 1, [Finding("bad_values", [0], "nan", {"v": float("nan")})])
     write_report(report, tmp_path)
     assert json.loads((tmp_path / "report.json").read_text())["findings"][0]["detail"]["v"] == "nan"
+
+
+def test_report_files_follow_the_umask_and_default_dirs_are_unique(tmp_path, monkeypatch):
+    import os
+    import stat
+
+    from distcheck.contract.report import Report, default_report_dir, write_report
+
+    write_report(Report("distcheck run", 2), tmp_path)
+    mask = os.umask(0)
+    os.umask(mask)
+    for name in ("report.json", "report.txt"):
+        assert stat.S_IMODE((tmp_path / name).stat().st_mode) == 0o666 & ~mask
+    monkeypatch.chdir(tmp_path)
+    assert default_report_dir(0.0) != default_report_dir(0.0, suffix=1)  # same second, two commands
+    assert default_report_dir(0.0).name.endswith(f"-{os.getpid()}")
+
+
+def test_clear_shared_removes_only_distchecks_earlier_report(tmp_path):
+    from distcheck.contract import files
+
+    for name in ("report.json", "report.txt", "trace.json", "stacks.txt", "stacks.json", "notes.txt", "model.pt"):
+        (tmp_path / name).write_text("x")
+    files.clear_shared(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.pt", "notes.txt"]

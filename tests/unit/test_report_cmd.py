@@ -131,3 +131,24 @@ def test_bad_input_exits_2_with_one_line(tmp_path, cli):
     (b / "stacks.json").write_text(json.dumps({"format": "something-else"}))
     res = cli(["report", str(a), str(b)])
     assert res.returncode == 2 and "is not a valid stack dump" in res.stderr and "Traceback" not in res.stderr
+
+
+@pytest.mark.parametrize("document,problem", [
+    ({}, "'tool' must be \"distcheck\""),
+    ([1, 2], "the top level must be an object, not list"),
+    ({"tool": "distcheck", "version": "0", "command": "c", "ok": True, "world_size": 2, "findings": "x",
+      "checks": [], "artifacts": {}}, "'findings' must be list, not str"),
+    ({"tool": "distcheck", "version": "0", "command": "c", "ok": True, "world_size": 2,
+      "findings": [{"kind": "oops", "ranks": [0], "message": "m", "detail": {}}], "checks": [], "artifacts": {}},
+     "findings[0].kind 'oops' is not one of the contract's kinds"),
+    ({"tool": "distcheck", "version": "0", "command": "c", "ok": True, "world_size": 2,
+      "findings": [{"kind": "hang", "ranks": [0], "message": "m", "detail": {}}], "checks": [], "artifacts": {}},
+     "'ok' is true although it holds findings"),
+    ({"tool": "distcheck", "version": "0", "command": "c", "ok": True, "world_size": 2, "findings": [],
+      "checks": [{"name": "x"}], "artifacts": {}}, "checks[0] must be an object with 'name'"),
+])
+def test_a_report_json_off_the_contract_is_exit_2_naming_the_field_never_passed(tmp_path, cli, document, problem):
+    (tmp_path / "report.json").write_text(json.dumps(document))
+    res = cli(["report", str(tmp_path)])
+    assert res.returncode == 2 and res.stderr.count("\n") == 1 and "PASSED" not in res.stdout
+    assert "is not a distcheck report: " + problem in res.stderr and "Traceback" not in res.stderr
