@@ -90,15 +90,21 @@ def count(flag: str, value: object, minimum: int = 1, maximum: int | None = None
 
 
 def capacity() -> tuple[int, str]:
-    """How many ranks this machine can run: one per GPU where CUDA has devices, else 4 per CPU core."""
+    """How many ranks this machine can run: one per GPU where there are GPUs, else 4 per CPU core.
+
+    Read from the driver's /proc entries and CUDA_VISIBLE_DEVICES rather than by importing torch: the launcher
+    imports torch only once the ranks are started, so that the two imports overlap.
+    """
     import os
 
+    gpus = 0
     try:
-        import torch
-
-        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    except Exception:  # no usable torch: the CPU bound still applies
-        gpus = 0
+        gpus = len(os.listdir("/proc/driver/nvidia/gpus"))
+    except OSError:
+        pass
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if gpus and visible is not None:
+        gpus = min(gpus, len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"]))
     if gpus:
         return gpus, f"this machine has {gpus} GPU{'s' if gpus != 1 else ''}"
     cores = os.cpu_count() or 1

@@ -115,9 +115,7 @@ def install_rank_hooks(report_dir: str | os.PathLike, rank: int | None = None,
     faulthandler.register(sig, file=_hook_file, all_threads=True, chain=False)
     # A fatal signal (SIGSEGV in a custom op, SIGABRT in torch's teardown) prints every thread's Python stack to
     # stderr, which the report quotes (rank/stderr_tee.py): the line where the rank died.
-    import sys
-
-    faulthandler.enable(file=sys.stderr, all_threads=True)
+    faulthandler.enable(file=2, all_threads=True)  # the descriptor: sys.stderr may be a capture without one
     if stop_dumps:
         # Under torchrun a stop signal to the agent reaches every rank: each dumps its own stacks before dying
         # (a C-level handler, so a rank blocked in a collective dumps too), for the node watcher's report.
