@@ -10,10 +10,10 @@ torch's rendezvous protocol, though: the supervisor hosts the TCPStore and sets 
 exactly like torchrun's agent, so ``init_process_group()`` in the user's script behaves as under torchrun, and
 there is no free-port race (the store binds port 0 and we pass on the port it got).
 
-Progress is anything a rank writes to its trace file (a collective starting or completing) or a rank exiting.
-After ``timeout`` seconds without progress the run is hung: ``on_hang(pids, report_dir)`` (the stack-dumping
-watchdog) runs while the ranks are still alive, then the ranks are killed. ``should_stop`` lets the caller end a
-run early that can provably not progress (a rank waits in a collective a finished peer never issued).
+Watching is the one watch loop's (supervise/watch.py): on a hang, or a stop signal (``interrupt``), it dumps every
+rank's stack while the ranks are still alive (``dump``), then the ranks are ended here with the one kill routine
+(supervise/procs.terminate). ``should_stop`` lets the caller end a run early that can provably not progress (a
+rank waits in a collective a finished peer never issued).
 """
 from __future__ import annotations
 

@@ -69,7 +69,13 @@ class Progress:
 
     def sizes(self) -> tuple[int, ...]:
         if self.ranks is None:  # whoever has a trace (the node watcher does not know the global ranks)
-            return tuple(p.stat().st_size for p in files.rank_files(self.report_dir, "trace").values())
+            sizes = []
+            for path in files.rank_files(self.report_dir, "trace").values():
+                try:
+                    sizes.append(path.stat().st_size)
+                except OSError:  # removed since the listing
+                    continue
+            return tuple(sizes)
         if not self.report_dir.is_dir():
             # The report directory was removed or replaced under the run: no trace will appear, so no rank is
             # "still starting" any more and the normal no-progress limit applies.
