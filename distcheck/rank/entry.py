@@ -25,7 +25,7 @@ from distcheck.rank import sink
 from distcheck.rank.bootstrap import rank_bootstrap
 from distcheck.rank.stack_hooks import remove_rank_hooks
 from distcheck.rank.usersite import traceback_site
-from distcheck.rank.runtime import end_rank
+from distcheck.rank.runtime import end_rank, hard_exit
 from distcheck.supervise.torchrun_monitor import TorchrunMonitor, report_done_marker
 
 log = logging.getLogger("distcheck")
@@ -68,11 +68,14 @@ def run_in_rank(opts: RunOptions) -> int:
     tracer.note({"ev": "exit", "ok": ok, "code": code})
     main_done.set()
     remove_rank_hooks(report_dir, info.rank)
-    # Every rank ends through end_rank: the script has returned and everything is flushed, and torch's own
-    # interpreter teardown (gloo threads destroyed while joinable: "terminate called without an active exception",
-    # SIGABRT) would otherwise turn a correct script into a dead rank.
+    # A rank whose script returned ends through end_rank (everything is flushed): torch's own interpreter teardown
+    # (gloo threads destroyed while joinable: "terminate called without an active exception", SIGABRT) would
+    # otherwise turn a correct script into a dead rank. A failed one ends through hard_exit, skipping its atexit
+    # handlers too, which may wait on dead peers.
     if supervised:
-        end_rank(0 if ok else code or 1)
+        if ok:
+            end_rank(0)
+        hard_exit(code or 1)
     assert finalizer is not None
     if info.rank == 0:
         finalizer.join()  # it writes the report once every rank has finished, failed or stopped progressing
@@ -83,7 +86,8 @@ def run_in_rank(opts: RunOptions) -> int:
         deadline = time.monotonic() + opts.timeout + 30
         while time.monotonic() < deadline and not done_marker.exists():
             time.sleep(0.1)
-    end_rank(0 if ok else code or 1)
+        hard_exit(code or 1)
+    end_rank(0)
     return 0  # not reached
 
 
