@@ -24,6 +24,8 @@ from multiprocessing.connection import Connection, Listener
 from pathlib import Path
 from typing import Any, Callable
 
+from distcheck.supervise.procs import die_with_parent
+
 log = logging.getLogger("distcheck")
 
 START_TIMEOUT = 120.0
@@ -96,8 +98,10 @@ class Pool:
             if self.devices:
                 env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, self.devices))
             env.pop("PYTEST_XDIST_WORKER", None)
+            # Its own session (a group kill takes its DataLoader workers too), and SIGKILL when this process dies:
+            # a pytest ended by SIGTERM or SIGINT leaves no rank behind.
             self.procs.append(subprocess.Popen([sys.executable, "-m", "distcheck.testing.pool_worker"], env=env,
-                                               start_new_session=True))
+                                               start_new_session=True, preexec_fn=die_with_parent))
         self._listener._listener._socket.settimeout(START_TIMEOUT)  # accept() must not block forever
         conns: dict[int, Connection] = {}
         deadline = time.monotonic() + START_TIMEOUT

@@ -5,8 +5,6 @@ It joins the process group once, then runs test bodies sent by the pytest proces
 from __future__ import annotations
 
 import faulthandler
-import importlib
-import importlib.util
 import os
 import signal
 import sys
@@ -36,18 +34,75 @@ class RankContext:
 
 
 def _load(job: TestJob):
-    try:
-        module = importlib.import_module(job.module)
-        if not getattr(module, "__file__", None) or Path(module.__file__).resolve() != Path(job.path).resolve():
-            raise ImportError
-    except Exception:
-        spec = importlib.util.spec_from_file_location(job.module, job.path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[job.module] = module
-        spec.loader.exec_module(module)
+    """The test function, from its module loaded with pytest's assertion rewriting (as pytest loads it), so a
+    failing ``assert`` on a rank shows the values, not a bare AssertionError. Loaded once per module."""
+    path = str(Path(job.path).resolve())
+    module = sys.modules.get(job.module)
+    if module is None or getattr(module, "__file__", None) != path:
+        module = _import_rewritten(job.module, path)
     if job.cls:
         return getattr(getattr(module, job.cls)(), job.function)
     return getattr(module, job.function)
+
+
+def _import_rewritten(name: str, path: str):
+    import ast
+    import types
+
+    source = Path(path).read_bytes()
+    tree = ast.parse(source, filename=path)
+    try:
+        from _pytest.assertion.rewrite import rewrite_asserts
+
+        rewrite_asserts(tree, source, path)
+    except Exception as exc:  # noqa: BLE001 - plain asserts still work, only without the values
+        sys.stderr.write(f"[distcheck] assertion rewriting unavailable for {path}: {exc}\n")
+    module = types.ModuleType(name)
+    module.__file__ = path
+    sys.modules[name] = module
+    exec(compile(tree, path, "exec", dont_inherit=True), module.__dict__)
+    return module
+
+
+class ProcessState:
+    """What one test may change in a rank process and the next test must not inherit: environment variables, the
+    working directory, torch's global settings and RNG states. Taken before each test, restored after it."""
+
+    def __init__(self) -> None:
+        import torch
+
+        self.environ = dict(os.environ)
+        self.cwd = os.getcwd()
+        self.default_dtype = torch.get_default_dtype()
+        self.grad = torch.is_grad_enabled()
+        self.deterministic = torch.are_deterministic_algorithms_enabled()
+        self.warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+        self.matmul_tf32 = torch.backends.cuda.matmul.allow_tf32
+        self.cudnn = (torch.backends.cudnn.allow_tf32, torch.backends.cudnn.deterministic,
+                      torch.backends.cudnn.benchmark)
+        self.rng = torch.get_rng_state()
+        self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+        self.threads = torch.get_num_threads()
+
+    def restore(self) -> None:
+        import torch
+
+        os.environ.clear()
+        os.environ.update(self.environ)
+        try:
+            os.chdir(self.cwd)
+        except OSError:
+            pass
+        torch.set_default_dtype(self.default_dtype)
+        torch.set_grad_enabled(self.grad)
+        torch.use_deterministic_algorithms(self.deterministic, warn_only=self.warn_only)
+        torch.backends.cuda.matmul.allow_tf32 = self.matmul_tf32
+        (torch.backends.cudnn.allow_tf32, torch.backends.cudnn.deterministic,
+         torch.backends.cudnn.benchmark) = self.cudnn
+        torch.set_rng_state(self.rng)
+        if self.cuda_rng is not None:
+            torch.cuda.set_rng_state_all(self.cuda_rng)
+        torch.set_num_threads(self.threads)
 
 
 def _outcome(rank: int, exc: BaseException) -> RankOutcome:
@@ -95,6 +150,7 @@ def main() -> int:
             break
         if job is None:
             break
+        state = ProcessState()  # every test starts from the state the previous one started from
         # Each test's collectives are traced into its own directory: a failing test then shows the first
         # collective where the ranks diverged, and a hang each rank's last collective.
         tracer = trace.install(job.trace_dir, rank) if job.trace_dir else None
@@ -121,6 +177,11 @@ def main() -> int:
         if tracer is not None:
             tracer.note({"ev": "exit", "ok": result.status == "passed", "code": 0 if result.status == "passed" else 1})
             trace.uninstall()
+        try:
+            state.restore()
+        except Exception as exc:  # noqa: BLE001 - a state that cannot be restored retires this pool
+            result = RankOutcome(rank, "failed", f"{result.text}\n[distcheck] the test left state this rank cannot "
+                                 f"restore ({type(exc).__name__}: {exc}): the pool is retired".strip())
         conn.send(result)
     try:
         dist.destroy_process_group()

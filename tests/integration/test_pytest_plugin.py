@@ -102,3 +102,109 @@ def test_a_rank_that_dies_shows_its_stderr(pytester):
     stderr_part = out[out.index("[rank 1] stderr (last"):]
     assert "rank-one-about-to-crash" in stderr_part and "Segmentation fault" in stderr_part
     assert "test_crash.py" in stderr_part  # faulthandler's stack names the test's line
+
+
+STATEFUL = '''
+import os, pytest, torch, torch.distributed as dist
+
+@pytest.mark.distributed(nprocs=2, timeout=30)
+def test_a_changes_the_process(dist_ctx, tmp_path):
+    os.environ["LEAKED_BY_TEST_A"] = "1"
+    os.chdir(tmp_path)
+    open(f"moved-here-{dist_ctx.rank}", "w").close()
+    torch.set_default_dtype(torch.float64)
+    torch.set_grad_enabled(False)
+    torch.manual_seed(1234 + dist_ctx.rank)
+
+@pytest.mark.distributed(nprocs=2, timeout=30)
+def test_b_starts_clean(dist_ctx):
+    assert "LEAKED_BY_TEST_A" not in os.environ
+    assert torch.get_default_dtype() == torch.float32 and torch.is_grad_enabled()
+    assert not any(name.startswith("moved-here") for name in os.listdir("."))
+    t = torch.ones(2)
+    dist.all_reduce(t)
+    assert t.tolist() == [2.0, 2.0]
+'''
+
+
+def test_each_distributed_test_starts_from_the_same_process_state(pytester):
+    pytester.makepyfile(test_state=STATEFUL)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-v", timeout=240)
+    result.assert_outcomes(passed=2)
+
+
+HANGING = '''
+import time, pytest, torch.distributed as dist
+
+@pytest.mark.distributed(nprocs=2, timeout=120)
+def test_hangs(dist_ctx):
+    if dist_ctx.rank == 1:
+        time.sleep(120)
+    dist.barrier()
+'''
+
+
+def test_sigterm_to_pytest_ends_every_rank_worker(pytester):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    pytester.makepyfile(test_hang=HANGING)
+    proc = subprocess.Popen([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "test_hang.py"],
+                            cwd=pytester.path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+
+    def workers() -> list[int]:
+        out = []
+        for entry in Path("/proc").iterdir():
+            try:
+                stat = (entry / "stat").read_text()
+                if int(stat.rsplit(")", 1)[1].split()[1]) == proc.pid and \
+                        b"distcheck.testing.pool_worker" in (entry / "cmdline").read_bytes():
+                    out.append(int(entry.name))
+            except (OSError, ValueError):
+                continue
+        return out
+
+    try:
+        deadline = time.monotonic() + 120
+        while len(workers()) < 2:
+            assert time.monotonic() < deadline and proc.poll() is None, "the pool never started"
+            time.sleep(0.2)
+        pids = workers()
+        time.sleep(2)  # the test body is running: rank 1 sleeps, rank 0 waits in the barrier
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 10
+        while any(Path(f"/proc/{p}").exists() and "Z" not in (Path(f"/proc/{p}/stat").read_text().split()[2])
+                  for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert time.monotonic() < deadline, f"pool workers {pids} outlived pytest"
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+ASSERTING = '''
+import pytest, torch
+
+@pytest.mark.distributed(nprocs=2, timeout=30)
+def test_values(dist_ctx):
+    t = torch.ones(2) * (dist_ctx.rank + 1)
+    assert t.tolist() == [1.0, 1.0]
+'''
+
+
+def test_a_failing_assert_on_a_rank_shows_the_values(pytester):
+    pytester.makepyfile(test_values=ASSERTING)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", timeout=240)
+    result.assert_outcomes(failed=1)
+    out = result.stdout.str()
+    rank1 = out[out.index("---------- [rank 1] ----------"):]
+    assert "assert [2.0, 2.0] == [1.0, 1.0]" in rank1
+    assert "---------- [rank 0] ----------" not in out
