@@ -47,16 +47,43 @@ def builtin_tp_plan(model: nn.Module) -> dict[str, object]:
 
 
 def check_tp_supported(model: nn.Module, world_size: int) -> None:
+    """Bad input for ``--parallel tp``, before anything is parallelized: a model with no plan distcheck can trust."""
     from distcheck.checks.models import TinyTransformer
 
     if hasattr(model, "distcheck_tp_plan"):
         return
     if not isinstance(model, TinyTransformer):
-        raise UsageError("--parallel tp needs the built-in model or a model with a distcheck_tp_plan(mesh) method "
-                         "returning {module path: ParallelStyle}")
+        raise UsageError(f"--parallel tp: {type(model).__name__} has no tensor-parallel plan: define a method "
+                         "distcheck_tp_plan(self, mesh) returning {module path: ParallelStyle}, e.g. "
+                         "{'blocks.*.mlp.up': ColwiseParallel(), 'blocks.*.mlp.down': RowwiseParallel()}")
     if model.cfg.heads % world_size or model.cfg.hidden % world_size:
         raise UsageError(f"--parallel tp: the built-in model's {model.cfg.heads} heads and hidden size "
                          f"{model.cfg.hidden} must divide by the world size {world_size}; use fewer ranks or fsdp")
+
+
+def check_plan_fits(model: nn.Module, plan: dict) -> None:
+    """Every key of the plan must name a module of the model (``*`` matches one path component, as
+    parallelize_module reads it): torch only warns about keys it cannot resolve and leaves those layers
+    replicated, which would pass every check while nothing is parallel."""
+    import fnmatch
+
+    if not isinstance(plan, dict) or not plan:
+        raise UsageError("--parallel tp: distcheck_tp_plan(mesh) must return a non-empty dict "
+                         "{module path: ParallelStyle}")
+    names = [name for name, _ in model.named_modules() if name]
+    for key in plan:
+        pattern = str(key)
+        depth = pattern.count(".")
+        if not any(fnmatch.fnmatchcase(name, pattern) and name.count(".") == depth for name in names):
+            raise UsageError(f"--parallel tp: plan key {pattern!r} names no module of {type(model).__name__}: "
+                             "fix distcheck_tp_plan(mesh) (module paths as in model.named_modules())")
+
+
+def check_something_parallel(model: nn.Module) -> None:
+    """A tensor-parallel step that left every parameter a plain tensor parallelized nothing: never a PASS."""
+    if not any(hasattr(p, "placements") for p in model.parameters()):
+        raise UsageError(f"--parallel tp: the plan left every parameter of {type(model).__name__} a plain tensor, "
+                         "so nothing is tensor-parallel: check the ParallelStyles of distcheck_tp_plan(mesh)")
 
 
 def apply(model: nn.Module, mode: str, device: torch.device, world_size: int) -> Parallel:
@@ -78,8 +105,11 @@ def apply(model: nn.Module, mode: str, device: torch.device, world_size: int) ->
     if mode == "tp":
         from torch.distributed.tensor.parallel import parallelize_module
 
+        check_tp_supported(model, world_size)
         plan = model.distcheck_tp_plan(mesh) if hasattr(model, "distcheck_tp_plan") else builtin_tp_plan(model)
+        check_plan_fits(model, plan)
         parallelize_module(model, mesh, plan)
+        check_something_parallel(model)
         return Parallel(mode, model, model, False)
     raise UsageError(f"--parallel {mode}: expected one of {', '.join(MODES)}")
 

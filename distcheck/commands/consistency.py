@@ -74,6 +74,7 @@ def main(args: argparse.Namespace) -> int:
                                         opts.rtol, opts.atol)
     session = runtime.start(bound)
     watcher = None
+    report_dir = None
     try:
         report_dir = _shared_report_dir(session, given)
         _clear_earlier_run(session, report_dir)
@@ -87,6 +88,10 @@ def main(args: argparse.Namespace) -> int:
         from distcheck.rank import tracer as trace
 
         trace.uninstall()
+        if report_dir is not None:  # this rank's hook file and empty dump files are not artifacts
+            from distcheck.rank.stack_hooks import remove_rank_hooks
+
+            remove_rank_hooks(report_dir, session.rank)
         if watcher is not None and watcher.poll() is None:
             watcher.terminate()  # the run is over: nothing left to watch
             try:
