@@ -303,7 +303,7 @@ def failure_finding(o: RankOutcome, traces: dict[int, RankTrace], outcomes: dict
         if err.line is not None:
             detail.update(file=err.file, line=err.line)
     elif o.signal:
-        what = f"died from {o.signal} (exit code {o.exit_code})"
+        what = f"died from {o.signal}" + (f" (exit code {o.exit_code})" if o.exit_code is not None else "")
     else:
         what = f"exited with code {o.exit_code} without reporting an exception"
     events = trace.events if trace is not None else []

@@ -67,27 +67,30 @@ def run_in_rank(opts: RunOptions) -> int:
         checker.finish()  # before the exit line: rank 0 reads every rank's autocheck file once all have exited
     tracer.note({"ev": "exit", "ok": ok, "code": code})
     main_done.set()
-    remove_rank_hooks(report_dir, info.rank)
+
+    def end(code: int, returned: bool) -> None:
+        # The stop-signal dump files stay until the very end: torchrun may still stop this rank while it waits.
+        remove_rank_hooks(report_dir, info.rank)
+        end_rank(code) if returned else hard_exit(code)
+
     # A rank whose script returned ends through end_rank (everything is flushed): torch's own interpreter teardown
     # (gloo threads destroyed while joinable: "terminate called without an active exception", SIGABRT) would
     # otherwise turn a correct script into a dead rank. A failed one ends through hard_exit, skipping its atexit
     # handlers too, which may wait on dead peers.
     if supervised:
-        if ok:
-            end_rank(0)
-        hard_exit(code or 1)
+        end(0 if ok else code or 1, returned=ok)
     assert finalizer is not None
     if info.rank == 0:
         finalizer.join()  # it writes the report once every rank has finished, failed or stopped progressing
-        end_rank(finalizer.exit_code)
+        end(finalizer.exit_code, returned=True)
     if not ok:
         # Under torchrun a non-zero exit makes the agent kill every other rank at once: stay until rank 0 has
         # written the report (bounded), so the report survives our failure.
         deadline = time.monotonic() + opts.timeout + 30
         while time.monotonic() < deadline and not done_marker.exists():
             time.sleep(0.1)
-        hard_exit(code or 1)
-    end_rank(0)
+        end(code or 1, returned=False)
+    end(0, returned=True)
     return 0  # not reached
 
 

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Sequence
 
 from distcheck.contract import files
+from distcheck.contract.findings import format_ranks
 from distcheck.supervise.procs import alive, read_environ, terminate
 from distcheck.supervise.watch import HUNG, HangDump, WatchLoop
 
@@ -106,6 +107,7 @@ def watch(report_dir: str, timeout: float, native: bool = False, parent: int = 0
 
     threading.Thread(target=orphaned, daemon=True).start()
     started = time.monotonic()
+    started_wall = time.time()
     # Traces and hooks are read from the (possibly shared) report dir; this node's stacks and report go to out_dir.
     loop = WatchLoop(report_dir, timeout, live=live, finished=finished, expected=None, ranks=None,
                      startup_timeout=timeout, dump=HangDump(native, world_size, out_dir), poll=0.2, cancel=cancel)
@@ -121,11 +123,28 @@ def watch(report_dir: str, timeout: float, native: bool = False, parent: int = 0
         return 1
     stopped = stop_finding(report_dir, out_dir, native, world_size)
     if stopped is not None:  # torchrun passed a stop signal on to the ranks: they dumped their stacks and died
+        dead = stopped.detail["died_first"]
+        note = (f"{format_ranks(dead)} ended first; torchrun stopped the others" if dead
+                else f"stopped from outside by {stopped.detail['stopped_by']}")
         write_node_report(report_dir, out_dir, [stopped], world_size or len(seen), timeout,
-                          time.monotonic() - started, "stopped", f"stopped from outside by {stopped.detail['stopped_by']}")
+                          time.monotonic() - started, "stopped", note, running=set(stopped.detail["stopped_ranks"]))
+        files.tidy(report_dir)
+        return 1
+    if 0 in seen and not _written_since(out_dir, started_wall):
+        # Rank 0 died before it could write the report (SIGKILLed, or stopped by torchrun after another rank
+        # died): the run's report, from the ranks' files, so that the death is still named.
+        write_node_report(report_dir, out_dir, [], world_size or len(seen), timeout, time.monotonic() - started,
+                          "report", "rank 0 ended before writing the report", running=set())
         files.tidy(report_dir)
         return 1
     return 0
+
+
+def _written_since(out_dir: Path, since: float) -> bool:
+    try:
+        return (out_dir / files.REPORT_JSON).stat().st_mtime >= since - 1.0
+    except OSError:
+        return False
 
 
 def stop_finding(report_dir: str, out_dir: Path, native: bool, world_size: int | None):
@@ -156,10 +175,20 @@ def stop_finding(report_dir: str, out_dir: Path, native: bool, world_size: int |
         return None
     cause = "/".join(sorted(signals))
     progress = load_progress(report_dir)
-    prefix = f"the run was stopped from outside by {cause} (torchrun passed it on to the ranks): "
+    dumped = sorted(s.rank for s in stacks)
+    # A rank that ended unfinished without dumping got no stop signal: it died first (SIGKILL, the OOM killer),
+    # and torchrun then stopped the others. That death is the cause, and this finding says it is the consequence.
+    dead = sorted(r for r, t in traces.items() if t.finished is None and r not in dumped)
+    if dead:
+        prefix = (f"torchrun stopped {format_ranks(dumped)} ({cause}) after {format_ranks(dead)} ended without "
+                  f"finishing its script: ")
+    else:
+        prefix = f"the run was stopped from outside by {cause} (torchrun passed it on to the ranks): "
     diag = diagnose(stacks, progress, world_size, None, {}, prefix)
     finding = diag.to_finding(stacks, progress)
     finding.detail["stopped_by"] = cause
+    finding.detail["stopped_ranks"] = dumped
+    finding.detail["died_first"] = dead
     finding.detail["artifacts"] = write_stack_artifacts(out_dir, stacks, [], native, progress,
                                                         f"distcheck: stopped by {cause}", files.STACKS_STEM,
                                                         diag.groups, diag.message)
@@ -167,7 +196,8 @@ def stop_finding(report_dir: str, out_dir: Path, native: bool, world_size: int |
 
 
 def write_node_report(report_dir: str, out_dir: Path, findings: list, world_size: int, timeout: float,
-                      seconds: float, check_name: str, note: str, check_seconds: float = 0.0) -> None:
+                      seconds: float, check_name: str, note: str, check_seconds: float = 0.0,
+                      running: set[int] | None = None) -> None:
     """This node's report on a hang or a stop signal, printed to the console (stderr) too.
 
     A command that wrote a partial report (consistency: what completed before) keeps it, with the diagnosis added;
@@ -185,7 +215,8 @@ def write_node_report(report_dir: str, out_dir: Path, findings: list, world_size
         report.findings = [f for f in report.findings if not f.detail.get("partial")] + findings
         report.checks.append(check)
     elif traces:
-        running = {r for r, t in traces.items() if t.finished is None}
+        if running is None:  # a hang: every rank without an exit line was still running
+            running = {r for r, t in traces.items() if t.finished is None}
         outcomes = run_report.outcomes_from_traces(traces, world_size, True, running)
         report = run_report.build_report(Path(report_dir), command_of(traces), world_size, traces, outcomes,
                                          timeout, seconds, hang_findings=findings, stop_reason=note)

@@ -197,7 +197,11 @@ def outcomes_from_traces(traces: dict[int, RankTrace], world_size: int, hung: bo
                 o = RankOutcome(r, STATE_HUNG if hung else STATE_STOPPED)
             else:
                 err = trace.errors[-1] if trace is not None and trace.errors else None
-                o = RankOutcome(r, STATE_DIED if trace is not None else STATE_UNKNOWN, error=err)
+                # Under torchrun only the trace says how a rank ended: no exit line and no stack dump means it
+                # was killed without a chance to write anything.
+                why = None if err is not None or trace is None else \
+                    "a signal it could not report (SIGKILL, the OOM killer, or a hard crash)"
+                o = RankOutcome(r, STATE_DIED if trace is not None else STATE_UNKNOWN, error=err, signal=why)
         outcomes[r] = o
     return outcomes
 

@@ -124,7 +124,7 @@ def _get_pool(nprocs: int, backend: str):
     if pool is not None and pool.healthy:
         return pool
     if pool is not None:
-        pool.close()
+        _retire(pool)
         for lock in getattr(pool, "_gpu_locks", []):
             lock.release()
     devices, locks = _claim_gpus(nprocs) if backend == "nccl" else ([], [])
@@ -136,11 +136,27 @@ def _get_pool(nprocs: int, backend: str):
     return pool
 
 
+_kept_dirs: list[str] = []  # work dirs of failed tests' pools: their traces back the failure messages until the end
+KEEP_ENV = "DISTCHECK_KEEP_POOL_DIRS"
+
+
+def _retire(pool) -> None:
+    pool.close()
+    if not pool.healthy and pool.workdir:
+        _kept_dirs.append(pool.workdir)
+
+
 @atexit.register
 def _close_pools() -> None:
+    import shutil
+
     for pool in list(_pools.values()):
-        pool.close()
+        _retire(pool)
     _pools.clear()
+    if os.environ.get(KEEP_ENV) != "1":  # temporary directories do not outlive the session
+        for path in _kept_dirs:
+            shutil.rmtree(path, ignore_errors=True)
+        _kept_dirs.clear()
 
 
 def pytest_unconfigure(config) -> None:
@@ -169,7 +185,7 @@ def pytest_pyfunc_call(pyfuncitem):
     diagnosis = _diagnose(pool, job, outcomes, hung, nprocs, timeout, stop_reason) if not all(
         o.status in ("passed", "skipped") for o in outcomes) else ""
     if not pool.healthy:
-        pool.close()
+        _retire(pool)
         _pools.pop(nprocs, None)
     if all(o.status == "passed" for o in outcomes):
         return True
@@ -239,5 +255,5 @@ def _diagnose(pool, job, outcomes, hung: bool, nprocs: int, timeout: float, stop
         parts.append(f"(collective traces unreadable: {exc})")
     if divergences:
         parts.append("---------- collective traces ----------\nfirst divergence: " + divergences[0].message +
-                     f"\n(per-rank traces: {job.trace_dir})")
+                     f"\n(per-rank traces: {job.trace_dir}, removed when the session ends unless {KEEP_ENV}=1)")
     return "\n".join(parts)

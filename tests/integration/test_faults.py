@@ -269,3 +269,30 @@ def test_the_rendezvous_store_dying_with_torchruns_agent(tmp_path, line_of):
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def test_sigkill_of_a_rank_under_torchrun_still_yields_a_report_naming_it(tmp_path):
+    """torchrun then stops rank 0 before it writes the report: the node watcher writes it from the files."""
+    out = tmp_path / "report"
+    proc = torchrun_hanging(out, "300", stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 90
+        while not stuck(out):
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.1)
+        pids = rank_pids(out)
+        os.kill(pids[1], signal.SIGKILL)
+        proc.wait(timeout=60)
+        t0 = time.monotonic()
+        while not (out / "report.json").exists() and time.monotonic() - t0 < 30:
+            time.sleep(0.2)
+        report = load_report(out)
+        (f,) = [f for f in report["findings"] if f["kind"] == "rank_failure"]
+        assert f["ranks"] == [1] and f["message"].startswith("rank 1 died from a signal it could not report")
+        assert report["command"].startswith("distcheck run --timeout 300")
+        assert_no_rank_left(pids)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass

@@ -1,5 +1,6 @@
 """The distributed marker, tested through pytester in subprocesses (each with its own rank pool)."""
 import re
+from pathlib import Path
 
 PASSING_FAILING_HANGING = '''
 import time, pytest, torch, torch.distributed as dist
@@ -66,6 +67,9 @@ def test_pass_fail_hang_parametrize(pytester, line_of):
             f"all_reduce [4] float32 SUM at test_dist.py:{line_in_test('rank 0' + chr(39) + 's collective')}") in out
     duration = re.search(r"([0-9.]+)s call +test_dist.py::test_mismatched_collectives", out)
     assert duration and float(duration.group(1)) < 30  # it did not wait for its 60 s timeout
+    # The failed pools' work directories (their traces back the messages above) are gone with the session.
+    kept = re.search(r"\(per-rank traces: (\S+), removed when the session ends", out)
+    assert kept and not Path(kept.group(1)).parent.exists()
 
 
 def test_xdist_several_distributed_tests(pytester):
