@@ -92,3 +92,22 @@ def test_nothing_recorded_outside_compare(tmp_path, monkeypatch):
         autocheck.uninstall()
         records.reset()
     assert load_rank(tmp_path, 0) == [] and not list(tmp_path.glob("records-rank*"))
+
+
+def test_a_warning_from_a_wrapped_torch_call_points_at_the_users_line():
+    """torch warns with a stacklevel meant for the user's call; through distcheck's wrapper it would name the
+    wrapper (distcheck/rank/autocheck/patches.py) instead."""
+    import inspect
+    import warnings
+
+    from distcheck.rank.autocheck.patches import as_user
+
+    def torch_like_init():
+        warnings.warn("this argument is deprecated", FutureWarning, stacklevel=2)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        line = inspect.currentframe().f_lineno + 1
+        as_user(torch_like_init)
+    (w,) = caught
+    assert w.filename == __file__ and w.lineno == line and w.category is FutureWarning

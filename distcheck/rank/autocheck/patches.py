@@ -33,10 +33,32 @@ def current() -> Any:
 _patched = False
 
 
+_warning_registry: dict = {}  # dedups re-emitted warnings per (text, category, line), as Python's "default" does
+
+
+def as_user(fn: Callable, *args: Any, **kwargs: Any) -> Any:
+    """Call ``fn`` on the user's behalf: a warning it raises with a ``stacklevel`` meant for the user's call (torch's
+    DDP FutureWarning, ...) would otherwise point at this wrapper; it is re-emitted at the user's line."""
+    import warnings
+
+    from distcheck.rank.usersite import caller_site, is_internal
+
+    caught: list = []
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            return fn(*args, **kwargs)
+    finally:  # outside the catching block, so the re-emitted warnings reach the user's filters
+        site = caller_site()
+        for w in caught:
+            where = (site.file, site.line) if is_internal(w.filename) and site else (w.filename, w.lineno)
+            warnings.warn_explicit(w.message, w.category, where[0], where[1], registry=_warning_registry)
+
+
 def _watching(fn: Callable, pick: Callable[[tuple, dict, Any], Any]) -> Callable:
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        result = fn(*args, **kwargs)
+        result = as_user(fn, *args, **kwargs)
         check = current()
         if check is not None:
             try:
@@ -149,7 +171,7 @@ def patch_once() -> None:
 
     @functools.wraps(ddp_init)
     def ddp_wrapper(self: Any, *args: Any, **kwargs: Any) -> None:
-        ddp_init(self, *args, **kwargs)
+        as_user(ddp_init, self, *args, **kwargs)
         if current() is not None:
             current().watch(self)
 
@@ -159,7 +181,7 @@ def patch_once() -> None:
 
     @functools.wraps(opt_init)
     def opt_wrapper(self: Any, *args: Any, **kwargs: Any) -> None:
-        opt_init(self, *args, **kwargs)
+        as_user(opt_init, self, *args, **kwargs)
         if current() is not None:
             current().optimizers += 1
 
