@@ -282,7 +282,13 @@ def diagnose(stacks: Sequence[RankStack], progress: dict[int, RankProgress] | No
         primary = odd[0]
     else:
         parts = [f"{format_ranks(loc.ranks)} {_verb(loc, 'is', 'are')} in {loc.text(world)}" for loc in known]
-        message = prefix + ("; ".join(parts) if parts else "no rank could be dumped and no trace says where they are")
+        if parts:
+            message = prefix + "; ".join(parts)
+        elif by_rank:  # stacks exist but show neither user code nor a collective: say that, not "not dumped"
+            message = prefix + (f"{format_ranks(sorted(by_rank))} dumped, but no stack shows user code or a "
+                                "collective and no trace says where the ranks are (see the stacks)")
+        else:
+            message = prefix + "no rank could be dumped and no trace says where the ranks are"
         primary = known[0] if known else None
 
     # Highlight what the diagnosis singled out, which can differ from plain group size (e.g. a 1-1 tie).
@@ -292,9 +298,10 @@ def diagnose(stacks: Sequence[RankStack], progress: dict[int, RankProgress] | No
             g.minority = bool(odd_set & set(g.ranks))
     unknown = sorted(r for loc in locations if loc not in known for r in loc.ranks)
     missing = [r for r in range(world) if r not in all_ranks] if world_size else []
-    if unknown:
-        reasons = sorted({errors_by_rank.get(r, "") for r in unknown} - {""})
-        message += f"; {format_ranks(unknown)} not dumped" + (f" ({'; '.join(reasons)})" if reasons else "")
+    undumped = [r for r in unknown if r not in by_rank]  # a rank with a stack was dumped, whatever it shows
+    if undumped and (known or by_rank):
+        reasons = sorted({errors_by_rank.get(r, "") for r in undumped} - {""})
+        message += f"; {format_ranks(undumped)} not dumped" + (f" ({'; '.join(reasons)})" if reasons else "")
     if missing:
         message += f"; {format_ranks(missing)} not found"
     return HangDiagnosis(message, odd, waiting, locations, groups, all_ranks, primary,

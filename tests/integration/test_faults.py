@@ -147,8 +147,10 @@ def test_sigkill_of_one_rank_is_a_rank_failure_naming_it(tmp_path):
         code, _, stderr, seconds = launch.finish(60)
         assert code == 1 and seconds < 30, stderr
         report = load_report(out)
-        killed = [f for f in report["findings"] if f["kind"] == "rank_failure" and f["ranks"] == [1]]
-        assert killed and "rank 1 died from SIGKILL" in killed[0]["message"]
+        first = report["findings"][0]  # the cause first; rank 0's connection error is its consequence
+        assert first["kind"] == "rank_failure" and first["ranks"] == [1]
+        assert first["message"].startswith("rank 1 died from SIGKILL") and "rank 0 failed in all_reduce" in \
+            first["message"] and "0" in first["detail"].get("consequences", {})
         assert_no_rank_left(pids)
     finally:
         launch.cleanup()

@@ -104,6 +104,10 @@ def test_non_bugs_have_no_findings(line_of, tmp_path, fixture):
     res, report, out = run_fixture(tmp_path, fixture)
     assert res.returncode == 0, res.output + json.dumps(report["findings"], indent=1)
     assert report["ok"] and report["findings"] == []
+    # A tidy report dir: no empty per-rank file, no stack-hook file (meaningful only while a rank runs), and
+    # report files readable like every other file.
+    assert not [p.name for p in out.iterdir() if p.is_file() and p.stat().st_size == 0]
+    assert not list(out.glob("stackhook-pid*.json")) and (out / "report.json").stat().st_mode & 0o044
     events = [json.loads(line) for line in (out / "trace-rank1.jsonl").read_text().splitlines()]
     ops = {e["op"] for e in events if e["ev"] == "start"}
     sites = {e["site"] for e in events if e["ev"] == "start"}

@@ -171,3 +171,13 @@ def test_rank_stack_json_round_trip():
     rs.note = "fallback"
     again = RankStack.from_json(rs.to_json())
     assert again == rs and isinstance(again.threads[0], ThreadStack)
+
+
+def test_a_dumped_rank_whose_stack_shows_nothing_is_never_called_not_dumped():
+    """A stack with only interpreter frames (no user code, no collective) was still dumped: the message must not
+    contradict the stack printed next to it."""
+    idle = [("wait", "/usr/lib/python3.11/threading.py", 320), ("<module>", "<frozen runpy>", 88)]
+    d = diagnose([rank_stack(0, idle)], {}, world_size=2, errors_by_rank={1: "pid 1001 exited during the dump"})
+    assert "rank 0 not dumped" not in d.message and "no rank could be dumped" not in d.message
+    assert d.message.startswith("rank 0 dumped, but no stack shows user code or a collective")
+    assert d.message.endswith("; rank 1 not dumped (pid 1001 exited during the dump)")
