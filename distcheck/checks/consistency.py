@@ -253,4 +253,10 @@ def ranks_behind(session: Session) -> list[int]:
 
 
 def report_files(report_dir: Path) -> dict[str, str]:
-    return {p.name: p.name for p in sorted(report_dir.iterdir()) if p.is_file() and not p.name.startswith(".")}
+    """The artifacts to list: every file but the ranks' hook files and empty dump files, which the ranks remove
+    as they exit (contract/files.py)."""
+    from distcheck.contract import files
+
+    hooks = {p.name for p in files.hook_files(report_dir)}
+    return {p.name: p.name for p in sorted(report_dir.iterdir())
+            if p.is_file() and not p.name.startswith(".") and p.name not in hooks and p.stat().st_size > 0}
