@@ -40,6 +40,7 @@ class TorchrunMonitor(threading.Thread):
         self.done_marker, self.main_done = done_marker, main_done
         self.exit_code = 1
         self.started_at = time.monotonic()
+        self._cache: tuple[tuple, dict[int, RankTrace]] | None = None
 
     def run(self) -> None:
         try:
@@ -62,11 +63,24 @@ class TorchrunMonitor(threading.Thread):
             time.sleep(0.2)
 
     def _traces(self) -> dict[int, RankTrace]:
-        # A reused report dir may still hold a trace of an earlier run from a rank that has not started yet:
-        # only the ranks of this torchrun (same agent process as parent) count.
-        ppid = os.getppid()
-        return {r: t for r, t in load_traces(self.report_dir).items()
-                if r < self.world_size and t.meta.get("ppid", ppid) == ppid}
+        # This thread runs inside rank 0 while it trains and asks several times a poll: re-read the traces only
+        # when one of them grew.
+        from distcheck.contract import files
+
+        sizes = []
+        for rank, path in files.rank_files(self.report_dir, "trace").items():
+            try:
+                sizes.append((rank, path.stat().st_size))
+            except OSError:
+                continue
+        key = tuple(sizes)
+        if self._cache is None or self._cache[0] != key:
+            # A reused report dir may still hold a trace of an earlier run from a rank that has not started yet:
+            # only the ranks of this torchrun (same agent process as parent) count.
+            ppid = os.getppid()
+            self._cache = (key, {r: t for r, t in load_traces(self.report_dir).items()
+                                 if r < self.world_size and t.meta.get("ppid", ppid) == ppid})
+        return self._cache[1]
 
     def _running(self, traces: dict[int, RankTrace]) -> dict[int, int]:
         """Ranks whose trace has no exit line and whose process (same node: pid from the trace) still runs."""

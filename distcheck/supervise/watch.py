@@ -127,10 +127,10 @@ class WatchLoop:
         if interrupt is not None:
             self.cancel = interrupt.event
 
-    def _over(self, done: set[int], seen: set[int]) -> bool:
+    def _over(self, done: set[int], seen: set[int], running: dict[int, int]) -> bool:
         if self.expected is not None:
             return len(done) >= self.expected
-        return bool(seen) and not self.live()
+        return bool(seen) and not running
 
     def run(self) -> WatchResult:
         started = time.monotonic()
@@ -142,8 +142,9 @@ class WatchLoop:
             now = time.monotonic()
             done = set(self.finished())
             seen.update(done)  # a rank that finished was running once, even if no poll saw it live
-            seen.update(self.live())
-            if self._over(done, seen):
+            running = self.live()
+            seen.update(running)
+            if self._over(done, seen, running):
                 return WatchResult(DONE, seconds=now - started)
             new = (self.progress.sizes(), frozenset(done))
             if new != token:
