@@ -19,14 +19,15 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-SCRIPTS = {"fsdp2": HERE / "_soak_fsdp2.py", "ddp": HERE / "_soak_ddp.py"}
+SCRIPT = HERE / "_soak_train.py"
+MODES = ("fsdp2", "ddp")
 
 
-def one_run(script: Path) -> tuple[int, list, list, float]:
+def one_run(mode: str) -> tuple[int, list, list, float]:
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.monotonic()
         proc = subprocess.run([sys.executable, "-m", "distcheck", "run", "--nproc", "2", "--timeout", "120",
-                               "--report-dir", tmp, "--", str(script)], capture_output=True, text=True,
+                               "--report-dir", tmp, "--", str(SCRIPT), mode], capture_output=True, text=True,
                               timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
         seconds = time.monotonic() - t0
         try:
@@ -41,11 +42,11 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=50)
     args = parser.parse_args()
     bad = 0
-    for name, script in SCRIPTS.items():
+    for name in MODES:
         findings = warnings = failed = 0
         times = []
         for i in range(args.runs):
-            code, found, warned, seconds = one_run(script)
+            code, found, warned, seconds = one_run(name)
             times.append(seconds)
             findings += len(found)
             warnings += len(warned)

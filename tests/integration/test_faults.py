@@ -35,11 +35,12 @@ def alive(pid: int) -> bool:
 
 
 class Launch:
-    """``python -m distcheck ARGS`` in its own session, so that signals reach only the launcher."""
+    """A launcher (``python -m distcheck ARGS`` or torchrun) in its own session, so that signals reach only it.
 
-    def __init__(self, args: list[str], env: dict[str, str] | None = None):
-        self.proc = subprocess.Popen([sys.executable, "-m", "distcheck", *args], stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True, env=env_for_ranks(env),
+    ``output=subprocess.DEVNULL`` where nothing reads it: a report printed into an unread pipe could block."""
+
+    def __init__(self, cmd: list[str], env: dict[str, str] | None = None, output: int = subprocess.PIPE):
+        self.proc = subprocess.Popen(cmd, stdout=output, stderr=output, text=True, env=env_for_ranks(env),
                                      start_new_session=True)
 
     def wait_until(self, condition, limit: float = 90) -> None:
@@ -78,19 +79,22 @@ def stuck(out: Path) -> bool:
 def hanging(tmp_path: Path, timeout: str = "300", env: dict[str, str] | None = None) -> tuple[Launch, Path]:
     """hang_python.py under run --nproc 2, once its ranks are stuck."""
     out = tmp_path / "report"
-    launch = Launch(["run", "--nproc", "2", "--timeout", timeout, "--report-dir", str(out), "--",
-                     str(FIXTURES / "hang_python.py")], env)
+    launch = Launch([sys.executable, "-m", "distcheck", "run", "--nproc", "2", "--timeout", timeout,
+                     "--report-dir", str(out), "--", str(FIXTURES / "hang_python.py")], env)
     launch.wait_until(lambda: stuck(out))
     return launch, out
 
 
-def torchrun_hanging(out: Path, timeout: str, **popen) -> subprocess.Popen:
-    """hang_python.py under ``torchrun -m distcheck run``, in its own session (signals reach the agent only)."""
+def torchrun_hanging(tmp_path: Path, timeout: str, output: int = subprocess.PIPE) -> tuple[Launch, Path]:
+    """hang_python.py under ``torchrun -m distcheck run`` (signals reach the agent only), once its ranks are stuck."""
     from launch_helpers import BIN
 
-    return subprocess.Popen([str(BIN / "torchrun"), "--standalone", "--nproc-per-node=2", "-m", "distcheck", "run",
-                             "--timeout", timeout, "--report-dir", str(out), "--", str(FIXTURES / "hang_python.py")],
-                            env=env_for_ranks(), start_new_session=True, **popen)
+    out = tmp_path / "report"
+    launch = Launch([str(BIN / "torchrun"), "--standalone", "--nproc-per-node=2", "-m", "distcheck", "run",
+                     "--timeout", timeout, "--report-dir", str(out), "--", str(FIXTURES / "hang_python.py")],
+                    output=output)
+    launch.wait_until(lambda: stuck(out))
+    return launch, out
 
 
 def assert_no_rank_left(pids: dict[int, int]) -> None:
@@ -169,8 +173,8 @@ def test_sigkill_of_the_launcher_takes_the_ranks_along(tmp_path):
 
 def test_a_segfaulting_rank_is_named_with_its_line_and_stderr(tmp_path, line_of):
     out = tmp_path / "report"
-    launch = Launch(["run", "--nproc", "2", "--timeout", "60", "--report-dir", str(out), "--",
-                     str(FIXTURES / "fault_segfault.py")])
+    launch = Launch([sys.executable, "-m", "distcheck", "run", "--nproc", "2", "--timeout", "60", "--report-dir",
+                     str(out), "--", str(FIXTURES / "fault_segfault.py")])
     try:
         code, _, stderr, seconds = launch.finish(120)
         assert code == 1, stderr
@@ -217,14 +221,10 @@ def test_py_spy_missing_falls_back_to_faulthandler(tmp_path, line_of):
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_a_stop_signal_to_torchrun_leaves_the_report(tmp_path, line_of, sig):
     """torchrun's agent passes the signal on: each rank dumps its own stacks, the node watcher writes the report."""
-    out = tmp_path / "report"
-    proc = torchrun_hanging(out, "300", stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    launch = Launch.__new__(Launch)
-    launch.proc = proc
+    launch, out = torchrun_hanging(tmp_path, "300")
     try:
-        launch.wait_until(lambda: stuck(out))
         pids = rank_pids(out)
-        proc.send_signal(sig)
+        launch.proc.send_signal(sig)
         _, stdout, stderr, seconds = launch.finish(60)
         assert seconds < 10 + 8
         deadline = time.monotonic() + 10  # the node watcher writes right after the ranks are gone
@@ -244,16 +244,11 @@ def test_a_stop_signal_to_torchrun_leaves_the_report(tmp_path, line_of, sig):
 def test_the_rendezvous_store_dying_with_torchruns_agent(tmp_path, line_of):
     """torchrun's agent hosts the rendezvous store: SIGKILL it. The node watcher, outside the agent, still
     diagnoses the hang, writes the report and ends the orphaned ranks."""
-    out = tmp_path / "report"
-    proc = torchrun_hanging(out, "4", stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    launch, out = torchrun_hanging(tmp_path, "4", output=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 90
-        while not stuck(out):
-            assert time.monotonic() < deadline and proc.poll() is None
-            time.sleep(0.1)
         pids = rank_pids(out)
-        proc.kill()  # the agent and its store are gone; the ranks are orphans now
-        proc.wait(timeout=10)
+        launch.proc.kill()  # the agent and its store are gone; the ranks are orphans now
+        launch.proc.wait(timeout=10)
         t0 = time.monotonic()
         while not (out / "report.json").exists() and time.monotonic() - t0 < 60:
             time.sleep(0.2)
@@ -262,10 +257,7 @@ def test_the_rendezvous_store_dying_with_torchruns_agent(tmp_path, line_of):
         assert f["ranks"] == [1] and f["detail"]["line"] == line_of("hang_python.py", "# HANG")
         assert_no_rank_left(pids)
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        launch.cleanup()
         for pid in rank_pids(out).values():
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -275,16 +267,11 @@ def test_the_rendezvous_store_dying_with_torchruns_agent(tmp_path, line_of):
 
 def test_sigkill_of_a_rank_under_torchrun_still_yields_a_report_naming_it(tmp_path):
     """torchrun then stops rank 0 before it writes the report: the node watcher writes it from the files."""
-    out = tmp_path / "report"
-    proc = torchrun_hanging(out, "300", stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    launch, out = torchrun_hanging(tmp_path, "300", output=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 90
-        while not stuck(out):
-            assert time.monotonic() < deadline and proc.poll() is None
-            time.sleep(0.1)
         pids = rank_pids(out)
         os.kill(pids[1], signal.SIGKILL)
-        proc.wait(timeout=60)
+        launch.proc.wait(timeout=60)
         t0 = time.monotonic()
         while not (out / "report.json").exists() and time.monotonic() - t0 < 30:
             time.sleep(0.2)
@@ -294,7 +281,4 @@ def test_sigkill_of_a_rank_under_torchrun_still_yields_a_report_naming_it(tmp_pa
         assert report["command"].startswith("distcheck run --timeout 300")
         assert_no_rank_left(pids)
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        launch.cleanup()
