@@ -1,6 +1,11 @@
-"""Cost of collective tracing: all_reduce of 1024 float32 on 2 gloo ranks, untraced vs traced vs DETAIL.
+"""Cost of collective tracing, in two measurements.
 
-    .venv/bin/python bench/bench_trace.py [--iters 2000] [--rounds 3]
+    .venv/bin/python bench/bench_trace.py [--iters 2000] [--rounds 5]
+
+1. Per collective, with no communication to hide it: a loop of all_reduce(1024 float32) on torch's fake process
+   group (bench/_fake_pg_loop.py), run plain and under ``distcheck run --nproc 1``; the difference of the fastest
+   rounds is what tracing adds to each collective's CPU side (target <= 2 us; a small NCCL launch costs a few us).
+2. all_reduce of 1024 float32 on 2 gloo ranks, untraced vs traced vs DETAIL:
 
 Runs once, on 2 ranks launched with torchrun, and measures the three modes in the same processes, interleaved
 round by round (untraced, traced, TORCH_DISTRIBUTED_DEBUG=DETAIL), so load drift on a shared machine hits all
@@ -60,6 +65,18 @@ def worker(iters: int, rounds: int, out: str) -> None:
     dist.destroy_process_group()
 
 
+def fake_pg_figures() -> tuple[float, float]:
+    """(plain, traced) seconds per all_reduce on the fake process group, fastest round of each."""
+    loop = Path(__file__).with_name("_fake_pg_loop.py")
+    out = Path(tempfile.mkdtemp(prefix="distcheck-bench-"))
+    env = dict(os.environ, OMP_NUM_THREADS="1", DISTCHECK_BENCH_OUT=str(out / "plain.json"))
+    subprocess.run([sys.executable, str(loop)], env=env, check=True, timeout=600)
+    env["DISTCHECK_BENCH_OUT"] = str(out / "traced.json")
+    subprocess.run([sys.executable, "-m", "distcheck", "run", "--nproc", "1", "--report-dir", str(out / "report"),
+                    "--", str(loop)], env=env, check=True, timeout=600, stdout=subprocess.DEVNULL)
+    return (min(json.loads((out / "plain.json").read_text())), min(json.loads((out / "traced.json").read_text())))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iters", type=int, default=2000)
@@ -69,6 +86,10 @@ def main() -> int:
     if args.worker_out:
         worker(args.iters, args.rounds, args.worker_out)
         return 0
+    plain, traced = fake_pg_figures()
+    print(f"all_reduce 1024 x float32 on the fake process group (no communication), fastest of 7 rounds of 20000:")
+    print(f" plain {plain * 1e6:.2f} us/op, under distcheck run --nproc 1 {traced * 1e6:.2f} us/op: tracing adds "
+          f"{(traced - plain) * 1e6:.2f} us per collective (target <= 2 us)")
     out = Path(tempfile.mkdtemp(prefix="distcheck-bench-")) / "times.json"
     torchrun = Path(sys.executable).parent / "torchrun"
     env = dict(os.environ, OMP_NUM_THREADS="1")

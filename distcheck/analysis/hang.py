@@ -52,10 +52,16 @@ class RankProgress:
     last_completed: CollectiveRef | None = None
     started: int = 0
     completed: int = 0
+    first_open: CollectiveRef | None = None  # the earliest collective issued and not completed
 
     @property
     def pending(self) -> CollectiveRef | None:
-        """The collective this rank started and has not finished: where it is blocked, if anywhere."""
+        """The collective this rank waits on, if any: the earliest one it issued that has not completed.
+
+        Completion, not return: an async op (and every NCCL op) returns once queued, and later ones may be
+        issued, or even complete, behind it; the one that never completes is what the rank is stuck on."""
+        if self.first_open is not None:
+            return self.first_open
         if self.last_started is not None and not self.last_started.completed:
             return self.last_started
         return None
@@ -63,7 +69,16 @@ class RankProgress:
     def to_json(self) -> dict[str, Any]:
         return {"last_started": self.last_started.to_json() if self.last_started else None,
                 "last_completed": self.last_completed.to_json() if self.last_completed else None,
+                "first_open": self.first_open.to_json() if self.first_open else None,
                 "started": self.started, "completed": self.completed}
+
+    @classmethod
+    def from_json(cls, rank: int, d: dict[str, Any]) -> RankProgress:
+        def ref(key: str) -> CollectiveRef | None:
+            return CollectiveRef.from_json(d[key]) if d.get(key) else None
+
+        return cls(rank, ref("last_started"), ref("last_completed"), int(d.get("started", 0)),
+                   int(d.get("completed", 0)), ref("first_open"))
 
 
 def _pg_ranks(pg: Any) -> list[int] | None:
@@ -82,7 +97,9 @@ def _pg_ranks(pg: Any) -> list[int] | None:
 
 def progress_from_refs(rank: int, refs: Sequence[CollectiveRef]) -> RankProgress:
     done = [r for r in refs if r.completed]
-    return RankProgress(rank, refs[-1] if refs else None, done[-1] if done else None, len(refs), len(done))
+    first_open = next((r for r in refs if not r.completed), None)
+    return RankProgress(rank, refs[-1] if refs else None, done[-1] if done else None, len(refs), len(done),
+                        first_open)
 
 
 def progress_from_events(rank: int, events: Sequence[Any]) -> RankProgress:
@@ -145,8 +162,9 @@ class Location:
 def locate(ranks: list[int], stack: RankStack | None, progress: RankProgress | None, error: str = "") -> Location:
     """Where a rank (the representative of its group) is: the collective it waits in, else its user frame.
 
-    The stack decides whether the rank is inside a collective (an async collective may be pending in the trace
-    while the rank is busy elsewhere); the trace supplies the collective's sequence number, group and call site.
+    The trace supplies the collective's sequence number, group and call site. A rank whose stack is elsewhere
+    but that has a collective issued and not completed still waits in it: async ops and every NCCL op return
+    once queued, and the host runs on until something (``wait()``, ``.item()``, a poll loop) blocks on it.
     """
     loc = Location(list(ranks), unknown_reason=error or "no stack and no trace")
     pending = progress.pending if progress else None
@@ -157,13 +175,12 @@ def locate(ranks: list[int], stack: RankStack | None, progress: RankProgress | N
         if frame is not None:
             loc.file, loc.line, loc.func = frame.file, frame.line, frame.name
         op = stack_collective(main)
-        if op is not None:
-            if pending is not None:
-                loc.collective, loc.seq, loc.pg = pending.op, pending.seq, pending.pg
-                if pending.file:
-                    loc.file, loc.line = pending.file, pending.line
-            else:
-                loc.collective = op
+        if pending is not None:
+            loc.collective, loc.seq, loc.pg = pending.op, pending.seq, pending.pg
+            if pending.file:
+                loc.file, loc.line = pending.file, pending.line
+        elif op is not None:
+            loc.collective = op
         return loc
     if pending is not None:
         loc.collective, loc.seq, loc.pg = pending.op, pending.seq, pending.pg

@@ -265,7 +265,7 @@ def position_of(rank: int, trace: RankTrace | None, outcome: RankOutcome | None)
     started, completed = last_started(events), last_completed(events)
     return {
         "state": outcome.state if outcome is not None else STATE_UNKNOWN,
-        "waiting_in": waiting[-1].to_json() if waiting else None,
+        "waiting_in": waiting[0].to_json() if waiting else None,
         "last_started": started.to_json() if started else None,
         "last_completed": completed.to_json() if completed else None,
     }
@@ -277,7 +277,7 @@ def describe_position(rank: int, trace: RankTrace | None, outcome: RankOutcome |
     if outcome is not None and outcome.state == STATE_OK:
         return f"rank {rank} finished its script"
     if waiting:
-        e = waiting[-1]
+        e = waiting[0]  # the earliest op not completed: later async ops queue behind it
         return f"rank {rank} waits in {e.op} #{e.seq} on group {_group_label(e.pg)}{_where(e)}"
     last = last_started(events)
     if last is not None and last.error is not None:
@@ -325,8 +325,8 @@ def hang_finding(traces: dict[int, RankTrace], outcomes: dict[int, RankOutcome],
     site = None
     for r in hung:
         waiting = open_events(traces[r].events) if r in traces else []
-        if waiting and waiting[-1].line is not None:
-            site = (waiting[-1].file, waiting[-1].line)
+        if waiting and waiting[0].line is not None:
+            site = (waiting[0].file, waiting[0].line)
             break
     message = (f"no progress for {timeout:g}s: "
                + "; ".join(describe_position(r, traces.get(r), outcomes.get(r)) for r in ranks))

@@ -1,9 +1,12 @@
-"""Reading per-rank collective traces (``trace-rank<R>.jsonl``, written by distcheck.rank.tracer) into typed events.
+"""Reading per-rank collective traces (written by distcheck.rank.tracer) into typed events.
 
     from distcheck.analysis.trace_events import load_rank_trace, last_started, last_completed
-    events = load_rank_trace("report/trace-rank0.jsonl")
+    events = load_rank_trace("report/trace-rank0.jsonl")   # reads trace-rank0.bin next to it too
 
-Pure: no process group. Tolerant of a truncated last line (a rank killed mid-write) and of unknown line kinds.
+A rank's trace is two files: ``trace-rank<R>.jsonl`` (meta, one ``sig`` line per distinct call, errors, exit) and
+``trace-rank<R>.bin`` (start/end records naming a sig; contract/trace_records.py). ``start``/``end`` JSON lines
+are read too (error ends are written that way). Pure: no process group. Tolerant of a truncated last line (a rank
+killed mid-write), unwritten record slots and unknown line kinds.
 """
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ from typing import Any, Iterable
 
 from distcheck.analysis.ops import P2P_OPS
 from distcheck.contract import files
+from distcheck.contract import trace_records as records
 
 
 
@@ -112,11 +116,28 @@ def _opt_int(value: Any) -> int | None:
         return None
 
 
-def parse_lines(lines: Iterable[str], rank: int) -> RankTrace:
+_KNOWN = frozenset({"ev", "id", "seq", "pg", "pg_name", "op", "shapes", "dtypes", "reduce_op", "peer", "root",
+                    "site", "file", "line", "t", "sig"})
+
+
+def _event(rank: int, desc: dict[str, Any], eid: int, seq: int, t: float) -> TraceEvent:
+    """A started collective from its description (a sig or start line) and its id, sequence number and time."""
+    return TraceEvent(
+        rank=rank, id=eid, seq=seq, pg=_pg_tuple(desc.get("pg")), op=str(desc["op"]),
+        shapes=[list(s) for s in desc.get("shapes") or []], dtypes=[str(d) for d in desc.get("dtypes") or []],
+        reduce_op=desc.get("reduce_op"), peer=_opt_int(desc.get("peer")), site=desc.get("site"),
+        file=desc.get("file"), line=_opt_int(desc.get("line")), t_start=t, t_end=None, pg_name=desc.get("pg_name"),
+        root=_opt_int(desc.get("root")), extra={k: v for k, v in desc.items() if k not in _KNOWN})
+
+
+def parse_lines(lines: Iterable[str], rank: int, binary: bytes = b"") -> RankTrace:
+    """A rank's trace from its JSON lines and the bytes of its record file (``binary``, may be empty)."""
     starts: dict[int, TraceEvent] = {}
     order: list[TraceEvent] = []
     errors: list[RankError] = []
     meta: dict[str, Any] = {}
+    sigs: dict[int, dict[str, Any]] = {}
+    ends: list[dict[str, Any]] = []
     finished: dict[str, Any] | None = None
     for raw in lines:
         raw = raw.strip()
@@ -130,25 +151,14 @@ def parse_lines(lines: Iterable[str], rank: int) -> RankTrace:
             continue
         ev = rec.get("ev")
         try:
-            if ev == "start":
-                known = {"ev", "id", "seq", "pg", "pg_name", "op", "shapes", "dtypes", "reduce_op", "peer", "root",
-                         "site", "file", "line", "t"}
-                event = TraceEvent(
-                    rank=rank, id=int(rec["id"]), seq=int(rec.get("seq", 0)), pg=_pg_tuple(rec.get("pg")),
-                    op=str(rec["op"]), shapes=[list(s) for s in rec.get("shapes") or []],
-                    dtypes=[str(d) for d in rec.get("dtypes") or []], reduce_op=rec.get("reduce_op"),
-                    peer=_opt_int(rec.get("peer")), site=rec.get("site"), file=rec.get("file"),
-                    line=_opt_int(rec.get("line")), t_start=float(rec.get("t", 0.0)), t_end=None,
-                    pg_name=rec.get("pg_name"), root=_opt_int(rec.get("root")),
-                    extra={k: v for k, v in rec.items() if k not in known})
+            if ev == "sig":
+                sigs[int(rec["sig"])] = rec
+            elif ev == "start":
+                event = _event(rank, rec, int(rec["id"]), int(rec.get("seq", 0)), float(rec.get("t", 0.0)))
                 starts[event.id] = event
                 order.append(event)
             elif ev == "end":
-                event = starts.get(int(rec["id"]))
-                if event is not None:
-                    event.t_end = float(rec.get("t", 0.0))
-                    event.error = rec.get("error")
-                    event.issued_only = bool(rec.get("issued", False))
+                ends.append(rec)
             elif ev == "error":
                 errors.append(RankError(rank, str(rec.get("exc_type", "Error")), str(rec.get("message", "")),
                                         str(rec.get("traceback", "")), rec.get("site"), rec.get("file"),
@@ -162,6 +172,39 @@ def parse_lines(lines: Iterable[str], rank: int) -> RankTrace:
             raise
         except (KeyError, TypeError, ValueError):
             continue
+    if binary:
+        version = records.read_header(binary)
+        if version is not None and version != files.FORMAT:
+            raise files.FormatError(f"the trace records of rank {rank} have distcheck file format {version}, this "
+                                    f"distcheck reads format {files.FORMAT}: read it with the distcheck version "
+                                    "that wrote it")
+        for kind, sig, eid, seq, t in records.iter_records(binary) if version is not None else ():
+            if kind == records.START:
+                desc = sigs.get(sig)
+                if desc is None:
+                    continue  # its sig line was lost (disk full): nothing to say about it
+                try:
+                    event = _event(rank, desc, eid, seq, t)
+                except (KeyError, TypeError, ValueError):
+                    continue
+                starts[eid] = event
+                order.append(event)
+            else:
+                event = starts.get(eid)
+                if event is not None and event.t_end is None:
+                    event.t_end = t
+                    event.issued_only = kind == records.ISSUED
+    for rec in ends:  # JSON ends carry errors: they win over a record of the same id
+        try:
+            event = starts.get(int(rec["id"]))
+            if event is not None:
+                event.t_end = float(rec.get("t", 0.0))
+                event.error = rec.get("error")
+                event.issued_only = bool(rec.get("issued", False))
+        except (KeyError, TypeError, ValueError):
+            continue
+    if binary and len(order) > 1:
+        order.sort(key=lambda e: e.id)  # JSON start lines (if any) and records share one id counter
     return RankTrace(rank, order, errors, meta, finished)
 
 
@@ -180,7 +223,11 @@ def load_rank_records(path: str | os.PathLike, rank: int | None = None) -> RankT
         text = path.read_text(encoding="utf-8", errors="replace")
     except FileNotFoundError:
         return RankTrace(rank, [], [], {}, None)
-    return parse_lines(text.splitlines(), rank)
+    try:
+        binary = files.rank_file(path.parent, "trace_events", rank).read_bytes()
+    except OSError:
+        binary = b""
+    return parse_lines(text.splitlines(), rank, binary)
 
 
 def load_rank_trace(path: str | os.PathLike, rank: int | None = None) -> list[TraceEvent]:
@@ -189,7 +236,7 @@ def load_rank_trace(path: str | os.PathLike, rank: int | None = None) -> list[Tr
 
 
 def load_traces(report_dir: str | os.PathLike) -> dict[int, RankTrace]:
-    """Every ``trace-rank<R>.jsonl`` of a report directory, by rank."""
+    """Every rank's trace (``trace-rank<R>.jsonl`` and ``.bin``) of a report directory, by rank."""
     return {rank: load_rank_records(path, rank) for rank, path in files.rank_files(report_dir, "trace").items()}
 
 

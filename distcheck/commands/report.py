@@ -75,7 +75,7 @@ def github_lines(report: Report) -> list[str]:
 
 def merge_reports(dirs: list[Path]) -> tuple[Report, str]:
     """The merged report and the text of the regrouped stacks ("" when fewer than two dirs hold stacks)."""
-    from distcheck.analysis.hang import CollectiveRef, RankProgress, diagnose
+    from distcheck.analysis.hang import RankProgress, diagnose
     from distcheck.supervise.stacks import load_stacks_document, render_stacks_text
 
     reports = [load_report(d) for d in dirs]
@@ -119,10 +119,7 @@ def merge_reports(dirs: list[Path]) -> tuple[Report, str]:
                     continue
                 by_rank[s.rank] = s
             for rank, p in doc.get("last_collectives", {}).items():
-                progress[int(rank)] = RankProgress(
-                    int(rank), CollectiveRef.from_json(p["last_started"]) if p.get("last_started") else None,
-                    CollectiveRef.from_json(p["last_completed"]) if p.get("last_completed") else None,
-                    int(p.get("started", 0)), int(p.get("completed", 0)))
+                progress[int(rank)] = RankProgress.from_json(int(rank), p)
         stacks = [by_rank[r] for r in sorted(by_rank)]
         world = max([world] + [s.world_size or 0 for s in stacks])
         diag = diagnose(stacks, progress, world or None, None,

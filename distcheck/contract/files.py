@@ -15,10 +15,11 @@ import re
 from pathlib import Path
 from typing import Any, Iterable
 
+from distcheck.contract import trace_records
 from distcheck.errors import UsageError
 
 # Bump when a per-rank file changes in a way an older reader would misread.
-FORMAT = 1
+FORMAT = 2
 FORMAT_KEY = "format"
 
 REPORT_JSON = "report.json"
@@ -29,7 +30,8 @@ STACKS_TXT = STACKS_STEM + ".txt"
 STACKS_JSON = STACKS_STEM + ".json"
 
 _PER_RANK = {
-    "trace": "trace-rank{rank}.jsonl",  # collective start/end events (rank/tracer.py)
+    "trace": "trace-rank{rank}.jsonl",  # meta, call signatures, errors, exit line (rank/tracer.py)
+    "trace_events": "trace-rank{rank}.bin",  # collective start/end records (contract/trace_records.py)
     "findings": "findings-rank{rank}.jsonl",  # findings of API calls inside the script (rank/sink.py)
     "autocheck": "autocheck-rank{rank}.json",  # zero-code check state (rank/autocheck.py)
     "records_index": "records-rank{rank}.jsonl",  # distcheck.record index (rank/records.py)
@@ -86,7 +88,7 @@ def hook_files(report_dir: str | os.PathLike) -> list[Path]:
 
 
 def remove_rank_files(report_dir: str | os.PathLike, ranks: Iterable[int],
-                      kinds: Iterable[str] = ("trace", "findings", "autocheck", "stderr")) -> None:
+                      kinds: Iterable[str] = ("trace", "trace_events", "findings", "autocheck", "stderr")) -> None:
     """Per-rank files are appended to: a reused report dir must not mix in an earlier run."""
     for rank in ranks:
         for kind in kinds:
@@ -116,12 +118,25 @@ def clear_shared(report_dir: str | os.PathLike) -> None:
 
 def tidy(report_dir: str | os.PathLike) -> None:
     """Once every rank has ended: the empty dump files of every rank and the stack-hook files (only meaningful
-    while their process runs) go; what remains is the run's artifacts."""
+    while their process runs) go, and the unwritten tail of a killed rank's trace records is cut; what remains is
+    the run's artifacts."""
     ranks = {r for kind in _DUMP_KINDS for r in rank_files(report_dir, kind)}
     for rank in ranks:
         remove_empty_rank_files(report_dir, rank)
     for path in hook_files(report_dir):
         path.unlink(missing_ok=True)
+    for path in rank_files(report_dir, "trace_events").values():
+        trace_records.truncate_unused(path)
+
+
+def trace_progress(report_dir: str | os.PathLike, rank: int) -> int:
+    """A number that grows whenever the rank records a collective or a trace line: the watch loop's progress
+    token. -1 before the rank has opened its trace."""
+    try:
+        size = rank_file(report_dir, "trace", rank).stat().st_size
+    except OSError:
+        return -1
+    return size + max(0, trace_records.written(rank_file(report_dir, "trace_events", rank)))
 
 
 def check_format(data: dict[str, Any], path: str | os.PathLike) -> None:

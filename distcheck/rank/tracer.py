@@ -1,4 +1,4 @@
-"""Collective tracer: every collective a rank issues, with its user call site, as JSON lines on disk.
+"""Collective tracer: every collective a rank issues, with its user call site, recorded on disk as it happens.
 
     DISTCHECK_TRACE=1 DISTCHECK_REPORT_DIR=out torchrun --nproc-per-node 2 train.py   # via distcheck.rank.tracer.install_from_env()
     python -m distcheck run --nproc 2 -- train.py                                     # installs it in every rank
@@ -13,19 +13,31 @@ exceptions) do not change. Calls made while a traced call is running on the same
 internal all_gather, ``all_gather_into_tensor`` delegating to ``all_gather_single``) are not traced: the trace
 names the op the user wrote, not torch's internals.
 
-Each call writes one ``start`` line before the call and one ``end`` line when it completes (sync calls: on
-return; ``async_op=True``: from the Work's future callback; functional collectives: when the op has been issued,
-flagged ``"issued": true``, since their completion is only observable through ``wait_tensor``). Lines go to
-``<report_dir>/trace-rank<R>.jsonl`` with one unbuffered ``os.write`` on an O_APPEND descriptor each, so a
-SIGKILLed rank keeps every line it wrote and lines from the future-callback thread never interleave.
+Each call records a ``start`` before the call and an ``end`` when the op completes:
+
+* ops that return a Work (``async_op=True``, ``isend``): from the Work's future, i.e. when the backend says the
+  op finished (on NCCL, when the GPU has run it), not when the call returned;
+* synchronous ops on CPU tensors (gloo): on return, which is when gloo has finished them;
+* synchronous ops on CUDA tensors: NCCL returns once the op is queued on the stream, so a CUDA event is recorded
+  after it on the current stream and a completion thread writes the end when the event has passed;
+* functional collectives: when issued, flagged as such, since their completion is only observable through
+  ``wait_tensor``.
+
+Records are 32-byte structs stored into a shared memory map of ``<report_dir>/trace-rank<R>.bin``
+(contract/trace_records.py): plain memory writes, no system call, and the kernel keeps the pages of a SIGKILLed
+rank. What each distinct call looks like (op, group, shapes, dtypes, the user's call site) is written once, as a
+``sig`` JSON line in ``trace-rank<R>.jsonl`` next to the meta, error and exit lines. ``bench/bench_trace.py``
+measures the cost per collective (about 1 µs on a no-op process group).
 """
 from __future__ import annotations
 
+import collections
 import functools
 import inspect
 import itertools
 import json
 import logging
+import mmap
 import os
 import sys
 import threading
@@ -35,7 +47,8 @@ from typing import Any, Callable
 
 from distcheck.analysis.ops import C10D_OPS, FUNCOL_OPS, P2P_OPS
 from distcheck.contract import files
-from distcheck.rank.usersite import SiteFinder
+from distcheck.contract import trace_records as records
+from distcheck.rank.usersite import is_internal
 
 log = logging.getLogger("distcheck")
 
@@ -58,10 +71,13 @@ _UNCACHED = frozenset({"batch_isend_irecv", "all_gather_object", "gather_object"
 _CACHE_LIMIT = 4096  # distinct call signatures kept; dynamic shapes must not grow memory without bound
 
 
-class _Writer:
+class _JsonLines:
+    """``trace-rank<R>.jsonl``: what does not repeat (meta, sig, error, exit lines), one O_APPEND write each, so
+    lines from several threads never interleave and a killed rank keeps every line it wrote."""
+
     def __init__(self, path: Path) -> None:
         self.path = path
-        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_TRUNC, 0o644)
 
     def write(self, record: dict[str, Any]) -> None:
         fd = self.fd
@@ -72,19 +88,111 @@ class _Writer:
         except OSError:
             pass  # a full disk must not break the user's training
 
-    def write_raw(self, line: str) -> None:
-        fd = self.fd
-        if fd < 0:
-            return
-        try:
-            os.write(fd, line.encode())
-        except OSError:
-            pass
-
     def close(self) -> None:
         fd, self.fd = self.fd, -1
         if fd >= 0:
             os.close(fd)
+
+
+class _EventLog:
+    """``trace-rank<R>.bin``: fixed-size start/end records stored into a shared memory map (the hot path)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        self.cap = records.SEGMENT_RECORDS * records.SIZE
+        os.ftruncate(self._fd, self.cap)
+        self.mm = mmap.mmap(self._fd, self.cap)
+        self.mm[:records.SIZE] = records.header(files.FORMAT)
+        self.slots = itertools.count(1)  # next() is atomic under the GIL: threads never share a slot
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def grow(self, offset: int) -> None:
+        """Make room for a record at ``offset`` (the map is grown a segment at a time, so this is rare)."""
+        with self._lock:
+            while offset >= self.cap and not self._closed:
+                self.cap += records.SEGMENT_RECORDS * records.SIZE
+                self.mm.resize(self.cap)
+
+    def write(self, kind: int, sig: int, eid: int, seq: int, t: float) -> None:
+        offset = next(self.slots) * records.SIZE
+        try:
+            if offset >= self.cap:
+                self.grow(offset)
+            records.RECORD.pack_into(self.mm, offset, kind, sig, eid, seq, t)
+        except (ValueError, OSError):  # closed, or the disk is full: tracing must not break training
+            pass
+
+    def close(self) -> None:
+        """Unmap and cut the unused tail, so the file holds exactly what was recorded."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            used = next(self.slots) * records.SIZE
+            try:
+                self.mm.close()
+            except BufferError:  # a record being written on another thread right now: leave the map to exit
+                pass
+            try:
+                os.ftruncate(self._fd, min(used, self.cap))
+            except OSError:
+                pass
+            os.close(self._fd)
+
+
+class _CudaCompletions:
+    """Ends of synchronous collectives on CUDA tensors: NCCL returns once the op is queued, so an event recorded
+    right after it on the current stream passes exactly when the op (and what the stream ran before it) is done.
+    One daemon thread polls the pending events in order and writes each end when its event has passed."""
+
+    POLL_S = 0.002
+
+    def __init__(self, write_end: Callable[[int, float], None], new_event: Callable[[], Any]) -> None:
+        self._write_end = write_end
+        self._new_event = new_event
+        self._free: list[Any] = []  # events are reused: creating one per collective would cost more than the op
+        self._pending: collections.deque[tuple[int, Any]] = collections.deque()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._stopped = False
+
+    def add(self, eid: int) -> None:
+        event = self._free.pop() if self._free else self._new_event()
+        event.record()
+        self._pending.append((eid, event))
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="distcheck-completions", daemon=True)
+            self._thread.start()
+        self._wake.set()
+
+    def poll(self) -> int:
+        """Write the ends of the events that have passed; returns how many are still pending."""
+        pending = self._pending
+        while pending:
+            eid, event = pending[0]
+            if not event.query():
+                break  # later events on the same stream cannot have passed either; others are polled next time
+            pending.popleft()
+            self._write_end(eid, time.time())
+            self._free.append(event)
+        return len(pending)
+
+    def _run(self) -> None:
+        while not self._stopped:
+            self._wake.wait()
+            self._wake.clear()
+            while not self._stopped and self.poll():
+                time.sleep(self.POLL_S)
+
+    def drain(self, timeout: float) -> None:
+        """At the end of tracing: wait (bounded: a hung GPU must not hang the exit) for what is still pending."""
+        deadline = time.monotonic() + timeout
+        while self.poll() and time.monotonic() < deadline:
+            time.sleep(self.POLL_S)
+        self._stopped = True
+        self._wake.set()
 
 
 def trace_path(report_dir: str | os.PathLike, rank: int) -> Path:
@@ -107,6 +215,25 @@ def _reduce_op_name(op: Any) -> str | None:
     return str(name).upper()
 
 
+class _ThreadState(threading.local):
+    busy = False  # a traced call is running on this thread: calls it makes inside torch are not traced
+
+
+_PLAIN = (int, float, bool, str, type(None))
+
+
+def _arg_key(value: Any, Tensor: type) -> Any:
+    """The part of a call's cache key for one non-tensor argument: values for plain data, shapes for tensor lists,
+    the object itself otherwise (process groups, meshes, reduce ops; held by the cache, so never confused with a
+    later object at the same address)."""
+    if isinstance(value, _PLAIN):
+        return value
+    if isinstance(value, (list, tuple)):
+        return (type(value), tuple((v.shape, v.dtype, v.is_cuda) if isinstance(v, Tensor) else _arg_key(v, Tensor)
+                                   for v in value))
+    return value
+
+
 class Tracer:
     """The installed tracer of this process (one at a time; see install / uninstall)."""
 
@@ -116,16 +243,28 @@ class Tracer:
         self._torch = torch
         self.rank = rank
         self.path = trace_path(report_dir, rank)
-        self.writer = _Writer(self.path)
-        self.sites = SiteFinder()
+        self.writer = _JsonLines(self.path)
+        self.writer.write({"ev": "meta", files.FORMAT_KEY: files.FORMAT, "rank": rank, "pid": os.getpid(),
+                           "ppid": os.getppid(), "t": time.time(), "argv": list(sys.argv),
+                           "torch": torch.__version__})
+        self.events = _EventLog(files.rank_file(report_dir, "trace_events", rank))
         self._ids = itertools.count(1)
+        self._sig_ids = itertools.count(1)
         self._seq: dict[Any, int] = {}
-        self._lines: dict[tuple, tuple[str, Any]] = {}
+        self._sigs: dict[tuple, tuple[int, Any, bool]] = {}  # call key -> (sig number, seq key, CUDA tensors)
         self._groups: dict[Any, tuple[str, str | None, tuple[int, ...]]] = {}
-        self._local = threading.local()
+        self._internal: dict[str, bool] = {}  # file name -> not the user's code (usersite's one rule, cached)
+        self._local = _ThreadState()
         self._patched: list[tuple[Any, str, Any]] = []
-        self.writer.write({"ev": "meta", files.FORMAT_KEY: files.FORMAT, "rank": rank, "pid": os.getpid(), "ppid": os.getppid(), "t": time.time(),
-                           "argv": list(sys.argv), "torch": torch.__version__})
+        self.completions = _CudaCompletions(self._write_end, lambda: torch.cuda.Event())
+
+    def _write_end(self, eid: int, t: float) -> None:
+        self.events.write(records.END, 0, eid, 0, t)
+
+    def close(self) -> None:
+        self.completions.drain(timeout=1.0)
+        self.events.close()
+        self.writer.close()
 
     # -- process groups -------------------------------------------------------------------------------------
     def _group_info(self, group: Any, funcol: bool) -> tuple[str, str | None, tuple[int, ...]]:
@@ -178,17 +317,20 @@ class Tracer:
         shapes: list[list[int]] = []
         dtypes: list[str] = []
         p2p: list[dict[str, Any]] | None = None
+        cuda = False
         for pname, value in params.items():
             if pname in _SKIP_SHAPES:
                 continue
             if isinstance(value, Tensor):
                 shapes.append(list(value.shape))
                 dtypes.append(_dtype_name(value))
+                cuda = cuda or value.is_cuda
             elif isinstance(value, (list, tuple)) and value and isinstance(value[0], Tensor):
                 for t in value:
                     if isinstance(t, Tensor):
                         shapes.append(list(t.shape))
                         dtypes.append(_dtype_name(t))
+                        cuda = cuda or t.is_cuda
         if op == "batch_isend_irecv":
             p2p = []
             for item in params.get("p2p_op_list") or ():
@@ -217,7 +359,7 @@ class Tracer:
         if funcol and op == "broadcast" and root is not None and pg_ranks:
             root = int(pg_ranks[root])  # funcol.broadcast takes a group-relative src
         reduce_op = _reduce_op_name(params.get("op", params.get("reduceOp"))) or default_op
-        event: dict[str, Any] = {"ev": "start", "op": op, "pg": pg, "pg_name": pg_name, "shapes": shapes,
+        event: dict[str, Any] = {"op": op, "cuda": cuda, "pg": pg, "pg_name": pg_name, "shapes": shapes,
                                  "dtypes": dtypes, "reduce_op": reduce_op}
         if op in P2P_OPS:
             event["peer"] = root
@@ -248,6 +390,33 @@ class Tracer:
             return ("p2p-batch", event["pg"])  # paired per send/receive, not a group position
         return event["pg_name"] or event["pg"]
 
+    def _user_frame(self, frame: Any) -> Any:
+        """The first frame, from ``frame`` outwards, in the user's code (None when there is none)."""
+        internal = self._internal
+        while frame is not None:
+            filename = frame.f_code.co_filename
+            hit = internal.get(filename)
+            if hit is None:
+                hit = internal[filename] = is_internal(filename)
+            if not hit:
+                return frame
+            frame = frame.f_back
+        return None
+
+    def _new_sig(self, op: str, names: tuple[str, ...], args: tuple, kwargs: dict, funcol: bool,
+                 default_op: str | None, frame: Any) -> tuple[int, Any, bool]:
+        """Describe a call in full, write its ``sig`` line and return (sig number, seq key, CUDA tensors)."""
+        event = self._describe(op, names, args, kwargs, funcol, default_op)
+        if frame is not None:
+            event.update(site=f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}",
+                         file=frame.f_code.co_filename, line=frame.f_lineno)
+        else:
+            event.update(site=None, file=None, line=None)
+        cuda = event.pop("cuda", False)
+        sig = next(self._sig_ids)
+        self.writer.write({"ev": "sig", "sig": sig, **event})
+        return sig, self._seq_key(event), cuda
+
     def wrap(self, fn: Callable, op: str, funcol: bool) -> Callable:
         try:
             parameters = inspect.signature(fn).parameters
@@ -259,78 +428,94 @@ class Tracer:
         for pname in ("op", "reduceOp"):
             if pname in parameters and parameters[pname].default is not inspect.Parameter.empty:
                 default_op = _reduce_op_name(parameters[pname].default)
-        local = self._local
-        writer = self.writer
-        ids = self._ids
-        sites = self.sites
         Work = None
         try:
             from torch.distributed.distributed_c10d import Work
         except ImportError:  # pragma: no cover - every supported torch has Work
             pass
 
-        cache = self._lines
+        # Everything the hot path touches is a local of this closure: each attribute lookup saved is ~30 ns, and
+        # the whole wrapper has to stay near 1 µs (bench/bench_trace.py).
+        local = self._local
+        getframe = sys._getframe
+        user_frame = self._user_frame
+        internal = self._internal
+        sigs = self._sigs
+        seqs = self._seq
+        ids = self._ids
+        now = time.time
+        events = self.events
+        slots = events.slots
+        grow = events.grow
+        mm = events.mm
+        pack = records.RECORD.pack_into
+        SIZE, START, END = records.SIZE, records.START, records.END
         Tensor = self._torch.Tensor
         cacheable = op not in _UNCACHED
-        write_fd = writer.write_raw
+        new_sig = self._new_sig
+        completions = self.completions
+        writer = self.writer
 
         @functools.wraps(fn)
         def traced(*args: Any, **kwargs: Any) -> Any:
-            if getattr(local, "busy", False):
+            if local.busy:
                 return fn(*args, **kwargs)
             local.busy = True
             try:
                 try:
-                    site = sites.find(2)
-                    # The hot path: the static part of the start line (op, group, shapes, dtypes, reduce op,
-                    # root, site) is cached as JSON text per call signature; only id, seq and time are formatted.
+                    frame = getframe(1)
+                    if internal.get(frame.f_code.co_filename) is not False:  # the caller is torch's, or new
+                        frame = user_frame(frame)
+                    # The static part of an event (op, group, shapes, dtypes, reduce op, root, site) is described
+                    # once per distinct call and written as a sig line; the event names it by number.
                     hit = None
                     if cacheable:
-                        params = dict(zip(names, args))
-                        if kwargs:
-                            params.update(kwargs)
-                        key: list[Any] = [id(site)]
-                        for pname, value in params.items():
+                        key = [frame.f_code, frame.f_lineno] if frame is not None else [None, None]
+                        for value in args:
                             if isinstance(value, Tensor):
-                                key.append((pname, tuple(value.shape), value.dtype))
-                            elif isinstance(value, list):
-                                key.append((pname, tuple((tuple(t.shape), t.dtype) if isinstance(t, Tensor)
-                                                         else None for t in value)))
-                            elif pname != "async_op" and not isinstance(value, (bool, Tensor)):
-                                key.append((pname, id(value) if pname == "group" else value))
+                                key += (value.shape, value.dtype, value.is_cuda)
+                            else:
+                                key.append(_arg_key(value, Tensor))
+                        if kwargs:
+                            for pname, value in kwargs.items():
+                                key.append(pname)
+                                key.append(_arg_key(value, Tensor))
                         try:
                             hkey = tuple(key)
-                            hit = cache.get(hkey)
-                        except TypeError:  # an unhashable argument: describe it in full every time
+                            hit = sigs.get(hkey)
+                        except TypeError:  # an unhashable argument: describe the call every time
                             hkey = None
                     if hit is None:
-                        event = self._describe(op, names, args, kwargs, funcol, default_op)
-                        event["site"] = site.site
-                        event["file"] = site.file
-                        event["line"] = site.line
-                        seq_key = self._seq_key(event)
-                        prefix = json.dumps(event, separators=(",", ":"), default=str)[:-1] + ","
-                        hit = (prefix, seq_key)
+                        hit = new_sig(op, names, args, kwargs, funcol, default_op, frame)
                         if cacheable and hkey is not None:
-                            if len(cache) >= _CACHE_LIMIT:
-                                cache.clear()
-                            cache[hkey] = hit
-                    prefix, seq_key = hit
-                    seq = self._seq[seq_key] = self._seq.get(seq_key, 0) + 1
+                            if len(sigs) >= _CACHE_LIMIT:
+                                sigs.clear()
+                            sigs[hkey] = hit
+                    sig, seq_key, cuda = hit
+                    seq = seqs[seq_key] = seqs.get(seq_key, 0) + 1
                     eid = next(ids)
-                    write_fd(f'{prefix}"id":{eid},"seq":{seq},"t":{time.time():.6f}}}\n')
+                    offset = next(slots) * SIZE
+                    if offset >= events.cap:
+                        grow(offset)
+                    pack(mm, offset, START, sig, eid, seq, now())
                 except Exception as exc:  # tracing must never break the user's collective
                     log.debug("trace of %s failed: %s", op, exc)
                     return fn(*args, **kwargs)
                 try:
                     result = fn(*args, **kwargs)
                 except BaseException as exc:
-                    writer.write({"ev": "end", "id": eid, "t": time.time(), "error": f"{type(exc).__name__}: {exc}"})
+                    writer.write({"ev": "end", "id": eid, "t": now(), "error": f"{type(exc).__name__}: {exc}"})
                     raise
             finally:
                 local.busy = False
             if result is None and not funcol:
-                write_fd(f'{{"ev":"end","id":{eid},"t":{time.time():.6f}}}\n')
+                if cuda:
+                    completions.add(eid)
+                else:
+                    offset = next(slots) * SIZE
+                    if offset >= events.cap:
+                        grow(offset)
+                    pack(mm, offset, END, 0, eid, 0, now())
             else:
                 self._finish(eid, result, Work, funcol)
             return result
@@ -339,7 +524,7 @@ class Tracer:
         return traced
 
     def _finish(self, eid: int, result: Any, Work: Any, funcol: bool) -> None:
-        writer = self.writer
+        events = self.events
         works = None
         if Work is not None:
             if isinstance(result, Work):
@@ -347,30 +532,29 @@ class Tracer:
             elif isinstance(result, list) and result and all(isinstance(w, Work) for w in result):
                 works = result
         if not works:
-            record: dict[str, Any] = {"ev": "end", "id": eid, "t": time.time()}
-            if funcol:
-                record["issued"] = True
-            writer.write(record)
+            events.write(records.ISSUED if funcol else records.END, 0, eid, 0, time.time())
             return
         try:
             futures = [w.get_future() for w in works]
             fut = futures[0] if len(futures) == 1 else self._torch.futures.collect_all(futures)
         except Exception:  # a backend without futures: the op is at least issued
-            writer.write({"ev": "end", "id": eid, "t": time.time(), "issued": True})
+            events.write(records.ISSUED, 0, eid, 0, time.time())
             return
 
         batch = len(futures) > 1
+        writer = self.writer
 
         def done(f: Any) -> None:
-            record: dict[str, Any] = {"ev": "end", "id": eid, "t": time.time()}
+            t = time.time()
             try:
                 value = f.value()
                 if batch:  # collect_all: a list of the batch's futures, each may have failed
                     for sub in value:
                         sub.value()
             except Exception as exc:
-                record["error"] = f"{type(exc).__name__}: {exc}"
-            writer.write(record)
+                writer.write({"ev": "end", "id": eid, "t": t, "error": f"{type(exc).__name__}: {exc}"})
+                return
+            events.write(records.END, 0, eid, 0, t)
 
         fut.add_done_callback(done)
 
@@ -407,6 +591,8 @@ class Tracer:
 
     def note(self, record: dict[str, Any]) -> None:
         """Write a non-collective line (``{"ev": "error", ...}``) into this rank's trace."""
+        if record.get("ev") == "exit":  # the script is over: record the ends of GPU collectives still in flight
+            self.completions.drain(timeout=1.0)
         record.setdefault("t", time.time())
         self.writer.write(record)
 
@@ -431,7 +617,7 @@ def uninstall() -> None:
     if _tracer is None:
         return
     _tracer.unpatch()
-    _tracer.writer.close()
+    _tracer.close()
     _tracer = None
 
 

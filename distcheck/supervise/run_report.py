@@ -64,6 +64,9 @@ def build_report(report_dir: Path, command: str, world_size: int, traces: dict[i
     for r in sorted(traces):
         name = files.rank_file(report_dir, "trace", r).name
         artifacts[name.removesuffix(".jsonl")] = name
+        records = files.rank_file(report_dir, "trace_events", r)
+        if records.exists():
+            artifacts[records.stem + "-records"] = records.name
     try:
         write_chrome_trace(traces, report_dir / files.CHROME_TRACE, end_time=time.time())
         artifacts[files.CHROME_TRACE] = files.CHROME_TRACE

@@ -67,13 +67,8 @@ class TorchrunMonitor(threading.Thread):
         # when one of them grew.
         from distcheck.contract import files
 
-        sizes = []
-        for rank, path in files.rank_files(self.report_dir, "trace").items():
-            try:
-                sizes.append((rank, path.stat().st_size))
-            except OSError:
-                continue
-        key = tuple(sizes)
+        key = tuple((rank, files.trace_progress(self.report_dir, rank))
+                    for rank in files.rank_files(self.report_dir, "trace"))
         if self._cache is None or self._cache[0] != key:
             # A reused report dir may still hold a trace of an earlier run from a rank that has not started yet:
             # only the ranks of this torchrun (same agent process as parent) count.

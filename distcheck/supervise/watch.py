@@ -60,7 +60,8 @@ class WatchResult:
 
 
 class Progress:
-    """The progress token: each expected rank's trace size (-1 before the file exists) and the finished ranks."""
+    """The progress token: each expected rank's trace progress (files.trace_progress; -1 before the trace exists)
+    and the finished ranks."""
 
     def __init__(self, report_dir: str | os.PathLike, ranks: Iterable[int] | None = None) -> None:
         self.report_dir = Path(report_dir)
@@ -69,24 +70,17 @@ class Progress:
 
     def sizes(self) -> tuple[int, ...]:
         if self.ranks is None:  # whoever has a trace (the node watcher does not know the global ranks)
-            sizes = []
-            for path in files.rank_files(self.report_dir, "trace").values():
-                try:
-                    sizes.append(path.stat().st_size)
-                except OSError:  # removed since the listing
-                    continue
-            return tuple(sizes)
+            sizes = (files.trace_progress(self.report_dir, r) for r in files.rank_files(self.report_dir, "trace"))
+            return tuple(s for s in sizes if s >= 0)  # a trace removed since the listing does not count
         if not self.report_dir.is_dir():
             # The report directory was removed or replaced under the run: no trace will appear, so no rank is
             # "still starting" any more and the normal no-progress limit applies.
             self._up.update(range(len(self.ranks)))
         out = []
         for i, r in enumerate(self.ranks):
-            try:
-                out.append(files.rank_file(self.report_dir, "trace", r).stat().st_size)
+            out.append(files.trace_progress(self.report_dir, r))
+            if out[-1] >= 0:
                 self._up.add(i)
-            except OSError:
-                out.append(-1)
         return tuple(out)
 
     def starting(self, sizes: tuple[int, ...]) -> bool:

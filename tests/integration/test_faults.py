@@ -15,6 +15,8 @@ import pytest
 
 from launch_helpers import FIXTURES, env_for_ranks, load_report
 
+from distcheck.analysis.trace_events import load_traces
+
 
 def rank_pids(report_dir: Path) -> dict[int, int]:
     out = {}
@@ -72,8 +74,8 @@ class Launch:
 
 def stuck(out: Path) -> bool:
     """hang_python.py's ranks are in place: rank 1 sleeps in load_shard, rank 0 waits in all_reduce #2."""
-    trace = out / "trace-rank0.jsonl"
-    return trace.exists() and trace.read_text().count('"ev":"start"') >= 2 and len(rank_pids(out)) == 2
+    trace = load_traces(out).get(0)
+    return trace is not None and len(trace.events) >= 2 and len(rank_pids(out)) == 2
 
 
 def hanging(tmp_path: Path, timeout: str = "300", env: dict[str, str] | None = None) -> tuple[Launch, Path]:

@@ -9,6 +9,8 @@ import pytest
 
 from launch_helpers import FIXTURES, distcheck, load_report, torchrun
 
+from distcheck.analysis.trace_events import load_traces
+
 
 def run_fixture(tmp_path: Path, fixture: str, nproc: int = 2, timeout: float = 30, limit: float = 150):
     out = tmp_path / "report"
@@ -108,16 +110,16 @@ def test_non_bugs_have_no_findings(line_of, tmp_path, fixture):
     # report files readable like every other file.
     assert not [p.name for p in out.iterdir() if p.is_file() and p.stat().st_size == 0]
     assert not list(out.glob("stackhook-pid*.json")) and (out / "report.json").stat().st_mode & 0o044
-    events = [json.loads(line) for line in (out / "trace-rank1.jsonl").read_text().splitlines()]
-    ops = {e["op"] for e in events if e["ev"] == "start"}
-    sites = {e["site"] for e in events if e["ev"] == "start"}
+    events = load_traces(out)[1].events
+    ops = {e.op for e in events}
+    sites = {e.site for e in events}
     assert all(s and s.startswith(fixture + ":") for s in sites), sites
     if fixture == "train_fsdp2.py":  # FSDP2's own collectives, attributed to the forward and backward lines
         assert {"all_gather_single", "reduce_scatter_single"} <= ops
         assert f"{fixture}:{line_of(fixture, 'all-gathers here')}" in sites
         assert f"{fixture}:{line_of(fixture, 'reduce-scatters here')}" in sites
     if fixture == "train_tp.py":  # DTensor's functional collectives
-        funcol = {e["op"] for e in events if e["ev"] == "start" and e.get("api") == "functional"}
+        funcol = {e.op for e in events if e.extra.get("api") == "functional"}
         assert "all_reduce" in funcol and f"{fixture}:{line_of(fixture, 'all-reduces the output')}" in sites
 
 
@@ -126,11 +128,9 @@ def test_every_op_is_recorded(tmp_path):
     assert res.returncode == 0, res.output + json.dumps(report["findings"], indent=1)
     src = (FIXTURES / "coll_all_ops.py").read_text().splitlines()
     for rank in (0, 1):
-        events = [json.loads(line) for line in (out / f"trace-rank{rank}.jsonl").read_text().splitlines()]
-        starts = [e for e in events if e["ev"] == "start"]
-        ends = {e["id"] for e in events if e["ev"] == "end"}
-        assert all(e["id"] in ends for e in starts), "every collective completed"
-        recorded = {(e["op"], e.get("api") == "functional") for e in starts}
+        starts = load_traces(out)[rank].events
+        assert all(e.completed for e in starts), "every collective completed"
+        recorded = {(e.op, e.extra.get("api") == "functional") for e in starts}
         expected_c10d = {"all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast",
                          "reduce", "gather", "scatter", "all_to_all_single", "barrier", "batch_isend_irecv",
                          "all_gather_object", "gather_object", "broadcast_object_list", "scatter_object_list"}
@@ -139,17 +139,15 @@ def test_every_op_is_recorded(tmp_path):
         assert {(op, False) for op in expected_c10d} <= recorded, expected_c10d - {op for op, f in recorded if not f}
         assert {(op, True) for op in expected_funcol} <= recorded
         # internal calls (all_gather_object's all_gather, ...) are not traced: one event per user line
-        assert len(starts) == len({e["line"] for e in starts})
+        assert len(starts) == len({e.line for e in starts})
         for e in starts:
-            assert e["pg"] == "0,1" and e["file"].endswith("coll_all_ops.py")
-            assert e["op"].split("_")[0] in src[e["line"] - 1] or e["op"] in src[e["line"] - 1]
-        by_line = {e["line"]: e for e in starts}
-        mx = next(e for e in starts if e["reduce_op"] == "MAX")
-        assert mx["op"] == "all_reduce" and mx["shapes"] == [[4]] and mx["dtypes"] == ["float32"]
-        assert next(e for e in starts if e["op"] == "broadcast" and not e.get("api"))["root"] == 0
-        p2p = next(e for e in starts if e["op"] in ("send", "recv"))
-        assert p2p["peer"] == 1 - rank
-        assert by_line  # sanity
+            assert e.pg == (0, 1) and e.file.endswith("coll_all_ops.py")
+            assert e.op.split("_")[0] in src[e.line - 1] or e.op in src[e.line - 1]
+        mx = next(e for e in starts if e.reduce_op == "MAX")
+        assert mx.op == "all_reduce" and mx.shapes == [[4]] and mx.dtypes == ["float32"]
+        assert next(e for e in starts if e.op == "broadcast" and not e.extra.get("api")).root == 0
+        p2p = next(e for e in starts if e.op in ("send", "recv"))
+        assert p2p.peer == 1 - rank
 
 
 def test_under_torchrun_rank0_writes_the_report(line_of, tmp_path):

@@ -21,6 +21,7 @@ import pytest
 
 from launch_helpers import FIXTURES, env_for_ranks, torchrun
 
+from distcheck.analysis.trace_events import load_traces
 from distcheck.supervise.procs import terminate
 from distcheck.supervise.watch import DONE, HUNG, HangDump, WatchLoop
 
@@ -76,8 +77,8 @@ def supervise(tmp_path: Path, fixture: str, nproc: int, timeout: float, limit: f
     # Short test timeouts count from the moment every rank has issued its first collective: importing torch and
     # the gloo rendezvous on 2 busy cores can take longer than the timeout itself.
     def started(r: int) -> bool:
-        path = ranks.report_dir / f"trace-rank{r}.jsonl"
-        return path.exists() and '"start"' in path.read_text()
+        trace = load_traces(ranks.report_dir).get(r)
+        return trace is not None and bool(trace.events)
 
     while time.monotonic() < deadline and not all(started(r) for r in range(nproc)):
         if any(p.poll() is not None for p in ranks.procs):
@@ -167,6 +168,10 @@ def test_terminate_escalates_to_sigkill(tmp_path):
     ("hang_native_gil.py", 2, [1], "# HANG", [0], "# WAIT",
      "rank 1 is in hold_gil (hang_native_gil.py:{odd}) holding the GIL while rank 0 waits in all_reduce #2 "
      "(hang_native_gil.py:{wait})"),
+    # Async collectives return at once (as every NCCL one does): rank 0's stack is in its poll loop, and the
+    # collective it is stuck on is the earliest whose Work never completed, not the last one it issued.
+    ("hang_async.py", 2, [1], "# HANG", [0], "# FIRST",
+     "rank 1 is in load_shard (hang_async.py:{odd}) while rank 0 waits in all_reduce #3 (hang_async.py:{wait})"),
     ("hang_missing_barrier.py", 3, [1], "# ODD", [0, 2], "# WAIT",
      "rank 1 is in all_reduce #2 (hang_missing_barrier.py:{odd}) while ranks 0,2 wait in barrier #2 "
      "(hang_missing_barrier.py:{wait})"),

@@ -42,10 +42,16 @@ def _write_all(tmp_path, fmt):
 
 
 @pytest.mark.parametrize("reader", [load_traces, sink.collect, load_run, load_states])
-def test_readers_accept_this_format_and_unversioned_files(tmp_path, reader):
-    for fmt in (files.FORMAT, None):  # None: written before files carried a version, i.e. format 1
-        _write_all(tmp_path, fmt)
-        assert reader(tmp_path)
+def test_readers_accept_this_format(tmp_path, reader):
+    _write_all(tmp_path, files.FORMAT)
+    assert reader(tmp_path)
+
+
+@pytest.mark.parametrize("reader", [load_traces, sink.collect, load_run, load_states])
+def test_readers_name_unversioned_files_as_format_1(tmp_path, reader):
+    _write_all(tmp_path, None)  # written before files carried a version; format 2 moved trace events to .bin
+    with pytest.raises(files.FormatError, match=f"format 1.*reads format {files.FORMAT}"):
+        reader(tmp_path)
 
 
 @pytest.mark.parametrize("reader", [load_traces, sink.collect, load_run, load_states])

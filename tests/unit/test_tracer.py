@@ -1,0 +1,138 @@
+"""The collective tracer on torch's fake process group (no process launched): what it records, where it records it
+(a shared memory map that survives the process), and when an op counts as completed."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from distcheck.analysis.hang import progress_from_events
+from distcheck.analysis.trace_events import load_traces, parse_lines
+from distcheck.contract import files
+from distcheck.contract import trace_records as records
+from distcheck.rank import tracer as trace
+
+
+@pytest.fixture
+def fake_world():
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this worker")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    yield
+    trace.uninstall()
+    dist.destroy_process_group()
+
+
+def test_events_carry_the_user_site_shapes_and_completion(fake_world, tmp_path, line_of):
+    trace.install(tmp_path, 0)
+    x = torch.ones(4)
+    for _ in range(3):
+        dist.all_reduce(x)  # SYNC
+    dist.all_reduce(x, op=dist.ReduceOp.MAX, async_op=True).wait()  # ASYNC
+    dist.broadcast(torch.ones(2, 3), src=1)  # ROOTED
+    trace.uninstall()
+    events = load_traces(tmp_path)[0].events
+
+    def site(marker: str) -> str:
+        return f"test_tracer.py:{line_of(__file__, marker)}"
+
+    assert [(e.op, e.seq, e.site) for e in events] == [
+        ("all_reduce", 1, site("# SYNC")), ("all_reduce", 2, site("# SYNC")), ("all_reduce", 3, site("# SYNC")),
+        ("all_reduce", 4, site("# ASYNC")), ("broadcast", 5, site("# ROOTED"))]
+    assert all(e.completed and not e.issued_only for e in events)
+    assert events[3].reduce_op == "MAX" and events[4].root == 1 and events[4].shapes == [[2, 3]]
+    # One sig line per distinct call, not per event; the closed record file holds exactly what was written.
+    lines = [json.loads(s) for s in (tmp_path / "trace-rank0.jsonl").read_text().splitlines()]
+    assert [d["ev"] for d in lines] == ["meta", "sig", "sig", "sig"]
+    assert (tmp_path / "trace-rank0.bin").stat().st_size == records.SIZE * (1 + 2 * len(events))
+
+
+def test_records_are_on_disk_without_close_and_the_map_grows(fake_world, tmp_path, monkeypatch):
+    """A SIGKILLed rank never closes its trace: every record stored into the map is already in the file."""
+    monkeypatch.setattr(records, "SEGMENT_RECORDS", 8)
+    tracer = trace.install(tmp_path, 0)
+    x = torch.ones(4)
+    before = files.trace_progress(tmp_path, 0)
+    for _ in range(20):  # 40 records: the map grows 5 times
+        dist.all_reduce(x)
+    assert records.written(tmp_path / "trace-rank0.bin") == 40 and files.trace_progress(tmp_path, 0) > before
+    data = (tmp_path / "trace-rank0.bin").read_bytes()  # while the map is open, as a supervisor reads it
+    kinds = [r[0] for r in records.iter_records(data)]
+    assert kinds == [records.START, records.END] * 20
+    assert len(load_traces(tmp_path)[0].events) == 20 and tracer.events.cap == 48 * records.SIZE
+
+
+def test_a_killed_ranks_zero_tail_is_skipped_and_cut(tmp_path):
+    path = tmp_path / "trace-rank0.bin"
+    rec = records.RECORD.pack(records.START, 1, 1, 1, 5.0)
+    path.write_bytes(records.header(files.FORMAT) + rec + b"\0" * records.SIZE * 100)
+    assert records.written(path) == 1
+    assert len(list(records.iter_records(path.read_bytes()))) == 1
+    files.tidy(tmp_path)
+    assert path.stat().st_size == 2 * records.SIZE
+
+
+def test_records_of_another_format_are_named(tmp_path):
+    (tmp_path / "trace-rank0.jsonl").write_text(json.dumps({"ev": "meta", "format": files.FORMAT}) + "\n")
+    (tmp_path / "trace-rank0.bin").write_bytes(records.header(files.FORMAT + 1))
+    with pytest.raises(files.FormatError, match="trace records of rank 0 have distcheck file format"):
+        load_traces(tmp_path)
+
+
+class FakeCudaEvent:
+    """Stands in for torch.cuda.Event: passes when the test says the GPU got there."""
+
+    def __init__(self, done: list[bool]) -> None:
+        self.done, self.index = done, len(done)
+        done.append(False)
+
+    def record(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return self.done[self.index]
+
+
+def test_gpu_collectives_end_when_their_event_passes_not_on_return():
+    ends: list[int] = []
+    done: list[bool] = []
+    completions = trace._CudaCompletions(lambda eid, t: ends.append(eid), lambda: FakeCudaEvent(done))
+    completions.POLL_S = 0.001
+    completions.add(7)
+    completions.add(8)
+    assert completions.poll() == 2 and ends == []  # returned, still queued on the GPU
+    done[1] = True
+    assert completions.poll() == 2 and ends == []  # a later event cannot pass before an earlier one's op
+    done[0] = True
+    completions.drain(timeout=1.0)
+    assert ends == [7, 8]
+
+
+def test_drain_is_bounded_when_the_gpu_is_stuck():
+    done: list[bool] = []
+    completions = trace._CudaCompletions(lambda eid, t: None, lambda: FakeCudaEvent(done))
+    completions.add(1)
+    completions.drain(timeout=0.05)  # returns: a hung GPU must not hang the rank's exit
+    assert completions.poll() == 1
+
+
+def _line(**kw) -> str:
+    return json.dumps(kw)
+
+
+def test_the_pending_collective_is_the_earliest_not_completed():
+    """Async ops complete out of issue order as seen from the host: the stuck one is the first open one."""
+    lines = [_line(ev="meta", format=files.FORMAT)]
+    for i in (1, 2, 3):
+        lines.append(_line(ev="start", id=i, seq=i, pg="0,1", op="all_reduce", site=f"t.py:{i}", file="/t.py",
+                           line=i, t=float(i)))
+    lines.append(_line(ev="end", id=1, t=1.5))
+    lines.append(_line(ev="end", id=3, t=3.5))  # the second bucket's Work finished; the first's never did
+    events = parse_lines(lines, 0).events
+    progress = progress_from_events(0, events)
+    assert progress.pending is not None and (progress.pending.seq, progress.pending.line) == (2, 2)
+    assert progress.last_started.seq == 3 and progress.last_started.completed
