@@ -1,9 +1,10 @@
 """Per-tensor fingerprints: a few integers per tensor that change whenever any single element changes.
 
 The tensor's bytes are read as 64-bit words (32/16/8-bit for odd sizes) and summed with wrap-around, in up to
-CHUNKS contiguous element ranges. Integer addition modulo 2**64 is exact and order-independent, so one changed
-element always changes its chunk's sum, on every device and thread count, while the pass costs about one
-``torch.sum`` (bench/bench_fingerprint.py). Chunks localize a difference: only differing chunks are ever sent.
+CHUNKS contiguous element ranges, one [chunks, words] reduction per tensor. Integer addition modulo 2**64 is exact
+and order-independent, so one changed element always changes its chunk's sum, on every device and thread count,
+while the pass costs about one ``torch.sum`` (bench/bench_consistency.py; on CUDA tensors nothing but the sums
+leaves the device). Chunks localize a difference: only differing chunks are ever sent.
 """
 from __future__ import annotations
 
@@ -42,14 +43,15 @@ def chunk_bounds(numel: int) -> tuple[int, ...]:
 
 
 def _word_sum(flat: torch.Tensor) -> torch.Tensor:
-    raw = flat.view(torch.uint8)
-    n = raw.numel()
+    """The wrap-around sum of a 1-d contiguous tensor's bytes as the widest words that tile it: a 1-element int64."""
+    nbytes = flat.numel() * flat.element_size()
     # Accumulate in the word type itself: wrap-around keeps the sum exact modulo 2**bits, and it is the fast path
     # (an int32 sum promoted to int64 runs ~10x slower on CPU).
     for word, width in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2)):
-        if n % width == 0 and n:
-            return raw.view(word).sum(dtype=word).to(torch.int64)
-    return raw.sum(dtype=torch.int64)
+        if nbytes % width == 0:
+            total = flat.view(word).sum(0, keepdim=True, dtype=word)
+            return total if word is torch.int64 else total.to(torch.int64)
+    return flat.view(torch.uint8).sum(0, keepdim=True, dtype=torch.int64)
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -58,11 +60,15 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return (to_local() if callable(to_local) else t).detach()
 
 
-def _sums(t: torch.Tensor, bounds: tuple[int, ...]) -> list[torch.Tensor]:
-    flat = t.reshape(-1)
-    if not flat.is_contiguous():
-        flat = flat.contiguous()
-    return [_word_sum(flat[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
+def _sums(flat: torch.Tensor, bounds: tuple[int, ...]) -> list[torch.Tensor]:
+    """1-d int64 tensors whose concatenation is the per-chunk sums of a 1-d contiguous tensor. The whole chunks are
+    read as one [chunks, words] view summed along its rows: one reduction instead of one per chunk, which is what
+    keeps the pass at memory speed (the per-call overhead of 16 small reductions per tensor was half the cost)."""
+    if len(bounds) == 2:
+        return [_word_sum(flat)]
+    whole, step = len(bounds) - 2, bounds[1]  # every chunk but the last spans `step` elements, a multiple of ALIGN
+    head = flat[:whole * step].view(torch.int64).view(whole, -1).sum(1)  # ALIGN elements make whole 64-bit words
+    return [head, _word_sum(flat[whole * step:])]
 
 
 def fingerprint(t: torch.Tensor) -> Fingerprint | None:
@@ -71,21 +77,25 @@ def fingerprint(t: torch.Tensor) -> Fingerprint | None:
 
 
 def fingerprint_many(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, Fingerprint]:
-    """Fingerprints of many tensors with a single device-to-host copy at the end."""
-    pending: list[tuple[str, torch.Tensor, tuple[int, ...], int]] = []
+    """Fingerprints of many tensors with a single device-to-host copy at the end (of the sums alone)."""
+    pending: list[tuple[str, torch.Tensor, tuple[int, ...], int, int]] = []
     parts: list[torch.Tensor] = []
-    for name, t in named:
-        t = local_tensor(t)
-        if t.device.type == "meta":
-            continue
-        bounds = chunk_bounds(t.numel())
-        sums = _sums(t, bounds) if t.numel() else []
-        pending.append((name, t, bounds, len(parts)))
-        parts.extend(sums)
-    values = torch.stack(parts).cpu().tolist() if parts else []
-    out: dict[str, Fingerprint] = {}
-    for name, t, bounds, start in pending:
-        n = len(bounds) - 1 if t.numel() else 0
-        out[name] = Fingerprint(str(t.dtype).replace("torch.", ""), tuple(t.shape), bounds,
-                                tuple(values[start:start + n]))
-    return out
+    count = 0  # sums so far: where each tensor's sums start in the concatenation
+    with torch.no_grad():  # plain views of parameters, no autograd bookkeeping (and no detach() per tensor)
+        for name, t in named:
+            to_local = getattr(t, "to_local", None)
+            if callable(to_local):
+                t = to_local()
+            if t.is_meta:
+                continue
+            numel = t.numel()
+            bounds = chunk_bounds(numel)
+            n = len(bounds) - 1 if numel else 0
+            if n:
+                parts.extend(_sums(t.reshape(-1) if t.is_contiguous() else t.contiguous().view(-1), bounds))
+            pending.append((name, t, bounds, count, n))
+            count += n
+        values = torch.cat(parts).tolist() if parts else []  # the only device-to-host copy: a few int64s
+    return {name: Fingerprint(str(t.dtype).replace("torch.", ""), tuple(t.shape), bounds,
+                              tuple(values[start:start + n]))
+            for name, t, bounds, start, n in pending}

@@ -53,3 +53,14 @@ def test_noncontiguous_and_meta_and_empty():
     assert fingerprint(torch.empty(0)).sums == ()
     fps = fingerprint_many([("a", t), ("m", torch.empty(2, device="meta"))])
     assert set(fps) == {"a"}
+
+
+def test_many_tensors_each_get_their_own_sums():
+    """Each tensor's sums, from one batched pass, equal its fingerprint alone (multi-chunk ones in between)."""
+    gen = torch.Generator().manual_seed(1)
+    tensors = {"small": torch.randn(5, generator=gen), "big": torch.randn(MIN_CHUNK_NUMEL * 2 + 3, generator=gen),
+               "empty": torch.empty(0), "odd": torch.randint(0, 9, (MIN_CHUNK_NUMEL + 1,), dtype=torch.uint8),
+               "last": torch.randn(3, 3, generator=gen).t()}
+    many = fingerprint_many(tensors.items())
+    assert many == {name: fingerprint(t) for name, t in tensors.items()}
+    assert len(many["big"].sums) == CHUNKS and many["empty"].sums == ()
