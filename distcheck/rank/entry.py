@@ -36,6 +36,9 @@ def run_in_rank(opts: RunOptions) -> int:
     from distcheck.rank import tracer as trace
     from distcheck.rank.runtime import RankInfo, setup_logging
 
+    from distcheck.rank.store_host import host_if_asked
+
+    host_if_asked()  # first: it forks, and nothing may have started a thread yet
     info = RankInfo.from_env()
     setup_logging(info)
     supervised = os.environ.get(ENV_SUPERVISED) == "1"

@@ -6,9 +6,11 @@ Why our own supervisor rather than torch.distributed.launcher.api.elastic_launch
 worker down (SIGTERM, then SIGKILL after 30 s) as soon as one fails, before the survivors can raise the backend
 error that we keep as evidence; it exposes no rank pids or progress hook without reaching into private attributes
 (``agent._pcontext``); and its restart and rendezvous machinery is dead weight for a one-shot check. We keep
-torch's rendezvous protocol, though: the supervisor hosts the TCPStore and sets ``TORCHELASTIC_USE_AGENT_STORE``
-exactly like torchrun's agent, so ``init_process_group()`` in the user's script behaves as under torchrun, and
-there is no free-port race (the store binds port 0 and we pass on the port it got).
+torch's rendezvous protocol, though: a TCPStore that outlives every rank, as torchrun's agent's does, and
+``TORCHELASTIC_USE_AGENT_STORE`` set exactly like torchrun's agent, so ``init_process_group()`` in the user's
+script behaves as under torchrun, and there is no free-port race (we bind port 0 and pass on the port it got).
+The store is served by a process rank 0 forks before anything else (rank/store_host.py), with a lifeline pipe
+from here: this process never imports torch, which would cost every run a second of CPU.
 
 Watching is the one watch loop's (supervise/watch.py): on a hang, or a stop signal (``interrupt``), it dumps every
 rank's stack while the ranks are still alive (``dump``), then the ranks are ended here with the one kill routine
@@ -95,6 +97,7 @@ class Supervisor:
         self.startup_timeout = startup_timeout
         self.procs: dict[int, subprocess.Popen] = {}
         self._store = None
+        self._lifeline: int | None = None  # write end of the store host's lifeline pipe (see rank/store_host.py)
 
     def pids(self) -> dict[int, int]:
         """rank -> pid of every rank still running (for stack dumps)."""
@@ -116,9 +119,9 @@ class Supervisor:
         from datetime import timedelta
 
         started = time.monotonic()
-        # Bind the store's port before starting the ranks (no free-port race) but import torch and start the
-        # store only after they are launched: the ranks' clients retry until it is up, and the ~4 s torch import
-        # overlaps with theirs instead of delaying every run.
+        # Bind the store's port before starting the ranks (no free-port race). Rank 0 serves the store on this
+        # socket (rank/store_host.py); only when it cannot (a zygote-forked rank) is it hosted here, started after
+        # the ranks are launched so that this process's torch import overlaps with theirs.
         listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         listener.bind(("127.0.0.1", 0))
         listener.listen(128)
@@ -126,14 +129,17 @@ class Supervisor:
         killed: dict[int, str] = {}
         result = None
         try:
-            self._launch(port)
-            import torch.distributed as dist
+            self._launch(port, listener.fileno())
+            if self._lifeline is None:
+                import torch.distributed as dist
 
-            # The agent store, hosted as torchrun's agent hosts it, on the socket bound above.
-            self._store = dist.TCPStore("127.0.0.1", port, self.nproc, True,
-                                        timedelta(seconds=max(self.timeout, 60)), wait_for_workers=False,
-                                        master_listen_fd=listener.fileno())
-            listener.detach()  # the store owns (and closes) the descriptor now
+                # The agent store, hosted as torchrun's agent hosts it, on the socket bound above.
+                self._store = dist.TCPStore("127.0.0.1", port, self.nproc, True,
+                                            timedelta(seconds=max(self.timeout, 60)), wait_for_workers=False,
+                                            master_listen_fd=listener.fileno())
+                listener.detach()  # the store owns (and closes) the descriptor now
+            else:
+                listener.close()  # rank 0's store host has its own copy
             loop = WatchLoop(self.report_dir, self.timeout, live=self.pids, expected=self.nproc,
                              finished=lambda: {r for r, p in self.procs.items() if p.poll() is not None},
                              should_stop=self._should_stop, dump=self.dump, startup_timeout=self.startup_timeout,
@@ -152,6 +158,9 @@ class Supervisor:
             if leftover:  # interrupted (Ctrl-C, an exception): never leave ranks behind
                 self._end(leftover)
             self._store = None
+            if self._lifeline is not None:  # the store host sees end-of-file and exits
+                os.close(self._lifeline)
+                self._lifeline = None
             if listener.fileno() >= 0:
                 listener.close()
         exits = {}
@@ -170,11 +179,14 @@ class Supervisor:
             return None
         return self.should_stop({r: p.poll() for r, p in self.procs.items()})
 
-    def _launch(self, port: int) -> None:
+    def _launch(self, port: int, listen_fd: int) -> None:
         zygote = Zygote.shared()
         for rank in range(self.nproc):
             argv = list(self.argv_for_rank(rank))
             args = _distcheck_args(argv)
+            if rank == 0 and zygote is None and args is not None and args[:1] == ["run"]:
+                self.procs[rank] = self._launch_store_host_rank(argv, port, listen_fd)
+                continue
             if zygote is not None and args is not None:
                 env = self._rank_env(rank, port)
                 env["DISTCHECK_PTRACER"] = str(os.getpid())  # py-spy runs from here, not from the zygote
@@ -186,6 +198,24 @@ class Supervisor:
                     zygote = Zygote._shared = None
             self.procs[rank] = subprocess.Popen(argv, env=self._rank_env(rank, port),
                                                 preexec_fn=die_with_parent if sys.platform == "linux" else None)
+
+    def _launch_store_host_rank(self, argv: list[str], port: int, listen_fd: int) -> subprocess.Popen:
+        """Rank 0, handed the store's socket and the read end of the lifeline pipe (rank/store_host.py)."""
+        from distcheck.rank.store_host import ENV_STORE_FDS
+
+        read_end, write_end = os.pipe()
+        env = self._rank_env(0, port)
+        env[ENV_STORE_FDS] = f"{listen_fd},{read_end}"
+        try:
+            proc = subprocess.Popen(argv, env=env, pass_fds=(listen_fd, read_end),
+                                    preexec_fn=die_with_parent if sys.platform == "linux" else None)
+        except BaseException:
+            os.close(write_end)
+            raise
+        finally:
+            os.close(read_end)
+        self._lifeline = write_end
+        return proc
 
     def _end(self, ranks: list[int], grace: float | None = None) -> None:
         """The one kill routine (SIGTERM, then SIGKILL after kill_grace), then reap our children."""

@@ -99,11 +99,28 @@ def torchrun_hanging(tmp_path: Path, timeout: str, output: int = subprocess.PIPE
     return launch, out
 
 
-def assert_no_rank_left(pids: dict[int, int]) -> None:
+def processes_of(report_dir: Path) -> list[int]:
+    """Live processes started for this report dir: ranks, and rank 0's store host (rank/store_host.py), which
+    inherits rank 0's environment."""
+    needle = f"DISTCHECK_REPORT_DIR={report_dir}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                env = (entry / "environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if needle in env and alive(int(entry.name)):
+                found.append(int(entry.name))
+    return found
+
+
+def assert_no_rank_left(pids: dict[int, int], report_dir: Path) -> None:
     deadline = time.monotonic() + 10
-    while any(alive(p) for p in pids.values()) and time.monotonic() < deadline:
+    while (any(alive(p) for p in pids.values()) or processes_of(report_dir)) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(alive(p) for p in pids.values()), f"ranks left behind: {pids}"
+    assert not processes_of(report_dir), f"processes left behind: {processes_of(report_dir)}"
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
@@ -125,7 +142,7 @@ def test_a_stop_signal_to_the_launcher_leaves_a_complete_report(tmp_path, line_o
         checks = {c["name"]: c for c in report["checks"]}
         assert checks["ranks_completed"]["note"] == f"stopped from outside by {sig.name}"
         assert "distcheck FAILED" in stdout and (out / "stacks.txt").exists()
-        assert_no_rank_left(pids)
+        assert_no_rank_left(pids, out)
     finally:
         launch.cleanup()
 
@@ -140,7 +157,7 @@ def test_a_second_signal_stops_at_once(tmp_path):
         code, _, stderr, seconds = launch.finish(30)
         assert code == 1 and seconds < 10 and "stopped at once by a second SIGTERM" in stderr
         assert (out / "trace-rank0.jsonl").exists()  # what was written stays
-        assert_no_rank_left(pids)
+        assert_no_rank_left(pids, out)
     finally:
         launch.cleanup()
 
@@ -157,7 +174,7 @@ def test_sigkill_of_one_rank_is_a_rank_failure_naming_it(tmp_path):
         assert first["kind"] == "rank_failure" and first["ranks"] == [1]
         assert first["message"].startswith("rank 1 died from SIGKILL") and "rank 0 failed in all_reduce" in \
             first["message"] and "0" in first["detail"].get("consequences", {})
-        assert_no_rank_left(pids)
+        assert_no_rank_left(pids, out)
     finally:
         launch.cleanup()
 
@@ -168,7 +185,7 @@ def test_sigkill_of_the_launcher_takes_the_ranks_along(tmp_path):
         pids = rank_pids(out)
         launch.proc.send_signal(signal.SIGKILL)
         launch.finish(10)
-        assert_no_rank_left(pids)  # each rank dies with its parent (PR_SET_PDEATHSIG)
+        assert_no_rank_left(pids, out)  # each rank dies with its parent (PR_SET_PDEATHSIG); the store host sees EOF
     finally:
         launch.cleanup()
 
@@ -203,7 +220,7 @@ def test_a_report_dir_that_disappears_midway_sends_the_report_to_stderr(tmp_path
         document = json.loads(stderr[stderr.index("\n{") + 1:])
         assert document["tool"] == "distcheck" and not document["ok"]
         assert [f["kind"] for f in document["findings"]] == ["hang"]
-        assert_no_rank_left(pids)
+        assert_no_rank_left(pids, out)
     finally:
         launch.cleanup()
 
@@ -238,7 +255,7 @@ def test_a_stop_signal_to_torchrun_leaves_the_report(tmp_path, line_of, sig):
         assert f"rank 1 is in load_shard (hang_python.py:{line_of('hang_python.py', '# HANG')})" in f["message"]
         assert report["command"].startswith("distcheck run --timeout 300")
         assert "distcheck FAILED" in stdout + stderr  # printed to the job's console
-        assert_no_rank_left(pids)
+        assert_no_rank_left(pids, out)
     finally:
         launch.cleanup()
 
@@ -257,7 +274,7 @@ def test_the_rendezvous_store_dying_with_torchruns_agent(tmp_path, line_of):
         assert time.monotonic() - t0 < 4 + 30, "no report after the store died"
         (f,) = [f for f in load_report(out)["findings"] if f["kind"] == "hang"]
         assert f["ranks"] == [1] and f["detail"]["line"] == line_of("hang_python.py", "# HANG")
-        assert_no_rank_left(pids)
+        assert_no_rank_left(pids, out)
     finally:
         launch.cleanup()
         for pid in rank_pids(out).values():
@@ -281,6 +298,6 @@ def test_sigkill_of_a_rank_under_torchrun_still_yields_a_report_naming_it(tmp_pa
         (f,) = [f for f in report["findings"] if f["kind"] == "rank_failure"]
         assert f["ranks"] == [1] and f["message"].startswith("rank 1 died from a signal it could not report")
         assert report["command"].startswith("distcheck run --timeout 300")
-        assert_no_rank_left(pids)
+        assert_no_rank_left(pids, out)
     finally:
         launch.cleanup()
