@@ -1,6 +1,6 @@
 # distcheck set-up, checks and tests. Everything runs from a local .venv created here.
 #   make check   create .venv, install torch + distcheck, run the built-in consistency check on 2 CPU ranks
-#   make test    the test suite, both tiers (what .ci/run runs)
+#   make test    the test suite, both tiers, 3 xdist workers (what .ci/run runs)
 #   make test-unit   the unit tier alone (no process launched; seconds)
 #   make bench   the benchmarks quoted in README.md
 #   make soak    50 runs each of a correct FSDP2 and DDP script under distcheck run --nproc 2: zero findings
@@ -29,8 +29,10 @@ $(STAMP): pyproject.toml
 check: $(STAMP)
 	$(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC) -m distcheck consistency --report-dir distcheck-report-check --timeout 120
 
+# -n 3 on 2 cores: hang and timeout tests leave a core idle while they wait, a third worker fills it. Ranks write
+# .pyc files (PYTHONDONTWRITEBYTECODE unset) so the hundreds of rank processes do not recompile distcheck each.
 test: $(STAMP)
-	$(PY) -m pytest -n 2 -q tests
+	env -u PYTHONDONTWRITEBYTECODE $(PY) -m pytest -n 3 -q tests
 
 test-unit: $(STAMP)
 	$(PY) -m pytest -q tests/unit
