@@ -87,7 +87,7 @@ def main() -> int:
         worker(args.iters, args.rounds, args.worker_out)
         return 0
     plain, traced = fake_pg_figures()
-    print(f"all_reduce 1024 x float32 on the fake process group (no communication), fastest of 7 rounds of 20000:")
+    print("all_reduce 1024 x float32 on the fake process group (no communication), fastest of 7 rounds of 20000:")
     print(f" plain {plain * 1e6:.2f} us/op, under distcheck run --nproc 1 {traced * 1e6:.2f} us/op: tracing adds "
           f"{(traced - plain) * 1e6:.2f} us per collective (target <= 2 us)")
     out = Path(tempfile.mkdtemp(prefix="distcheck-bench-")) / "times.json"

@@ -121,6 +121,11 @@ def test_non_bugs_have_no_findings(line_of, tmp_path, fixture):
     if fixture == "train_tp.py":  # DTensor's functional collectives
         funcol = {e.op for e in events if e.extra.get("api") == "functional"}
         assert "all_reduce" in funcol and f"{fixture}:{line_of(fixture, 'all-reduces the output')}" in sites
+    if fixture != "coll_uneven_allgather.py":  # the zero-code checks found the model by themselves and passed
+        checks = {c["name"]: c for c in report["checks"]}
+        root = "Sequential"  # both wrap an nn.Sequential
+        assert checks["model_check"]["ok"] and root in checks["model_check"]["note"], checks["model_check"]
+        assert checks["bad_values"]["ok"]
 
 
 def test_every_op_is_recorded(tmp_path):
