@@ -15,16 +15,10 @@ from distcheck.contract import trace_records as records
 from distcheck.rank import tracer as trace
 
 
-@pytest.fixture
-def fake_world():
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialized in this worker")
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+@pytest.fixture(autouse=True)
+def _no_tracer_left():
     yield
-    trace.uninstall()
-    dist.destroy_process_group()
+    trace.uninstall()  # a failing test must not leave the next one traced
 
 
 def test_events_carry_the_user_site_shapes_and_completion(fake_world, tmp_path, line_of):
