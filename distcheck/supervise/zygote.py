@@ -24,9 +24,12 @@ from typing import Sequence
 
 from distcheck.supervise.procs import die_with_parent
 
-# What every rank imports anyway: loaded once, before any fork.
-PRELOAD = ("torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.tensor.parallel",
-           "torch.distributed.fsdp", "distcheck.cli", "distcheck.commands.run", "distcheck.rank.tracer",
+# What every rank imports anyway: loaded once, before any fork. Not torch.distributed.fsdp/.tensor: they import
+# torch._dynamo, and ranks forked after that deadlocked at the end of a DDP script (9 of 48 runs of
+# fixtures/cmp_loss_sum.py, 4 loops in parallel): the main thread, holding the GIL, destroys the Reducer and joins
+# ProcessGroupGloo's worker, which waits for the GIL to drop a Python object held by a finished work's
+# ThreadLocalState. Without them: 0 of 48.
+PRELOAD = ("torch", "torch.distributed", "distcheck.cli", "distcheck.commands.run", "distcheck.rank.tracer",
            "distcheck.rank.autocheck", "distcheck.rank.entry", "distcheck.supervise.hang")
 
 
@@ -155,9 +158,10 @@ class Zygote:
     """The launcher's handle on ``python -m distcheck.supervise.zygote``: forks ranks that have torch imported already.
 
     One per supervising process (compare reuses it for the reference and the N-rank runs). Used for ranks that
-    run ``python -m distcheck ...`` when DISTCHECK_ZYGOTE=1. Off by default: under heavy load the test suite saw
-    a forked rank stall at the end of its script in about one run in fifteen (cause not yet found), so fresh
-    interpreters stay the default until it is.
+    run ``python -m distcheck ...`` when DISTCHECK_ZYGOTE=1. Off by default: the stall at the end of a script that
+    the test suite saw under load came from preloading torch._dynamo (see PRELOAD); with it gone the suite passed
+    once and the 48-run loop showed no stall, which is not yet enough to make forking the default. (It cut the
+    suite's CPU time by about a third but not its wall time on the 2-core VM, which had other limits.)
     """
 
     _shared: "Zygote | None" = None
