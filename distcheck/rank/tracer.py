@@ -508,16 +508,19 @@ class Tracer:
                     raise
             finally:
                 local.busy = False
-            if result is None and not funcol:
-                if cuda:
-                    completions.add(eid)
+            try:  # the op has run: nothing may turn its result into an exception now
+                if result is None and not funcol:
+                    if cuda:
+                        completions.add(eid)
+                    else:
+                        offset = next(slots) * SIZE
+                        if offset >= events.cap:
+                            grow(offset)
+                        pack(mm, offset, END, 0, eid, 0, now())
                 else:
-                    offset = next(slots) * SIZE
-                    if offset >= events.cap:
-                        grow(offset)
-                    pack(mm, offset, END, 0, eid, 0, now())
-            else:
-                self._finish(eid, result, Work, funcol)
+                    self._finish(eid, result, Work, funcol)
+            except Exception as exc:  # the trace closed under a running call (uninstall), a full disk, no CUDA
+                log.debug("trace of the end of %s failed: %s", op, exc)
             return result
 
         traced.__distcheck_original__ = fn  # type: ignore[attr-defined]

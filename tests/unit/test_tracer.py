@@ -130,3 +130,16 @@ def test_the_pending_collective_is_the_earliest_not_completed():
     progress = progress_from_events(0, events)
     assert progress.pending is not None and (progress.pending.seq, progress.pending.line) == (2, 2)
     assert progress.last_started.seq == 3 and progress.last_started.completed
+
+
+def test_a_closed_trace_never_breaks_the_users_collective(fake_world, tmp_path):
+    """The trace may close while a call runs (uninstall on another thread): the op's result still comes back."""
+    tracer = trace.install(tmp_path, 0)
+
+    def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        tracer.events.close()
+        return None
+
+    traced = tracer.wrap(all_reduce, "all_reduce", funcol=False)
+    assert traced(torch.ones(4)) is None
+    assert traced(torch.ones(4)) is None  # and with the trace closed before the call
