@@ -223,14 +223,16 @@ _PLAIN = (int, float, bool, str, type(None))
 
 
 def _arg_key(value: Any, Tensor: type) -> Any:
-    """The part of a call's cache key for one non-tensor argument: values for plain data, shapes for tensor lists,
-    the object itself otherwise (process groups, meshes, reduce ops; held by the cache, so never confused with a
-    later object at the same address)."""
+    """The part of a call's cache key for one argument: shape, dtype and device kind for a tensor (never the tensor:
+    a new one each step must hit the same entry), values for plain data, the same recursively for lists, the object
+    itself otherwise (process groups, meshes, reduce ops; held by the cache, so never confused with a later object
+    at the same address)."""
+    if isinstance(value, Tensor):
+        return (value.shape, value.dtype, value.is_cuda)
     if isinstance(value, _PLAIN):
         return value
     if isinstance(value, (list, tuple)):
-        return (type(value), tuple((v.shape, v.dtype, v.is_cuda) if isinstance(v, Tensor) else _arg_key(v, Tensor)
-                                   for v in value))
+        return (type(value), tuple(_arg_key(v, Tensor) for v in value))
     return value
 
 

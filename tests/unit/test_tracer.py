@@ -45,6 +45,18 @@ def test_events_carry_the_user_site_shapes_and_completion(fake_world, tmp_path, 
     assert (tmp_path / "trace-rank0.bin").stat().st_size == records.SIZE * (1 + 2 * len(events))
 
 
+def test_a_call_with_new_tensors_each_step_reuses_its_description(fake_world, tmp_path):
+    """Keyword or positional, a fresh tensor of the same shape is the same call: one sig line, no tensor kept."""
+    trace.install(tmp_path, 0)
+    for _ in range(5):
+        dist.all_reduce(tensor=torch.ones(4), op=dist.ReduceOp.SUM)
+        dist.all_gather_single(torch.empty(8), torch.ones(4))
+    trace.uninstall()
+    lines = [json.loads(s) for s in (tmp_path / "trace-rank0.jsonl").read_text().splitlines()]
+    assert [d["op"] for d in lines if d["ev"] == "sig"] == ["all_reduce", "all_gather_single"]
+    assert len(load_traces(tmp_path)[0].events) == 10
+
+
 def test_records_are_on_disk_without_close_and_the_map_grows(fake_world, tmp_path, monkeypatch):
     """A SIGKILLed rank never closes its trace: every record stored into the map is already in the file."""
     monkeypatch.setattr(records, "SEGMENT_RECORDS", 8)
