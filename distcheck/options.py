@@ -17,6 +17,11 @@ from distcheck.errors import UsageError
 ENV_SUPERVISED = "DISTCHECK_SUPERVISED"
 
 
+# Choices the CLI validates before importing torch (checks/models.py and checks/parallelize.py use the same names).
+BUILTIN_MODEL = "builtin"
+PARALLEL_MODES = ("fsdp", "ddp", "tp")
+
+
 @dataclass(frozen=True)
 class RunOptions:
     script: Path

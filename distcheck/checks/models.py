@@ -21,8 +21,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from distcheck.errors import UsageError
+from distcheck.options import BUILTIN_MODEL
 
-BUILTIN = "builtin"
+BUILTIN = BUILTIN_MODEL
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,9 @@ import torch
 from torch import nn
 
 from distcheck.errors import UsageError
+from distcheck.options import PARALLEL_MODES
 
-MODES = ("fsdp", "ddp", "tp")
+MODES = PARALLEL_MODES
 
 
 @dataclass
