@@ -161,44 +161,109 @@ def _range(lo: float, hi: float) -> str:
     return f"[{lo:.3g}, {hi:.3g}]"
 
 
+_SHOWN = 3  # names a grouped message lists before "(+N more)"; report.json's detail lists them all
+_UNINIT = ("built on the meta device and to_empty()'d, then no reset_parameters() or init reached {it}. Such values "
+           "are whatever memory held, so they also differ between world sizes and runs")
+
+
+def _looks_uninitialized(first: FlaggedTensor, by_rank: dict[int, FlaggedTensor]) -> bool:
+    nonfinite = any(i.stats.nan or i.stats.inf for i in by_rank.values())
+    return bool(first.role == "parameter" and not nonfinite or first.stats.denormal or first.stats.huge)
+
+
+def _tensor_detail(name: str, by_rank: dict[int, FlaggedTensor]) -> dict[str, Any]:
+    ranks = sorted(by_rank)
+    first = by_rank[ranks[0]]
+    detail: dict[str, Any] = {
+        "param": name, "ranks": ranks, "role": first.role, "module": first.module, "module_class": first.module_class,
+        "dtype": first.dtype, "reasons": {str(r): by_rank[r].reasons for r in ranks},
+        "stats": {str(r): by_rank[r].stats.to_json() for r in ranks},
+        "range": [min(i.stats.min for i in by_rank.values()), max(i.stats.max for i in by_rank.values())],
+        "init_range": list(first.init_range) if first.init_range else None, "init_source": first.init_source,
+    }
+    where = _site(first.file, first.line)
+    if where:
+        detail.update(file=first.file, line=first.line, site=where)
+    return detail
+
+
+def _one_tensor_finding(name: str, by_rank: dict[int, FlaggedTensor]) -> Finding:
+    ranks = sorted(by_rank)
+    first = by_rank[ranks[0]]
+    detail = _tensor_detail(name, by_rank)
+    lo, hi = detail.pop("range")
+    detail.pop("ranks")
+    where = detail.get("site")
+    owner = f"{first.module_class} '{first.module}'" if first.module else f"the root {first.module_class}"
+    msg = (f"{first.role} '{name}' of {owner}" + (f" ({where})" if where else "") +
+           f" holds values no initializer produces at the first forward on {format_ranks(ranks)}: "
+           f"{', '.join(first.reasons)} of {first.stats.numel} local values, finite range {_range(lo, hi)}")
+    if first.init_range is not None:
+        msg += f"; {first.init_source} gives {_range(*first.init_range)}"
+    elif first.init_source:
+        msg += f" ({first.init_source})"
+    if _looks_uninitialized(first, by_rank):
+        msg += ". It looks uninitialized: " + _UNINIT.format(it="it")
+    else:
+        msg += ". Training with it turns every loss and gradient that touches it into NaN/Inf"
+    detail.update(range=[lo, hi], when="first forward")
+    return Finding("bad_values", ranks, msg, detail)
+
+
+def _grouped_finding(members: list[tuple[str, dict[int, FlaggedTensor]]], uninit: bool) -> Finding:
+    """One finding for tensors with one cause (left uninitialized after to_empty(), or NaN/Inf from the start)."""
+    ranks = sorted({r for _, by_rank in members for r in by_rank})
+    name0, by_rank0 = members[0]
+    first = by_rank0[min(by_rank0)]
+    role = first.role
+    names = [name for name, _ in members]
+    shown = ", ".join(f"'{n}'" for n in names[:_SHOWN]) + (f" (+{len(names) - _SHOWN} more)" if len(names) > _SHOWN else "")
+    classes = sorted({by_rank[min(by_rank)].module_class for _, by_rank in members})
+    sites: list[str] = []
+    for _, by_rank in members:
+        item = by_rank[min(by_rank)]
+        where = _site(item.file, item.line)
+        if where and where not in sites:
+            sites.append(where)
+    lo = min(i.stats.min for _, b in members for i in b.values())
+    hi = max(i.stats.max for _, b in members for i in b.values())
+    msg = (f"{len(names)} {role}s of {', '.join(classes)} layers hold values no initializer produces at the first "
+           f"forward on {format_ranks(ranks)}: {shown}; finite range {_range(lo, hi)}")
+    if first.init_range is not None:
+        msg += f" where {first.init_source} gives {_range(*first.init_range)} for '{name0}'"
+    if uninit:
+        msg += ". They look uninitialized: " + _UNINIT.format(it="them")
+    else:
+        msg += ". Training with them turns every loss and gradient that touches them into NaN/Inf"
+    if sites:
+        msg += (f". Created at {', '.join(sites[:_SHOWN])}" + (" ..." if len(sites) > _SHOWN else "") +
+                ": initialize these modules after to_empty() (call their reset_parameters())")
+    detail: dict[str, Any] = {"params": names, "count": len(names), "role": role, "when": "first forward",
+                              "cause": "uninitialized" if uninit else "nonfinite", "range": [lo, hi],
+                              "tensors": [_tensor_detail(name, by_rank) for name, by_rank in members]}
+    if first.file and first.line:  # the first place to fix: where the first such module is created
+        detail.update(file=first.file, line=first.line, site=_site(first.file, first.line))
+    return Finding("bad_values", ranks, msg, detail)
+
+
 def uninitialized_findings(per_rank: dict[int, list[FlaggedTensor]]) -> list[Finding]:
-    """One ``bad_values`` finding per flagged tensor, with the ranks that hold such values, in model order."""
+    """``bad_values`` findings for tensors no initializer could have produced, one per cause: the tensors left
+    uninitialized (meta device + to_empty(), no init) are one finding however many there are, in model order, as
+    are those holding NaN/Inf; a cause with a single tensor gets that tensor's own, more detailed, message."""
     merged: dict[str, dict[int, FlaggedTensor]] = {}
     for rank in sorted(per_rank):
         for item in per_rank[rank]:
             merged.setdefault(item.name, {})[rank] = item
-    findings: list[Finding] = []
+    causes: dict[tuple[bool, str], list[tuple[str, dict[int, FlaggedTensor]]]] = {}
     for name, by_rank in merged.items():
-        ranks = sorted(by_rank)
-        first = by_rank[ranks[0]]
-        lo = min(i.stats.min for i in by_rank.values())
-        hi = max(i.stats.max for i in by_rank.values())
-        nonfinite = any(i.stats.nan or i.stats.inf for i in by_rank.values())
-        where = _site(first.file, first.line)
-        owner = f"{first.module_class} '{first.module}'" if first.module else f"the root {first.module_class}"
-        msg = (f"{first.role} '{name}' of {owner}" + (f" ({where})" if where else "") +
-               f" holds values no initializer produces at the first forward on {format_ranks(ranks)}: "
-               f"{', '.join(first.reasons)} of {first.stats.numel} local values, finite range {_range(lo, hi)}")
-        if first.init_range is not None:
-            msg += f"; {first.init_source} gives {_range(*first.init_range)}"
-        elif first.init_source:
-            msg += f" ({first.init_source})"
-        if first.role == "parameter" and not nonfinite or first.stats.denormal or first.stats.huge:
-            msg += (". It looks uninitialized: built on the meta device and to_empty()'d, then no reset_parameters()"
-                    " or init reached it. Such values are whatever memory held, so they also differ between world"
-                    " sizes and runs")
+        first = by_rank[min(by_rank)]
+        causes.setdefault((_looks_uninitialized(first, by_rank), first.role), []).append((name, by_rank))
+    findings: list[Finding] = []
+    for (uninit, _), members in causes.items():
+        if len(members) == 1:
+            findings.append(_one_tensor_finding(*members[0]))
         else:
-            msg += ". Training with it turns every loss and gradient that touches it into NaN/Inf"
-        detail: dict[str, Any] = {
-            "param": name, "role": first.role, "module": first.module, "module_class": first.module_class,
-            "dtype": first.dtype, "reasons": {str(r): by_rank[r].reasons for r in ranks},
-            "stats": {str(r): by_rank[r].stats.to_json() for r in ranks},
-            "range": [lo, hi], "init_range": list(first.init_range) if first.init_range else None,
-            "init_source": first.init_source, "when": "first forward",
-        }
-        if where:
-            detail.update(file=first.file, line=first.line, site=where)
-        findings.append(Finding("bad_values", ranks, msg, detail))
+            findings.append(_grouped_finding(members, uninit))
     return findings
 
 

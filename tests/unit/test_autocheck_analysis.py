@@ -51,6 +51,25 @@ def test_uninitialized_findings_merge_ranks_and_show_the_initializer():
     assert uninitialized_findings({0: [], 1: []}) == []
 
 
+def test_one_cause_behind_many_tensors_is_one_finding():
+    """Uninitialized parameters in many layers are one finding (every one in its detail); NaN/Inf is another cause."""
+    names = [f"blocks.{b}.fc{i}.weight" for b in range(4) for i in (1, 2)]
+    per_rank = {r: [_flag(n, 1e38) for n in names] for r in (0, 1)}
+    nan = ValueStats(numel=10, nan=2, min=-1.0, max=1.0, max_abs=1.0)
+    per_rank[1].append(FlaggedTensor("head.weight", "parameter", "float32", "head", "nn.Linear", nan,
+                                     classify(nan, "float32"), "/src/model.py", 40))
+    per_rank[1].append(FlaggedTensor("head.bias", "parameter", "float32", "head", "nn.Linear", nan,
+                                     classify(nan, "float32"), "/src/model.py", 40))
+    uninit, nonfinite = uninitialized_findings(per_rank)
+    assert uninit.ranks == [0, 1] and uninit.detail["params"] == names and uninit.detail["count"] == 8
+    assert len(uninit.detail["tensors"]) == 8 and uninit.detail["line"] == 29 and uninit.detail["cause"] == "uninitialized"
+    assert uninit.message.startswith("8 parameters of nn.Linear layers hold values no initializer produces")
+    assert "'blocks.0.fc1.weight', 'blocks.0.fc2.weight', 'blocks.1.fc1.weight' (+5 more)" in uninit.message
+    assert "Created at model.py:29" in uninit.message and len(uninit.message) < 800
+    assert nonfinite.ranks == [1] and nonfinite.detail["params"] == ["head.weight", "head.bias"]
+    assert "turns every loss and gradient that touches them into NaN/Inf" in nonfinite.message
+
+
 def test_first_nan_on_one_rank_points_to_its_data():
     events = {0: BadEvent(2, "optimizer.step", False, None, ["2.bias", "2.weight"]),
               1: BadEvent(2, "optimizer.step", True, "nan", ["2.bias"], "/src/train.py", 40)}

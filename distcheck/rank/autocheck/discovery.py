@@ -286,4 +286,4 @@ def _reference_range(root: Any, name: str, row: Any) -> tuple[tuple[float, float
         return (float(value.min()), float(value.max())), f"{label}.reset_parameters()"
     except Exception as exc:  # a reset_parameters that needs more than the module's own tensors
         log.debug("reference init of %s failed: %s", name, exc)
-        return None, f"{label}.reset_parameters() could not be run on a fresh copy ({type(exc).__name__})"
+        return None, f"{label}.reset_parameters() could not be run on a fresh copy for comparison"
