@@ -11,6 +11,7 @@ different amounts per rank, and the *_object variants carry pickles of any size.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -289,9 +290,31 @@ def describe_position(rank: int, trace: RankTrace | None, outcome: RankOutcome |
     return f"rank {rank} issued no collective"
 
 
-def failure_finding(o: RankOutcome, traces: dict[int, RankTrace], outcomes: dict[int, RankOutcome]) -> Finding:
+def _same_error_key(o: RankOutcome) -> tuple | None:
+    """Ranks whose failures have this key failed with one cause (the same error at the same line); None: its own."""
+    err = o.error
+    if err is None or o.signal:
+        return None
+    text = (err.translated or {}).get("message") or re.sub(r"\brank \d+", "rank N", _first_line(err.message))
+    return (err.exc_type, err.file, err.line, text)
+
+
+def failure_findings(failed: list[RankOutcome], traces: dict[int, RankTrace],
+                     outcomes: dict[int, RankOutcome]) -> list[Finding]:
+    """One ``rank_failure`` per cause: ranks that raised the same error at the same line are one finding."""
+    groups: dict[Any, list[RankOutcome]] = {}
+    for o in failed:
+        key = _same_error_key(o)
+        groups.setdefault(key if key is not None else ("rank", o.rank), []).append(o)
+    return [failure_finding(members[0], traces, outcomes, [m.rank for m in members]) for members in groups.values()]
+
+
+def failure_finding(o: RankOutcome, traces: dict[int, RankTrace], outcomes: dict[int, RankOutcome],
+                    ranks: list[int] | None = None) -> Finding:
+    """The failure of rank ``o`` (and of ``ranks``, which failed the same way), with where every other rank was."""
+    ranks = sorted(ranks or [o.rank])
     trace = traces.get(o.rank)
-    others = [r for r in sorted(set(traces) | set(outcomes)) if r != o.rank]
+    others = [r for r in sorted(set(traces) | set(outcomes)) if r not in ranks]
     detail: dict[str, Any] = {"exit_code": o.exit_code, "signal": o.signal,
                               "positions": {r: position_of(r, traces.get(r), outcomes.get(r))
                                             for r in sorted(set(traces) | set(outcomes))}}
@@ -300,6 +323,9 @@ def failure_finding(o: RankOutcome, traces: dict[int, RankTrace], outcomes: dict
         detail.update(exception=err.exc_type, error=err.message, traceback=err.traceback)
         where = f" at {err.site}" if err.site else ""
         what = f"raised {err.exc_type}: {_first_line(err.message)}{where}"
+        if err.translated and err.translated.get("message"):  # torch's text stays in detail["error"]
+            what = f"raised {err.exc_type}{where}: {err.translated['message']}"
+            detail.update(err.translated.get("detail") or {})
         if err.line is not None:
             detail.update(file=err.file, line=err.line)
     elif o.signal:
@@ -313,8 +339,11 @@ def failure_finding(o: RankOutcome, traces: dict[int, RankTrace], outcomes: dict
         if last.line is not None and "line" not in detail:
             detail.update(file=last.file, line=last.line)
     positions = "; ".join(describe_position(r, traces.get(r), outcomes.get(r)) for r in others)
-    message = f"rank {o.rank} {what}" + (f"; {positions}" if positions else "")
-    return Finding("rank_failure", [o.rank], message, detail)
+    message = f"{format_ranks(ranks)} {what}" + (f"; {positions}" if positions else "")
+    if len(ranks) > 1:
+        detail["errors"] = {r: outcomes[r].error.message for r in ranks
+                            if r in outcomes and outcomes[r].error is not None}
+    return Finding("rank_failure", ranks, message, detail)
 
 
 def hang_finding(traces: dict[int, RankTrace], outcomes: dict[int, RankOutcome], timeout: float) -> Finding:
@@ -386,15 +415,11 @@ def analyze_run(traces: dict[int, RankTrace], outcomes: dict[int, RankOutcome], 
     # A backend error raised inside a collective after another rank failed in its own code is a consequence of
     # that failure ("Connection reset by peer"): keep it in the root failure's detail, not as a second finding.
     roots = [o for o in failed if _failed_in_collective(o, traces.get(o.rank)) is None]
-    failures: list[Finding] = []
-    for o in failed:
-        if roots and o not in roots:
-            continue
-        f = failure_finding(o, traces, outcomes)
-        consequences = {c.rank: _failure_text(c) for c in failed if c not in roots}
-        if consequences and o in roots:
+    failures = failure_findings([o for o in failed if not roots or o in roots], traces, outcomes)
+    consequences = {c.rank: _failure_text(c) for c in failed if c not in roots}
+    if consequences and roots:
+        for f in failures:
             f.detail["consequences"] = consequences
-        failures.append(f)
     findings = [divergence_finding(d, outcomes, errors_by_div.get(id(d), {})) for d in divergences]
     findings += find_p2p_mismatches(traces, outcomes)
     findings += failures

@@ -131,9 +131,67 @@ def _execute(script: Path, script_args: list[str], tracer) -> tuple[bool, int]:
     sys.stderr.write(f"[distcheck rank {tracer.rank}] the script raised:\n{text}")
     sys.stderr.flush()
     where = traceback_site(exc_info[2])
-    tracer.note({"ev": "error", "exc_type": exc_info[0].__name__, "message": str(exc_info[1]), "traceback": text,
-                 "site": where.site, "file": where.file, "line": where.line})
+    record = {"ev": "error", "exc_type": exc_info[0].__name__, "message": str(exc_info[1]), "traceback": text,
+              "site": where.site, "file": where.file, "line": where.line}
+    translated = _translate(exc_info[0].__name__, str(exc_info[1]), script)
+    if translated is not None:
+        record["translated"] = translated
+    tracer.note(record)
     return False, status
+
+
+def _translate(exc_type: str, message: str, script: Path) -> dict | None:
+    """torch's error in terms of this rank's model (analysis/torch_errors.py): parameter names, not indices."""
+    try:
+        from distcheck.analysis.torch_errors import translate
+
+        context = _error_context()
+        translated = translate(exc_type, message, context)
+        module = context.pop("ddp_module", None)
+        if translated is not None and module is not None:  # lines only for the parameters it names
+            import types
+
+            from distcheck.rank.usersite import param_site
+
+            # The script ran as __main__ through runpy, which has removed that module by now: classes defined in
+            # the script find their source through a stand-in with the script's path.
+            main, stand_in = sys.modules.get("__main__"), types.ModuleType("__main__")
+            stand_in.__file__ = str(script)
+            sys.modules["__main__"] = stand_in
+            try:
+                context["param_sites"] = {n: param_site(module, n).site
+                                          for n in translated["detail"]["unused_params"]}
+            finally:
+                sys.modules["__main__"] = main
+            translated = translate(exc_type, message, context)
+        return translated
+    except Exception as err:  # the translation must never hide the script's own error
+        log.debug("error translation failed: %s", err)
+        return None
+
+
+def _error_context() -> dict:
+    """What only this rank knows about its error: the parameter names of its DDP model, in DDP's index order."""
+    from distcheck.rank import autocheck
+
+    check = autocheck.current()
+    if check is None:
+        return {}
+    from torch.nn.parallel import DistributedDataParallel
+
+    for model in check.models.alive():
+        if isinstance(model, DistributedDataParallel):
+            ignored = set(getattr(model, "parameters_to_ignore", ()) or ())
+            seen: set[int] = set()
+            names: list[str] = []
+            for module_name, module in model.module.named_modules():  # DDP's own order (_build_params_for_reducer)
+                for param_name, param in module.named_parameters(recurse=False):
+                    full = f"{module_name}.{param_name}" if module_name else param_name
+                    if param.requires_grad and full not in ignored and id(param) not in seen:
+                        seen.add(id(param))
+                        names.append(full)
+            return {"ddp_params": names, "ddp_module": model.module}
+    return {}
 
 
 def _report_mesh_error(exc: BaseException, rank: int) -> None:

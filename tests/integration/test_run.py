@@ -194,3 +194,16 @@ def test_mesh_error_in_run_is_mesh_mismatch(line_of, tmp_path):
     assert f["detail"]["shape"] == [2, 2] and "needs 4 ranks but the world has 2" in f["message"]
     assert "Mesh should not be bigger" in f["detail"]["torch_error"]
     assert not [g for g in report["findings"] if g["kind"] == "rank_failure"]  # explained by the mesh error
+
+
+def test_ddp_unused_parameters_are_named_once_for_every_rank(line_of, tmp_path):
+    """torch's "Parameter indices which did not receive grad: 2 3" on each rank -> one finding naming them."""
+    res, report, _ = run_fixture(tmp_path, "ddp_unused_param.py")
+    assert res.returncode == 1, res.output
+    f = only(report, "rank_failure")
+    unused, raises = line_of("ddp_unused_param.py", "# UNUSED"), line_of("ddp_unused_param.py", "# RAISES")
+    assert f["ranks"] == [0, 1] and f["detail"]["line"] == raises
+    assert f["detail"]["unused_params"] == ["aux_head.weight", "aux_head.bias"]
+    assert f"'aux_head.weight', 'aux_head.bias' (created at ddp_unused_param.py:{unused})" in f["message"]
+    assert "find_unused_parameters=True" in f["message"] and "Parameter indices" not in f["message"]
+    assert "Parameter indices which did not receive grad" in f["detail"]["error"]  # torch's own text, kept
