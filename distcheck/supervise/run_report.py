@@ -140,8 +140,8 @@ def merge_mesh_errors(findings: list[Finding]) -> list[Finding]:
         merged[key] = f
         out.append(f)
     explained = {(r, f.detail["torch_error"].split(":", 1)[0]) for f in merged.values() for r in f.ranks}
-    return [f for f in out if not (f.kind == "rank_failure" and len(f.ranks) == 1
-                                   and (f.ranks[0], f.detail.get("exception")) in explained)]
+    return [f for f in out if not (f.kind == "rank_failure"
+                                   and all((r, f.detail.get("exception")) in explained for r in f.ranks))]
 
 
 def outcomes_from_exits(exits: dict, traces: dict[int, RankTrace],
