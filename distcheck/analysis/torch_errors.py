@@ -9,6 +9,11 @@ text into a message that names parameters and lines instead of indices; torch's 
 
 * DDP unused parameters ("Expected to have finished reduction in the prior iteration ... Parameter indices which
   did not receive grad for rank 0: 4 5", or the names under TORCH_DISTRIBUTED_DEBUG=INFO/DETAIL).
+* NCCL watchdog timeouts ("Watchdog caught collective operation timeout: WorkNCCL(SeqNum=5, OpType=ALLREDUCE, ...)
+  ran for 600013 milliseconds"), pointed at the traced collective with that sequence number when the op agrees.
+  NCCL numbers every op it runs on a group, including those torch issues from C++ (DDP's gradient all-reduces)
+  that the tracer does not see, so a disagreeing op is said to be a guess, not named.
+* "Duplicate GPU detected : rank 1 and rank 0 both on CUDA device 1a000": two ranks on one GPU.
 """
 from __future__ import annotations
 
@@ -54,12 +59,78 @@ def _ddp_unused(message: str, context: dict[str, Any]) -> dict[str, Any] | None:
     return {"message": f"{what}. Fix: {fixes}", "detail": detail}
 
 
-_TRANSLATORS = (_ddp_unused,)
+_WATCHDOG = re.compile(r"Watchdog caught collective operation timeout: WorkNCCL\(SeqNum=(\d+), OpType=(\w+)"
+                       r"(?:, NumelIn=(\d+), NumelOut=(\d+))?, Timeout\(ms\)=(\d+)\) ran for (\d+) milliseconds")
+_PG_NAME = re.compile(r"PG GUID \d+\(([^)]+)\)")
+# NCCL's OpType -> the torch.distributed ops that issue it.
+_OPTYPE_OPS = {
+    "ALLREDUCE": ("all_reduce", "all_reduce_coalesced"), "BROADCAST": ("broadcast", "broadcast_object_list"),
+    "ALLGATHER": ("all_gather", "all_gather_object", "all_gather_coalesced"),
+    "_ALLGATHER_BASE": ("all_gather_into_tensor", "all_gather_single", "all_gather_tensor"),
+    "REDUCE_SCATTER": ("reduce_scatter",),
+    "_REDUCE_SCATTER_BASE": ("reduce_scatter_tensor", "reduce_scatter_single"),
+    "ALLTOALL": ("all_to_all",), "ALLTOALL_BASE": ("all_to_all_single",), "BARRIER": ("barrier",),
+    "REDUCE": ("reduce",), "GATHER": ("gather", "gather_object"), "SCATTER": ("scatter", "scatter_object_list"),
+    "SEND": ("send", "isend"), "RECV": ("recv", "irecv"),
+}
+
+
+def _nccl_watchdog(message: str, context: dict[str, Any]) -> dict[str, Any] | None:
+    match = _WATCHDOG.search(message)
+    if not match:
+        return None
+    seq, optype = int(match.group(1)), match.group(2)
+    timeout_s, ran_s = int(match.group(5)) / 1000, int(match.group(6)) / 1000
+    pg = _PG_NAME.search(message)
+    pg_name = pg.group(1) if pg else None
+    detail: dict[str, Any] = {"translated": "nccl_watchdog_timeout", "nccl_seq": seq, "nccl_op": optype,
+                              "timeout_s": timeout_s, "ran_s": ran_s, "pg_name": pg_name}
+    what = (f"NCCL's watchdog timed out collective #{seq} ({optype}"
+            + (f" on group {pg_name}" if pg_name else "") + f") after {ran_s:g}s (timeout {timeout_s:g}s)")
+    # The traced collective at that position: same per-group number and, to trust it, an op NCCL names the same.
+    # torch names the default group "0" in the trace and "default_pg" in NCCL's messages; another group's name is
+    # not comparable, so its collectives are all candidates and only a single agreeing one is named.
+    candidates = [e for e in context.get("events") or () if getattr(e, "seq", None) == seq
+                  and getattr(e, "extra", {}).get("api") != "functional"
+                  and (pg_name != "default_pg" or getattr(e, "pg_name", None) in (None, "0"))]
+    agreeing = [e for e in candidates if getattr(e, "op", "") in _OPTYPE_OPS.get(optype.upper(), ())]
+    if len(agreeing) == 1:
+        e = agreeing[0]
+        what += f": the traced {e.op} #{e.seq}" + (f" at {e.site}" if e.site else "")
+        detail.update(op=e.op, seq=e.seq, site=e.site)
+        if e.file and e.line:
+            detail.update(file=e.file, line=e.line)
+        what += ", where the other ranks of that group never arrived or are still behind"
+    elif candidates:
+        e = candidates[0]
+        what += (f"; the traced collective #{seq} is {e.op}" + (f" at {e.site}" if e.site else "") + ", another op: "
+                 "NCCL also counts collectives torch issues from C++ (DDP's gradient all-reduces), so the numbers "
+                 "differ and that line is only a guess")
+    what += ". See the hang finding or stacks.txt for where each rank was"
+    return {"message": what, "detail": detail}
+
+
+_DUPLICATE_GPU = re.compile(r"Duplicate GPU detected\s*:\s*rank (\d+) and rank (\d+) both on CUDA device (\w+)")
+
+
+def _duplicate_gpu(message: str, context: dict[str, Any]) -> dict[str, Any] | None:
+    match = _DUPLICATE_GPU.search(message)
+    if not match:
+        return None
+    a, b, device = sorted((int(match.group(1)), int(match.group(2)))) + [match.group(3)]
+    fix = ("select each rank's own GPU before its first NCCL op: torch.cuda.set_device(int(os.environ["
+           "'LOCAL_RANK'])), or init_process_group(..., device_id=torch.device('cuda', local_rank))")
+    return {"message": f"ranks {a} and {b} both use the GPU with bus id {device}. Fix: {fix}",
+            "detail": {"translated": "duplicate_gpu", "gpu_ranks": [a, b], "bus_id": device, "fixes": fix}}
+
+
+_TRANSLATORS = (_ddp_unused, _nccl_watchdog, _duplicate_gpu)
 
 
 def translate(exc_type: str, message: str, context: dict[str, Any] | None = None) -> dict[str, Any] | None:
     """``{"message": ..., "detail": {...}}`` for an error distcheck knows, else None. ``context``: what the rank
-    knew (``ddp_params``: names in DDP's index order; ``param_sites``: name -> "file.py:LINE")."""
+    knew (``ddp_params``: names in DDP's index order; ``param_sites``: name -> "file.py:LINE") and the rank's traced
+    collectives (``events``: trace_events.TraceEvent objects)."""
     context = context or {}
     for translator in _TRANSLATORS:
         try:

@@ -17,6 +17,7 @@ from typing import Any
 
 from distcheck.analysis.hang import hang_finding as make_hang_finding, progress_from_events
 from distcheck.analysis.ops import PEER_OPS
+from distcheck.analysis.torch_errors import translate
 from distcheck.analysis.trace_events import (P2P_OPS, RankError, RankTrace, TraceEvent, last_completed,
                                              last_started, open_events)
 from distcheck.contract.findings import Finding, format_ranks
@@ -295,7 +296,7 @@ def _same_error_key(o: RankOutcome) -> tuple | None:
     err = o.error
     if err is None or o.signal:
         return None
-    text = (err.translated or {}).get("message") or re.sub(r"\brank \d+", "rank N", _first_line(err.message))
+    text = (err.translated or {}).get("message") or re.sub(r"\brank \d+", "rank N", _first_line(err.message), flags=re.IGNORECASE)
     return (err.exc_type, err.file, err.line, text)
 
 
@@ -323,6 +324,8 @@ def failure_finding(o: RankOutcome, traces: dict[int, RankTrace], outcomes: dict
         detail.update(exception=err.exc_type, error=err.message, traceback=err.traceback)
         where = f" at {err.site}" if err.site else ""
         what = f"raised {err.exc_type}: {_first_line(err.message)}{where}"
+        if not err.translated:  # errors that need no model, only the text and this rank's trace
+            err.translated = translate(err.exc_type, err.message, {"events": trace.events if trace else []})
         if err.translated and err.translated.get("message"):  # torch's text stays in detail["error"]
             what = f"raised {err.exc_type}{where}: {err.translated['message']}"
             detail.update(err.translated.get("detail") or {})

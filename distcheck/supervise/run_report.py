@@ -54,7 +54,7 @@ def build_report(report_dir: Path, command: str, world_size: int, traces: dict[i
     seen: set[tuple] = set()
     findings = [f for f in findings if not ((f.kind, tuple(f.ranks), f.message) in seen
                                             or seen.add((f.kind, tuple(f.ranks), f.message)))]
-    add_stderr_tails(report_dir, findings)
+    add_stderr_tails(report_dir, findings, traces)
     mismatch = any(f.kind == "collective_mismatch" for f in findings)
     failed = any(o.state != STATE_OK for o in outcomes.values())
     checks = [CheckResult("collective_order", not mismatch, seconds),
@@ -82,8 +82,11 @@ def build_report(report_dir: Path, command: str, world_size: int, traces: dict[i
                   warnings=list(warnings or []))
 
 
-def add_stderr_tails(report_dir: Path, findings: list[Finding]) -> None:
-    """Every rank_failure and hang carries the last lines of its ranks' stderr (rank/stderr_tee.py)."""
+def add_stderr_tails(report_dir: Path, findings: list[Finding], traces: dict[int, RankTrace] | None = None) -> None:
+    """Every rank_failure and hang carries the last lines of its ranks' stderr (rank/stderr_tee.py). A rank killed
+    by torch itself (NCCL's watchdog aborts the process) said why only there: known texts are translated."""
+    from distcheck.analysis.torch_errors import translate
+
     paths = files.rank_files(report_dir, "stderr")
     for f in findings:
         if f.kind not in ("rank_failure", "hang"):
@@ -91,6 +94,12 @@ def add_stderr_tails(report_dir: Path, findings: list[Finding]) -> None:
         tails = {str(r): lines for r in f.ranks if r in paths and (lines := tail(paths[r]))}
         if tails:
             f.detail["stderr_tail"] = tails
+        if f.kind == "rank_failure" and f.detail.get("signal") and len(f.ranks) == 1 and tails:
+            trace = (traces or {}).get(f.ranks[0])
+            said = translate("", "\n".join(tails[str(f.ranks[0])]), {"events": trace.events if trace else []})
+            if said is not None:
+                f.message += f"; its stderr says: {said['message']}"
+                f.detail.update(said["detail"])
         if f.kind == "rank_failure" and f.detail.get("signal") and len(f.ranks) == 1 and f.ranks[0] in paths:
             crash = crash_site(paths[f.ranks[0]])
             if crash is not None:  # faulthandler printed the Python stack of the fatal signal: name the line

@@ -69,3 +69,58 @@ def test_different_errors_stay_separate_findings():
     for rank, message in ((0, "CUDA out of memory"), (1, "bad batch on this rank")):
         traces[rank], outcomes[rank] = _failed_rank(rank, message, None)
     assert [f.ranks for f in analyze_run(traces, outcomes, world_size=2)] == [[0], [1]]
+
+
+# Real texts, as ranks printed them (NVIDIA/Megatron-LM#1207, XPixelGroup/BasicSR#737, NCCL's init check).
+WATCHDOG = ("[rank1]:[E626 06:24:44.903881913 ProcessGroupNCCL.cpp:616] [Rank 1] Watchdog caught collective operation "
+            "timeout: WorkNCCL(SeqNum=5, OpType=ALLREDUCE, NumelIn=1, NumelOut=1, Timeout(ms)=600000) ran for 600013 "
+            "milliseconds before timing out.\n[rank1]:[E626 06:24:44.906457629 ProcessGroupNCCL.cpp:1785] [PG ID 0 PG "
+            "GUID 0(default_pg) Rank 1] Exception (either an error or timeout) detected by watchdog at work: 5, last "
+            "enqueued NCCL work: 6, last completed NCCL work: 4.")
+DUPLICATE = ("NCCL error in: ProcessGroupNCCL.cpp:1970, invalid usage (run with NCCL_DEBUG=WARN for details), NCCL "
+             "version 2.21.5\nncclInvalidUsage: This usually reflects invalid usage of NCCL library.\nLast error:\n"
+             "Duplicate GPU detected : rank 1 and rank 0 both on CUDA device 1a000")
+
+
+def _events(*ops: str) -> list:
+    lines = [json.dumps({"ev": "meta", "format": files.FORMAT, "rank": 1})]
+    for i, op in enumerate(ops, start=1):
+        lines.append(json.dumps({"ev": "start", "id": i, "seq": i, "pg": "0,1", "pg_name": "0", "op": op,
+                                 "site": f"train.py:{10 + i}", "file": "/src/train.py", "line": 10 + i, "t": i}))
+    return parse_lines(lines, 1).events
+
+
+def test_nccl_watchdog_points_at_the_traced_collective_with_that_number():
+    out = translate("", WATCHDOG, {"events": _events("broadcast", "all_reduce", "all_reduce", "all_reduce",
+                                                     "all_reduce")})
+    assert out["detail"]["nccl_seq"] == 5 and out["detail"]["nccl_op"] == "ALLREDUCE"
+    assert out["detail"]["line"] == 15 and out["detail"]["timeout_s"] == 600
+    assert out["message"].startswith("NCCL's watchdog timed out collective #5 (ALLREDUCE on group default_pg) after "
+                                     "600.013s (timeout 600s): the traced all_reduce #5 at train.py:15")
+
+
+def test_nccl_watchdog_does_not_name_a_collective_of_another_op():
+    out = translate("", WATCHDOG, {"events": _events("broadcast", "all_reduce", "all_reduce", "all_reduce", "barrier")})
+    assert "line" not in out["detail"] and "the traced collective #5 is barrier at train.py:15" in out["message"]
+    assert "only a guess" in out["message"]
+    assert "line" not in translate("", WATCHDOG, {"events": []})["detail"]
+
+
+def test_duplicate_gpu_names_both_ranks_and_the_fix():
+    out = translate("DistBackendError", DUPLICATE)
+    assert out["detail"]["gpu_ranks"] == [0, 1] and out["detail"]["bus_id"] == "1a000"
+    assert out["message"].startswith("ranks 0 and 1 both use the GPU with bus id 1a000")
+    assert "torch.cuda.set_device(int(os.environ['LOCAL_RANK']))" in out["message"]
+
+
+def test_a_rank_killed_by_the_watchdog_is_explained_from_its_stderr(tmp_path):
+    from distcheck.contract.findings import Finding
+    from distcheck.supervise.run_report import add_stderr_tails
+
+    files.rank_file(tmp_path, "stderr", 1).write_text(WATCHDOG + "\nterminate called after throwing an instance\n")
+    f = Finding("rank_failure", [1], "rank 1 died from SIGABRT (exit code -6)", {"signal": "SIGABRT"})
+    trace = parse_lines([json.dumps({"ev": "meta", "format": files.FORMAT, "rank": 1})], 1)
+    trace.events = _events("all_reduce", "all_reduce", "all_reduce", "all_reduce", "all_reduce")
+    add_stderr_tails(tmp_path, [f], {1: trace})
+    assert "its stderr says: NCCL's watchdog timed out collective #5" in f.message
+    assert f.detail["nccl_seq"] == 5 and f.detail["line"] == 15
