@@ -9,6 +9,8 @@ text into a message that names parameters and lines instead of indices; torch's 
 
 * DDP unused parameters ("Expected to have finished reduction in the prior iteration ... Parameter indices which
   did not receive grad for rank 0: 4 5", or the names under TORCH_DISTRIBUTED_DEBUG=INFO/DETAIL).
+* DDP "Expected to mark a variable ready only once ... Parameter at index 1 with name block.bias has been marked
+  as ready twice" (a module run by more than one reentrant checkpoint, or a parameter used outside forward).
 * NCCL watchdog timeouts ("Watchdog caught collective operation timeout: WorkNCCL(SeqNum=5, OpType=ALLREDUCE, ...)
   ran for 600013 milliseconds"), pointed at the traced collective with that sequence number when the op agrees.
   NCCL numbers every op it runs on a group, including those torch issues from C++ (DDP's gradient all-reduces)
@@ -55,8 +57,32 @@ def _ddp_unused(message: str, context: dict[str, Any]) -> dict[str, Any] | None:
                 "forward failed (torch did not say which)")
     fixes = ("use them in the loss, or take them out of the model or set requires_grad_(False) on them; or pass "
              "find_unused_parameters=True to DistributedDataParallel (an extra graph traversal every step)")
-    detail: dict[str, Any] = {"translated": "ddp_unused_parameters", "unused_params": names, "fixes": fixes}
+    detail: dict[str, Any] = {"translated": "ddp_unused_parameters", "unused_params": names, "params": names,
+                              "fixes": fixes}
     return {"message": f"{what}. Fix: {fixes}", "detail": detail}
+
+
+_READY_TWICE = re.compile(r"Parameter at index (\d+)(?: with name ([\w.]+))? has been marked as ready twice")
+
+
+def _ddp_ready_twice(message: str, context: dict[str, Any]) -> dict[str, Any] | None:
+    if "Expected to mark a variable ready only once" not in message:
+        return None
+    match = _READY_TWICE.search(message)
+    name = None
+    if match:
+        name = match.group(2)
+        order = context.get("ddp_params") or []
+        if name is None and int(match.group(1)) < len(order):
+            name = order[int(match.group(1))]
+    site = (context.get("param_sites") or {}).get(name) if name else None
+    who = f"parameter '{name}'" + (f" (created at {site})" if site else "") if name else "a parameter"
+    fixes = ("checkpoint(..., use_reentrant=False), or run each module under one checkpoint only; if the graph "
+             "never changes, model._set_static_graph()")
+    return {"message": (f"DDP: {who} got its gradient twice in one backward: its module runs under more than one "
+                        f"reentrant checkpoint (use_reentrant=True), or the parameter is used outside forward. "
+                        f"Fix: {fixes}"),
+            "detail": {"translated": "ddp_ready_twice", "params": [name] if name else [], "fixes": fixes}}
 
 
 _WATCHDOG = re.compile(r"Watchdog caught collective operation timeout: WorkNCCL\(SeqNum=(\d+), OpType=(\w+)"
@@ -124,7 +150,7 @@ def _duplicate_gpu(message: str, context: dict[str, Any]) -> dict[str, Any] | No
             "detail": {"translated": "duplicate_gpu", "gpu_ranks": [a, b], "bus_id": device, "fixes": fix}}
 
 
-_TRANSLATORS = (_ddp_unused, _nccl_watchdog, _duplicate_gpu)
+_TRANSLATORS = (_ddp_unused, _ddp_ready_twice, _nccl_watchdog, _duplicate_gpu)
 
 
 def translate(exc_type: str, message: str, context: dict[str, Any] | None = None) -> dict[str, Any] | None:

@@ -159,8 +159,7 @@ def _translate(exc_type: str, message: str, script: Path) -> dict | None:
             stand_in.__file__ = str(script)
             sys.modules["__main__"] = stand_in
             try:
-                context["param_sites"] = {n: param_site(module, n).site
-                                          for n in translated["detail"]["unused_params"]}
+                context["param_sites"] = {n: param_site(module, n).site for n in translated["detail"]["params"]}
             finally:
                 sys.modules["__main__"] = main
             translated = translate(exc_type, message, context)

@@ -207,3 +207,14 @@ def test_ddp_unused_parameters_are_named_once_for_every_rank(line_of, tmp_path):
     assert f"'aux_head.weight', 'aux_head.bias' (created at ddp_unused_param.py:{unused})" in f["message"]
     assert "find_unused_parameters=True" in f["message"] and "Parameter indices" not in f["message"]
     assert "Parameter indices which did not receive grad" in f["detail"]["error"]  # torch's own text, kept
+
+
+def test_ddp_ready_twice_names_the_parameter_and_the_fix(line_of, tmp_path):
+    """Reentrant checkpoints running one block twice under DDP -> the parameter, its line and the fixes, once."""
+    res, report, _ = run_fixture(tmp_path, "ddp_ready_twice.py")
+    assert res.returncode == 1, res.output
+    f = only(report, "rank_failure")
+    shared, raises = line_of("ddp_ready_twice.py", "# SHARED"), line_of("ddp_ready_twice.py", "# RAISES")
+    assert f["ranks"] == [0, 1] and f["detail"]["line"] == raises and f["detail"]["params"] == ["block.bias"]
+    assert f"DDP: parameter 'block.bias' (created at ddp_ready_twice.py:{shared}) got its gradient twice" in f["message"]
+    assert "use_reentrant=False" in f["message"] and "marked as ready twice" in f["detail"]["error"]

@@ -124,3 +124,15 @@ def test_a_rank_killed_by_the_watchdog_is_explained_from_its_stderr(tmp_path):
     add_stderr_tails(tmp_path, [f], {1: trace})
     assert "its stderr says: NCCL's watchdog timed out collective #5" in f.message
     assert f.detail["nccl_seq"] == 5 and f.detail["line"] == 15
+
+
+READY_TWICE = ("Expected to mark a variable ready only once. This error is caused by one of the following reasons: 1) "
+               "Use of a module parameter outside the `forward` function. ... 2) Reused parameters in multiple "
+               "reentrant backward passes. ...\nParameter at index 1 has been marked as ready twice. This means that "
+               "multiple autograd engine  hooks have fired for this particular parameter during this iteration.")
+
+
+def test_ddp_ready_twice_names_the_parameter_from_its_index():
+    out = translate("RuntimeError", READY_TWICE, {"ddp_params": ORDER, "param_sites": {"body.bias": "model.py:7"}})
+    assert out["detail"]["params"] == ["body.bias"]
+    assert out["message"].startswith("DDP: parameter 'body.bias' (created at model.py:7) got its gradient twice")
