@@ -11,6 +11,7 @@ text into a message that names parameters and lines instead of indices; torch's 
   did not receive grad for rank 0: 4 5", or the names under TORCH_DISTRIBUTED_DEBUG=INFO/DETAIL).
 * DDP "Expected to mark a variable ready only once ... Parameter at index 1 with name block.bias has been marked
   as ready twice" (a module run by more than one reentrant checkpoint, or a parameter used outside forward).
+* DTensor "aten.add.Tensor got mixed torch.Tensor and DTensor, need to convert all torch.Tensor to DTensor".
 * NCCL watchdog timeouts ("Watchdog caught collective operation timeout: WorkNCCL(SeqNum=5, OpType=ALLREDUCE, ...)
   ran for 600013 milliseconds"), pointed at the traced collective with that sequence number when the op agrees.
   NCCL numbers every op it runs on a group, including those torch issues from C++ (DDP's gradient all-reduces)
@@ -85,6 +86,21 @@ def _ddp_ready_twice(message: str, context: dict[str, Any]) -> dict[str, Any] | 
             "detail": {"translated": "ddp_ready_twice", "params": [name] if name else [], "fixes": fixes}}
 
 
+_MIXED = re.compile(r"(aten\.[\w.]+):? got mixed torch\.Tensor and DTensor")
+
+
+def _dtensor_mixed(message: str, context: dict[str, Any]) -> dict[str, Any] | None:
+    match = _MIXED.search(message)
+    if not match:
+        return None
+    op = match.group(1)
+    fixes = ("make the plain tensor a DTensor on the same mesh (DTensor.from_local(t, mesh, [Replicate()]) or "
+             "distribute_tensor), or leave DTensor land first (dtensor.full_tensor() or .to_local())")
+    return {"message": (f"{op} was given a DTensor and a plain torch.Tensor: under tensor parallelism every operand "
+                        f"of an op on a DTensor must be a DTensor too. Fix: {fixes}"),
+            "detail": {"translated": "dtensor_mixed_tensor", "aten_op": op, "params": [], "fixes": fixes}}
+
+
 _WATCHDOG = re.compile(r"Watchdog caught collective operation timeout: WorkNCCL\(SeqNum=(\d+), OpType=(\w+)"
                        r"(?:, NumelIn=(\d+), NumelOut=(\d+))?, Timeout\(ms\)=(\d+)\) ran for (\d+) milliseconds")
 _PG_NAME = re.compile(r"PG GUID \d+\(([^)]+)\)")
@@ -150,7 +166,7 @@ def _duplicate_gpu(message: str, context: dict[str, Any]) -> dict[str, Any] | No
             "detail": {"translated": "duplicate_gpu", "gpu_ranks": [a, b], "bus_id": device, "fixes": fix}}
 
 
-_TRANSLATORS = (_ddp_unused, _ddp_ready_twice, _nccl_watchdog, _duplicate_gpu)
+_TRANSLATORS = (_ddp_unused, _ddp_ready_twice, _dtensor_mixed, _nccl_watchdog, _duplicate_gpu)
 
 
 def translate(exc_type: str, message: str, context: dict[str, Any] | None = None) -> dict[str, Any] | None:

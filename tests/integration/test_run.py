@@ -218,3 +218,12 @@ def test_ddp_ready_twice_names_the_parameter_and_the_fix(line_of, tmp_path):
     assert f["ranks"] == [0, 1] and f["detail"]["line"] == raises and f["detail"]["params"] == ["block.bias"]
     assert f"DDP: parameter 'block.bias' (created at ddp_ready_twice.py:{shared}) got its gradient twice" in f["message"]
     assert "use_reentrant=False" in f["message"] and "marked as ready twice" in f["detail"]["error"]
+
+
+def test_dtensor_mixed_with_a_plain_tensor_says_which_fix(line_of, tmp_path):
+    res, report, _ = run_fixture(tmp_path, "dtensor_mixed_tensor.py")
+    assert res.returncode == 1, res.output
+    f = only(report, "rank_failure")
+    assert f["ranks"] == [0, 1] and f["detail"]["line"] == line_of("dtensor_mixed_tensor.py", "# BUG")
+    assert "aten.add.Tensor was given a DTensor and a plain torch.Tensor" in f["message"]
+    assert "DTensor.from_local" in f["message"] and "need to convert all torch.Tensor" in f["detail"]["error"]

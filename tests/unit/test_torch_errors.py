@@ -136,3 +136,9 @@ def test_ddp_ready_twice_names_the_parameter_from_its_index():
     out = translate("RuntimeError", READY_TWICE, {"ddp_params": ORDER, "param_sites": {"body.bias": "model.py:7"}})
     assert out["detail"]["params"] == ["body.bias"]
     assert out["message"].startswith("DDP: parameter 'body.bias' (created at model.py:7) got its gradient twice")
+
+
+def test_dtensor_mixed_tensor_names_the_op_and_both_fixes():
+    out = translate("RuntimeError", "aten.mm.default: got mixed torch.Tensor and DTensor, need to convert all "
+                                    "torch.Tensor to DTensor before calling distributed operators!")
+    assert out["detail"]["aten_op"] == "aten.mm.default" and "full_tensor()" in out["message"]
