@@ -191,8 +191,8 @@ def _one_tensor_finding(name: str, by_rank: dict[int, FlaggedTensor]) -> Finding
     ranks = sorted(by_rank)
     first = by_rank[ranks[0]]
     detail = _tensor_detail(name, by_rank)
-    lo, hi = detail.pop("range")
-    detail.pop("ranks")
+    del detail["ranks"]  # the finding's own ranks
+    lo, hi = detail["range"]
     where = detail.get("site")
     owner = f"{first.module_class} '{first.module}'" if first.module else f"the root {first.module_class}"
     msg = (f"{first.role} '{name}' of {owner}" + (f" ({where})" if where else "") +
@@ -206,7 +206,7 @@ def _one_tensor_finding(name: str, by_rank: dict[int, FlaggedTensor]) -> Finding
         msg += ". It looks uninitialized: " + _UNINIT.format(it="it")
     else:
         msg += ". Training with it turns every loss and gradient that touches it into NaN/Inf"
-    detail.update(range=[lo, hi], when="first forward")
+    detail["when"] = "first forward"
     return Finding("bad_values", ranks, msg, detail)
 
 

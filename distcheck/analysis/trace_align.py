@@ -291,28 +291,41 @@ def describe_position(rank: int, trace: RankTrace | None, outcome: RankOutcome |
     return f"rank {rank} issued no collective"
 
 
-def _same_error_key(o: RankOutcome) -> tuple | None:
+def _translation(o: RankOutcome, traces: dict[int, RankTrace]) -> dict[str, Any] | None:
+    """A rank's error in terms of its model and trace (analysis/torch_errors.py), or None for an unknown error."""
+    if o.error is None:
+        return None
+    trace = traces.get(o.rank)
+    return translate(o.error.exc_type, o.error.message,
+                     {**(o.error.context or {}), "events": trace.events if trace is not None else []})
+
+
+def _same_error_key(o: RankOutcome, translated: dict[str, Any] | None) -> tuple | None:
     """Ranks whose failures have this key failed with one cause (the same error at the same line); None: its own."""
     err = o.error
     if err is None or o.signal:
         return None
-    text = (err.translated or {}).get("message") or re.sub(r"\brank \d+", "rank N", _first_line(err.message), flags=re.IGNORECASE)
+    text = (translated or {}).get("message") or re.sub(r"\brank \d+", "rank N", _first_line(err.message),
+                                                         flags=re.IGNORECASE)
     return (err.exc_type, err.file, err.line, text)
 
 
 def failure_findings(failed: list[RankOutcome], traces: dict[int, RankTrace],
                      outcomes: dict[int, RankOutcome]) -> list[Finding]:
     """One ``rank_failure`` per cause: ranks that raised the same error at the same line are one finding."""
-    groups: dict[Any, list[RankOutcome]] = {}
+    groups: dict[Any, list[tuple[RankOutcome, dict[str, Any] | None]]] = {}
     for o in failed:
-        key = _same_error_key(o)
-        groups.setdefault(key if key is not None else ("rank", o.rank), []).append(o)
-    return [failure_finding(members[0], traces, outcomes, [m.rank for m in members]) for members in groups.values()]
+        translated = _translation(o, traces)
+        key = _same_error_key(o, translated)
+        groups.setdefault(key if key is not None else ("rank", o.rank), []).append((o, translated))
+    return [failure_finding(members[0][0], traces, outcomes, [o.rank for o, _ in members], members[0][1])
+            for members in groups.values()]
 
 
 def failure_finding(o: RankOutcome, traces: dict[int, RankTrace], outcomes: dict[int, RankOutcome],
-                    ranks: list[int] | None = None) -> Finding:
-    """The failure of rank ``o`` (and of ``ranks``, which failed the same way), with where every other rank was."""
+                    ranks: list[int] | None = None, translated: dict[str, Any] | None = None) -> Finding:
+    """The failure of rank ``o`` (and of ``ranks``, which failed the same way), with where every other rank was;
+    ``translated``: its error in the user's terms (analysis/torch_errors.py), torch's text kept in detail."""
     ranks = sorted(ranks or [o.rank])
     trace = traces.get(o.rank)
     others = [r for r in sorted(set(traces) | set(outcomes)) if r not in ranks]
@@ -324,11 +337,9 @@ def failure_finding(o: RankOutcome, traces: dict[int, RankTrace], outcomes: dict
         detail.update(exception=err.exc_type, error=err.message, traceback=err.traceback)
         where = f" at {err.site}" if err.site else ""
         what = f"raised {err.exc_type}: {_first_line(err.message)}{where}"
-        if not err.translated:  # errors that need no model, only the text and this rank's trace
-            err.translated = translate(err.exc_type, err.message, {"events": trace.events if trace else []})
-        if err.translated and err.translated.get("message"):  # torch's text stays in detail["error"]
-            what = f"raised {err.exc_type}{where}: {err.translated['message']}"
-            detail.update(err.translated.get("detail") or {})
+        if translated and translated.get("message"):  # torch's text stays in detail["error"]
+            what = f"raised {err.exc_type}{where}: {translated['message']}"
+            detail.update(translated.get("detail") or {})
         if err.line is not None:
             detail.update(file=err.file, line=err.line)
     elif o.signal:

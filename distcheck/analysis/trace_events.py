@@ -90,7 +90,7 @@ class RankError:
     file: str | None
     line: int | None
     t: float
-    translated: dict[str, Any] | None = None  # analysis/torch_errors.translate, done in the rank that raised
+    context: dict[str, Any] | None = None  # what the rank knew, for analysis/torch_errors.translate
 
 
 @dataclass
@@ -161,11 +161,11 @@ def parse_lines(lines: Iterable[str], rank: int, binary: bytes = b"") -> RankTra
             elif ev == "end":
                 ends.append(rec)
             elif ev == "error":
-                translated = rec.get("translated")
+                context = rec.get("context")
                 errors.append(RankError(rank, str(rec.get("exc_type", "Error")), str(rec.get("message", "")),
                                         str(rec.get("traceback", "")), rec.get("site"), rec.get("file"),
                                         _opt_int(rec.get("line")), float(rec.get("t", 0.0)),
-                                        translated if isinstance(translated, dict) else None))
+                                        context if isinstance(context, dict) else None))
             elif ev == "meta":
                 files.check_format(rec, f"the trace of rank {rank}")
                 meta = rec

@@ -54,10 +54,15 @@ def _word_sum(flat: torch.Tensor) -> torch.Tensor:
     return flat.view(torch.uint8).sum(0, keepdim=True, dtype=torch.int64)
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard, or the tensor itself."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
+
+
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard, or the tensor itself; detached."""
-    to_local = getattr(t, "to_local", None)
-    return (to_local() if callable(to_local) else t).detach()
+    return _local(t).detach()
 
 
 def _sums(flat: torch.Tensor, bounds: tuple[int, ...]) -> list[torch.Tensor]:
@@ -83,9 +88,7 @@ def fingerprint_many(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, Fin
     count = 0  # sums so far: where each tensor's sums start in the concatenation
     with torch.no_grad():  # plain views of parameters, no autograd bookkeeping (and no detach() per tensor)
         for name, t in named:
-            to_local = getattr(t, "to_local", None)
-            if callable(to_local):
-                t = to_local()
+            t = _local(t)
             if t.is_meta:
                 continue
             numel = t.numel()

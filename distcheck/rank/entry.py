@@ -133,49 +133,53 @@ def _execute(script: Path, script_args: list[str], tracer) -> tuple[bool, int]:
     where = traceback_site(exc_info[2])
     record = {"ev": "error", "exc_type": exc_info[0].__name__, "message": str(exc_info[1]), "traceback": text,
               "site": where.site, "file": where.file, "line": where.line}
-    translated = _translate(exc_info[0].__name__, str(exc_info[1]), script)
-    if translated is not None:
-        record["translated"] = translated
+    context = _error_context(exc_info[0].__name__, str(exc_info[1]), script)
+    if context is not None:
+        record["context"] = context
     tracer.note(record)
     return False, status
 
 
-def _translate(exc_type: str, message: str, script: Path) -> dict | None:
-    """torch's error in terms of this rank's model (analysis/torch_errors.py): parameter names, not indices."""
+def _error_context(exc_type: str, message: str, script: Path) -> dict | None:
+    """What only this rank knows about an error analysis/torch_errors.py translates: its DDP model's parameter
+    names in DDP's index order, and the lines creating the parameters the translation names. The report translates
+    (with the trace at hand); the rank only records this, and only for an error the translation recognizes."""
     try:
         from distcheck.analysis.torch_errors import translate
 
-        context = _error_context()
+        module, names = _ddp_model()
+        if module is None:
+            return None
+        context: dict = {"ddp_params": names}
         translated = translate(exc_type, message, context)
-        module = context.pop("ddp_module", None)
-        if translated is not None and module is not None:  # lines only for the parameters it names
-            import types
+        if translated is None:
+            return None
+        import types
 
-            from distcheck.rank.usersite import param_site
+        from distcheck.rank.usersite import param_site
 
-            # The script ran as __main__ through runpy, which has removed that module by now: classes defined in
-            # the script find their source through a stand-in with the script's path.
-            main, stand_in = sys.modules.get("__main__"), types.ModuleType("__main__")
-            stand_in.__file__ = str(script)
-            sys.modules["__main__"] = stand_in
-            try:
-                context["param_sites"] = {n: param_site(module, n).site for n in translated["detail"]["params"]}
-            finally:
-                sys.modules["__main__"] = main
-            translated = translate(exc_type, message, context)
-        return translated
-    except Exception as err:  # the translation must never hide the script's own error
-        log.debug("error translation failed: %s", err)
+        # The script ran as __main__ through runpy, which has removed that module by now: classes defined in the
+        # script find their source through a stand-in with the script's path.
+        main, stand_in = sys.modules.get("__main__"), types.ModuleType("__main__")
+        stand_in.__file__ = str(script)
+        sys.modules["__main__"] = stand_in
+        try:
+            context["param_sites"] = {n: param_site(module, n).site for n in translated["detail"]["params"]}
+        finally:
+            sys.modules["__main__"] = main
+        return context
+    except Exception as err:  # the diagnosis must never hide the script's own error
+        log.debug("error context failed: %s", err)
         return None
 
 
-def _error_context() -> dict:
-    """What only this rank knows about its error: the parameter names of its DDP model, in DDP's index order."""
+def _ddp_model() -> tuple:
+    """(the user's module inside this rank's DDP wrapper, its parameter names in DDP's index order), or (None, [])."""
     from distcheck.rank import autocheck
 
     check = autocheck.current()
     if check is None:
-        return {}
+        return None, []
     from torch.nn.parallel import DistributedDataParallel
 
     for model in check.models.alive():
@@ -189,8 +193,8 @@ def _error_context() -> dict:
                     if param.requires_grad and full not in ignored and id(param) not in seen:
                         seen.add(id(param))
                         names.append(full)
-            return {"ddp_params": names, "ddp_module": model.module}
-    return {}
+            return model.module, names
+    return None, []
 
 
 def _report_mesh_error(exc: BaseException, rank: int) -> None:

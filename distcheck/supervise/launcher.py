@@ -75,6 +75,12 @@ def _distcheck_args(argv: Sequence[str]) -> list[str] | None:
     return None
 
 
+def _popen(argv: Sequence[str], env: dict[str, str], pass_fds: Sequence[int] = ()) -> subprocess.Popen:
+    """A rank as a fresh interpreter that dies with this process (PR_SET_PDEATHSIG)."""
+    return subprocess.Popen(argv, env=env, pass_fds=tuple(pass_fds),
+                            preexec_fn=die_with_parent if sys.platform == "linux" else None)
+
+
 class Supervisor:
     """Launch ``nproc`` ranks of ``argv_for_rank(rank)`` and supervise them until they end or stop progressing."""
 
@@ -196,8 +202,7 @@ class Supervisor:
                 except (OSError, RuntimeError) as exc:  # a broken zygote costs speed, never the run
                     log.warning("zygote unavailable (%s): starting ranks as fresh interpreters", exc)
                     zygote = Zygote._shared = None
-            self.procs[rank] = subprocess.Popen(argv, env=self._rank_env(rank, port),
-                                                preexec_fn=die_with_parent if sys.platform == "linux" else None)
+            self.procs[rank] = _popen(argv, self._rank_env(rank, port))
 
     def _launch_store_host_rank(self, argv: list[str], port: int, listen_fd: int) -> subprocess.Popen:
         """Rank 0, handed the store's socket and the read end of the lifeline pipe (rank/store_host.py)."""
@@ -207,8 +212,7 @@ class Supervisor:
         env = self._rank_env(0, port)
         env[ENV_STORE_FDS] = f"{listen_fd},{read_end}"
         try:
-            proc = subprocess.Popen(argv, env=env, pass_fds=(listen_fd, read_end),
-                                    preexec_fn=die_with_parent if sys.platform == "linux" else None)
+            proc = _popen(argv, env, pass_fds=(listen_fd, read_end))
         except BaseException:
             os.close(write_end)
             raise

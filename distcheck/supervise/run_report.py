@@ -94,20 +94,20 @@ def add_stderr_tails(report_dir: Path, findings: list[Finding], traces: dict[int
         tails = {str(r): lines for r in f.ranks if r in paths and (lines := tail(paths[r]))}
         if tails:
             f.detail["stderr_tail"] = tails
-        if f.kind == "rank_failure" and f.detail.get("signal") and len(f.ranks) == 1 and tails:
-            trace = (traces or {}).get(f.ranks[0])
-            said = translate("", "\n".join(tails[str(f.ranks[0])]), {"events": trace.events if trace else []})
-            if said is not None:
-                f.message += f"; its stderr says: {said['message']}"
-                f.detail.update(said["detail"])
-        if f.kind == "rank_failure" and f.detail.get("signal") and len(f.ranks) == 1 and f.ranks[0] in paths:
-            crash = crash_site(paths[f.ranks[0]])
-            if crash is not None:  # faulthandler printed the Python stack of the fatal signal: name the line
-                died = f"died from {f.detail['signal']} (exit code {f.detail.get('exit_code')})"
-                where = f" in {crash.name} at {crash.where}"
-                f.message = (f.message.replace(died, died + where, 1) if died in f.message
-                             else f"{f.message}; it crashed{where}")
-                f.detail.update(file=crash.file, line=crash.line, crashed_in=crash.name)
+        if not (f.kind == "rank_failure" and f.detail.get("signal") and len(f.ranks) == 1 and f.ranks[0] in paths):
+            continue
+        trace = (traces or {}).get(f.ranks[0])
+        said = translate("", "\n".join(tails.get(str(f.ranks[0]), [])), {"events": trace.events if trace else []})
+        if said is not None:
+            f.message += f"; its stderr says: {said['message']}"
+            f.detail.update(said["detail"])
+        crash = crash_site(paths[f.ranks[0]])
+        if crash is not None:  # faulthandler printed the Python stack of the fatal signal: name the line
+            died = f"died from {f.detail['signal']} (exit code {f.detail.get('exit_code')})"
+            where = f" in {crash.name} at {crash.where}"
+            f.message = (f.message.replace(died, died + where, 1) if died in f.message
+                         else f"{f.message}; it crashed{where}")
+            f.detail.update(file=crash.file, line=crash.line, crashed_in=crash.name)
 
 
 def crash_site(stderr_path: Path):

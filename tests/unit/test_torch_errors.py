@@ -43,11 +43,11 @@ def test_other_errors_are_not_translated():
     assert translate("ValueError", "bad batch") is None
 
 
-def _failed_rank(rank: int, message: str, translated: dict | None) -> tuple:
+def _failed_rank(rank: int, message: str, context: dict | None) -> tuple:
     lines = [json.dumps({"ev": "meta", "format": files.FORMAT, "rank": rank}),
              json.dumps({"ev": "error", "exc_type": "RuntimeError", "message": message, "traceback": "",
                          "site": "train.py:35", "file": "/src/train.py", "line": 35, "t": 1.0,
-                         "translated": translated})]
+                         "context": context})]
     trace = parse_lines(lines, rank)
     return trace, RankOutcome(rank, STATE_ERROR, exit_code=1, error=trace.errors[0])
 
@@ -56,8 +56,7 @@ def test_the_same_error_on_every_rank_is_one_finding():
     traces, outcomes = {}, {}
     for rank in (0, 1):
         message = DDP_UNUSED.format(rank=rank)
-        traces[rank], outcomes[rank] = _failed_rank(rank, message, translate("RuntimeError", message,
-                                                                             {"ddp_params": ORDER}))
+        traces[rank], outcomes[rank] = _failed_rank(rank, message, {"ddp_params": ORDER})
     [f] = analyze_run(traces, outcomes, world_size=2)
     assert f.kind == "rank_failure" and f.ranks == [0, 1] and f.detail["line"] == 35
     assert f.message.startswith("ranks 0-1 raised RuntimeError at train.py:35: DDP: 2 parameters got no gradient")
@@ -142,3 +141,17 @@ def test_dtensor_mixed_tensor_names_the_op_and_both_fixes():
     out = translate("RuntimeError", "aten.mm.default: got mixed torch.Tensor and DTensor, need to convert all "
                                     "torch.Tensor to DTensor before calling distributed operators!")
     assert out["detail"]["aten_op"] == "aten.mm.default" and "full_tensor()" in out["message"]
+
+
+def test_a_watchdog_error_raised_in_a_rank_points_at_its_traced_collective():
+    """Translated where the trace is at hand: the raising rank's error record and its traced collectives."""
+    lines = [json.dumps({"ev": "meta", "format": files.FORMAT, "rank": 1})]
+    for i in range(1, 6):
+        lines.append(json.dumps({"ev": "start", "id": i, "seq": i, "pg": "0,1", "pg_name": "0", "op": "all_reduce",
+                                 "site": f"train.py:{10 + i}", "file": "/src/train.py", "line": 10 + i, "t": i}))
+    lines.append(json.dumps({"ev": "error", "exc_type": "DistBackendError", "message": WATCHDOG, "traceback": "",
+                             "site": "train.py:40", "file": "/src/train.py", "line": 40, "t": 9.0}))
+    trace = parse_lines(lines, 1)
+    outcome = RankOutcome(1, STATE_ERROR, exit_code=1, error=trace.errors[0])
+    [f] = analyze_run({1: trace}, {1: outcome}, world_size=2)
+    assert f.detail["nccl_seq"] == 5 and "the traced all_reduce #5 at train.py:15" in f.message
