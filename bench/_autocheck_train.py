@@ -1,6 +1,7 @@
-"""The training script bench_autocheck.py runs (not a fixture): 20 FSDP2 steps of a 4-block MLP, loop timed.
+"""The training script bench_autocheck.py runs (not a fixture): 20 FSDP2 (or DDP) steps of a 4-block MLP, timed.
 
     python -m distcheck run --nproc 2 -- bench/_autocheck_train.py --steps 20 --out times.json
+    python -m distcheck run --nproc 2 -- bench/_autocheck_train.py --wrap ddp --steps 20 --out times.json
 
 Rank 0 writes {"loop": seconds from the first forward to after the last optimizer step, "first_step": ...}.
 """
@@ -33,14 +34,18 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--dim", type=int, default=256)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--wrap", choices=("fsdp2", "ddp"), default="fsdp2")
     args = parser.parse_args()
     dist.init_process_group("gloo")
     torch.manual_seed(0)
     model = nn.Sequential(nn.Embedding(1000, args.dim), *[Block(args.dim) for _ in range(4)],
                           nn.Linear(args.dim, 1000))
-    for block in model[1:5]:
-        fully_shard(block)
-    fully_shard(model)
+    if args.wrap == "ddp":  # replicated parameters: the replica-drift check fingerprints them after early steps
+        model = nn.parallel.DistributedDataParallel(model)
+    else:
+        for block in model[1:5]:
+            fully_shard(block)
+        fully_shard(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(dist.get_rank())
     batches = [torch.randint(0, 1000, (8, 64), generator=gen) for _ in range(args.steps)]

@@ -32,6 +32,7 @@ class RunOptions:
     native: bool = False  # native frames in hang stack dumps
     command: str = ""  # the command line for report.json
     env: dict[str, str] = field(default_factory=dict, compare=False)  # extra environment for the ranks
+    drift_steps: int = 3  # optimizer steps after which replicas are compared (rank/autocheck/replica_drift.py)
 
     def with_(self, **changes) -> RunOptions:
         return replace(self, **changes)

@@ -21,6 +21,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from distcheck.analysis.replica_drift import drift_finding
 from distcheck.contract.findings import CheckResult, Finding, format_ranks
 
 # No initializer (normal/uniform/xavier/kaiming/trunc_normal/ones/zeros/eye/orthogonal) produces a magnitude above
@@ -354,7 +355,8 @@ def loss_value_name(value: float) -> str:
 
 
 def merge_states(states: dict[int, dict[str, Any]]) -> tuple[list[Finding], list[CheckResult]]:
-    """The first-NaN finding and the ``model_check`` / ``bad_values`` checks from the ranks' autocheck files."""
+    """The first-NaN and replica-drift findings and the ``model_check`` / ``bad_values`` / ``replica_drift`` checks
+    from the ranks' autocheck files."""
     if not states:
         return [], []
     events = {r: BadEvent.from_json(s["first_bad"]) if s.get("first_bad") else None for r, s in states.items()}
@@ -378,4 +380,12 @@ def merge_states(states: dict[int, dict[str, Any]]) -> tuple[list[Finding], list
     note = ("" if finding is not None else "no backward() ran" if done == 0 else
             f"loss and gradients finite on every {counter} ({done} steps)")
     checks.append(CheckResult("bad_values", finding is None, step_seconds, note=note))
+    drift, compared = drift_finding(states)
+    findings += [drift] if drift is not None else []
+    if compared or drift is not None:
+        drift_seconds = max(float((s.get("replica_drift") or {}).get("seconds", 0.0)) for s in states.values())
+        checks.append(CheckResult("replica_drift", drift is None, drift_seconds,
+                                  note="" if drift is not None else
+                                  f"replicated parameters identical on every rank after {compared} optimizer "
+                                  f"step{'s' if compared != 1 else ''}"))
     return findings, checks

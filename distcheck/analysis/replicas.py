@@ -1,13 +1,30 @@
-"""Pure comparison of per-rank fingerprints: which tensors differ across replicas, and how (no process group)."""
+"""Pure comparison of per-rank fingerprints: which tensors differ across replicas, and how (no process group).
+
+torch is imported only by :func:`diff_chunk` (it compares tensors): the supervisor compares fingerprints from the
+ranks' files (analysis/replica_drift.py) without importing torch.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Hashable
-
-import torch
+from typing import TYPE_CHECKING, Hashable
 
 from distcheck.contract.findings import Finding, format_ranks
-from distcheck.checks.fingerprint import Fingerprint
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    dtype: str
+    shape: tuple[int, ...]
+    bounds: tuple[int, ...]  # element offsets: chunk i covers [bounds[i], bounds[i+1])
+    sums: tuple[int, ...]
+
+    def differing_chunks(self, other: Fingerprint) -> list[int]:
+        if (self.dtype, self.shape, self.bounds) != (other.dtype, other.shape, other.bounds):
+            return list(range(len(self.sums)))
+        return [i for i, (a, b) in enumerate(zip(self.sums, other.sums)) if a != b]
 
 
 @dataclass(frozen=True)
@@ -102,6 +119,8 @@ def _compare_partition(name: str, role: str, entries: dict[int, Entry]) -> Diver
 def diff_chunk(rank: int, ref: torch.Tensor, other: torch.Tensor, offset: int,
                shape: tuple[int, ...]) -> DiffSummary | None:
     """Compare one chunk (flat element range starting at ``offset``) bit for bit; None if identical."""
+    import torch
+
     a = ref.reshape(-1)
     b = other.reshape(-1)
     differs = a.view(torch.uint8).reshape(a.numel(), -1).ne(b.view(torch.uint8).reshape(b.numel(), -1)).any(1)

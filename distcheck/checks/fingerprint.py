@@ -8,29 +8,17 @@ leaves the device). Chunks localize a difference: only differing chunks are ever
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Iterable
 
 import torch
+
+from distcheck.analysis.replicas import Fingerprint  # the comparison side is torch-free
 
 CHUNKS = 16
 # Below this many elements a tensor is one chunk: per-call overhead would dominate the read.
 MIN_CHUNK_NUMEL = 1 << 16
 # Chunk bounds are multiples of 8 elements so every chunk but the last reads as whole 64-bit words.
 ALIGN = 8
-
-
-@dataclass(frozen=True)
-class Fingerprint:
-    dtype: str
-    shape: tuple[int, ...]
-    bounds: tuple[int, ...]  # element offsets: chunk i covers [bounds[i], bounds[i+1])
-    sums: tuple[int, ...]
-
-    def differing_chunks(self, other: Fingerprint) -> list[int]:
-        if (self.dtype, self.shape, self.bounds) != (other.dtype, other.shape, other.bounds):
-            return list(range(len(self.sums)))
-        return [i for i, (a, b) in enumerate(zip(self.sums, other.sums)) if a != b]
 
 
 def chunk_bounds(numel: int) -> tuple[int, ...]:

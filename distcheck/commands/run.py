@@ -1,13 +1,15 @@
 """Run an unmodified script on every rank with collective tracing; report the first diverging collective.
 
     python -m distcheck run --nproc 2 --timeout 60 --report-dir out -- train.py --lr 0.1
+    python -m distcheck run --nproc 2 --steps 5 -- train.py       # replicas compared after 5 steps (default 3)
     torchrun --nproc-per-node 2 -m distcheck run --report-dir out -- train.py --lr 0.1
 
 Every rank runs SCRIPT in-process (as ``__main__``, with sys.argv = [SCRIPT, ARGS...]) with the tracer
 installed. At the end, or when ranks fail or stop progressing for --timeout seconds, the per-rank traces are
 aligned per process group: the first divergence is a ``collective_mismatch`` naming the position, what each rank
 issued there and each rank's source line; a rank that raised or died is a ``rank_failure``; no progress is a
-``hang``. The report directory holds report.json, report.txt, trace-rank<R>.jsonl and trace.json (Perfetto).
+``hang``. Data-parallel replicas that stop being identical within the first --steps optimizer steps are a
+``tensor_divergence`` (rank/autocheck/replica_drift.py). The report directory holds report.json, report.txt, trace-rank<R>.jsonl and trace.json (Perfetto).
 
 With --nproc, distcheck starts and supervises the ranks (distcheck/supervise/supervised_run.py) and writes the report
 itself, even when ranks crash or hang. Under torchrun each rank runs distcheck/rank/entry.py; the ranks share the
@@ -28,6 +30,7 @@ from distcheck.errors import UsageError
 from distcheck.options import ENV_SUPERVISED, RunOptions, check_capacity, count, seconds
 
 DEFAULT_TIMEOUT = 300.0
+DEFAULT_DRIFT_STEPS = 3
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -37,6 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="no-progress limit in seconds: after it the run is declared hung (default 300)")
     parser.add_argument("--report-dir", default=None, help="report directory (default: distcheck-report-<time>)")
     parser.add_argument("--native", action="store_true", help="include native frames in hang stack dumps")
+    parser.add_argument("--steps", default=None,
+                        help="check that data-parallel replicas (DDP, HSDP, TP) still hold identical parameters "
+                             "after each of the first K optimizer steps (default 3; 0: do not check)")
     parser.add_argument("--oversubscribe", action="store_true",
                         help="start --nproc ranks even when that is more than the machine can run (one per GPU, "
                              "else 4 per CPU core)")
@@ -79,9 +85,10 @@ def options(args: argparse.Namespace) -> RunOptions:
 
     timeout = seconds("--timeout", args.timeout)
     nproc = count("--nproc", args.nproc) if args.nproc is not None else None
+    steps = count("--steps", args.steps, minimum=0) if args.steps is not None else DEFAULT_DRIFT_STEPS
     script, script_args = validate_script(list(args.script_args))
     return RunOptions(script, tuple(script_args), nproc, timeout, args.report_dir, args.native,
-                      command_line(args.argv))
+                      command_line(args.argv), drift_steps=steps)
 
 
 def in_torchrun() -> bool:

@@ -99,7 +99,8 @@ def render_text(report: Report, report_dir: str | os.PathLike | None = None) -> 
         for f in report.findings:
             shown[f.kind] = shown.get(f.kind, 0) + 1
             if shown[f.kind] <= TEXT_FINDINGS_PER_KIND:
-                lines.append(f"  [{f.kind}] {format_ranks(f.ranks) if f.ranks else 'all ranks'}: {f.message}")
+                lines.append(f"  [{f.kind}] {format_ranks(f.ranks) if f.ranks else 'all ranks'}: "
+                             + f.message.replace("\n", "\n    "))  # a message's later lines stay under it
         for kind, count in shown.items():
             if count > TEXT_FINDINGS_PER_KIND:
                 lines.append(f"  ... and {count - TEXT_FINDINGS_PER_KIND} more {kind} findings in report.json")

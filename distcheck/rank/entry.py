@@ -49,7 +49,9 @@ def run_in_rank(opts: RunOptions) -> int:
         files.remove_rank_files(report_dir, [info.rank])
     tracer = trace.install(report_dir, info.rank)
     from distcheck.rank import autocheck
+    from distcheck.rank.autocheck.replica_drift import ENV_DRIFT_STEPS
 
+    os.environ[ENV_DRIFT_STEPS] = str(opts.drift_steps)  # run --steps K: also read by the pytest marker's pool
     # Finds the models (fully_shard/DDP/TP) and optimizers by itself; DISTCHECK_AUTOCHECK=0 turns it off.
     checker = autocheck.install(report_dir, info.rank)
     # Stack hooks (ptrace permission for our launcher, faulthandler fallback); under plain torchrun also the node

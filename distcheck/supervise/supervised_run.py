@@ -33,7 +33,7 @@ def supervised_run(opts: RunOptions, nproc: int, interrupt: Interrupt | None = N
     report_dir = prepare_report_dir(opts.report_dir).resolve()
     run_report.clean(report_dir, range(nproc))
     files.clear_shared(report_dir)
-    argv = [sys.executable, "-m", "distcheck", "run", "--timeout", str(opts.timeout),
+    argv = [sys.executable, "-m", "distcheck", "run", "--timeout", str(opts.timeout), "--steps", str(opts.drift_steps),
             "--report-dir", str(report_dir), "--", str(opts.script), *opts.script_args]
     env = dict(os.environ)
     env.update(opts.env)

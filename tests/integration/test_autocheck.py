@@ -22,13 +22,15 @@ def test_meta_init_leaves_block_params_uninitialized(line_of, tmp_path):
     [group] = [f for f in report["findings"] if f["kind"] == "bad_values" and f["detail"].get("when") == "first forward"]
     # Only the blocks' parameters: init_weights() did initialize the embedding and the head.
     blocks = [f"blocks.{b}.{fc}.{p}" for b in (0, 1) for fc in ("fc1", "fc2") for p in ("weight", "bias")]
-    assert group["detail"]["params"] == blocks and group["detail"]["count"] == 8
-    assert [t["param"] for t in group["detail"]["tensors"]] == blocks and group["ranks"] == [0, 1]
+    # Which freed heap chunks to_empty() reuses is up to malloc: nearly always all 8, but never anything else.
+    params = group["detail"]["params"]
+    assert params == [b for b in blocks if b in params] and len(params) >= 6 and group["detail"]["count"] == len(params)
+    assert [t["param"] for t in group["detail"]["tensors"]] == params and group["ranks"] == [0, 1]
     fc1, fc2 = line_of("zc_meta_init.py", "self.fc1 = nn.Linear"), line_of("zc_meta_init.py", "self.fc2 = nn.Linear")
     assert group["detail"]["line"] == fc1 and group["detail"]["file"].endswith("zc_meta_init.py")
     message = group["message"]
-    assert message.startswith("8 parameters of nn.Linear layers hold values no initializer produces")
-    assert "'blocks.0.fc1.weight', 'blocks.0.fc1.bias', 'blocks.0.fc2.weight' (+5 more)" in message
+    assert message.startswith(f"{len(params)} parameters of nn.Linear layers hold values no initializer produces")
+    assert ", ".join(f"'{p}'" for p in params[:3]) + f" (+{len(params) - 3} more)" in message
     assert f"Created at zc_meta_init.py:{fc1}, zc_meta_init.py:{fc2}" in message
     assert "nn.Linear.reset_parameters() gives [-0.17" in message and "differ between world sizes and runs" in message
     assert "Error" not in message  # no internal exception text

@@ -12,10 +12,10 @@ from launch_helpers import FIXTURES, distcheck, load_report, torchrun
 from distcheck.analysis.trace_events import load_traces
 
 
-def run_fixture(tmp_path: Path, fixture: str, nproc: int = 2, timeout: float = 30, limit: float = 150):
+def run_fixture(tmp_path: Path, fixture: str, *args: str, nproc: int = 2, timeout: float = 30, limit: float = 150):
     out = tmp_path / "report"
     res = distcheck(["run", "--nproc", str(nproc), "--timeout", str(timeout), "--report-dir", str(out), "--",
-                     str(FIXTURES / fixture)], timeout=limit)
+                     str(FIXTURES / fixture), *args], timeout=limit)
     return res, load_report(out), out
 
 
@@ -207,6 +207,23 @@ def test_ddp_unused_parameters_are_named_once_for_every_rank(line_of, tmp_path):
     assert f"'aux_head.weight', 'aux_head.bias' (created at ddp_unused_param.py:{unused})" in f["message"]
     assert "find_unused_parameters=True" in f["message"] and "Parameter indices" not in f["message"]
     assert "Parameter indices which did not receive grad" in f["detail"]["error"]  # torch's own text, kept
+
+
+def test_replicas_drifting_under_no_sync_are_one_finding_with_the_cause(line_of, tmp_path):
+    """Every micro-step under no_sync(): PASSED before; now one tensor_divergence at the no_sync() line."""
+    res, report, _ = run_fixture(tmp_path, "ddp_no_sync_drift.py")
+    assert res.returncode == 1, res.output
+    f = only(report, "tensor_divergence")
+    bug, step = line_of("ddp_no_sync_drift.py", "# BUG"), line_of("ddp_no_sync_drift.py", "# STEP")
+    assert f["ranks"] == [0, 1] and f["detail"]["line"] == bug and f["detail"]["step"] == 0
+    assert f["detail"]["params"] == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    assert f"after the first optimizer.step() (ddp_no_sync_drift.py:{step})" in f["message"]
+    assert f"ran under no_sync() at ddp_no_sync_drift.py:{bug}" in f["message"]
+    assert [c["ok"] for c in report["checks"] if c["name"] == "replica_drift"] == [False]
+    fixed, report, _ = run_fixture(tmp_path / "fixed", "ddp_no_sync_drift.py", "--fixed")
+    assert fixed.returncode == 0 and report["findings"] == [], fixed.output
+    assert [c["note"] for c in report["checks"] if c["name"] == "replica_drift"] == [
+        "replicated parameters identical on every rank after 3 optimizer steps"]
 
 
 def test_ddp_ready_twice_names_the_parameter_and_the_fix(line_of, tmp_path):

@@ -1,4 +1,4 @@
-"""Zero-code checks in a rank: three jobs behind one switch (DISTCHECK_AUTOCHECK=0 turns them off).
+"""Zero-code checks in a rank: four jobs behind one switch (DISTCHECK_AUTOCHECK=0 turns them off).
 
     python -m distcheck run --nproc 2 -- train.py          # installed in every rank
     python -m distcheck compare --nproc 2 -- train.py      # plus the automatic records
@@ -7,10 +7,12 @@
 * discovery.py: find the models the script parallelizes and check each once at its first forward
   (``check_model`` plus uninitialized values: ``uncovered_param``, ``bad_values``, ...);
 * nan_watch.py: the first step whose loss or gradients hold NaN/Inf (``bad_values``);
+* replica_drift.py: after each of the first K optimizer steps, fingerprints of what data-parallel replicas must hold
+  identically (compared by the supervisor: ``tensor_divergence``);
 * auto_records.py: under ``compare``, the loss and parameters of the first K steps (``auto/loss``, ``auto/params``).
 
-patches.py holds the hooks (fully_shard, DDP, parallelize_module, optimizers, ``backward``) that feed the three
-jobs through :class:`AutoCheck`, which also owns the step counters they share and the per-rank state file
+patches.py holds the hooks (fully_shard, DDP and its no_sync(), parallelize_module, optimizers, ``backward``) that
+feed these jobs through :class:`AutoCheck`, which also owns the step counters they share and the per-rank state file
 ``autocheck-rank<R>.json`` the supervisor reads (supervise/run_report.py).
 """
 from __future__ import annotations
@@ -27,6 +29,7 @@ from distcheck.rank.autocheck import patches
 from distcheck.rank.autocheck.auto_records import AutoRecords
 from distcheck.rank.autocheck.discovery import ModelWatch
 from distcheck.rank.autocheck.nan_watch import NanWatch
+from distcheck.rank.autocheck.replica_drift import ReplicaDrift
 
 log = logging.getLogger("distcheck")
 
@@ -57,6 +60,7 @@ class AutoCheck:
         self.models = ModelWatch(self, self.out_dir, rank, emit)
         self.nan = NanWatch(self)
         self.records = AutoRecords(self)
+        self.drift = ReplicaDrift(self)
         self.models.on_watch.append(self.nan.forget_names)
 
     @property
@@ -69,6 +73,7 @@ class AutoCheck:
 
     def on_backward(self, loss: Any) -> None:
         self.backwards += 1
+        self.drift.on_backward()
         self.records.on_backward(loss)
         self.nan.on_backward(loss)
 
@@ -82,6 +87,7 @@ class AutoCheck:
 
     def on_optimizer_step_done(self, optimizer: Any) -> None:
         self.records.on_optimizer_step_done(optimizer)
+        self.drift.on_optimizer_step_done(self.opt_steps.get(id(optimizer), 1) - 1)
 
     # -- results --------------------------------------------------------------------------------------------------
     @property
@@ -108,7 +114,8 @@ class AutoCheck:
         return {files.FORMAT_KEY: files.FORMAT, "rank": self.rank, "model_checks": self.models.model_checks,
                 "steps": self.steps_done, "counter": self.counter, "backwards": self.backwards,
                 "first_bad": self.nan.first_bad.to_json() if self.nan.first_bad else None,
-                "step_check_seconds": self.nan.seconds, "auto_records": self.records.count}
+                "step_check_seconds": self.nan.seconds, "auto_records": self.records.count,
+                "replica_drift": self.drift.state()}
 
     def write_state(self) -> None:
         from distcheck.contract.report import atomic_write

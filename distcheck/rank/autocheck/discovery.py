@@ -118,6 +118,7 @@ class ModelWatch:
         seconds = time.perf_counter() - started
         self.model_checks.append({"root": _root_label(root), "seconds": seconds, "findings": len(found)})
         self._record_forward_order(root)
+        self.owner.drift.on_first_forward()  # the replicas' baseline: before any step could make them drift
         self.owner.write_state()
 
     def check_root(self, root: Any) -> list[Finding]:

@@ -4,14 +4,15 @@
 
 The functions that parallelize a model are wrapped where users import them from:
 ``torch.distributed.fsdp.fully_shard`` (also reached as ``torch.distributed._composable.fsdp.fully_shard``),
-``DistributedDataParallel.__init__``, ``torch.distributed.tensor.parallel.parallelize_module`` and
-``torch.distributed.tensor.distribute_module``; ``torch.optim.Optimizer.__init__`` counts the optimizers, global
+``DistributedDataParallel.__init__`` (and its ``no_sync``),
+``torch.distributed.tensor.parallel.parallelize_module`` and ``torch.distributed.tensor.distribute_module``; ``torch.optim.Optimizer.__init__`` counts the optimizers, global
 optimizer step hooks and ``Tensor.backward`` mark the steps. The FSDP and DTensor modules cost seconds to import,
 so they are patched when the script imports them (an import hook), not imported here. Every wrapper calls the
 original untouched.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.abc
 import importlib.util
@@ -176,6 +177,23 @@ def patch_once() -> None:
             current().watch(self)
 
     DistributedDataParallel.__init__ = ddp_wrapper
+
+    no_sync = DistributedDataParallel.no_sync
+
+    @functools.wraps(no_sync)
+    @contextlib.contextmanager
+    def no_sync_wrapper(self: Any) -> Any:
+        check = current()
+        if check is not None:  # the line of the user's `with model.no_sync():`, for the drift finding's cause
+            check.drift.enter_no_sync()
+        try:
+            with no_sync(self):
+                yield
+        finally:
+            if check is not None:
+                check.drift.exit_no_sync()
+
+    DistributedDataParallel.no_sync = no_sync_wrapper
 
     opt_init = torch.optim.Optimizer.__init__
 

@@ -1,0 +1,114 @@
+"""Replica drift, from the ranks' fingerprints after each early optimizer step (pure: no process group).
+
+    python -m distcheck run --nproc 2 -- train.py      # rank/autocheck/replica_drift.py writes, this compares
+
+Each rank's ``autocheck-rank<R>.json`` holds, under ``replica_drift.checked``, one row per fingerprinted point: the
+baseline at the first forward (step -1), then one per optimizer step: every replicated parameter as
+``[name, replica key, dtype, shape, chunk bounds, chunk sums]``, plus how many backward() calls that step had and
+how many of them ran under DDP's ``no_sync()``. Parameters the baseline already shows different are the first
+forward's ``tensor_divergence`` (check_model), not drift. The first step after which some parameter differs
+between ranks with equal keys is one ``tensor_divergence`` finding for all the parameters it touched.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from distcheck.analysis.replicas import Entry, Fingerprint, find_divergences
+from distcheck.contract.findings import Finding, format_ranks
+
+FIRST_NAMES = 4  # names spelled out in the message; detail.params has them all
+
+_WHY = {
+    "ddp": ("DDP did not average their gradients over the ranks (no_sync(), require_backward_grad_sync=False, "
+            "or gradients changed after backward())"),
+    "tp": ("a plain (non-DTensor) parameter of a tensor-parallel model got a different gradient on each rank, "
+           "e.g. a norm applied to sequence-sharded activations: give it a plan entry (SequenceParallel()) so its "
+           "gradient is reduced"),
+    "dtensor": "the gradient of a Replicate DTensor parameter was not reduced over its replicate mesh dim",
+}
+
+
+def fingerprint_row(name: str, key: Any, fp: Fingerprint) -> list:
+    return [name, key, fp.dtype, list(fp.shape), list(fp.bounds), list(fp.sums)]
+
+
+def _entries(row: dict[str, Any]) -> dict[str, Entry]:
+    out = {}
+    for name, key, dtype, shape, bounds, sums in row.get("params", []):
+        fp = Fingerprint(dtype, tuple(shape), tuple(bounds), tuple(sums))
+        out[name] = Entry(name, "parameter", json.dumps(key), fp)
+    return out
+
+
+def drift_finding(states: dict[int, dict[str, Any]]) -> tuple[Finding | None, int]:
+    """The first step's drift as one finding (None when replicas stayed identical), and the steps compared."""
+    rows: dict[int, dict[int, dict[str, Any]]] = {}  # step -> rank -> row
+    for rank, state in states.items():
+        for row in (state.get("replica_drift") or {}).get("checked", []):
+            rows.setdefault(int(row["step"]), {})[rank] = row
+    if -1 not in rows:
+        return None, 0
+    differed = {d.name for d in _divergences(rows[-1])}  # the first forward's finding, not drift
+    steps = sorted(s for s in rows if s >= 0)
+    for step in steps:
+        divs = [d for d in _divergences(rows[step]) if d.name not in differed]
+        if divs:
+            return _finding(step, divs, rows[step]), steps.index(step) + 1
+    return None, len(steps)
+
+
+def _divergences(by_rank: dict[int, dict[str, Any]]) -> list:
+    per_rank = {r: list(_entries(row).values()) for r, row in by_rank.items()}
+    # A name some rank lacks (a rank that crashed mid-write, pipeline stages) is not drift: compare shared names.
+    shared = set.intersection(*({e.name for e in es} for es in per_rank.values())) if per_rank else set()
+    return find_divergences({r: [e for e in es if e.name in shared] for r, es in per_rank.items()})
+
+
+def _site(detail: dict | None) -> tuple[str | None, int | None]:
+    return (detail.get("file"), detail.get("line")) if detail else (None, None)
+
+
+def _where(file: str | None, line: int | None) -> str:
+    return f"{os.path.basename(file)}:{line}" if file and line else "?"
+
+
+def _finding(step: int, divs: list, by_rank: dict[int, dict[str, Any]]) -> Finding:
+    names = [d.name for d in divs]
+    ranks = sorted({r for d in divs for r in d.blamed})
+    row = by_rank[min(by_rank)]
+    step_file, step_line = _site(row.get("site"))
+    no_sync = next((r for _, r in sorted(by_rank.items())
+                    if r.get("backwards") and r.get("unsynced") == r.get("backwards")), None)
+    shown = ", ".join(f"'{n}'" for n in names[:FIRST_NAMES]) + (f" and {len(names) - FIRST_NAMES} more"
+                                                                 if len(names) > FIRST_NAMES else "")
+    count = f"{len(names)} parameter{'s' if len(names) != 1 else ''}"
+    ordinal = "the first optimizer.step()" if step == 0 else f"optimizer.step() #{step}"
+    message = (f"{count} that must be identical across replicas differ{'s' if len(names) == 1 else ''} between "
+               f"{format_ranks(sorted({r for d in divs for r in d.ranks}))} after {ordinal} "
+               f"({_where(step_file, step_line)}), though they agreed before it: {shown}.")
+    cause = None
+    file, line = step_file, step_line
+    if no_sync is not None:
+        file, line = _site(no_sync.get("no_sync_site"))
+        n = no_sync["backwards"]
+        message += (f"\nGradients were not all-reduced: {'the' if n == 1 else 'all'} {n} backward() "
+                    f"call{'s' if n != 1 else ''} before that step ran under no_sync() at {_where(file, line)}; "
+                    "run the last micro-batch's backward() outside no_sync() so DDP averages the gradients.")
+        cause = "no_sync"
+    else:
+        kinds = sorted({key[0] if isinstance(key[0], str) else "dtensor" for key in _keys(divs, by_rank)})
+        message += "\nLikely cause: " + "; or ".join(_WHY[k] for k in kinds if k in _WHY) + "."
+    detail = {"file": file, "line": line, "step": step, "count": len(names), "params": names, "cause": cause,
+              "groups": {d.name: d.groups for d in divs},
+              "odd_chunks": {d.name: {str(r): c for r, c in d.odd.items()} for d in divs},
+              "step_site": row.get("site"),
+              "backwards": {str(r): [x.get("backwards"), x.get("unsynced")] for r, x in sorted(by_rank.items())}}
+    return Finding("tensor_divergence", ranks, message, detail)
+
+
+def _keys(divs: list, by_rank: dict[int, dict[str, Any]]) -> list:
+    names = {d.name for d in divs}
+    row = by_rank[min(by_rank)]
+    return [key for name, key, *_ in row.get("params", []) if name in names]

@@ -1,0 +1,148 @@
+"""The replica-drift watch: do data-parallel replicas still hold the same parameters after each early step?
+
+    python -m distcheck run --nproc 2 -- train.py             # the first 3 optimizer steps (default)
+    python -m distcheck run --nproc 2 --steps 5 -- train.py   # DISTCHECK_DRIFT_STEPS=5 in the ranks; 0: off
+
+What must be identical across ranks, by how the script parallelized its model: a DDP model's parameters on every
+rank of its process group; a DTensor parameter on the ranks that share its coordinates on every non-Replicate
+mesh dim (HSDP's replicate dim, a TP layer's replicated bias); a plain parameter of a tensor-parallel model on
+every rank of its TP mesh. At the first forward (the baseline) and after each of the first K optimizer steps, this
+rank fingerprints those parameters (about one ``torch.sum`` over them; nothing at all for a plain FSDP2 model,
+which replicates nothing) and writes the fingerprints to ``autocheck-rank<R>.json``. The supervisor compares the
+ranks' files (analysis/replica_drift.py), so no rank ever waits for another here.
+
+To say what the script did, backward() calls under DDP's ``no_sync()`` are counted per step, with the line of the
+``with model.no_sync():`` that turned the gradient all-reduce off.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+from distcheck.analysis.replica_drift import fingerprint_row
+from distcheck.rank.usersite import Site, caller_site
+
+log = logging.getLogger("distcheck")
+
+ENV_DRIFT_STEPS = "DISTCHECK_DRIFT_STEPS"
+DEFAULT_STEPS = 3
+
+
+def steps_from_env() -> int:
+    text = os.environ.get(ENV_DRIFT_STEPS, "").strip()
+    try:
+        return max(0, int(text)) if text else DEFAULT_STEPS
+    except ValueError:
+        return DEFAULT_STEPS
+
+
+def _strip(name: str) -> str:
+    return name.removeprefix("module.")  # DDP's prefix is not part of the user's parameter names
+
+
+def replicated_params(roots: list[Any]) -> list[tuple[str, Any, Any]]:
+    """(name, replica key, parameter) for every parameter some other rank must hold an identical copy of.
+
+    The key is JSON-able; ranks whose keys are equal must agree. Parameters replicated nowhere are left out.
+    """
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from distcheck.checks.replicas import replica_key
+
+    out: list[tuple[str, Any, Any]] = []
+    for root in roots:
+        named = list(root.named_parameters())
+        plain_group = None
+        if isinstance(root, DistributedDataParallel):
+            plain_group = ["ddp", dist.get_process_group_ranks(root.process_group)]
+        else:
+            mesh = next((getattr(p, "device_mesh", None) for _, p in named
+                         if getattr(p, "device_mesh", None) is not None), None)
+            if mesh is not None:  # a tensor-parallel model: its plain parameters must agree over the TP mesh
+                plain_group = ["tp", mesh.mesh.flatten().tolist()]
+        for name, p in named:
+            if getattr(p, "placements", None) is not None:
+                key = replica_key(p)
+                mesh_shape = key[1]
+                replicated = any(pl.is_replicate() and mesh_shape[d] > 1 for d, pl in enumerate(p.placements))
+                if replicated:
+                    out.append((_strip(name), [list(key[0]), list(key[1]), [list(c) for c in key[2]]], p))
+            elif plain_group is not None and len(plain_group[1]) > 1:
+                out.append((_strip(name), plain_group, p))
+    return out
+
+
+class ReplicaDrift:
+    def __init__(self, owner: Any) -> None:
+        self.owner = owner  # the AutoCheck: the watched models and the step counters
+        self.steps = steps_from_env()
+        self.checked: list[dict[str, Any]] = []  # one row per fingerprinted point: baseline (-1), then steps
+        self.seconds = 0.0
+        self._done_steps: set[int] = set()
+        self._backwards = 0  # backward() calls since the last optimizer step
+        self._unsynced = 0  # ... of which ran with DDP's gradient all-reduce off
+        self._no_sync_depth = 0
+        self._no_sync_site: Site | None = None
+
+    # -- events ----------------------------------------------------------------------------------------------------
+    def enter_no_sync(self) -> None:
+        self._no_sync_depth += 1
+        self._no_sync_site = caller_site()
+
+    def exit_no_sync(self) -> None:
+        self._no_sync_depth = max(0, self._no_sync_depth - 1)
+
+    def on_backward(self) -> None:
+        self._backwards += 1
+        if self._no_sync_depth:
+            self._unsynced += 1
+
+    def on_first_forward(self) -> None:
+        if self.steps and not self.checked:
+            self._take(-1, None)
+
+    def on_optimizer_step_done(self, step: int) -> None:
+        backwards, unsynced = self._backwards, self._unsynced
+        self._backwards = self._unsynced = 0
+        if step >= self.steps or step in self._done_steps or not self.checked:
+            return
+        self._done_steps.add(step)
+        self._take(step, {"backwards": backwards, "unsynced": unsynced,
+                          "no_sync_site": self._no_sync_site.detail() if unsynced and self._no_sync_site else None,
+                          "site": caller_site().detail()})
+
+    # -- the fingerprints ------------------------------------------------------------------------------------------
+    def _roots(self) -> list[Any]:
+        models = self.owner.models.alive()
+        inner = {id(sub) for m in models for sub in m.modules() if sub is not m}
+        return [m for m in models if id(m) not in inner]
+
+    def _take(self, step: int, how: dict[str, Any] | None) -> None:
+        from distcheck.checks.fingerprint import fingerprint_many
+
+        started = time.perf_counter()
+        try:
+            items = replicated_params(self._roots())
+            if not items and step == -1:
+                self.steps = 0  # nothing replicated (plain FSDP2, or no model): nothing to watch later either
+                return
+            fps = fingerprint_many((name, p) for name, _, p in items)
+            row = {"step": step, "params": [fingerprint_row(name, key, fps[name]) for name, key, _ in items
+                                            if name in fps]}
+            if how:
+                row.update(how)
+            self.checked.append(row)
+        except Exception as exc:  # the check must never break the user's training
+            log.warning("distcheck: the replica drift check failed: %s: %s", type(exc).__name__, exc)
+            self.steps = 0
+            return
+        finally:
+            self.seconds += time.perf_counter() - started
+        if step >= 0:
+            self.owner.write_state()
+
+    def state(self) -> dict[str, Any]:
+        return {"steps": self.steps, "checked": self.checked, "seconds": self.seconds}
