@@ -26,7 +26,9 @@ _WHY = {
     "tp": ("a plain (non-DTensor) parameter of a tensor-parallel model got a different gradient on each rank, "
            "e.g. a norm applied to sequence-sharded activations: give it a plan entry (SequenceParallel()) so its "
            "gradient is reduced"),
-    "dtensor": "the gradient of a Replicate DTensor parameter was not reduced over its replicate mesh dim",
+    "dtensor": ("Replicate DTensor parameters (HSDP's replicate dim, a TP layer's replicated bias) got different "
+                "gradients or updates on different ranks: a gradient not reduced over the replicate mesh dim, or "
+                "changed on one rank after the reduction"),
 }
 
 

@@ -226,6 +226,19 @@ def test_replicas_drifting_under_no_sync_are_one_finding_with_the_cause(line_of,
         "replicated parameters identical on every rank after 3 optimizer steps"]
 
 
+def test_plain_norm_of_a_sequence_parallel_model_drifts(line_of, tmp_path):
+    """A LayerNorm left out of the SP plan: each rank its own gradient, nothing reduces it -> named, with the fix."""
+    res, report, _ = run_fixture(tmp_path, "tp_norm_drift.py")
+    assert res.returncode == 1, res.output
+    f = only(report, "tensor_divergence")
+    step = line_of("tp_norm_drift.py", "# STEP")
+    assert f["ranks"] == [0, 1] and f["detail"]["line"] == step and f["detail"]["params"] == ["norm.weight", "norm.bias"]
+    assert "plain (non-DTensor) parameter of a tensor-parallel model" in f["message"] and "SequenceParallel()" in f["message"]
+    fixed, report, out = run_fixture(tmp_path / "fixed", "tp_norm_drift.py", "--fixed")
+    assert fixed.returncode == 0 and report["findings"] == [], fixed.output
+    assert not list(out.glob("stderr-rank*.txt"))  # a DTensor loss once broke the NaN/Inf check (a warning)
+
+
 def test_ddp_ready_twice_names_the_parameter_and_the_fix(line_of, tmp_path):
     """Reentrant checkpoints running one block twice under DDP -> the parameter, its line and the fixes, once."""
     res, report, _ = run_fixture(tmp_path, "ddp_ready_twice.py")

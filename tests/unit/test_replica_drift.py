@@ -66,7 +66,7 @@ def test_only_ranks_with_equal_keys_are_compared():
     assert drift_finding(_states(rows))[0] is None
     rows[3][1] = _row(0, _params(7), key=[[0, 1, 2, 3], [2, 2], [[1, 1]]])
     finding, _ = drift_finding(_states(rows))
-    assert finding.ranks == [1, 3] and "Replicate DTensor" in finding.message
+    assert finding.ranks == [1, 3] and "Replicate DTensor parameters" in finding.message
 
 
 def test_merge_states_adds_the_check_and_the_finding():

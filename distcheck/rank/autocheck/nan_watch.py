@@ -41,7 +41,11 @@ class NanWatch:
     def on_backward(self, loss: Any) -> None:
         if self.first_bad is not None or loss.numel() != 1 or not loss.is_floating_point():
             return
-        self._losses.append((loss.detach().reshape(()), caller_site()))
+        loss = loss.detach()
+        # A DTensor loss (a sequence-parallel output left as DTensor): its local value is finite exactly when this
+        # rank's part is; stacking it with plain tensors would raise.
+        loss = loss.to_local() if callable(getattr(loss, "to_local", None)) else loss
+        self._losses.append((loss.reshape(()), caller_site()))
 
     def after_backward(self) -> None:
         """Without an optimizer, a step is a backward() call: check right after it."""
