@@ -172,7 +172,8 @@ def _consequence(row: PlacementRow, scope: str) -> str:
 
 
 def coverage_findings(rows: list[PlacementRow], fsdp_modules: list[str], ranks: list[int]) -> list[Finding]:
-    """Parameters left out of FSDP2/TP sharding or placed unexpectedly; one finding per parameter at most."""
+    """Parameters left out of FSDP2/TP sharding or placed unexpectedly: one finding per cause, naming every
+    parameter it covers (``detail.params``; ``detail.param`` is the first)."""
     params = [r for r in rows if r.role == "parameter"]
     out: dict[str, Finding] = {}
     # A TP style whose module kept its weight replicated (on every mesh dim FSDP does not shard).
@@ -241,7 +242,67 @@ def coverage_findings(rows: list[PlacementRow], fsdp_modules: list[str], ranks: 
                     f"{mesh_label(main)} ranks {main.mesh_ranks}{_where(r)}: its gradient is reduced over other "
                     f"ranks than its siblings', and clip_grad_norm_/foreach optimizers reject mixed meshes",
                     expected_mesh=mesh_label(main), expected_mesh_ranks=main.mesh_ranks)
-    return [out[r.name] for r in params if r.name in out]
+    return _grouped([out[r.name] for r in params if r.name in out], {r.name: r for r in params})
+
+
+SHOWN = 3  # parameter names a grouped message spells out; detail.params lists them all
+
+
+def _group_key(f: Finding) -> tuple:
+    """Findings with equal keys have one cause (and one fix): the root left unwrapped, one fully_shard module that
+    missed parameters added later, one TP module, one stray mesh."""
+    d = f.detail
+    return (d["reason"], d.get("fsdp_ancestor"), d.get("style") and d.get("module"), d.get("expected_mesh"),
+            d.get("mesh") if d["reason"] == "other_mesh" else None)
+
+
+def _grouped(found: list[Finding], rows: dict[str, PlacementRow]) -> list[Finding]:
+    """One finding per cause: the first parameter's finding, widened to name them all (``detail.params``)."""
+    groups: dict[tuple, list[Finding]] = {}
+    for f in found:
+        groups.setdefault(_group_key(f), []).append(f)
+    out = []
+    for members in groups.values():
+        first = members[0]
+        if len(members) == 1:
+            first.detail.update(params=[first.detail["param"]], count=1)
+            out.append(first)
+            continue
+        names = [f.detail["param"] for f in members]
+        member_rows = [rows[n] for n in names]
+        total = sum(_global_bytes(r) for r in member_rows)
+        shown = ", ".join(f"'{n}'" for n in names[:SHOWN]) + (f" (+{len(names) - SHOWN} more)"
+                                                              if len(names) > SHOWN else "")
+        sites = []
+        for r in member_rows:
+            site = f"{_basename(r.file)}:{r.line}" if r.file and r.line else None
+            if site and site not in sites:
+                sites.append(site)
+        where = f" (defined at {', '.join(sites[:SHOWN])})" if sites else ""
+        # The single finding's message after "<name> <size>": the cause and the consequence, which the group shares.
+        cause = first.message.split(_where(member_rows[0]) + ": ", 1)[-1] if _where(member_rows[0]) else \
+            first.message.split(": ", 1)[-1]
+        if first.detail["reason"] == "not_wrapped":
+            modules = [m for m in dict.fromkeys(r.module for r in member_rows) if m]
+            cause = ((f"no fully_shard covers {', '.join(repr(m) for m in modules[:SHOWN])}" + (" or " if modules
+                      else "") + "the root module") if modules else "the root module has no fully_shard") + \
+                "; wrap the root module with fully_shard(model) after its blocks; " + \
+                _consequence(member_rows[0], "the data-parallel ranks")
+        for one, many in (("its gradient is never", "their gradients are never"), ("it will drift", "they will drift"),
+                          ("its gradient is reduced", "their gradients are reduced"),
+                          ("every rank holds all of it (it is", "every rank holds all of them (they are")):
+            cause = cause.replace(one, many)
+        lead = {"not_wrapped": "are not managed by FSDP2 while the rest of the model is",
+                "added_after_fully_shard": "are not managed by FSDP2 while the rest of the model is",
+                "tp_replicated": f"of module '{first.detail['module']}' stayed replicated",
+                "other_mesh": f"live on mesh {first.detail['mesh']}"}.get(first.detail["reason"], "")
+        message = f"{len(names)} parameters, {human_bytes(total)} in all, {lead}: {shown}{where}: {cause}"
+        detail = dict(first.detail, params=names, count=len(names),
+                      tensors=[{"param": r.name, "shape": r.global_shape, "dtype": r.dtype,
+                                "bytes": _global_bytes(r), "module": r.module, "file": r.file, "line": r.line}
+                               for r in member_rows])
+        out.append(Finding("uncovered_param", first.ranks, message, detail))
+    return out
 
 
 def merge_rank_findings(per_rank: list[list[dict[str, Any]]], ranks: list[int]) -> list[Finding]:

@@ -11,7 +11,16 @@ text into a message that names parameters and lines instead of indices; torch's 
   did not receive grad for rank 0: 4 5", or the names under TORCH_DISTRIBUTED_DEBUG=INFO/DETAIL).
 * DDP "Expected to mark a variable ready only once ... Parameter at index 1 with name block.bias has been marked
   as ready twice" (a module run by more than one reentrant checkpoint, or a parameter used outside forward).
-* DTensor "aten.add.Tensor got mixed torch.Tensor and DTensor, need to convert all torch.Tensor to DTensor".
+* DTensor "aten.add.Tensor got mixed torch.Tensor and DTensor, need to convert all torch.Tensor to DTensor"; from
+  ``aten.stack`` or ``aten._foreach_*`` (clip_grad_norm_, foreach optimizers) it means FSDP2 left some parameters
+  unsharded (no fully_shard on the root).
+* Mixed meshes: "All operands in aten.stack.default must have the same mesh, but got DeviceMesh(...) and ..." and
+  "DTensor does not support cross-mesh operation on ...": fully_shard/parallelize_module given different meshes.
+* DTensor redistribute and placements: "Cross device mesh comm not supported yet!", "`placements` must have the
+  same length as `device_mesh.ndim`", "Can not redistribute from S(0) to P(sum)", "Sharding propagation failed".
+* FSDP2 "FSDP parameters should be materialized from meta device before training" (no ``to_empty()``).
+* gloo "Connection closed by peer" / "Connection reset by peer" and "Timed out waiting 3000ms for recv operation
+  to complete", pointed at the traced collective the rank failed in.
 * NCCL watchdog timeouts ("Watchdog caught collective operation timeout: WorkNCCL(SeqNum=5, OpType=ALLREDUCE, ...)
   ran for 600013 milliseconds"), pointed at the traced collective with that sequence number when the op agrees.
   NCCL numbers every op it runs on a group, including those torch issues from C++ (DDP's gradient all-reduces)
@@ -87,6 +96,9 @@ def _ddp_ready_twice(message: str, context: dict[str, Any]) -> dict[str, Any] | 
 
 
 _MIXED = re.compile(r"(aten\.[\w.]+):? got mixed torch\.Tensor and DTensor")
+# Ops that take a whole parameter list: clip_grad_norm_ stacks the per-parameter norms, foreach optimizers update
+# all parameters of a dtype in one call.
+_PARAM_LIST_OPS = re.compile(r"aten\.(stack|_foreach_\w+|linalg_vector_norm)\b")
 
 
 def _dtensor_mixed(message: str, context: dict[str, Any]) -> dict[str, Any] | None:
@@ -94,11 +106,103 @@ def _dtensor_mixed(message: str, context: dict[str, Any]) -> dict[str, Any] | No
     if not match:
         return None
     op = match.group(1)
+    if _PARAM_LIST_OPS.match(op):
+        fixes = ("fully_shard(model) on the root module too, after its blocks (or parallelize every module that "
+                 "holds parameters), so every parameter is a DTensor")
+        return {"message": (f"{op} got both DTensors and plain tensors: the model's parameters are of two kinds, "
+                            f"some sharded (fully_shard or tensor parallelism) and some plain (a module no "
+                            f"fully_shard covers, often the root's own embedding or head), and clip_grad_norm_ or "
+                            f"a foreach optimizer cannot mix them. Fix: {fixes}"),
+                "detail": {"translated": "fsdp_unsharded_params", "aten_op": op, "params": [], "fixes": fixes}}
     fixes = ("make the plain tensor a DTensor on the same mesh (DTensor.from_local(t, mesh, [Replicate()]) or "
              "distribute_tensor), or leave DTensor land first (dtensor.full_tensor() or .to_local())")
     return {"message": (f"{op} was given a DTensor and a plain torch.Tensor: under tensor parallelism every operand "
                         f"of an op on a DTensor must be a DTensor too. Fix: {fixes}"),
             "detail": {"translated": "dtensor_mixed_tensor", "aten_op": op, "params": [], "fixes": fixes}}
+
+
+_MESH_SHAPE = re.compile(r"DeviceMesh\((\([^)]*\)|\[[^\]]*\])")
+_CROSS_MESH = re.compile(r"(?:All operands in (aten\.[\w.]+) must have the same mesh"
+                         r"|DTensor does not support cross-mesh operation on (aten\.[\w.]+))")
+
+
+def _cross_mesh(message: str, context: dict[str, Any]) -> dict[str, Any] | None:
+    match = _CROSS_MESH.search(message)
+    if not match:
+        return None
+    op = match.group(1) or match.group(2)
+    meshes = [m.group(1) for m in _MESH_SHAPE.finditer(message)][:2]
+    which = f", {meshes[0]} and {meshes[1]}" if len(meshes) == 2 else ""
+    fixes = ("give every fully_shard call the same mesh (one 2-D mesh for HSDP), and slice TP and FSDP meshes "
+             "from one init_device_mesh (mesh['dp'], mesh['tp']) instead of creating several")
+    using = " (clip_grad_norm_ or a foreach optimizer over all parameters)" if _PARAM_LIST_OPS.match(op) else ""
+    return {"message": (f"{op}{using} got DTensors on two different device meshes{which}: parameters or tensors "
+                        f"were distributed with different meshes (fully_shard or parallelize_module calls given "
+                        f"different meshes), and one op cannot mix them. Fix: {fixes}"),
+            "detail": {"translated": "mixed_meshes", "aten_op": op, "meshes": meshes, "params": [], "fixes": fixes}}
+
+
+def _redistribute_mesh(message: str, context: dict[str, Any]) -> dict[str, Any] | None:
+    if "Cross device mesh comm not supported" not in message:
+        return None
+    fixes = ("redistribute on the DTensor's own mesh (dt.redistribute(dt.device_mesh, placements)); to move it to "
+             "another mesh, go through the local shard: DTensor.from_local(dt.to_local(), other_mesh, placements)")
+    return {"message": (f"redistribute() was asked to move a DTensor to another device mesh; it only changes "
+                        f"placements on the DTensor's own mesh. Fix: {fixes}"),
+            "detail": {"translated": "redistribute_other_mesh", "params": [], "fixes": fixes}}
+
+
+_PLACEMENTS_LEN = re.compile(r"`placements` must have the same length as `device_mesh.ndim`! Found placements "
+                             r"length: (\d+), and device_mesh.ndim: (\d+)")
+_TO_PARTIAL = re.compile(r"Can not redistribute from (\S+) to (P\(\w+\)), redistributing to Partial is for internal")
+_SHARDING_PROP = re.compile(r"Sharding propagation failed (?:for|on op) (aten\.[\w.]+)\(")
+_SPEC = re.compile(r"Spec\(\w+\[[^\]]*\]\(((?:_?[SP]\(\w+\)|R|,\s*)+)\)\)")  # Spec(f32[4, 4](S(0)))
+
+
+def _dtensor_placements(message: str, context: dict[str, Any]) -> dict[str, Any] | None:
+    match = _PLACEMENTS_LEN.search(message)
+    if match:
+        given, ndim = int(match.group(1)), int(match.group(2))
+        fixes = "one placement per mesh dim, e.g. [Shard(0)] on a 1-D mesh, [Replicate(), Shard(0)] on a 2-D mesh"
+        return {"message": (f"{given} placement{'s' if given != 1 else ''} given for a {ndim}-D device mesh: "
+                            f"DTensor needs exactly one per mesh dim. Fix: {fixes}"),
+                "detail": {"translated": "dtensor_placements", "params": [], "fixes": fixes}}
+    match = _TO_PARTIAL.search(message)
+    if match:
+        fixes = "Replicate() for the reduced value on every rank, or Shard(d) for its slices"
+        return {"message": (f"redistribute() from {match.group(1)} to {match.group(2)} is not allowed: Partial "
+                            f"(a pending reduction) only comes out of ops, never from redistribute. Fix: {fixes}"),
+                "detail": {"translated": "dtensor_placements", "params": [], "fixes": fixes}}
+    match = _SHARDING_PROP.search(message)
+    if match:
+        op = match.group(1)
+        placements = [p for p in _SPEC.findall(message)]
+        first = message.strip().splitlines()[0]
+        fixes = ("redistribute the input before this op (often to Replicate()), or run it on the local shard "
+                 "(.to_local()) or the whole tensor (.full_tensor())")
+        on = f" with placements {', '.join(placements)}" if placements else ""
+        return {"message": f"{op} cannot run on its DTensor input{on}: {first}. Fix: {fixes}",
+                "detail": {"translated": "dtensor_sharding", "aten_op": op, "placements": placements, "params": [],
+                           "fixes": fixes}}
+    return None
+
+
+_FSDP_META = re.compile(r"FSDP parameters should be materialized from meta device before training, but the "
+                        r"following were still on meta device: \[([^\]]*)\]")
+
+
+def _fsdp_meta(message: str, context: dict[str, Any]) -> dict[str, Any] | None:
+    match = _FSDP_META.search(message)
+    if not match:
+        return None
+    names = [n.strip().strip("'\"") for n in match.group(1).split(",") if n.strip()]
+    shown = ", ".join(f"'{n}'" for n in names[:_SHOWN]) + (f" (+{len(names) - _SHOWN} more)"
+                                                           if len(names) > _SHOWN else "")
+    fixes = ("model.to_empty(device=...) after fully_shard, then initialize the parameters (reset_parameters() "
+             "or your init_weights()) before the first forward")
+    return {"message": (f"FSDP2: {len(names)} parameter{'s' if len(names) != 1 else ''} still on the meta device "
+                        f"at the first forward, never given real storage: {shown}. Fix: {fixes}"),
+            "detail": {"translated": "fsdp_meta_params", "params": names, "fixes": fixes}}
 
 
 _WATCHDOG = re.compile(r"Watchdog caught collective operation timeout: WorkNCCL\(SeqNum=(\d+), OpType=(\w+)"
@@ -166,7 +270,72 @@ def _duplicate_gpu(message: str, context: dict[str, Any]) -> dict[str, Any] | No
             "detail": {"translated": "duplicate_gpu", "gpu_ranks": [a, b], "bus_id": device, "fixes": fix}}
 
 
-_TRANSLATORS = (_ddp_unused, _ddp_ready_twice, _dtensor_mixed, _nccl_watchdog, _duplicate_gpu)
+_GLOO_PEER = re.compile(r"Connection (?:closed|reset) by peer|Application timeout caused pair closure")
+_GLOO_TIMEOUT = re.compile(r"Timed out waiting (\d+)ms for (\w+) operation to complete")
+
+
+def _failed_event(context: dict[str, Any]) -> Any:
+    """The traced collective the error came out of: the last one with an error recorded."""
+    failed = [e for e in context.get("events") or () if getattr(e, "error", None) is not None]
+    return failed[-1] if failed else None
+
+
+def _in_event(e: Any, detail: dict[str, Any]) -> str:
+    if e is None:
+        return ""
+    detail.update(op=e.op, seq=e.seq, site=e.site)
+    if e.file and e.line:
+        detail.update(file=e.file, line=e.line)
+    return f" in {e.op} #{e.seq}" + (f" at {e.site}" if e.site else "")
+
+
+def _gloo_peer(message: str, context: dict[str, Any]) -> dict[str, Any] | None:
+    if not _GLOO_PEER.search(message):
+        return None
+    detail: dict[str, Any] = {"translated": "gloo_peer_closed", "params": []}
+    where = _in_event(_failed_event(context), detail)
+    return {"message": (f"gloo lost its connection to another rank{where}: the rank at the other end ended "
+                        f"(crashed, exited or was killed) or destroyed its process group while this one still "
+                        f"needed it; that rank's own finding, or its stderr, says why"),
+            "detail": detail}
+
+
+def _gloo_timeout(message: str, context: dict[str, Any]) -> dict[str, Any] | None:
+    match = _GLOO_TIMEOUT.search(message)
+    if not match:
+        return None
+    seconds = int(match.group(1)) / 1000
+    detail: dict[str, Any] = {"translated": "gloo_timeout", "timeout_s": seconds, "params": []}
+    where = _in_event(_failed_event(context), detail)
+    fixes = ("if a rank takes that long on purpose (a checkpoint saved by rank 0 alone), raise "
+             "init_process_group(timeout=...) or let the others wait outside collectives; otherwise see where the "
+             "other ranks were")
+    detail["fixes"] = fixes
+    return {"message": (f"gloo's timeout ({seconds:g}s, from init_process_group) expired{where}: the other ranks of "
+                        f"the group did not reach this collective in time. Fix: {fixes}"),
+            "detail": detail}
+
+
+def lost_peer(text: str) -> bool:
+    """The error only says that another rank went away: a consequence of that rank's own failure."""
+    return bool(_GLOO_PEER.search(text))
+
+
+def brief(text: str) -> str | None:
+    """A few words for a backend error met in another rank's position, or None when it is not one we know."""
+    if _GLOO_PEER.search(text):
+        return "gloo lost its connection to another rank: that rank ended or left the group"
+    match = _GLOO_TIMEOUT.search(text)
+    if match:
+        return f"gloo gave up after {int(match.group(1)) / 1000:g}s waiting for the other ranks"
+    match = _WATCHDOG.search(text)
+    if match:
+        return f"NCCL's watchdog timed out collective #{match.group(1)} ({match.group(2)})"
+    return None
+
+
+_TRANSLATORS = (_ddp_unused, _ddp_ready_twice, _dtensor_mixed, _cross_mesh, _redistribute_mesh, _dtensor_placements,
+                _fsdp_meta, _nccl_watchdog, _gloo_peer, _gloo_timeout, _duplicate_gpu)
 
 
 def translate(exc_type: str, message: str, context: dict[str, Any] | None = None) -> dict[str, Any] | None:

@@ -17,7 +17,7 @@ from typing import Any
 
 from distcheck.analysis.hang import hang_finding as make_hang_finding, progress_from_events
 from distcheck.analysis.ops import PEER_OPS
-from distcheck.analysis.torch_errors import translate
+from distcheck.analysis.torch_errors import brief, lost_peer, translate
 from distcheck.analysis.trace_events import (P2P_OPS, RankError, RankTrace, TraceEvent, last_completed,
                                              last_started, open_events)
 from distcheck.contract.findings import Finding, format_ranks
@@ -201,12 +201,18 @@ def divergence_finding(d: Divergence, outcomes: dict[int, RankOutcome],
         detail["line"] = primary.line
     if backend_errors:
         detail["backend_errors"] = backend_errors
-        message += " (backend error: " + _first_line(next(iter(backend_errors.values()))) + ")"
+        first = next(iter(backend_errors.values()))
+        message += " (backend error: " + (brief(first) or _first_line(first)) + ")"
     return Finding("collective_mismatch", d.ranks, message, detail)
+
+
+# torch's C++ errors start with their source location ("[/__w/pytorch/.../pair.cc:553] "): noise to a user.
+_CPP_LOCATION = re.compile(r"^((?:\w+Error: )?)\[[^\]\s]*\.(?:cc|cpp|h|hpp):\d+\]\s*")
 
 
 def _first_line(text: str, limit: int = 200) -> str:
     line = (text.strip().splitlines() or [""])[-1] if "Traceback" in text else (text.strip().splitlines() or [""])[0]
+    line = _CPP_LOCATION.sub(r"\1", line)
     return line if len(line) <= limit else line[:limit] + "..."
 
 
@@ -284,7 +290,7 @@ def describe_position(rank: int, trace: RankTrace | None, outcome: RankOutcome |
     last = last_started(events)
     if last is not None and last.error is not None:
         return (f"rank {rank} failed in {last.op} #{last.seq} on group {_group_label(last.pg)}{_where(last)} "
-                f"({_first_line(last.error, 80)})")
+                f"({brief(last.error) or _first_line(last.error, 80)})")
     done = last_completed(events)
     if done is not None:
         return f"rank {rank} is outside collectives, last completed {done.op} #{done.seq}{_where(done)}"
@@ -429,6 +435,8 @@ def analyze_run(traces: dict[int, RankTrace], outcomes: dict[int, RankOutcome], 
     # A backend error raised inside a collective after another rank failed in its own code is a consequence of
     # that failure ("Connection reset by peer"): keep it in the root failure's detail, not as a second finding.
     roots = [o for o in failed if _failed_in_collective(o, traces.get(o.rank)) is None]
+    if not roots:  # all failed inside collectives: those that only lost a peer failed because that peer did
+        roots = [o for o in failed if o.error is None or not lost_peer(o.error.message)]
     failures = failure_findings([o for o in failed if not roots or o in roots], traces, outcomes)
     consequences = {c.rank: _failure_text(c) for c in failed if c not in roots}
     if consequences and roots:

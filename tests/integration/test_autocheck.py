@@ -56,10 +56,9 @@ def test_nan_in_one_ranks_batch_names_step_and_rank(line_of, tmp_path):
 def test_unwrapped_root_is_found_without_any_distcheck_call(line_of, tmp_path):
     res, report = run_fixture(tmp_path, "zc_unwrapped_root.py")
     assert res.returncode == 1, res.output
-    uncovered = {f["detail"]["param"]: f for f in report["findings"] if f["kind"] == "uncovered_param"}
-    assert set(uncovered) == {"head.weight", "head.bias"} and len(report["findings"]) == 2
-    assert uncovered["head.weight"]["ranks"] == [0, 1]
-    assert uncovered["head.weight"]["detail"]["line"] == line_of("zc_unwrapped_root.py", "self.head = nn.Linear")
+    [f] = report["findings"]  # one cause: the root has no fully_shard
+    assert f["kind"] == "uncovered_param" and f["detail"]["params"] == ["head.weight", "head.bias"]
+    assert f["ranks"] == [0, 1] and f["detail"]["line"] == line_of("zc_unwrapped_root.py", "self.head = nn.Linear")
 
 
 # train_fsdp2.py and train_tp.py run in tests/test_run.py::test_non_bugs_have_no_findings, which asserts these

@@ -84,6 +84,8 @@ def test_rank_crash(line_of, tmp_path):
     assert f["detail"]["positions"]["0"]["last_started"]["op"] == "all_reduce"
     assert "rank 0 " in f["message"]  # the other rank's position is reported too
     assert not any(x["kind"] == "collective_mismatch" for x in report["findings"])
+    # Rank 0's "[.../gloo/transport/tcp/pair.cc:553] Connection closed by peer", when it got that far, in words.
+    assert ".cc:" not in f["message"] and ("gloo lost its connection" in f["message"] or "waits in" in f["message"])
 
 
 def test_hang_is_bounded_by_timeout(line_of, tmp_path):
@@ -237,6 +239,38 @@ def test_plain_norm_of_a_sequence_parallel_model_drifts(line_of, tmp_path):
     fixed, report, out = run_fixture(tmp_path / "fixed", "tp_norm_drift.py", "--fixed")
     assert fixed.returncode == 0 and report["findings"] == [], fixed.output
     assert not list(out.glob("stderr-rank*.txt"))  # a DTensor loss once broke the NaN/Inf check (a warning)
+
+
+@pytest.mark.parametrize("fixture,exc,translated,expected", [
+    ("fsdp2_mixed_mesh.py", "RuntimeError", "mixed_meshes",
+     "got DTensors on two different device meshes, (2,) and (dp_replicate=2, dp_shard=1)"),
+    ("fsdp2_unsharded_root.py", "RuntimeError", "fsdp_unsharded_params", "fully_shard(model) on the root module"),
+    ("fsdp2_meta_no_to_empty.py", "RuntimeError", "fsdp_meta_params",
+     "FSDP2: 4 parameters still on the meta device at the first forward"),
+    ("dtensor_redistribute_mesh.py", "NotImplementedError", "redistribute_other_mesh",
+     "only changes placements on the DTensor's own mesh"),
+])
+def test_fsdp2_and_dtensor_errors_are_translated_once(line_of, tmp_path, fixture, exc, translated, expected):
+    """torch's FSDP2/DTensor errors, raised for real on every rank: one finding, torch's text kept in detail."""
+    res, report, _ = run_fixture(tmp_path, fixture)
+    assert res.returncode == 1, res.output
+    f = only(report, "rank_failure")
+    assert f["ranks"] == [0, 1] and f["detail"]["line"] == line_of(fixture, "# RAISES")
+    assert f["detail"]["translated"] == translated and f["detail"]["exception"] == exc
+    assert expected in f["message"] and "Fix: " in f["message"] and f["detail"]["error"] not in f["message"]
+    if fixture == "fsdp2_unsharded_root.py":  # the first forward's check named the cause before the crash
+        assert only(report, "uncovered_param")["detail"]["params"] == ["2.weight", "2.bias"]
+
+
+def test_gloo_timeout_is_the_cause_and_the_lost_peer_its_consequence(line_of, tmp_path):
+    res, report, _ = run_fixture(tmp_path, "gloo_timeout.py")
+    assert res.returncode == 1, res.output
+    f = only(report, "rank_failure")  # rank 0's "Connection closed by peer" is folded in, not a second finding
+    wait = line_of("gloo_timeout.py", "# WAIT")
+    assert f["ranks"] == [1] and f["detail"]["line"] == wait and f["detail"]["translated"] == "gloo_timeout"
+    assert f"gloo's timeout (2s, from init_process_group) expired in barrier #2 at gloo_timeout.py:{wait}" \
+        in f["message"] and "init_process_group(timeout=...)" in f["message"]
+    assert "Timed out waiting 2000ms" in f["detail"]["error"] and ".cc:" not in f["message"]
 
 
 def test_ddp_ready_twice_names_the_parameter_and_the_fix(line_of, tmp_path):

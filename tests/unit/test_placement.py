@@ -43,15 +43,19 @@ def analyse(model: nn.Module, rank: int = 0):
 def test_unwrapped_root(line_of, fake_world):
     fx = importlib.import_module("placement_unwrapped_root")
     rows, found = analyse(fx.setup(fake_world(2, 0, (2,), ("dp",))))
-    assert [(f.kind, f.detail["param"], f.detail["reason"]) for f in found] == [
-        ("uncovered_param", "scale", "not_wrapped"), ("uncovered_param", "head.weight", "not_wrapped"),
-        ("uncovered_param", "head.bias", "not_wrapped")]
-    scale = found[0]
-    assert scale.ranks == [0] and scale.detail["line"] == line_of(fx, "self.scale = nn.Parameter")
-    assert f"placement_unwrapped_root.py:{scale.detail['line']}" in scale.message
-    assert "never reduced across the data-parallel ranks" in scale.message and "[16] float32, 64 B" in scale.message
+    # One cause (the root has no fully_shard), one finding naming all three parameters.
+    [root] = found
+    assert (root.kind, root.detail["reason"], root.detail["params"]) == (
+        "uncovered_param", "not_wrapped", ["scale", "head.weight", "head.bias"])
+    scale_line, head_line = line_of(fx, "self.scale = nn.Parameter"), line_of(fx, "self.head = nn.Linear")
+    assert root.ranks == [0] and root.detail["param"] == "scale" and root.detail["line"] == scale_line
+    assert root.message.startswith("3 parameters, ") and "'scale', 'head.weight', 'head.bias'" in root.message
     # head is torch's nn.Linear: the location is where the user's model assigns it.
-    assert found[1].detail["line"] == line_of(fx, "self.head = nn.Linear")
+    assert f"(defined at placement_unwrapped_root.py:{scale_line}, placement_unwrapped_root.py:{head_line})" \
+        in root.message
+    assert "never reduced across the data-parallel ranks" in root.message and "fully_shard(model)" in root.message
+    assert [t["line"] for t in root.detail["tensors"]] == [scale_line, head_line, head_line]
+    assert root.detail["tensors"][0]["shape"] == [16] and len(root.message.splitlines()) == 1
     managed = {r.name: r.fsdp for r in rows}
     assert managed["blocks.0.fc1.weight"] == "blocks.0" and managed["scale"] is None
 
@@ -59,11 +63,12 @@ def test_unwrapped_root(line_of, fake_world):
 def test_param_added_after_fully_shard(line_of, fake_world):
     fx = importlib.import_module("placement_param_after_shard")
     _, found = analyse(fx.setup(fake_world(2, 1, (2,), ("dp",))), rank=1)
-    assert [(f.detail["param"], f.detail["reason"], f.detail["fsdp_ancestor"]) for f in found] == [
-        ("blocks.0.adapter.weight", "added_after_fully_shard", "blocks.0"),
-        ("blocks.0.adapter.bias", "added_after_fully_shard", "blocks.0")]
-    assert all(f.kind == "uncovered_param" and f.ranks == [1] for f in found)
-    assert found[0].detail["line"] == line_of(fx, "self.adapter: nn.Module | None = None")
+    [f] = found
+    assert (f.detail["params"], f.detail["reason"], f.detail["fsdp_ancestor"]) == (
+        ["blocks.0.adapter.weight", "blocks.0.adapter.bias"], "added_after_fully_shard", "blocks.0")
+    assert f.kind == "uncovered_param" and f.ranks == [1] and f.detail["count"] == 2
+    assert f.detail["line"] == line_of(fx, "self.adapter: nn.Module | None = None")
+    assert "added after fully_shard" in f.message
 
 
 def test_tp_module_left_replicated(line_of, fake_world):

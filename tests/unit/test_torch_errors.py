@@ -39,8 +39,81 @@ def test_ddp_names_under_debug_detail_need_no_model():
 
 
 def test_other_errors_are_not_translated():
-    assert translate("RuntimeError", "Connection closed by peer [127.0.0.1]:1234") is None
     assert translate("ValueError", "bad batch") is None
+    assert translate("RuntimeError", "shape '[-1, 3]' is invalid for input of size 16") is None
+
+
+# torch 2.13's texts, as ranks raised them on gloo/CPU (the fixtures raise the same).
+GLOO_RESET = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:13192: "
+              "Connection reset by peer. This is typically caused by a remote worker hanging or bugs in the "
+              "application. Check the logs of the remote worker before reporting an error. GLHF!")
+GLOO_TIMEOUT = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting "
+                "3000ms for recv operation to complete")
+MIXED_MESH = ("All operands in aten.stack.default must have the same mesh, but got DeviceMesh((rep=2, shard=1), 'cpu', "
+              "stride=(1, ())) and DeviceMesh((2,), 'cpu', stride=(1,)).")
+CROSS_MESH = ("DTensor does not support cross-mesh operation on aten.add.Tensor! Got meshes: DeviceMesh((2,), 'cpu', "
+              "stride=(1,)) DeviceMesh((dp=1, tp=2), 'cpu', stride=(2, 1)). Please make sure all the arguments have "
+              "the same DeviceMesh.")
+FSDP_META = ("FSDP parameters should be materialized from meta device before training, but the following were still "
+             "on meta device: ['0.weight', '0.bias', '2.weight', '2.bias', '4.weight']\nFor example, call "
+             "module.to_empty(device) to materialize to device and call module.reset_parameters() on each module to "
+             "initialize values.")
+SHARDING = ("shape '[-1, 3]' is invalid for input of size 16\n\nSharding propagation failed for "
+            "aten.view.default(Spec(f32[4, 4](S(0))), [-1, 3]) on DeviceMesh((2,), 'cpu', stride=(1,)))")
+
+
+class _Event:
+    def __init__(self, op, seq, error=None):
+        self.op, self.seq, self.error, self.site, self.file, self.line = op, seq, error, "train.py:12", "/w/train.py", 12
+
+
+def test_gloo_peer_and_timeout_point_at_the_collective():
+    events = [_Event("all_reduce", 1), _Event("all_reduce", 2, error="RuntimeError: ...")]
+    out = translate("RuntimeError", GLOO_RESET, {"events": events})
+    assert out["detail"]["translated"] == "gloo_peer_closed" and (out["detail"]["seq"], out["detail"]["line"]) == (2, 12)
+    assert out["message"].startswith("gloo lost its connection to another rank in all_reduce #2 at train.py:12")
+    assert "pair.cc" not in out["message"]
+    out = translate("RuntimeError", GLOO_TIMEOUT, {"events": events})
+    assert out["detail"]["timeout_s"] == 3 and "gloo's timeout (3s, from init_process_group) expired in all_reduce #2" \
+        in out["message"] and "init_process_group(timeout=...)" in out["message"]
+    assert translate("RuntimeError", "Connection closed by peer [127.0.0.1]:1234")["detail"]["translated"] == \
+        "gloo_peer_closed"  # no trace at hand: still the meaning, without the collective
+
+
+def test_mixed_meshes_name_both_and_the_fix():
+    out = translate("RuntimeError", MIXED_MESH)
+    assert out["detail"]["translated"] == "mixed_meshes" and out["detail"]["meshes"] == ["(rep=2, shard=1)", "(2,)"]
+    assert out["message"].startswith("aten.stack.default (clip_grad_norm_ or a foreach optimizer over all parameters) "
+                                     "got DTensors on two different device meshes, (rep=2, shard=1) and (2,)")
+    assert "same mesh" in out["message"] and "init_device_mesh" in out["message"]
+    assert translate("RuntimeError", CROSS_MESH)["detail"]["meshes"] == ["(2,)", "(dp=1, tp=2)"]
+
+
+def test_dtensor_redistribute_and_placement_errors():
+    assert "only changes placements on the DTensor's own mesh" in translate(
+        "NotImplementedError", "Cross device mesh comm not supported yet!")["message"]
+    out = translate("ValueError", "`placements` must have the same length as `device_mesh.ndim`! Found placements "
+                                  "length: 2, and device_mesh.ndim: 1.")
+    assert out["message"].startswith("2 placements given for a 1-D device mesh")
+    out = translate("RuntimeError", "Can not redistribute from S(0) to P(sum), redistributing to Partial is for "
+                                    "internal use only!")
+    assert out["message"].startswith("redistribute() from S(0) to P(sum) is not allowed")
+    out = translate("RuntimeError", SHARDING)
+    assert out["detail"]["aten_op"] == "aten.view.default" and out["detail"]["placements"] == ["S(0)"]
+    assert out["message"].startswith("aten.view.default cannot run on its DTensor input with placements S(0): "
+                                     "shape '[-1, 3]' is invalid")
+
+
+def test_fsdp_meta_and_unsharded_parameters():
+    out = translate("RuntimeError", FSDP_META)
+    assert out["detail"]["params"] == ["0.weight", "0.bias", "2.weight", "2.bias", "4.weight"]
+    assert out["message"].startswith("FSDP2: 5 parameters still on the meta device at the first forward, never given "
+                                     "real storage: '0.weight', '0.bias', '2.weight', '2.bias' (+1 more)")
+    out = translate("RuntimeError", "aten.stack.default: got mixed torch.Tensor and DTensor, need to convert all "
+                                    "torch.Tensor to DTensor before calling distributed operators!")
+    assert out["detail"]["translated"] == "fsdp_unsharded_params" and "fully_shard(model) on the root" in out["message"]
+    out = translate("RuntimeError", "aten.add.Tensor: got mixed torch.Tensor and DTensor, need to convert all")
+    assert out["detail"]["translated"] == "dtensor_mixed_tensor"
 
 
 def _failed_rank(rank: int, message: str, context: dict | None) -> tuple:

@@ -5,8 +5,9 @@
 The functions that parallelize a model are wrapped where users import them from:
 ``torch.distributed.fsdp.fully_shard`` (also reached as ``torch.distributed._composable.fsdp.fully_shard``),
 ``DistributedDataParallel.__init__`` (and its ``no_sync``),
-``torch.distributed.tensor.parallel.parallelize_module`` and ``torch.distributed.tensor.distribute_module``; ``torch.optim.Optimizer.__init__`` counts the optimizers, global
-optimizer step hooks and ``Tensor.backward`` mark the steps. The FSDP and DTensor modules cost seconds to import,
+``torch.distributed.tensor.parallel.parallelize_module`` and ``torch.distributed.tensor.distribute_module``;
+``torch.optim.Optimizer.__init__`` counts the optimizers, global optimizer step hooks and ``Tensor.backward`` mark
+the steps. The FSDP and DTensor modules cost seconds to import,
 so they are patched when the script imports them (an import hook), not imported here. Every wrapper calls the
 original untouched.
 """
