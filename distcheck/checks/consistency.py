@@ -187,13 +187,27 @@ def run_checks(session: Session, options: Options, ctx: Context | None = None,
             results.append((check.name, time.perf_counter() - start, findings))
             break
         except Exception as exc:
-            findings = [Finding("rank_failure", [session.rank],
-                                f"rank {session.rank} raised {type(exc).__name__} in the {check.name} check: {exc}",
-                                {"check": check.name, "traceback": traceback.format_exc()})]
+            findings = [failure_finding(ctx, check.name, exc)]
             results.append((check.name, time.perf_counter() - start, findings))
             break
         results.append((check.name, time.perf_counter() - start, findings))
     return results, ctx
+
+
+def failure_finding(ctx: Context, check: str, exc: Exception) -> Finding:
+    """A check that raised: torch's error translated where distcheck knows it (the model's parameter names for
+    DDP's errors), torch's text kept in detail. The message names no rank, so ranks failing alike merge into one."""
+    from distcheck.rank.error_context import explain
+
+    tb = traceback.format_exc()
+    ddp_model = ctx.model if ctx.options.parallel == "ddp" else None
+    translated = explain(exc, ddp_model=ddp_model)
+    lines = str(exc).strip().splitlines()
+    text = translated["message"] if translated else (lines[0] if lines else "")
+    detail = {"check": check, "exception": type(exc).__name__, "error": str(exc), "traceback": tb}
+    detail.update((translated or {}).get("detail") or {})
+    return Finding("rank_failure", [ctx.session.rank], f"raised {type(exc).__name__} in the {check} check: {text}",
+                   detail)
 
 
 def merge(all_ranks: list[list[tuple[str, float, list[Finding]]]], rank0: list[tuple[str, float, list[Finding]]],
@@ -201,15 +215,17 @@ def merge(all_ranks: list[list[tuple[str, float, list[Finding]]]], rank0: list[t
     """Pure: one CheckResult per check (rank 0's time) and the de-duplicated findings of all ranks."""
     notes = {c.name: c.note_at_world_1 for c in CHECKS}
     findings: list[Finding] = []
-    seen: set[tuple[str, str]] = set()
     failed: set[str] = set()
+    merged: dict[tuple[str, str], Finding] = {}
     for results in all_ranks:
         for name, _, fs in results:
             for f in fs:
                 failed.add(name)
                 key = (f.kind, f.message)
-                if key not in seen:
-                    seen.add(key)
+                if key in merged:  # every rank found it, or several ranks failed alike: one finding, all ranks
+                    merged[key].ranks = sorted(set(merged[key].ranks) | set(f.ranks))
+                else:
+                    merged[key] = f
                     findings.append(f)
     checks = [CheckResult(name, name not in failed, seconds, notes.get(name, "") if world_size == 1 else "")
               for name, seconds, _ in rank0]

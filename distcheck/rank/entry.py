@@ -23,6 +23,7 @@ from distcheck.contract.report import default_report_dir, prepare_report_dir
 from distcheck.options import ENV_SUPERVISED, RunOptions
 from distcheck.rank import sink
 from distcheck.rank.bootstrap import rank_bootstrap
+from distcheck.rank.error_context import error_context
 from distcheck.rank.stack_hooks import remove_rank_hooks
 from distcheck.rank.usersite import traceback_site
 from distcheck.rank.runtime import end_rank, hard_exit
@@ -135,68 +136,11 @@ def _execute(script: Path, script_args: list[str], tracer) -> tuple[bool, int]:
     where = traceback_site(exc_info[2])
     record = {"ev": "error", "exc_type": exc_info[0].__name__, "message": str(exc_info[1]), "traceback": text,
               "site": where.site, "file": where.file, "line": where.line}
-    context = _error_context(exc_info[0].__name__, str(exc_info[1]), script)
+    context = error_context(exc_info[0].__name__, str(exc_info[1]), script=script)
     if context is not None:
         record["context"] = context
     tracer.note(record)
     return False, status
-
-
-def _error_context(exc_type: str, message: str, script: Path) -> dict | None:
-    """What only this rank knows about an error analysis/torch_errors.py translates: its DDP model's parameter
-    names in DDP's index order, and the lines creating the parameters the translation names. The report translates
-    (with the trace at hand); the rank only records this, and only for an error the translation recognizes."""
-    try:
-        from distcheck.analysis.torch_errors import translate
-
-        module, names = _ddp_model()
-        if module is None:
-            return None
-        context: dict = {"ddp_params": names}
-        translated = translate(exc_type, message, context)
-        if translated is None:
-            return None
-        import types
-
-        from distcheck.rank.usersite import param_site
-
-        # The script ran as __main__ through runpy, which has removed that module by now: classes defined in the
-        # script find their source through a stand-in with the script's path.
-        main, stand_in = sys.modules.get("__main__"), types.ModuleType("__main__")
-        stand_in.__file__ = str(script)
-        sys.modules["__main__"] = stand_in
-        try:
-            context["param_sites"] = {n: param_site(module, n).site for n in translated["detail"]["params"]}
-        finally:
-            sys.modules["__main__"] = main
-        return context
-    except Exception as err:  # the diagnosis must never hide the script's own error
-        log.debug("error context failed: %s", err)
-        return None
-
-
-def _ddp_model() -> tuple:
-    """(the user's module inside this rank's DDP wrapper, its parameter names in DDP's index order), or (None, [])."""
-    from distcheck.rank import autocheck
-
-    check = autocheck.current()
-    if check is None:
-        return None, []
-    from torch.nn.parallel import DistributedDataParallel
-
-    for model in check.models.alive():
-        if isinstance(model, DistributedDataParallel):
-            ignored = set(getattr(model, "parameters_to_ignore", ()) or ())
-            seen: set[int] = set()
-            names: list[str] = []
-            for module_name, module in model.module.named_modules():  # DDP's own order (_build_params_for_reducer)
-                for param_name, param in module.named_parameters(recurse=False):
-                    full = f"{module_name}.{param_name}" if module_name else param_name
-                    if param.requires_grad and full not in ignored and id(param) not in seen:
-                        seen.add(id(param))
-                        names.append(full)
-            return model.module, names
-    return None, []
 
 
 def _report_mesh_error(exc: BaseException, rank: int) -> None:

@@ -120,6 +120,7 @@ def main() -> int:
     import torch.distributed as dist
 
     from distcheck.rank import autocheck
+    from distcheck.rank.error_context import explain
 
     from distcheck.rank import tracer as trace
 
@@ -163,6 +164,9 @@ def main() -> int:
             result = RankOutcome(rank, "passed")
         except BaseException as exc:  # noqa: BLE001 - every failure is reported, labelled with its rank
             result = _outcome(rank, exc)
+            translated = explain(exc) if result.status == "failed" and isinstance(exc, Exception) else None
+            if translated is not None:  # torch's text stays above; what it means, in the model's terms, below
+                result = RankOutcome(rank, "failed", f"{result.text.rstrip()}\n[distcheck] {translated['message']}")
         if checker is not None:
             # A test whose asserts pass but whose model holds NaN or uncovered parameters fails, with the findings.
             try:

@@ -124,6 +124,19 @@ def test_world_size_1_runs_and_says_what_means_nothing(tmp_path):
     assert "1 rank" in notes["parallel_vs_reference"]
 
 
+def test_ddp_unused_head_is_one_translated_failure(tmp_path, line_of):
+    """The issue's example: two 12-line DDP messages with indices before; one finding with names and a line now."""
+    res, report = consistency_run(tmp_path, "--parallel", "ddp", "--model", f"{FIXTURES}/model_unused_head.py:build",
+                                  "--steps", "2")
+    assert res.returncode == 1
+    [f] = report["findings"]
+    unused = line_of("model_unused_head.py", "# UNUSED")
+    assert f["kind"] == "rank_failure" and f["ranks"] == [0, 1] and f["detail"]["check"] == "parallel_vs_reference"
+    assert f["detail"]["unused_params"] == ["aux_head.weight", "aux_head.bias"]
+    assert f"'aux_head.weight', 'aux_head.bias' (created at model_unused_head.py:{unused})" in f["message"]
+    assert "Parameter indices" not in f["message"] and "Parameter indices" in f["detail"]["error"]
+
+
 def test_rank_crash_keeps_the_report(tmp_path):
     res, report = consistency_run(tmp_path, "--model", f"{FIXTURES}/model_rank_crash.py:build", "--timeout", "30")
     assert res.returncode != 0

@@ -17,6 +17,19 @@ def test_fails_on_rank_1(dist_ctx, value, tmp_path):
     assert tmp_path.exists()
     assert dist_ctx.rank == 0, f"rank-one-broke-{value}"
 
+@pytest.mark.distributed(nprocs=2, timeout=30)
+def test_ddp_unused_head(dist_ctx):
+    class WithAux(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = torch.nn.Linear(4, 4)
+            self.aux = torch.nn.Linear(4, 2)  # never used in forward
+        def forward(self, x):
+            return self.body(x)
+    model = torch.nn.parallel.DistributedDataParallel(WithAux())
+    for _ in range(2):
+        model(torch.ones(2, 4)).sum().backward()
+
 @pytest.mark.distributed(nprocs=2, timeout=4)
 def test_hangs(dist_ctx):
     if dist_ctx.rank == 1:
@@ -48,14 +61,21 @@ def test_pass_fail_hang_parametrize(pytester, line_of):
     pytester.makepyfile(test_dist=PASSING_FAILING_HANGING)
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-v", "--durations=0", timeout=240)
     out = result.stdout.str()
-    result.assert_outcomes(passed=2, failed=4, skipped=1)
+    result.assert_outcomes(passed=2, failed=5, skipped=1)
     assert re.search(r"test_passes PASSED", out) and re.search(r"test_passes_after_a_hang PASSED", out)
     # A failure shows the failing rank's assertion, labelled, once per test; rank 0 passed so is not shown.
     assert out.count("[rank 1] ----------") >= 2 and "rank-one-broke-1" in out and "rank-one-broke-2" in out
-    assert "---------- [rank 0] ----------" not in out
+    fails = out[out.index("_ test_fails_on_rank_1[1] _"):]
+    fails = fails[:fails.index("_ test_fails_on_rank_1[2] _")]
+    assert "---------- [rank 1] ----------" in fails and "---------- [rank 0] ----------" not in fails
     def line_in_test(marker):
         return line_of(None, marker, text=PASSING_FAILING_HANGING.strip("\n"))
 
+    # torch's DDP error stays, and under it what it means in the model's terms (indices -> names, lines, fixes).
+    aux = line_in_test("self.aux = torch.nn.Linear")
+    assert "Parameter indices which did not receive grad" in out
+    assert (f"[distcheck] DDP: 2 parameters got no gradient, so DDP's gradient reduction never finished and the next "
+            f"forward failed: 'aux.weight', 'aux.bias' (created at test_dist.py:{aux})") in out
     # A hang names the odd rank and its line, where the others wait, and shows the grouped stacks.
     sleep = line_in_test("time.sleep(60)")
     assert (f"distributed test hung: no progress for 4s: rank 1 is in test_hangs (test_dist.py:{sleep}) while "
@@ -211,4 +231,6 @@ def test_a_failing_assert_on_a_rank_shows_the_values(pytester):
     out = result.stdout.str()
     rank1 = out[out.index("---------- [rank 1] ----------"):]
     assert "assert [2.0, 2.0] == [1.0, 1.0]" in rank1
-    assert "---------- [rank 0] ----------" not in out
+    fails = out[out.index("_ test_fails_on_rank_1[1] _"):]
+    fails = fails[:fails.index("_ test_fails_on_rank_1[2] _")]
+    assert "---------- [rank 1] ----------" in fails and "---------- [rank 0] ----------" not in fails
