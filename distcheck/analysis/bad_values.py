@@ -228,8 +228,10 @@ def _grouped_finding(members: list[tuple[str, dict[int, FlaggedTensor]]], uninit
             sites.append(where)
     lo = min(i.stats.min for _, b in members for i in b.values())
     hi = max(i.stats.max for _, b in members for i in b.values())
+    nonfinite = sum(1 for _, b in members if any(i.stats.nan or i.stats.inf for i in b.values()))
     msg = (f"{len(names)} {role}s of {', '.join(classes)} layers hold values no initializer produces at the first "
-           f"forward on {format_ranks(ranks)}: {shown}; finite range {_range(lo, hi)}")
+           f"forward on {format_ranks(ranks)}: {shown}" + (f"; {nonfinite} of them NaN/Inf" if uninit and nonfinite
+                                                           else "") + f"; finite range {_range(lo, hi)}")
     if first.init_range is not None:
         msg += f" where {first.init_source} gives {_range(*first.init_range)} for '{name0}'"
     if uninit:
@@ -247,6 +249,15 @@ def _grouped_finding(members: list[tuple[str, dict[int, FlaggedTensor]]], uninit
     return Finding("bad_values", ranks, msg, detail)
 
 
+TINY = 1e-30  # finite values all below this (and not all zero) come from left-over memory, not an initializer
+
+
+def _garbage(by_rank: dict[int, FlaggedTensor]) -> bool:
+    """Values only left-over memory holds, on some rank: huge, denormal, all tiny, or nothing but NaN."""
+    return any(i.stats.huge or i.stats.denormal or 0 < i.stats.max_abs < TINY or i.stats.nan == i.stats.numel
+               for i in by_rank.values())
+
+
 def uninitialized_findings(per_rank: dict[int, list[FlaggedTensor]]) -> list[Finding]:
     """``bad_values`` findings for tensors no initializer could have produced, one per cause: the tensors left
     uninitialized (meta device + to_empty(), no init) are one finding however many there are, in model order, as
@@ -259,6 +270,21 @@ def uninitialized_findings(per_rank: dict[int, list[FlaggedTensor]]) -> list[Fin
     for name, by_rank in merged.items():
         first = by_rank[min(by_rank)]
         causes.setdefault((_looks_uninitialized(first, by_rank), first.role), []).append((name, by_rank))
+    # Left-over memory holds NaN bit patterns too: a NaN parameter of a layer class whose other parameters look
+    # uninitialized, and that looks like left-over memory on some rank, has the same cause (the initializer that
+    # never ran), so it joins them in model order.
+    uninit, nonfinite = causes.get((True, "parameter")), causes.get((False, "parameter"))
+    if uninit and nonfinite:
+        classes = {b[min(b)].module_class for _, b in uninit}
+        joined = {name for name, b in nonfinite if b[min(b)].module_class in classes and _garbage(b)}
+        if joined:
+            keep = {name for name, _ in uninit} | joined
+            causes[(True, "parameter")] = [(n, b) for n, b in merged.items() if n in keep]
+            rest = [(n, b) for n, b in nonfinite if n not in joined]
+            if rest:
+                causes[(False, "parameter")] = rest
+            else:
+                del causes[(False, "parameter")]
     findings: list[Finding] = []
     for (uninit, _), members in causes.items():
         if len(members) == 1:
@@ -389,3 +415,19 @@ def merge_states(states: dict[int, dict[str, Any]]) -> tuple[list[Finding], list
                                   f"replicated parameters identical on every rank after {compared} optimizer "
                                   f"step{'s' if compared != 1 else ''}"))
     return findings, checks
+
+
+def fold_first_bad(findings: list[Finding]) -> list[Finding]:
+    """Parameters left uninitialized at the first forward explain the first NaN/Inf of training: one finding for the
+    one cause, the first bad step told in it (and kept in ``detail.first_bad``) instead of a second finding."""
+    uninit = next((f for f in findings if f.kind == "bad_values" and f.detail.get("cause") == "uninitialized"), None)
+    first = next((f for f in findings if f.kind == "bad_values" and "counter" in f.detail), None)
+    if uninit is None or first is None:
+        return findings
+    d = first.detail
+    where = f" ({d['site']})" if d.get("site") else ""
+    when = "at once: the first bad" if d["step"] == 0 else "later: the first bad"
+    uninit.message += (f". Training went NaN/Inf {when} {d['counter']} is step {d['step']}{where}, "
+                       f"on {format_ranks(d['origin_ranks'])}")
+    uninit.detail["first_bad"] = dict(d, message=first.message)
+    return [f for f in findings if f is not first]

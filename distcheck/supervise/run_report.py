@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from distcheck.analysis.bad_values import merge_states
+from distcheck.analysis.bad_values import fold_first_bad, merge_states
 from distcheck.analysis.trace_align import (STATE_DIED, STATE_ERROR, STATE_HUNG, STATE_OK, STATE_STOPPED,
                                             STATE_UNKNOWN, RankOutcome, analyze_run)
 from distcheck.analysis.trace_events import RankTrace, open_events
@@ -49,7 +49,7 @@ def build_report(report_dir: Path, command: str, world_size: int, traces: dict[i
     findings = merge_mesh_errors(findings + sink.collect(report_dir))
     # Zero-code checks: model_check (its time), and the first NaN/Inf merged from every rank's own record.
     auto_findings, auto_checks = report_parts(report_dir)
-    findings += auto_findings
+    findings = fold_first_bad(findings + auto_findings)
     # A script that calls check_model itself gets the same findings from the automatic check: report them once.
     seen: set[tuple] = set()
     findings = [f for f in findings if not ((f.kind, tuple(f.ranks), f.message) in seen

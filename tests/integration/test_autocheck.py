@@ -34,6 +34,11 @@ def test_meta_init_leaves_block_params_uninitialized(line_of, tmp_path):
     assert f"Created at zc_meta_init.py:{fc1}, zc_meta_init.py:{fc2}" in message
     assert "nn.Linear.reset_parameters() gives [-0.17" in message and "differ between world sizes and runs" in message
     assert "Error" not in message  # no internal exception text
+    # The NaN loss of the first step is this cause's consequence: told in the same finding, not a second one.
+    assert len(report["findings"]) == 1 and group["detail"]["first_bad"]["step"] == 0
+    backward = line_of("zc_meta_init.py", ".backward()")
+    assert f"Training went NaN/Inf at once: the first bad optimizer.step is step 0 (zc_meta_init.py:{backward})" \
+        in message
     checks = {c["name"]: c for c in report["checks"]}
     assert not checks["model_check"]["ok"] and checks["model_check"]["seconds"] > 0
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 import torch
 
 from distcheck.analysis.bad_values import (HUGE, BadEvent, FlaggedTensor, ValueStats, classify, first_bad_finding,
-                                           tensor_stats, uninitialized_findings)
+                                           fold_first_bad, tensor_stats, uninitialized_findings)
+from distcheck.contract.findings import Finding
 
 
 def test_initializers_are_never_flagged():
@@ -68,6 +69,35 @@ def test_one_cause_behind_many_tensors_is_one_finding():
     assert "Created at model.py:29" in uninit.message and len(uninit.message) < 800
     assert nonfinite.ranks == [1] and nonfinite.detail["params"] == ["head.weight", "head.bias"]
     assert "turns every loss and gradient that touches them into NaN/Inf" in nonfinite.message
+
+
+def test_nan_left_over_memory_joins_the_uninitialized_layers():
+    """pytorch/examples' FSDP2 example without init: some LayerNorm/Linear shards hold NaN bit patterns, all NaN on
+    one rank, huge on another: the same never-run initializer, so one finding, not one per value class."""
+    names = [f"layers.{b}.fc.weight" for b in range(3)]
+    per_rank = {r: [_flag(n, 1e38) for n in names] for r in (0, 1)}
+    all_nan = ValueStats(numel=8, nan=8)
+    leftover = ValueStats(numel=8, huge=1, denormal=2, zeros=5, min=0.0, max=1.4e16, max_abs=1.4e16)
+    per_rank[0].insert(1, FlaggedTensor("layers.0.norm.bias", "parameter", "float32", "layers.0", "nn.Linear",
+                                        all_nan, classify(all_nan, "float32"), "/src/model.py", 80))
+    per_rank[1].insert(1, FlaggedTensor("layers.0.norm.bias", "parameter", "float32", "layers.0", "nn.Linear",
+                                        leftover, classify(leftover, "float32"), "/src/model.py", 80))
+    [one] = uninitialized_findings(per_rank)
+    assert one.detail["params"] == ["layers.0.fc.weight", "layers.0.norm.bias", "layers.1.fc.weight",
+                                    "layers.2.fc.weight"]
+    assert "; 1 of them NaN/Inf;" in one.message and one.detail["cause"] == "uninitialized"
+
+
+def test_the_first_nan_of_uninitialized_parameters_is_told_in_their_finding():
+    names = [f"blocks.{b}.fc1.weight" for b in range(3)]
+    [uninit] = uninitialized_findings({r: [_flag(n, 1e38) for n in names] for r in (0, 1)})
+    first = first_bad_finding({r: BadEvent(0, "optimizer.step", True, "nan", ["head.bias"], "/src/train.py", 50)
+                               for r in (0, 1)}, {0: 1, 1: 1})
+    other = Finding("hang", [1], "no progress")
+    assert fold_first_bad([uninit, first, other]) == [uninit, other]
+    assert uninit.detail["first_bad"]["step"] == 0 and uninit.message.endswith(
+        "Training went NaN/Inf at once: the first bad optimizer.step is step 0 (train.py:50), on ranks 0-1")
+    assert fold_first_bad([first, other]) == [first, other]  # a NaN with no uninitialized parameter stays itself
 
 
 def test_first_nan_on_one_rank_points_to_its_data():

@@ -157,7 +157,7 @@ def test_findings(check: AutoCheck, key: str, timeout: float = 2.0) -> list[Find
     The other ranks only publish and never wait, so a rank stuck elsewhere cannot stall them; rank 0 waits at most
     ``timeout`` per missing rank and merges what it got.
     """
-    from distcheck.analysis.bad_values import merge_states
+    from distcheck.analysis.bad_values import fold_first_bad, merge_states
     from distcheck.errors import ChannelTimeout
     from distcheck.rank.runtime import current_channel
 
@@ -176,7 +176,7 @@ def test_findings(check: AutoCheck, key: str, timeout: float = 2.0) -> list[Find
             except ChannelTimeout:
                 log.warning("distcheck: rank %s sent no automatic-check record for this test", r)
     findings, _ = merge_states(states)
-    return list(check.findings) + findings
+    return fold_first_bad(list(check.findings) + findings)
 
 
 def failure_text(findings: list[Finding]) -> str:
