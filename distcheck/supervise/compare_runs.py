@@ -6,7 +6,8 @@ Each run is a supervised run exactly like ``distcheck run --nproc N`` (supervise
 watch loop, hang diagnosis with every rank's stack, rank failures) into its own sub report dir (``reference/``,
 ``nproc<N>/``). A run that did not complete (it hung, a rank crashed) is reported with its own findings, and its
 records are not compared: half a run's records would only add "recorded in one run only" noise on top of the
-real cause. The comparison itself is pure (analysis/records.py).
+real cause. The comparison itself is pure (analysis/records.py); at a mismatch, analysis/module_diff.py names the
+first module whose output (or input gradient) differs in the first step.
 """
 from __future__ import annotations
 
@@ -46,7 +47,9 @@ def _completed(report: Report) -> bool:
 def compare(opts: CompareOptions, interrupt: Interrupt | None = None) -> tuple[Report, Path]:
     from distcheck.analysis.records import (AUTO_TEXT, Tolerances, compare_runs, has_explicit, load_run,
                                             record_files, render_table)
+    from distcheck.analysis.module_diff import explain_mismatch
     from distcheck.rank.records import DEFAULT_AUTO_STEPS, ENV_AUTO_STEPS
+    from distcheck.supervise.run_report import load_autocheck_states
 
     report_dir = prepare_report_dir(opts.run.report_dir).resolve()
     for name in ("report.json", "report.txt"):
@@ -108,6 +111,10 @@ def compare(opts: CompareOptions, interrupt: Interrupt | None = None) -> tuple[R
             continue
         started = time.monotonic()
         result = compare_runs(loaded[REFERENCE_DIR], loaded[f"nproc{nproc}"], nproc, tol, opts.steps)
+        mismatch = next((f for f in result.findings if f.kind == "reference_mismatch"), None)
+        if mismatch is not None:  # which module first computes something else (analysis/module_diff.py)
+            explain_mismatch(mismatch, load_autocheck_states(report_dir / REFERENCE_DIR),
+                             load_autocheck_states(report_dir / f"nproc{nproc}"))
         findings.extend(result.findings)
         records_json[str(nproc)] = [row.to_json() for row in result.rows]
         tables[f"records: {nproc} ranks vs the 1-rank reference"] = render_table(result.rows)

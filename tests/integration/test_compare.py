@@ -5,6 +5,8 @@ from pathlib import Path
 
 import pytest
 
+from distcheck.analysis.module_diff import first_divergent_module
+from distcheck.supervise.run_report import load_autocheck_states
 from launch_helpers import FIXTURES, distcheck, load_report
 
 
@@ -29,6 +31,33 @@ def test_correct_scripts_compare_equal(tmp_path, fixture):
     assert all(r["status"] == "ok" for r in rows)
     assert (out / "nproc2" / "records-rank1.jsonl").exists() and (out / "reference" / "trace-rank0.jsonl").exists()
     assert "records: 2 ranks vs the 1-rank reference" in (out / "report.txt").read_text()
+    # The per-module summaries of the first step map onto the reference (DDP/FSDP2 batch slices, TP shards and
+    # replicated outputs) and match: nothing to name, nothing ambiguous.
+    diff, notes = first_divergent_module(load_autocheck_states(out / "reference"), load_autocheck_states(out / "nproc2"))
+    assert diff is None and notes == [], (diff, notes)
+    assert load_autocheck_states(out / "nproc2")[1]["modules"], "no module was summarized"
+
+
+@pytest.mark.parametrize("fixture,side,module,cls,marker,how", [
+    ("cmp_batch_stat_norm.py", "forward", "2", "BatchStatNorm", "# NORM", "cat"),
+    ("cmp_tp_wrong_plan.py", "forward", "norm", "LayerNorm", "# PLANNED", "sum"),
+    ("cmp_backward_skips_allreduce.py", "backward", "col", "ColumnParallelLinear", "# COL", "same"),
+])
+def test_the_first_divergent_module_is_named(line_of, tmp_path, fixture, side, module, cls, marker, how):
+    """The loss differs from the reference: compare names the module whose output (or input gradient) first does."""
+    res, report, _ = compare(tmp_path, fixture)
+    assert res.returncode == 1, res.output
+    [f] = [f for f in report["findings"] if f["kind"] == "reference_mismatch"]
+    m = f["detail"]["module"]
+    assert (m["name"], m["class"], m["side"], m["mapping"]) == (module, cls, side, how)
+    assert m["line"] == line_of(fixture, marker) and m["file"].endswith(fixture)
+    what = "output" if side == "forward" else "gradient w.r.t. its input"
+    assert f"First module whose {what} differs from the 1-rank reference in the first step: '{module}' ({cls}, " \
+           f"{m['site_kind']} at {fixture}:{m['line']})" in f["message"]
+    if side == "forward":  # its input matched: the module itself computes something else
+        assert m["input_matches"] is True and "this module itself computes something else" in f["message"]
+    else:
+        assert m["scale"] == 1.0 and "every module's output matched in forward" in f["message"]
 
 
 def test_loss_summed_with_several_world_sizes(line_of, tmp_path):

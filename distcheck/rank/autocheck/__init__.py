@@ -1,4 +1,4 @@
-"""Zero-code checks in a rank: four jobs behind one switch (DISTCHECK_AUTOCHECK=0 turns them off).
+"""Zero-code checks in a rank: five jobs behind one switch (DISTCHECK_AUTOCHECK=0 turns them off).
 
     python -m distcheck run --nproc 2 -- train.py          # installed in every rank
     python -m distcheck compare --nproc 2 -- train.py      # plus the automatic records
@@ -9,7 +9,9 @@
 * nan_watch.py: the first step whose loss or gradients hold NaN/Inf (``bad_values``);
 * replica_drift.py: after each of the first K optimizer steps, fingerprints of what data-parallel replicas must hold
   identically (compared by the supervisor: ``tensor_divergence``);
-* auto_records.py: under ``compare``, the loss and parameters of the first K steps (``auto/loss``, ``auto/params``).
+* auto_records.py: under ``compare``, the loss and parameters of the first K steps (``auto/loss``, ``auto/params``);
+* module_summaries.py: under ``compare``, per-sample summaries of every module's output and input gradient in the
+  first step (the first divergent module);
 
 patches.py holds the hooks (fully_shard, DDP and its no_sync(), parallelize_module, optimizers, ``backward``) that
 feed these jobs through :class:`AutoCheck`, which also owns the step counters they share and the per-rank state file
@@ -26,8 +28,9 @@ from typing import Any
 from distcheck.contract import files
 from distcheck.contract.findings import Finding
 from distcheck.rank.autocheck import patches
-from distcheck.rank.autocheck.auto_records import AutoRecords
+from distcheck.rank.autocheck.auto_records import AutoRecords, record_steps_from_env
 from distcheck.rank.autocheck.discovery import ModelWatch
+from distcheck.rank.autocheck.module_summaries import ModuleSummaries
 from distcheck.rank.autocheck.nan_watch import NanWatch
 from distcheck.rank.autocheck.replica_drift import ReplicaDrift
 
@@ -61,6 +64,7 @@ class AutoCheck:
         self.nan = NanWatch(self)
         self.records = AutoRecords(self)
         self.drift = ReplicaDrift(self)
+        self.module_summaries = ModuleSummaries(self, enabled=bool(record_steps_from_env()))
         self.models.on_watch.append(self.nan.forget_names)
 
     @property
@@ -79,6 +83,8 @@ class AutoCheck:
 
     def after_backward(self) -> None:
         self.nan.after_backward()
+        if not self.optimizers:  # without an optimizer the first step ends with the first backward()
+            self.module_summaries.finish_step()
 
     def on_optimizer_step(self, optimizer: Any) -> None:
         step = self.opt_steps.get(id(optimizer), 0)
@@ -88,6 +94,7 @@ class AutoCheck:
     def on_optimizer_step_done(self, optimizer: Any) -> None:
         self.records.on_optimizer_step_done(optimizer)
         self.drift.on_optimizer_step_done(self.opt_steps.get(id(optimizer), 1) - 1)
+        self.module_summaries.finish_step()
 
     # -- results --------------------------------------------------------------------------------------------------
     @property
@@ -115,7 +122,7 @@ class AutoCheck:
                 "steps": self.steps_done, "counter": self.counter, "backwards": self.backwards,
                 "first_bad": self.nan.first_bad.to_json() if self.nan.first_bad else None,
                 "step_check_seconds": self.nan.seconds, "auto_records": self.records.count,
-                "replica_drift": self.drift.state()}
+                "replica_drift": self.drift.state(), "modules": self.module_summaries.state()}
 
     def write_state(self) -> None:
         from distcheck.contract.report import atomic_write
@@ -132,6 +139,7 @@ class AutoCheck:
     def stop_watching(self) -> None:
         self.records.stop_naming()
         self.models.stop()
+        self.module_summaries.finish_step()
 
 
 def install(out_dir: str | os.PathLike, rank: int, emit: bool = False) -> AutoCheck | None:

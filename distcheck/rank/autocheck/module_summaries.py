@@ -1,0 +1,196 @@
+"""Per-module summaries of the first training step, for ``compare`` to name the first module that diverges.
+
+    python -m distcheck compare --nproc 2 -- train.py      # DISTCHECK_AUTO_RECORD_STEPS=K in the ranks: on
+
+Until the first ``optimizer.step()`` (or the end of the first ``backward()`` without an optimizer), global forward
+hooks summarize the input (as the caller passed it, before a parallel style's own input hook) and the output of
+every module on its first call, in the order modules finish, and a tensor hook on its input summarizes the
+gradient that flows back to that input. A summary is per sample (the output's
+dim 0): the sum and the sum of squares of each sample's values, in float64. So the 1-rank reference and the N-rank
+run line up without gathering a tensor: data-parallel ranks' samples concatenate in rank order, a tensor-parallel
+rank's slice of the other dims adds up to the whole, a replicated output is the same on every rank (analysis/
+module_diff.py). Only these few numbers per sample are kept; no output tensor is held. The rows go to
+``autocheck-rank<R>.json`` (``modules``). Outside ``compare`` nothing here runs.
+"""
+from __future__ import annotations
+
+import logging
+import weakref
+from typing import Any
+
+log = logging.getLogger("distcheck")
+
+MAX_MODULES = 2000  # bound the rows of a huge model: its first modules are what the search needs
+
+
+def _first_tensor(value: Any) -> Any:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, (list, tuple)):
+        for v in value:
+            if isinstance(v, torch.Tensor):
+                return v
+    if isinstance(value, dict):
+        for v in value.values():
+            if isinstance(v, torch.Tensor):
+                return v
+    return None
+
+
+def summarize(t: Any) -> dict[str, Any] | None:
+    """Per-sample sums and sums of squares of a (local) tensor, and how a DTensor's shards combine."""
+    import torch
+
+    how = None
+    placements = getattr(t, "placements", None)
+    if placements is not None:
+        # A DTensor's own placements say how its local shards make the whole: sharded on dim 0 concatenates,
+        # sharded elsewhere or partial adds up, replicated is the same everywhere.
+        # (Global forward hooks run before a parallel style's own output hook: a RowwiseParallel output is still
+        # Partial here, its pending sum not yet all-reduced.)
+        kinds = {("cat" if p.is_shard() and p.dim == 0 else "sum" if p.is_shard() else
+                  "partial" if p.is_partial() else "same") for p in placements if hasattr(p, "is_shard")}
+        kinds.discard("same")
+        how = "same" if not kinds else kinds.pop() if len(kinds) == 1 else "mixed"
+        t = t.to_local()
+    if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.numel() == 0:
+        return None
+    with torch.no_grad():
+        x = t.detach().reshape(t.shape[0] if t.dim() else 1, -1).double()
+        s1 = x.sum(1)
+        s2 = (x * x).sum(1)
+        both = torch.stack([s1, s2]).cpu().tolist()
+    return {"n": len(both[0]), "k": int(x.shape[1]), "s1": both[0], "s2": both[1], "how": how,
+            "shape": list(t.shape)}
+
+
+class ModuleSummaries:
+    def __init__(self, owner: Any, enabled: bool) -> None:
+        self.owner = owner  # the AutoCheck (its active flag gates the hooks)
+        self.rows: dict[int, dict[str, Any]] = {}  # id(module) -> row, in completion order
+        self._modules: dict[int, weakref.ref] = {}
+        self._inputs: dict[int, dict[str, Any] | None] = {}  # id(module) -> its input's summary, until it returns
+        self._handles: list[Any] = []
+        self._grads = 0
+        self.done = not enabled
+        if enabled:
+            from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+            owner_ref = weakref.ref(owner)
+            self._handles = [register_module_forward_pre_hook(_before_forward_ref(owner_ref)),
+                             register_module_forward_hook(_on_forward_ref(owner_ref))]
+
+    def before_forward(self, module: Any, args: Any) -> None:
+        """The input as the caller passed it: global pre-hooks run before a parallel style's own input hook."""
+        if self.done or id(module) in self.rows or id(module) in self._inputs or len(self.rows) >= MAX_MODULES:
+            return
+        try:
+            self._inputs[id(module)] = summarize(_first_tensor(args))
+        except Exception as exc:
+            log.debug("module input summary failed: %s", exc)
+
+    def on_forward(self, module: Any, args: Any, output: Any) -> None:
+        if self.done or id(module) in self.rows or len(self.rows) >= MAX_MODULES:
+            return
+        try:
+            out = summarize(_first_tensor(output))
+        except Exception as exc:  # a summary must never break the user's forward
+            log.debug("module summary failed: %s", exc)
+            return
+        from distcheck.rank.usersite import forward_site
+
+        site = forward_site(module)
+        inp = _first_tensor(args)
+        row: dict[str, Any] = {"order": len(self.rows), "cls": type(module).__name__, "file": site.file,
+                               "line": site.line, "site_kind": "forward", "out": out,
+                               "in": self._inputs.pop(id(module), None)}
+        self.rows[id(module)] = row
+        self._modules[id(module)] = weakref.ref(module)
+        if inp is not None and getattr(inp, "requires_grad", False):
+            inp.register_hook(_on_grad_ref(weakref.ref(self), id(module)))
+
+    def on_grad(self, key: int, grad: Any) -> None:
+        row = self.rows.get(key)
+        if row is None or "grad_in" in row or self.done:
+            return
+        try:
+            row["grad_in"] = summarize(grad)
+            row["grad_order"] = self._grads
+            self._grads += 1
+        except Exception as exc:
+            log.debug("gradient summary failed: %s", exc)
+
+    def finish_step(self) -> None:
+        """The first step is over: name the rows and stop."""
+        if self.done:
+            return
+        self.done = True
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self._inputs.clear()
+        names = self._names()
+        for key, row in self.rows.items():
+            row["name"], root, raw = names.get(key, (None, None, None))
+            if row["file"] is None and root is not None:  # a torch layer: the user's line that creates it
+                self._creation_site(row, root, raw)
+
+    def _names(self) -> dict[int, tuple[str, Any, str]]:
+        """id(module) -> (its name without wrapper parts, the outermost module, its raw name in it)."""
+        from distcheck.rank.records import normalize_key
+
+        modules = [m for m in (ref() for ref in self._modules.values()) if m is not None]
+        inner = {id(sub) for m in modules for sub in m.modules() if sub is not m}
+        names: dict[int, tuple[str, Any, str]] = {}
+        for m in modules:
+            if id(m) in inner:
+                continue
+            for n, sub in m.named_modules():
+                names.setdefault(id(sub), (normalize_key(n), m, n))
+        return names
+
+    @staticmethod
+    def _creation_site(row: dict[str, Any], root: Any, raw: str) -> None:
+        from distcheck.rank.usersite import param_site
+
+        try:
+            module = root.get_submodule(raw) if raw else root
+            pname = next((n for n, _ in module.named_parameters(recurse=False)), None)
+            if pname is None:
+                return
+            site = param_site(root, f"{raw}.{pname}" if raw else pname)
+            if site:
+                row.update(file=site.file, line=site.line, site_kind="created")
+        except Exception as exc:
+            log.debug("module site failed: %s", exc)
+
+    def state(self) -> list[dict[str, Any]]:
+        if not self.done:
+            return []
+        return sorted((r for r in self.rows.values() if r.get("name") is not None), key=lambda r: r["order"])
+
+
+def _before_forward_ref(ref: weakref.ref) -> Any:
+    def hook(module: Any, args: Any) -> None:
+        check = ref()
+        if check is not None and check.active:
+            check.module_summaries.before_forward(module, args)
+    return hook
+
+
+def _on_forward_ref(ref: weakref.ref) -> Any:
+    def hook(module: Any, args: Any, output: Any) -> None:
+        check = ref()
+        if check is not None and check.active:
+            check.module_summaries.on_forward(module, args, output)
+    return hook
+
+
+def _on_grad_ref(ref: weakref.ref, key: int) -> Any:
+    def hook(grad: Any) -> None:
+        summaries = ref()
+        if summaries is not None:
+            summaries.on_grad(key, grad)
+    return hook

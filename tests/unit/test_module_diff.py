@@ -1,0 +1,74 @@
+"""The first divergent module from per-sample summaries, without launching ranks (analysis/module_diff.py)."""
+from __future__ import annotations
+
+import torch
+
+from distcheck.analysis.module_diff import describe, first_divergent_module
+from distcheck.rank.autocheck.module_summaries import summarize
+
+
+def _row(name, order, out, inp=None, grad=None, grad_order=None, cls="Linear", line=10):
+    row = {"name": name, "order": order, "cls": cls, "file": "/w/model.py", "line": line, "site_kind": "forward",
+           "out": summarize(out), "in": summarize(inp) if inp is not None else None}
+    if grad is not None:
+        row.update(grad_in=summarize(grad), grad_order=grad_order)
+    return row
+
+
+def _state(*rows):
+    return {"modules": list(rows)}
+
+
+def test_data_parallel_slices_concatenate_and_a_batch_statistic_is_named():
+    torch.manual_seed(0)
+    x = torch.randn(8, 4)
+    lin = torch.nn.Linear(4, 6)
+    h = lin(x).detach()
+    norm = (h - h.mean(0)) / h.std(0)
+    ref = {0: _state(_row("fc", 0, h, x), _row("norm", 1, norm, h, cls="BatchStatNorm", line=21))}
+    halves = [slice(0, 4), slice(4, 8)]
+    local = [(h[s] - h[s].mean(0)) / h[s].std(0) for s in halves]
+    nrank = {r: _state(_row("fc", 0, h[s], x[s]), _row("norm", 1, local[r], h[s], cls="BatchStatNorm", line=21))
+             for r, s in enumerate(halves)}
+    diff, notes = first_divergent_module(ref, nrank)
+    assert notes == [] and (diff.name, diff.side, diff.how, diff.line, diff.matched_before) == ("norm", "forward",
+                                                                                                "cat", 21, 1)
+    assert diff.input_matches is True and diff.ranks == [0, 1] and diff.max_rel > 0.01
+    assert "'norm' (BatchStatNorm, forward at model.py:21)" in describe(diff)
+    assert "its input matches the reference, so this module itself computes something else" in describe(diff)
+    # The same slices through a per-sample layer: nothing differs.
+    nrank_ok = {r: _state(_row("fc", 0, h[s], x[s])) for r, s in enumerate(halves)}
+    assert first_divergent_module({0: _state(_row("fc", 0, h, x))}, nrank_ok) == (None, [])
+
+
+def test_tensor_parallel_shards_add_up_and_replicated_values_must_match_on_every_rank():
+    torch.manual_seed(1)
+    full = torch.randn(3, 8)
+    out = torch.randn(3, 5)
+    ref = {0: _state(_row("up", 0, full), _row("down", 1, out))}
+    nrank = {0: _state(_row("up", 0, full[:, :4]), _row("down", 1, out)),
+             1: _state(_row("up", 0, full[:, 4:]), _row("down", 1, out))}
+    assert first_divergent_module(ref, nrank) == (None, [])
+    nrank[1]["modules"][1] = _row("down", 1, out * 1.5)
+    diff, _ = first_divergent_module(ref, nrank)
+    assert (diff.name, diff.how, diff.ranks) == ("down", "same", [1])
+
+
+def test_backward_side_after_the_loss_scale_and_ambiguous_shapes_are_said():
+    torch.manual_seed(2)
+    x, g_embed, g_col = torch.randn(4, 3), torch.randn(4, 6), torch.randn(4, 6)
+    ref = {0: _state(_row("embed", 0, x, grad=g_embed, grad_order=1), _row("col", 1, x, grad=g_col, grad_order=0))}
+    # Per-rank mean losses: every gradient is twice the reference's; col's input gradient is partial on each rank.
+    nrank = {r: _state(_row("embed", 0, x, grad=2 * g_embed, grad_order=1),
+                       _row("col", 1, x, grad=2 * g_col, grad_order=0)) for r in (0, 1)}
+    assert first_divergent_module(ref, nrank) == (None, [])
+    nrank = {r: _state(_row("embed", 0, x, grad=2 * g_embed, grad_order=1),
+                       _row("col", 1, x, grad=2 * g_col, grad_order=0)) for r in (0, 1)}
+    nrank[0]["modules"][0] = _row("embed", 0, x, grad=2 * g_embed * torch.tensor([1.0, 0.3, 1.0, 1.0])[:, None],
+                                  grad_order=1)
+    diff, _ = first_divergent_module(ref, nrank)
+    assert (diff.name, diff.side, diff.matched_before, diff.ranks) == ("embed", "backward", 1, [0])
+    assert abs(diff.scale - 0.5) < 1e-9 and "after scaling by 0.5" in describe(diff)
+    odd = {0: _state(_row("fc", 0, torch.randn(3, 2))), 1: _state(_row("fc", 0, torch.randn(2, 2)))}
+    diff, notes = first_divergent_module({0: _state(_row("fc", 0, torch.randn(4, 2)))}, odd)
+    assert diff is None and "not a split of its batch" in notes[0]
