@@ -52,7 +52,7 @@ def run_in_rank(opts: RunOptions) -> int:
     from distcheck.rank import autocheck
     from distcheck.rank.autocheck.replica_drift import ENV_DRIFT_STEPS
 
-    os.environ[ENV_DRIFT_STEPS] = str(opts.drift_steps)  # run --steps K: also read by the pytest marker's pool
+    os.environ[ENV_DRIFT_STEPS] = str(opts.drift_steps)  # run --steps K, for rank/autocheck/replica_drift.py
     # Finds the models (fully_shard/DDP/TP) and optimizers by itself; DISTCHECK_AUTOCHECK=0 turns it off.
     checker = autocheck.install(report_dir, info.rank)
     # Stack hooks (ptrace permission for our launcher, faulthandler fallback); under plain torchrun also the node

@@ -262,6 +262,19 @@ def test_fsdp2_and_dtensor_errors_are_translated_once(line_of, tmp_path, fixture
         assert only(report, "uncovered_param")["detail"]["params"] == ["2.weight", "2.bias"]
 
 
+@pytest.mark.parametrize("case,exc,expected", [
+    ("count", "ValueError", "2 placements given for a 1-D device mesh"),
+    ("partial", "RuntimeError", "redistribute() from S(0) to P(sum) is not allowed"),
+    ("view", "RuntimeError", "aten.view.default cannot run on its DTensor input with placements S(0)"),
+])
+def test_dtensor_placement_errors_are_translated(line_of, tmp_path, case, exc, expected):
+    res, report, _ = run_fixture(tmp_path, "dtensor_placement_errors.py", "--case", case)
+    assert res.returncode == 1, res.output
+    f = only(report, "rank_failure")
+    assert f["ranks"] == [0, 1] and f["detail"]["line"] == line_of("dtensor_placement_errors.py", f"# RAISES {case}")
+    assert f["detail"]["exception"] == exc and expected in f["message"] and "Fix: " in f["message"]
+
+
 def test_gloo_timeout_is_the_cause_and_the_lost_peer_its_consequence(line_of, tmp_path):
     res, report, _ = run_fixture(tmp_path, "gloo_timeout.py")
     assert res.returncode == 1, res.output

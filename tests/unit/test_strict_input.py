@@ -25,6 +25,7 @@ def run_cli(capsys, argv):
     (["run", "--timeout", "inf"], "--timeout inf: expected a finite number of seconds > 0"),
     (["run", "--timeout", "0"], "--timeout 0: expected a finite number of seconds > 0"),
     (["run", "--nproc", "0"], "--nproc '0': expected a whole number >= 1"),
+    (["run", "--steps", "-1"], "--steps '-1': expected a whole number >= 0"),
     (["run", "--nproc", "100000"], "--nproc 100000: this machine has"),
     (["compare", "--nproc", "2", "--timeout", "nan"], "--timeout nan: expected a finite number of seconds > 0"),
     (["compare", "--nproc", "1,100000"], "--nproc 100000: this machine has"),
