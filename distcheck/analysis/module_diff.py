@@ -240,3 +240,41 @@ def explain_mismatch(finding: Any, reference: dict[int, dict[str, Any]], nrank: 
         finding.message += ("\nEvery module's output and input gradient in the first step match the 1-rank "
                             "reference: the difference arises outside the modules (how the loss is computed from "
                             "their output, the optimizer step, or the data of later steps)")
+
+
+def element_error(reference: dict[str, Any], parts: dict[int, dict[str, Any]], how: str) -> dict[str, Any] | str:
+    """The element-wise error of the N-rank tensors (``module-capture-rank<R>.pt`` contents) against the reference's,
+    reassembled as ``how`` says; or why they cannot be reassembled. Only ever run on the one module named."""
+    import torch
+
+    ref = reference["tensor"].double()
+    ranks = sorted(parts)
+    local = [parts[r]["tensor"].double() for r in ranks]
+    if how == "same":
+        candidates = {r: t for r, t in zip(ranks, local)}
+    elif how == "cat":
+        candidates = {-1: torch.cat(local, 0)}
+    elif how == "partial":
+        candidates = {-1: torch.stack(local).sum(0)} if all(t.shape == ref.shape for t in local) else {}
+    else:  # shards of another dim: the DTensor's Shard(d), or the one dim where the local shape differs
+        import re
+
+        placed = {int(m) for r in ranks for p in parts[r].get("placements") or ()
+                  for m in re.findall(r"Shard\(dim=(-?\d+)", p)}
+        dims = placed or {d for t in local for d in range(t.dim())
+                          if t.dim() == ref.dim() and t.shape[d] != ref.shape[d]}
+        candidates = {-1: torch.cat(local, dims.pop())} if len(dims) == 1 else {}
+    out: dict[str, Any] = {}
+    for r, t in candidates.items():
+        if t.shape != ref.shape:
+            return f"the reassembled {list(t.shape)} does not have the reference's shape {list(ref.shape)}"
+        delta = (t - ref).abs().nan_to_num(nan=math.inf)
+        worst = int(delta.reshape(-1).argmax())
+        index = list(torch.unravel_index(torch.tensor(worst), ref.shape)) if ref.dim() else []
+        max_abs = float(delta.reshape(-1)[worst]) if delta.numel() else 0.0
+        if not out or max_abs > out["max_abs"]:
+            scale = float(ref.abs().max()) if ref.numel() else 0.0
+            out = {"max_abs": max_abs, "max_rel": max_abs / scale if scale else math.inf,
+                   "index": [int(i) for i in index], "value": float(t.reshape(-1)[worst]),
+                   "reference": float(ref.reshape(-1)[worst]), "rank": None if r < 0 else r}
+    return out or f"no way to put the ranks' shapes {[list(t.shape) for t in local]} together as {how}"

@@ -36,6 +36,8 @@ _PER_RANK = {
     "autocheck": "autocheck-rank{rank}.json",  # zero-code check state (rank/autocheck.py)
     "records_index": "records-rank{rank}.jsonl",  # distcheck.record index (rank/records.py)
     "records_data": "records-rank{rank}.bin",  # distcheck.record tensor bytes
+    # compare's second look at the first divergent module: its whole local output or input gradient (torch.save)
+    "module_capture": "module-capture-rank{rank}.pt",
     "faulthandler": "faulthandler-rank{rank}.txt",  # stack dump fallback (rank/stack_hooks.py)
     "stderr": "stderr-rank{rank}.txt",  # a copy of the rank's stderr, for the failure reports (rank/stderr_tee.py)
     # Every thread's stack, dumped by the rank itself when torchrun's agent passes on a stop signal.

@@ -44,6 +44,55 @@ def _completed(report: Report) -> bool:
         c.ok for c in report.checks if c.name == "ranks_completed")
 
 
+def _second_look(opts: CompareOptions, report_dir: Path, nproc: int, auto_steps: int, mismatch: Finding,
+                 checks: list[CheckResult], interrupt: Interrupt | None) -> None:
+    """Both world sizes once more, each saving the one module named by the summaries: its element-wise error.
+
+    Two more runs, only when a module was named: the correct-script case never pays for them."""
+    import torch
+
+    from distcheck.analysis.module_diff import element_error
+    from distcheck.contract import files
+    from distcheck.rank.autocheck.module_summaries import ENV_CAPTURE_MODULE, ENV_CAPTURE_SIDE
+    from distcheck.rank.records import ENV_AUTO_STEPS
+
+    module = mismatch.detail["module"]
+    env = {ENV_AUTO_STEPS: str(auto_steps), ENV_CAPTURE_MODULE: "" if module["name"] == "<model>" else module["name"],
+           ENV_CAPTURE_SIDE: module["side"]}
+    captured: dict[int, dict[int, dict]] = {}
+    started = time.monotonic()
+    for n, sub in ((1, f"{REFERENCE_DIR}-module"), (nproc, f"nproc{nproc}-module")):
+        run_dir = report_dir / sub
+        run_dir.mkdir(parents=True, exist_ok=True)
+        for path in files.rank_files(run_dir, "module_capture").values():
+            path.unlink()
+        sys.stdout.write(f"distcheck compare: {run_label(n, n == 1 and sub.startswith(REFERENCE_DIR))}, "
+                         f"capturing '{module['name']}' ...\n")
+        sys.stdout.flush()
+        supervised_run(opts.run.with_(report_dir=str(run_dir), nproc=n, env=env), n, interrupt)
+        captured[n] = {}
+        for rank, path in files.rank_files(run_dir, "module_capture").items():
+            try:
+                captured[n][rank] = torch.load(path, weights_only=True)
+            except Exception:  # a rank that did not get there: no element-wise error, the summaries stand
+                pass
+    ok = bool(captured[1].get(0)) and len(captured[nproc]) == nproc
+    error = element_error(captured[1][0], captured[nproc], module["mapping"]) if ok else \
+        "the module was not captured in both runs"
+    if isinstance(error, dict):
+        module["element"] = error
+        where = f" at {error['index']}" + (f" on rank {error['rank']}" if error["rank"] is not None else "")
+        mismatch.message += (f"; element-wise (a second run of each world size, saving that module): max abs error "
+                             f"{error['max_abs']:.3g}, max rel error {error['max_rel']:.2g}, largest{where}: "
+                             f"{error['value']:.6g} vs reference {error['reference']:.6g}")
+    else:
+        module["element"] = None
+        mismatch.detail.setdefault("module_notes", []).append(f"element-wise error: {error}")
+        mismatch.message += f"; a second run of each world size, saving that module: {error}"
+    checks.append(CheckResult(f"module capture ({nproc} ranks)", isinstance(error, dict), time.monotonic() - started,
+                              note=f"'{module['name']}' saved in a second run of each world size"))
+
+
 def compare(opts: CompareOptions, interrupt: Interrupt | None = None) -> tuple[Report, Path]:
     from distcheck.analysis.records import (AUTO_TEXT, Tolerances, compare_runs, has_explicit, load_run,
                                             record_files, render_table)
@@ -115,6 +164,8 @@ def compare(opts: CompareOptions, interrupt: Interrupt | None = None) -> tuple[R
         if mismatch is not None:  # which module first computes something else (analysis/module_diff.py)
             explain_mismatch(mismatch, load_autocheck_states(report_dir / REFERENCE_DIR),
                              load_autocheck_states(report_dir / f"nproc{nproc}"))
+            if "module" in mismatch.detail and not (interrupt is not None and interrupt.is_set()):
+                _second_look(opts, report_dir, nproc, auto_steps, mismatch, checks, interrupt)
         findings.extend(result.findings)
         records_json[str(nproc)] = [row.to_json() for row in result.rows]
         tables[f"records: {nproc} ranks vs the 1-rank reference"] = render_table(result.rows)

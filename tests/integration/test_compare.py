@@ -58,6 +58,14 @@ def test_the_first_divergent_module_is_named(line_of, tmp_path, fixture, side, m
         assert m["input_matches"] is True and "this module itself computes something else" in f["message"]
     else:
         assert m["scale"] == 1.0 and "every module's output matched in forward" in f["message"]
+    # The second look (one more run of each world size, saving only that module): the element-wise error.
+    if fixture == "cmp_tp_wrong_plan.py":  # the DTensor says the norm's output is a sequence twice as long
+        assert m["element"] is None and "the reassembled [2, 8, 16] does not have the reference's shape [2, 4, 16]" \
+            in f["message"]
+    else:
+        e = m["element"]
+        assert e["max_abs"] > 0.01 and len(e["index"]) == 2 and "element-wise (a second run" in f["message"]
+        assert f"max abs error {e['max_abs']:.3g}" in f["message"]
 
 
 def test_loss_summed_with_several_world_sizes(line_of, tmp_path):

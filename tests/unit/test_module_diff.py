@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from distcheck.analysis.module_diff import describe, first_divergent_module
+from distcheck.analysis.module_diff import describe, element_error, first_divergent_module
 from distcheck.rank.autocheck.module_summaries import summarize
 
 
@@ -72,3 +72,22 @@ def test_backward_side_after_the_loss_scale_and_ambiguous_shapes_are_said():
     odd = {0: _state(_row("fc", 0, torch.randn(3, 2))), 1: _state(_row("fc", 0, torch.randn(2, 2)))}
     diff, notes = first_divergent_module({0: _state(_row("fc", 0, torch.randn(4, 2)))}, odd)
     assert diff is None and "not a split of its batch" in notes[0]
+
+
+def test_element_error_reassembles_as_the_summaries_mapped():
+    torch.manual_seed(3)
+    ref = torch.randn(4, 6)
+    cap = lambda t, placements=None: {"tensor": t, "placements": placements}  # noqa: E731
+    exact = element_error(cap(ref), {0: cap(ref[:2]), 1: cap(ref[2:])}, "cat")
+    assert exact["max_abs"] == 0.0
+    wrong = ref.clone()
+    wrong[3, 5] += 0.5
+    e = element_error(cap(ref), {0: cap(wrong[:2]), 1: cap(wrong[2:])}, "cat")
+    assert e["index"] == [3, 5] and abs(e["max_abs"] - 0.5) < 1e-6 and e["rank"] is None
+    e = element_error(cap(ref), {0: cap(ref[:, :3]), 1: cap(wrong[:, 3:])}, "sum")  # a column shard: cat on dim 1
+    assert e["index"] == [3, 5]
+    e = element_error(cap(ref), {0: cap(ref), 1: cap(wrong)}, "same")
+    assert e["rank"] == 1 and e["index"] == [3, 5]
+    assert element_error(cap(ref), {0: cap(ref / 2), 1: cap(ref / 2)}, "partial")["max_abs"] < 1e-12
+    seq = element_error(cap(ref), {0: cap(ref, ["Shard(dim=0)"]), 1: cap(ref, ["Shard(dim=0)"])}, "sum")
+    assert seq == "the reassembled [8, 6] does not have the reference's shape [4, 6]"

@@ -11,6 +11,10 @@ run line up without gathering a tensor: data-parallel ranks' samples concatenate
 rank's slice of the other dims adds up to the whole, a replicated output is the same on every rank (analysis/
 module_diff.py). Only these few numbers per sample are kept; no output tensor is held. The rows go to
 ``autocheck-rank<R>.json`` (``modules``). Outside ``compare`` nothing here runs.
+
+When the summaries name a module, compare runs both world sizes once more with DISTCHECK_CAPTURE_MODULE set: then
+that one module's whole local output (or input gradient) is saved to ``module-capture-rank<R>.pt``, for the
+element-wise error.
 """
 from __future__ import annotations
 
@@ -21,6 +25,10 @@ from typing import Any
 log = logging.getLogger("distcheck")
 
 MAX_MODULES = 2000  # bound the rows of a huge model: its first modules are what the search needs
+# compare's second look (supervise/compare_runs.py): the module, named as in the rows, whose whole local output
+# ("forward") or input gradient ("backward") this rank saves to module-capture-rank<R>.pt.
+ENV_CAPTURE_MODULE = "DISTCHECK_CAPTURE_MODULE"
+ENV_CAPTURE_SIDE = "DISTCHECK_CAPTURE_SIDE"
 
 
 def _first_tensor(value: Any) -> Any:
@@ -68,7 +76,13 @@ def summarize(t: Any) -> dict[str, Any] | None:
 
 class ModuleSummaries:
     def __init__(self, owner: Any, enabled: bool) -> None:
+        import os
+
         self.owner = owner  # the AutoCheck (its active flag gates the hooks)
+        self.capture = os.environ.get(ENV_CAPTURE_MODULE)
+        self.capture_side = os.environ.get(ENV_CAPTURE_SIDE, "forward")
+        self._active: list[int] = []  # ids of the modules whose forward is running, outermost first
+        self._root_names: dict[int, dict[int, str]] = {}  # id(outermost module) -> id(submodule) -> name
         self.rows: dict[int, dict[str, Any]] = {}  # id(module) -> row, in completion order
         self._modules: dict[int, weakref.ref] = {}
         self._inputs: dict[int, dict[str, Any] | None] = {}  # id(module) -> its input's summary, until it returns
@@ -84,15 +98,60 @@ class ModuleSummaries:
 
     def before_forward(self, module: Any, args: Any) -> None:
         """The input as the caller passed it: global pre-hooks run before a parallel style's own input hook."""
-        if self.done or id(module) in self.rows or id(module) in self._inputs or len(self.rows) >= MAX_MODULES:
+        if self.done:
+            return
+        if self.capture is not None:
+            self._enter(module)
+        if id(module) in self.rows or id(module) in self._inputs or len(self.rows) >= MAX_MODULES:
             return
         try:
             self._inputs[id(module)] = summarize(_first_tensor(args))
         except Exception as exc:
             log.debug("module input summary failed: %s", exc)
 
+    def _enter(self, module: Any) -> None:
+        from distcheck.rank.records import normalize_key
+
+        if not self._active and id(module) not in self._root_names:
+            self._root_names[id(module)] = {id(sub): normalize_key(n) for n, sub in module.named_modules()}
+        self._active.append(id(module))
+
+    def _name_now(self, module: Any) -> str | None:
+        """The module's name in the outermost module running now (the rows' names, without waiting for the step)."""
+        names = self._root_names.get(self._active[0]) if self._active else None
+        return names.get(id(module)) if names else None
+
+    def _save(self, module_name: str, side: str, t: Any) -> None:
+        import torch
+
+        from distcheck.contract import files
+
+        placements = getattr(t, "placements", None)
+        local = t.to_local() if placements is not None else t
+        data = {"name": module_name, "side": side, "tensor": local.detach().to("cpu", copy=True),
+                "placements": [repr(p) for p in placements] if placements is not None else None}
+        torch.save(data, files.rank_file(self.owner.out_dir, "module_capture", self.owner.rank))
+        self.capture = None  # once
+
     def on_forward(self, module: Any, args: Any, output: Any) -> None:
-        if self.done or id(module) in self.rows or len(self.rows) >= MAX_MODULES:
+        if self.done:
+            return
+        if self.capture is not None:
+            try:
+                name = self._name_now(module)
+                if name == self.capture:
+                    if self.capture_side == "forward":
+                        self._save(name, "forward", _first_tensor(output))
+                    else:
+                        inp = _first_tensor(args)
+                        if inp is not None and getattr(inp, "requires_grad", False):
+                            inp.register_hook(_capture_grad_ref(weakref.ref(self), name))
+            except Exception as exc:
+                log.debug("module capture failed: %s", exc)
+            finally:
+                if self._active and self._active[-1] == id(module):
+                    self._active.pop()
+        if id(module) in self.rows or len(self.rows) >= MAX_MODULES:
             return
         try:
             out = summarize(_first_tensor(output))
@@ -185,6 +244,17 @@ def _on_forward_ref(ref: weakref.ref) -> Any:
         check = ref()
         if check is not None and check.active:
             check.module_summaries.on_forward(module, args, output)
+    return hook
+
+
+def _capture_grad_ref(ref: weakref.ref, name: str) -> Any:
+    def hook(grad: Any) -> None:
+        summaries = ref()
+        if summaries is not None and summaries.capture is not None:
+            try:
+                summaries._save(name, "backward", grad)
+            except Exception as exc:
+                log.debug("gradient capture failed: %s", exc)
     return hook
 
 
