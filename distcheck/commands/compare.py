@@ -17,6 +17,11 @@ Zero code: a script with no ``distcheck.record`` call is compared on what distch
 (``auto/loss``, averaged over the ranks) and every parameter after each ``optimizer.step()`` (``auto/params``,
 full tensors). Explicit records take precedence: when the script records anything, the automatic records are not
 compared. Rows, findings and the table say which values were recorded automatically.
+
+At a ``reference_mismatch`` the finding also names the first module whose output (or input gradient) differs in
+the first step, from per-sample summaries every run keeps (rank/autocheck/module_summaries.py,
+analysis/module_diff.py); each world size then runs once more, saving only that module (``reference-module/``,
+``nproc<N>-module/``), for its element-wise error.
 """
 from __future__ import annotations
 
