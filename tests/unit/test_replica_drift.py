@@ -81,3 +81,17 @@ def test_merge_states_adds_the_check_and_the_finding():
         "replicated parameters identical on every rank after 1 optimizer step"]
     # Nothing replicated (plain FSDP2): no baseline row, no check line.
     assert "replica_drift" not in [c.name for c in merge_states(_states({0: [], 1: []}))[1]]
+
+
+def test_which_parameters_must_be_replicas(fake_world):
+    """DDP's parameters over its group, except those the user told DDP to ignore (DDP never syncs them)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from distcheck.rank.autocheck.replica_drift import replicated_params
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ["1.weight"])
+    ddp = DistributedDataParallel(model)
+    assert [(n, k) for n, k, _ in replicated_params([ddp])] == [
+        ("0.weight", ["ddp", [0, 1]]), ("0.bias", ["ddp", [0, 1]]), ("1.bias", ["ddp", [0, 1]])]
+    assert replicated_params([torch.nn.Linear(2, 2)]) == []  # a plain model: no replica known

@@ -58,6 +58,9 @@ def replicated_params(roots: list[Any]) -> list[tuple[str, Any, Any]]:
         plain_group = None
         if isinstance(root, DistributedDataParallel):
             plain_group = ["ddp", dist.get_process_group_ranks(root.process_group)]
+            # Parameters the user told DDP to ignore are not synchronized by it: they may differ on purpose.
+            ignored = set(getattr(root, "parameters_to_ignore", ()) or ())
+            named = [(n, p) for n, p in named if _strip(n) not in ignored]
         else:
             mesh = next((getattr(p, "device_mesh", None) for _, p in named
                          if getattr(p, "device_mesh", None) is not None), None)
