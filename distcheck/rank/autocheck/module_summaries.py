@@ -81,6 +81,7 @@ class ModuleSummaries:
         self.owner = owner  # the AutoCheck (its active flag gates the hooks)
         self.capture = os.environ.get(ENV_CAPTURE_MODULE)
         self.capture_side = os.environ.get(ENV_CAPTURE_SIDE, "forward")
+        self._capture_hooked = False
         self._active: list[int] = []  # ids of the modules whose forward is running, outermost first
         self._root_names: dict[int, dict[int, str]] = {}  # id(outermost module) -> id(submodule) -> name
         self.rows: dict[int, dict[str, Any]] = {}  # id(module) -> row, in completion order
@@ -142,10 +143,11 @@ class ModuleSummaries:
                 if name == self.capture:
                     if self.capture_side == "forward":
                         self._save(name, "forward", _first_tensor(output))
-                    else:
+                    elif not self._capture_hooked:  # the first call's input, as its summary row
                         inp = _first_tensor(args)
                         if inp is not None and getattr(inp, "requires_grad", False):
                             inp.register_hook(_capture_grad_ref(weakref.ref(self), name))
+                            self._capture_hooked = True
             except Exception as exc:
                 log.debug("module capture failed: %s", exc)
             finally:
