@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from distcheck.analysis.replica_drift import drift_finding
-from distcheck.contract.findings import CheckResult, Finding, format_ranks
+from distcheck.contract.findings import CheckResult, Finding, format_names, format_ranks
 
 # No initializer (normal/uniform/xavier/kaiming/trunc_normal/ones/zeros/eye/orthogonal) produces a magnitude above
 # this for any realistic fan-in; leftovers of uninitialized memory routinely do (1e31, 1e38).
@@ -218,7 +218,7 @@ def _grouped_finding(members: list[tuple[str, dict[int, FlaggedTensor]]], uninit
     first = by_rank0[min(by_rank0)]
     role = first.role
     names = [name for name, _ in members]
-    shown = ", ".join(f"'{n}'" for n in names[:_SHOWN]) + (f" (+{len(names) - _SHOWN} more)" if len(names) > _SHOWN else "")
+    shown = format_names(names, _SHOWN)
     classes = sorted({by_rank[min(by_rank)].module_class for _, by_rank in members})
     sites: list[str] = []
     for _, by_rank in members:

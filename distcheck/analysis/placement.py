@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from distcheck.contract.findings import Finding
+from distcheck.contract.findings import Finding, format_names
 
 # Styles whose job is to leave parameters replicated (norms under SequenceParallel) or that hold none.
 REPLICATING_STYLES = frozenset({"SequenceParallel", "PrepareModuleInput", "PrepareModuleOutput",
@@ -271,8 +271,7 @@ def _grouped(found: list[Finding], rows: dict[str, PlacementRow]) -> list[Findin
         names = [f.detail["param"] for f in members]
         member_rows = [rows[n] for n in names]
         total = sum(_global_bytes(r) for r in member_rows)
-        shown = ", ".join(f"'{n}'" for n in names[:SHOWN]) + (f" (+{len(names) - SHOWN} more)"
-                                                              if len(names) > SHOWN else "")
+        shown = format_names(names, SHOWN)
         sites = []
         for r in member_rows:
             site = f"{_basename(r.file)}:{r.line}" if r.file and r.line else None

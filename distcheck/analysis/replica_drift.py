@@ -16,7 +16,7 @@ import os
 from typing import Any
 
 from distcheck.analysis.replicas import Entry, Fingerprint, find_divergences
-from distcheck.contract.findings import Finding, format_ranks
+from distcheck.contract.findings import Finding, format_names, format_ranks
 
 FIRST_NAMES = 4  # names spelled out in the message; detail.params has them all
 
@@ -83,8 +83,7 @@ def _finding(step: int, divs: list, by_rank: dict[int, dict[str, Any]]) -> Findi
     step_file, step_line = _site(row.get("site"))
     no_sync = next((r for _, r in sorted(by_rank.items())
                     if r.get("backwards") and r.get("unsynced") == r.get("backwards")), None)
-    shown = ", ".join(f"'{n}'" for n in names[:FIRST_NAMES]) + (f" and {len(names) - FIRST_NAMES} more"
-                                                                 if len(names) > FIRST_NAMES else "")
+    shown = format_names(names, FIRST_NAMES)
     count = f"{len(names)} parameter{'s' if len(names) != 1 else ''}"
     ordinal = "the first optimizer.step()" if step == 0 else f"optimizer.step() #{step}"
     message = (f"{count} that must be identical across replicas differ{'s' if len(names) == 1 else ''} between "

@@ -32,6 +32,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from distcheck.contract.findings import format_names
+
 _DDP_UNUSED = "Expected to have finished reduction in the prior iteration"
 _DDP_INDICES = re.compile(r"Parameter indices which did not receive grad for rank \d+:\s*([\d ]+)")
 _DDP_NAMES = re.compile(r"Parameters which did not receive grad for rank \d+:\s*([^\n]+)")
@@ -57,8 +59,7 @@ def _ddp_unused(message: str, context: dict[str, Any]) -> dict[str, Any] | None:
         if site and site not in where:
             where.append(site)
     if names:
-        shown = ", ".join(f"'{n}'" for n in names[:_SHOWN]) + (f" (+{len(names) - _SHOWN} more)"
-                                                               if len(names) > _SHOWN else "")
+        shown = format_names(names, _SHOWN)
         what = (f"DDP: {len(names)} parameter{'s' if len(names) != 1 else ''} got no gradient, so DDP's gradient "
                 f"reduction never finished and the next forward failed: {shown}"
                 + (f" (created at {', '.join(where[:_SHOWN])})" if where else ""))
@@ -196,8 +197,7 @@ def _fsdp_meta(message: str, context: dict[str, Any]) -> dict[str, Any] | None:
     if not match:
         return None
     names = [n.strip().strip("'\"") for n in match.group(1).split(",") if n.strip()]
-    shown = ", ".join(f"'{n}'" for n in names[:_SHOWN]) + (f" (+{len(names) - _SHOWN} more)"
-                                                           if len(names) > _SHOWN else "")
+    shown = format_names(names, _SHOWN)
     fixes = ("model.to_empty(device=...) after fully_shard, then initialize the parameters (reset_parameters() "
              "or your init_weights()) before the first forward")
     return {"message": (f"FSDP2: {len(names)} parameter{'s' if len(names) != 1 else ''} still on the meta device "

@@ -80,6 +80,12 @@ class CheckResult:
         return cls(data["name"], bool(data["ok"]), float(data["seconds"]), data.get("note", ""))
 
 
+def format_names(names: list[str], shown: int) -> str:
+    """``['a', 'b', 'c', 'd']``, 2 -> ``"'a', 'b' (+2 more)"``: a finding's message names a few, its detail all."""
+    text = ", ".join(f"'{n}'" for n in names[:shown])
+    return text + (f" (+{len(names) - shown} more)" if len(names) > shown else "")
+
+
 def format_ranks(ranks: list[int] | tuple[int, ...]) -> str:
     """``[0, 1, 2, 5]`` -> ``"ranks 0-2,5"``; one rank -> ``"rank 3"``."""
     ranks = sorted(set(ranks))
