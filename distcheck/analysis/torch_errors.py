@@ -316,6 +316,17 @@ def _gloo_timeout(message: str, context: dict[str, Any]) -> dict[str, Any] | Non
             "detail": detail}
 
 
+# torch's C++ errors start with their source location ("[/__w/pytorch/.../pair.cc:553] "): noise to a user.
+_CPP_LOCATION = re.compile(r"^((?:\w+Error: )?)\[[^\]\s]*\.(?:cc|cpp|h|hpp):\d+\]\s*")
+
+
+def first_line(text: str, limit: int = 200) -> str:
+    """The line of an error's text a message quotes (a traceback's last), without a C++ source location."""
+    line = (text.strip().splitlines() or [""])[-1] if "Traceback" in text else (text.strip().splitlines() or [""])[0]
+    line = _CPP_LOCATION.sub(r"\1", line)
+    return line if len(line) <= limit else line[:limit] + "..."
+
+
 def lost_peer(text: str) -> bool:
     """The error only says that another rank went away: a consequence of that rank's own failure."""
     return bool(_GLOO_PEER.search(text))

@@ -17,7 +17,7 @@ from typing import Any
 
 from distcheck.analysis.hang import hang_finding as make_hang_finding, progress_from_events
 from distcheck.analysis.ops import PEER_OPS
-from distcheck.analysis.torch_errors import brief, lost_peer, translate
+from distcheck.analysis.torch_errors import brief, first_line, lost_peer, translate
 from distcheck.analysis.trace_events import (P2P_OPS, RankError, RankTrace, TraceEvent, last_completed,
                                              last_started, open_events)
 from distcheck.contract.findings import Finding, format_ranks
@@ -202,18 +202,8 @@ def divergence_finding(d: Divergence, outcomes: dict[int, RankOutcome],
     if backend_errors:
         detail["backend_errors"] = backend_errors
         first = next(iter(backend_errors.values()))
-        message += " (backend error: " + (brief(first) or _first_line(first)) + ")"
+        message += " (backend error: " + (brief(first) or first_line(first)) + ")"
     return Finding("collective_mismatch", d.ranks, message, detail)
-
-
-# torch's C++ errors start with their source location ("[/__w/pytorch/.../pair.cc:553] "): noise to a user.
-_CPP_LOCATION = re.compile(r"^((?:\w+Error: )?)\[[^\]\s]*\.(?:cc|cpp|h|hpp):\d+\]\s*")
-
-
-def _first_line(text: str, limit: int = 200) -> str:
-    line = (text.strip().splitlines() or [""])[-1] if "Traceback" in text else (text.strip().splitlines() or [""])[0]
-    line = _CPP_LOCATION.sub(r"\1", line)
-    return line if len(line) <= limit else line[:limit] + "..."
 
 
 def find_p2p_mismatches(traces: dict[int, RankTrace], outcomes: dict[int, RankOutcome]) -> list[Finding]:
@@ -290,7 +280,7 @@ def describe_position(rank: int, trace: RankTrace | None, outcome: RankOutcome |
     last = last_started(events)
     if last is not None and last.error is not None:
         return (f"rank {rank} failed in {last.op} #{last.seq} on group {_group_label(last.pg)}{_where(last)} "
-                f"({brief(last.error) or _first_line(last.error, 80)})")
+                f"({brief(last.error) or first_line(last.error, 80)})")
     done = last_completed(events)
     if done is not None:
         return f"rank {rank} is outside collectives, last completed {done.op} #{done.seq}{_where(done)}"
@@ -311,7 +301,7 @@ def _same_error_key(o: RankOutcome, translated: dict[str, Any] | None) -> tuple 
     err = o.error
     if err is None or o.signal:
         return None
-    text = (translated or {}).get("message") or re.sub(r"\brank \d+", "rank N", _first_line(err.message),
+    text = (translated or {}).get("message") or re.sub(r"\brank \d+", "rank N", first_line(err.message),
                                                          flags=re.IGNORECASE)
     return (err.exc_type, err.file, err.line, text)
 
@@ -342,7 +332,7 @@ def failure_finding(o: RankOutcome, traces: dict[int, RankTrace], outcomes: dict
         err = o.error
         detail.update(exception=err.exc_type, error=err.message, traceback=err.traceback)
         where = f" at {err.site}" if err.site else ""
-        what = f"raised {err.exc_type}: {_first_line(err.message)}{where}"
+        what = f"raised {err.exc_type}: {first_line(err.message)}{where}"
         if translated and translated.get("message"):  # torch's text stays in detail["error"]
             what = f"raised {err.exc_type}{where}: {translated['message']}"
             detail.update(translated.get("detail") or {})

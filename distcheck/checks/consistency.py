@@ -197,13 +197,13 @@ def run_checks(session: Session, options: Options, ctx: Context | None = None,
 def failure_finding(ctx: Context, check: str, exc: Exception) -> Finding:
     """A check that raised: torch's error translated where distcheck knows it (the model's parameter names for
     DDP's errors), torch's text kept in detail. The message names no rank, so ranks failing alike merge into one."""
+    from distcheck.analysis.torch_errors import first_line
     from distcheck.rank.error_context import explain
 
     tb = traceback.format_exc()
     ddp_model = ctx.model if ctx.options.parallel == "ddp" else None
     translated = explain(exc, ddp_model=ddp_model)
-    lines = str(exc).strip().splitlines()
-    text = translated["message"] if translated else (lines[0] if lines else "")
+    text = translated["message"] if translated else first_line(str(exc))
     detail = {"check": check, "exception": type(exc).__name__, "error": str(exc), "traceback": tb}
     detail.update((translated or {}).get("detail") or {})
     return Finding("rank_failure", [ctx.session.rank], f"raised {type(exc).__name__} in the {check} check: {text}",
