@@ -89,12 +89,11 @@ class AutoRecords:
 
     def _param_names(self) -> dict[int, str]:
         """id(parameter) -> its name in the outermost module holding it (watched roots, then modules that ran)."""
+        from distcheck.rank.autocheck.discovery import outermost
+
         modules = self.owner.models.alive() + [m for m in (r() for r in self._called.values()) if m is not None]
-        inner = {id(sub) for m in modules for sub in m.modules() if sub is not m}
         names: dict[int, str] = {}
-        for m in modules:
-            if id(m) in inner:
-                continue
+        for m in outermost(modules):
             for n, p in m.named_parameters():
                 names.setdefault(id(p), n)
         return names

@@ -30,6 +30,17 @@ log = logging.getLogger("distcheck")
 MAX_REFERENCE_NUMEL = 1 << 24
 
 
+def outermost(modules: list[Any]) -> list[Any]:
+    """The modules no other one of them contains (the models, not their blocks), in the given order."""
+    inner = {id(sub) for m in modules for sub in m.modules() if sub is not m}
+    return [m for m in modules if id(m) not in inner]
+
+
+def user_name(name: str) -> str:
+    """A parameter's name as the user wrote it: DDP's ``module.`` prefix is not part of it."""
+    return name.removeprefix("module.")
+
+
 class ModelWatch:
     """The models this rank parallelized, and their one check at the first forward."""
 

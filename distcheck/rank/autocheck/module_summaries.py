@@ -82,10 +82,10 @@ class ModuleSummaries:
         self.capture = os.environ.get(ENV_CAPTURE_MODULE)
         self.capture_side = os.environ.get(ENV_CAPTURE_SIDE, "forward")
         self._capture_hooked = False
-        self._active: list[int] = []  # ids of the modules whose forward is running, outermost first
-        self._root_names: dict[int, dict[int, str]] = {}  # id(outermost module) -> id(submodule) -> name
+        self._active: list[Any] = []  # the modules whose forward is running, outermost first
+        # id(outermost module) -> id(submodule) -> (its name without wrapper parts, its raw name in that module)
+        self._root_names: dict[int, dict[int, tuple[str, str]]] = {}
         self.rows: dict[int, dict[str, Any]] = {}  # id(module) -> row, in completion order
-        self._modules: dict[int, weakref.ref] = {}
         self._inputs: dict[int, dict[str, Any] | None] = {}  # id(module) -> its input's summary, until it returns
         self._handles: list[Any] = []
         self._grads = 0
@@ -101,8 +101,7 @@ class ModuleSummaries:
         """The input as the caller passed it: global pre-hooks run before a parallel style's own input hook."""
         if self.done:
             return
-        if self.capture is not None:
-            self._enter(module)
+        self._enter(module)
         if id(module) in self.rows or id(module) in self._inputs or len(self.rows) >= MAX_MODULES:
             return
         try:
@@ -114,13 +113,14 @@ class ModuleSummaries:
         from distcheck.rank.records import normalize_key
 
         if not self._active and id(module) not in self._root_names:
-            self._root_names[id(module)] = {id(sub): normalize_key(n) for n, sub in module.named_modules()}
-        self._active.append(id(module))
+            self._root_names[id(module)] = {id(sub): (normalize_key(n), n) for n, sub in module.named_modules()}
+        self._active.append(module)
 
-    def _name_now(self, module: Any) -> str | None:
-        """The module's name in the outermost module running now (the rows' names, without waiting for the step)."""
-        names = self._root_names.get(self._active[0]) if self._active else None
-        return names.get(id(module)) if names else None
+    def _name_now(self, module: Any) -> tuple[str, str] | tuple[None, None]:
+        """(name, raw name) of a module in the outermost module running now: DDP's ``module.`` and other wrapper
+        parts left out, so the 1-rank and N-rank runs name it alike."""
+        names = self._root_names.get(id(self._active[0])) if self._active else None
+        return names.get(id(module), (None, None)) if names else (None, None)
 
     def _save(self, module_name: str, side: str, t: Any) -> None:
         import torch
@@ -137,9 +137,12 @@ class ModuleSummaries:
     def on_forward(self, module: Any, args: Any, output: Any) -> None:
         if self.done:
             return
+        name, raw = self._name_now(module)
+        root = self._active[0] if self._active else None
+        if self._active and self._active[-1] is module:
+            self._active.pop()
         if self.capture is not None:
             try:
-                name = self._name_now(module)
                 if name == self.capture:
                     if self.capture_side == "forward":
                         self._save(name, "forward", _first_tensor(output))
@@ -150,10 +153,7 @@ class ModuleSummaries:
                             self._capture_hooked = True
             except Exception as exc:
                 log.debug("module capture failed: %s", exc)
-            finally:
-                if self._active and self._active[-1] == id(module):
-                    self._active.pop()
-        if id(module) in self.rows or len(self.rows) >= MAX_MODULES:
+        if id(module) in self.rows or len(self.rows) >= MAX_MODULES or name is None:
             return
         try:
             out = summarize(_first_tensor(output))
@@ -164,11 +164,12 @@ class ModuleSummaries:
 
         site = forward_site(module)
         inp = _first_tensor(args)
-        row: dict[str, Any] = {"order": len(self.rows), "cls": type(module).__name__, "file": site.file,
-                               "line": site.line, "site_kind": "forward", "out": out,
+        row: dict[str, Any] = {"name": name, "order": len(self.rows), "cls": type(module).__name__,
+                               "file": site.file, "line": site.line, "site_kind": "forward", "out": out,
                                "in": self._inputs.pop(id(module), None)}
+        if row["file"] is None:  # a torch layer: the user's line that creates it
+            self._creation_site(row, root, raw)
         self.rows[id(module)] = row
-        self._modules[id(module)] = weakref.ref(module)
         if inp is not None and getattr(inp, "requires_grad", False):
             inp.register_hook(_on_grad_ref(weakref.ref(self), id(module)))
 
@@ -184,7 +185,7 @@ class ModuleSummaries:
             log.debug("gradient summary failed: %s", exc)
 
     def finish_step(self) -> None:
-        """The first step is over: name the rows and stop."""
+        """The first step is over: stop."""
         if self.done:
             return
         self.done = True
@@ -192,25 +193,8 @@ class ModuleSummaries:
             handle.remove()
         self._handles = []
         self._inputs.clear()
-        names = self._names()
-        for key, row in self.rows.items():
-            row["name"], root, raw = names.get(key, (None, None, None))
-            if row["file"] is None and root is not None:  # a torch layer: the user's line that creates it
-                self._creation_site(row, root, raw)
-
-    def _names(self) -> dict[int, tuple[str, Any, str]]:
-        """id(module) -> (its name without wrapper parts, the outermost module, its raw name in it)."""
-        from distcheck.rank.records import normalize_key
-
-        modules = [m for m in (ref() for ref in self._modules.values()) if m is not None]
-        inner = {id(sub) for m in modules for sub in m.modules() if sub is not m}
-        names: dict[int, tuple[str, Any, str]] = {}
-        for m in modules:
-            if id(m) in inner:
-                continue
-            for n, sub in m.named_modules():
-                names.setdefault(id(sub), (normalize_key(n), m, n))
-        return names
+        self._active.clear()
+        self._root_names.clear()
 
     @staticmethod
     def _creation_site(row: dict[str, Any], root: Any, raw: str) -> None:

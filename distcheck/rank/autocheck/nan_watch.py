@@ -16,14 +16,10 @@ import time
 from typing import Any
 
 from distcheck.analysis.bad_values import BadEvent, loss_value_name
+from distcheck.rank.autocheck.discovery import user_name
 from distcheck.rank.usersite import caller_site
 
 log = logging.getLogger("distcheck")
-
-
-def _strip(name: str) -> str:
-    """DDP's ``module.`` prefix is not part of the user's parameter names."""
-    return name.removeprefix("module.")
 
 
 class NanWatch:
@@ -41,11 +37,11 @@ class NanWatch:
     def on_backward(self, loss: Any) -> None:
         if self.first_bad is not None or loss.numel() != 1 or not loss.is_floating_point():
             return
-        loss = loss.detach()
+        from distcheck.checks.fingerprint import local_tensor
+
         # A DTensor loss (a sequence-parallel output left as DTensor): its local value is finite exactly when this
         # rank's part is; stacking it with plain tensors would raise.
-        loss = loss.to_local() if callable(getattr(loss, "to_local", None)) else loss
-        self._losses.append((loss.reshape(()), caller_site()))
+        self._losses.append((local_tensor(loss).reshape(()), caller_site()))
 
     def after_backward(self) -> None:
         """Without an optimizer, a step is a backward() call: check right after it."""
@@ -61,17 +57,19 @@ class NanWatch:
     def check_step(self, step: int, counter: str, params: list[Any]) -> None:
         import torch
 
+        from distcheck.checks.fingerprint import local_tensor
+
         started = time.perf_counter()
         try:
             self._resolve(block=False)
             if not self._names:
-                self._names = {id(p): _strip(n) for m in self.owner.models.alive() for n, p in m.named_parameters()}
+                self._names = {id(p): user_name(n) for m in self.owner.models.alive() for n, p in m.named_parameters()}
             grads, names = [], []
             for p in params:
                 g = p.grad
                 if g is None:
                     continue
-                grads.append(g.to_local() if callable(getattr(g, "to_local", None)) else g)
+                grads.append(local_tensor(g))
                 names.append(self._names.get(id(p), f"<parameter {len(names)}>"))
             losses = self._losses
             self._losses = []

@@ -22,6 +22,7 @@ import time
 from typing import Any
 
 from distcheck.analysis.replica_drift import fingerprint_row
+from distcheck.rank.autocheck.discovery import outermost, user_name
 from distcheck.rank.usersite import Site, caller_site
 
 log = logging.getLogger("distcheck")
@@ -36,10 +37,6 @@ def steps_from_env() -> int:
         return max(0, int(text)) if text else DEFAULT_STEPS
     except ValueError:
         return DEFAULT_STEPS
-
-
-def _strip(name: str) -> str:
-    return name.removeprefix("module.")  # DDP's prefix is not part of the user's parameter names
 
 
 def replicated_params(roots: list[Any]) -> list[tuple[str, Any, Any]]:
@@ -60,7 +57,7 @@ def replicated_params(roots: list[Any]) -> list[tuple[str, Any, Any]]:
             plain_group = ["ddp", dist.get_process_group_ranks(root.process_group)]
             # Parameters the user told DDP to ignore are not synchronized by it: they may differ on purpose.
             ignored = set(getattr(root, "parameters_to_ignore", ()) or ())
-            named = [(n, p) for n, p in named if _strip(n) not in ignored]
+            named = [(n, p) for n, p in named if user_name(n) not in ignored]
         else:
             mesh = next((getattr(p, "device_mesh", None) for _, p in named
                          if getattr(p, "device_mesh", None) is not None), None)
@@ -72,9 +69,9 @@ def replicated_params(roots: list[Any]) -> list[tuple[str, Any, Any]]:
                 mesh_shape = key[1]
                 replicated = any(pl.is_replicate() and mesh_shape[d] > 1 for d, pl in enumerate(p.placements))
                 if replicated:
-                    out.append((_strip(name), [list(key[0]), list(key[1]), [list(c) for c in key[2]]], p))
+                    out.append((user_name(name), [list(key[0]), list(key[1]), [list(c) for c in key[2]]], p))
             elif plain_group is not None and len(plain_group[1]) > 1:
-                out.append((_strip(name), plain_group, p))
+                out.append((user_name(name), plain_group, p))
     return out
 
 
@@ -118,17 +115,12 @@ class ReplicaDrift:
                           "site": caller_site().detail()})
 
     # -- the fingerprints ------------------------------------------------------------------------------------------
-    def _roots(self) -> list[Any]:
-        models = self.owner.models.alive()
-        inner = {id(sub) for m in models for sub in m.modules() if sub is not m}
-        return [m for m in models if id(m) not in inner]
-
     def _take(self, step: int, how: dict[str, Any] | None) -> None:
         from distcheck.checks.fingerprint import fingerprint_many
 
         started = time.perf_counter()
         try:
-            items = replicated_params(self._roots())
+            items = replicated_params(outermost(self.owner.models.alive()))
             if not items and step == -1:
                 self.steps = 0  # nothing replicated (plain FSDP2, or no model): nothing to watch later either
                 return
