@@ -16,6 +16,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "fixtures"
 BIN = Path(sys.executable).parent
+# env for a launch whose ranks must be fresh interpreters (the default for users) rather than forked from the
+# test session's zygote (tests/integration/conftest.py)
+FRESH = {"DISTCHECK_ZYGOTE": "0"}
 
 
 @dataclass

@@ -102,7 +102,6 @@ class Supervisor:
         self.kill_grace = kill_grace
         self.startup_timeout = startup_timeout
         self.procs: dict[int, subprocess.Popen] = {}
-        self._store = None
         self._lifeline: int | None = None  # write end of the store host's lifeline pipe (see rank/store_host.py)
 
     def pids(self) -> dict[int, int]:
@@ -122,12 +121,10 @@ class Supervisor:
 
     def run(self) -> SupervisorResult:
         import socket
-        from datetime import timedelta
 
         started = time.monotonic()
         # Bind the store's port before starting the ranks (no free-port race). Rank 0 serves the store on this
-        # socket (rank/store_host.py); only when it cannot (a zygote-forked rank) is it hosted here, started after
-        # the ranks are launched so that this process's torch import overlaps with theirs.
+        # socket (rank/store_host.py), whether it is a fresh interpreter or forked by a zygote.
         listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         listener.bind(("127.0.0.1", 0))
         listener.listen(128)
@@ -136,16 +133,7 @@ class Supervisor:
         result = None
         try:
             self._launch(port, listener.fileno())
-            if self._lifeline is None:
-                import torch.distributed as dist
-
-                # The agent store, hosted as torchrun's agent hosts it, on the socket bound above.
-                self._store = dist.TCPStore("127.0.0.1", port, self.nproc, True,
-                                            timedelta(seconds=max(self.timeout, 60)), wait_for_workers=False,
-                                            master_listen_fd=listener.fileno())
-                listener.detach()  # the store owns (and closes) the descriptor now
-            else:
-                listener.close()  # rank 0's store host has its own copy
+            listener.close()  # rank 0's store host has its own copy
             loop = WatchLoop(self.report_dir, self.timeout, live=self.pids, expected=self.nproc,
                              finished=lambda: {r for r, p in self.procs.items() if p.poll() is not None},
                              should_stop=self._should_stop, dump=self.dump, startup_timeout=self.startup_timeout,
@@ -163,7 +151,6 @@ class Supervisor:
             leftover = sorted(self.pids())
             if leftover:  # interrupted (Ctrl-C, an exception): never leave ranks behind
                 self._end(leftover)
-            self._store = None
             if self._lifeline is not None:  # the store host sees end-of-file and exits
                 os.close(self._lifeline)
                 self._lifeline = None
@@ -186,40 +173,34 @@ class Supervisor:
         return self.should_stop({r: p.poll() for r, p in self.procs.items()})
 
     def _launch(self, port: int, listen_fd: int) -> None:
+        """Start every rank; rank 0 gets the store's socket and the read end of the lifeline (rank/store_host.py)."""
+        from distcheck.rank.store_host import ENV_STORE_FDS
+
         zygote = Zygote.shared()
         for rank in range(self.nproc):
             argv = list(self.argv_for_rank(rank))
             args = _distcheck_args(argv)
-            if rank == 0 and zygote is None and args is not None and args[:1] == ["run"]:
-                self.procs[rank] = self._launch_store_host_rank(argv, port, listen_fd)
-                continue
-            if zygote is not None and args is not None:
-                env = self._rank_env(rank, port)
-                env["DISTCHECK_PTRACER"] = str(os.getpid())  # py-spy runs from here, not from the zygote
-                try:
-                    self.procs[rank] = zygote.spawn(args, env)
-                    continue
-                except (OSError, RuntimeError) as exc:  # a broken zygote costs speed, never the run
-                    log.warning("zygote unavailable (%s): starting ranks as fresh interpreters", exc)
-                    zygote = Zygote._shared = None
-            self.procs[rank] = _popen(argv, self._rank_env(rank, port))
-
-    def _launch_store_host_rank(self, argv: list[str], port: int, listen_fd: int) -> subprocess.Popen:
-        """Rank 0, handed the store's socket and the read end of the lifeline pipe (rank/store_host.py)."""
-        from distcheck.rank.store_host import ENV_STORE_FDS
-
-        read_end, write_end = os.pipe()
-        env = self._rank_env(0, port)
-        env[ENV_STORE_FDS] = f"{listen_fd},{read_end}"
-        try:
-            proc = _popen(argv, env, pass_fds=(listen_fd, read_end))
-        except BaseException:
-            os.close(write_end)
-            raise
-        finally:
-            os.close(read_end)
-        self._lifeline = write_end
-        return proc
+            if args is None or args[:1] != ["run"]:
+                raise ValueError(f"a rank runs `python -m distcheck run ...`, not {argv}")
+            env = self._rank_env(rank, port)
+            pass_fds: tuple[int, ...] = ()
+            if rank == 0:
+                read_end, self._lifeline = os.pipe()
+                env[ENV_STORE_FDS] = f"{listen_fd},{read_end}"
+                pass_fds = (listen_fd, read_end)
+            try:
+                if zygote is not None:
+                    try:
+                        self.procs[rank] = zygote.spawn(args, {**env, "DISTCHECK_PTRACER": str(os.getpid())},
+                                                        pass_fds)  # py-spy runs from here, not from the zygote
+                        continue
+                    except (OSError, RuntimeError) as exc:  # a broken zygote costs speed, never the run
+                        log.warning("zygote unavailable (%s): starting ranks as fresh interpreters", exc)
+                        zygote = Zygote._shared = None
+                self.procs[rank] = _popen(argv, env, pass_fds)
+            finally:
+                if rank == 0:
+                    os.close(read_end)
 
     def _end(self, ranks: list[int], grace: float | None = None) -> None:
         """The one kill routine (SIGTERM, then SIGKILL after kill_grace), then reap our children."""

@@ -1,36 +1,58 @@
-"""A process that imports torch once and forks rank processes from it (used by the launcher).
+"""A fork server: one process imports torch once and forks rank processes from it, for one run or for many.
 
-    python -m distcheck.supervise.zygote REQUEST_FD REPLY_FD      # started by distcheck.supervise.launcher, not by users
+    DISTCHECK_ZYGOTE=1 python -m distcheck run --nproc 2 -- train.py     # a private zygote for this run
 
-Every rank would otherwise spend seconds of CPU importing torch (about 3 s each on this project's 2-core
-machine); a `run --nproc 2` or `compare --nproc 2` pays that once here instead of once per rank, and `compare`
-reuses the same zygote for its reference and N-rank runs. Forking after ``import torch`` (before any CUDA or
-thread-pool initialization) is what DataLoader workers do on Linux by default.
+    python -m distcheck.supervise.zygote /tmp/dc/zygote.sock &          # a shared one, serving until killed
+    DISTCHECK_ZYGOTE=/tmp/dc/zygote.sock python -m distcheck run --nproc 2 -- train.py
 
-Protocol, one JSON object per line: request ``{"argv": [...], "env": {...}, "cwd": str}`` -> reply
-``{"pid": int}``; later, unprompted, ``{"exit": pid, "code": int}`` when a rank ends (negative: killed by that
-signal). The zygote is single-threaded (a select loop), so nothing holds a lock when it forks.
+Every rank would otherwise spend seconds of CPU importing torch (about 2 s each on this project's 2-core
+machine). A private zygote pays that once per run instead of once per rank (`compare` reuses it for its reference
+and N-rank runs); a shared one pays it once for every run that names its socket: the test suite starts one per
+xdist worker (tests/conftest.py). Forking after ``import torch`` (before any CUDA or thread-pool initialization) is
+what DataLoader workers do on Linux by default. Off by default: ranks forked from one zygote share its string-hash
+seed (fresh interpreters draw one each), so a bug that needs a different set order per rank shows only without it.
+
+Protocol, over a Unix SOCK_SEQPACKET socket (one message per request or reply, so the descriptors sent with a
+request cannot straddle two): request ``{"argv": [...], "env": {...}, "cwd": str, "fds": [targets]}`` with the
+descriptors to install at those numbers in the rank (its stdin, stdout and stderr, then any ``pass_fds``) ->
+reply ``{"pid": int}``; later, unprompted, ``{"exit": pid, "code": int}`` when a rank ends (negative: killed by
+that signal). A connection owns the ranks it asked for: when it closes (its launcher ended or was killed) the
+zygote SIGKILLs those still running, as PR_SET_PDEATHSIG does for ranks a launcher starts itself; and every rank
+dies with the zygote. The zygote is single-threaded (a select loop), so nothing holds a lock when it forks.
 """
 from __future__ import annotations
 
 import json
+import logging
 import os
 import select
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Sequence
 
-from distcheck.supervise.procs import die_with_parent
+from distcheck.supervise.procs import alive, die_with_parent
 
-# What every rank imports anyway: loaded once, before any fork. Not torch.distributed.fsdp/.tensor: they import
-# torch._dynamo, and ranks forked after that deadlocked at the end of a DDP script (9 of 48 runs of
-# fixtures/cmp_loss_sum.py, 4 loops in parallel): the main thread, holding the GIL, destroys the Reducer and joins
-# ProcessGroupGloo's worker, which waits for the GIL to drop a Python object held by a finished work's
-# ThreadLocalState. Without them: 0 of 48.
-PRELOAD = ("torch", "torch.distributed", "distcheck.cli", "distcheck.commands.run", "distcheck.rank.tracer",
+log = logging.getLogger("distcheck")
+
+ENV = "DISTCHECK_ZYGOTE"  # "1": a private zygote per launcher; a socket path: a shared one; unset or "0": none
+
+# What every rank imports anyway, loaded once before any fork: torch._dynamo alone is 1.1 s of a DDP or FSDP2
+# rank's 1.3 s of CPU under a shared zygote (DDP's constructor and FSDP2's first DTensor import it). With torch
+# 2.13 none of these starts a thread (serve() checks). An earlier zygote, which forked per run and hosted the
+# store in the launcher, saw ranks deadlock at the end of DDP scripts with torch._dynamo preloaded (9 of 48 runs
+# of fixtures/cmp_loss_sum.py: the main thread, holding the GIL, joined ProcessGroupGloo's worker, which waited
+# for the GIL to drop a Python object of a finished work). This one ran 130 DDP runs, 6 loops in parallel
+# (fixtures/cmp_loss_sum.py, cmp_ddp_ok.py, ddp_no_sync_drift.py), without one.
+PRELOAD = ("torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.tensor.parallel",
+           "torch.distributed.fsdp", "torch._dynamo", "distcheck.cli", "distcheck.commands.run", "distcheck.rank.tracer",
            "distcheck.rank.autocheck", "distcheck.rank.entry", "distcheck.supervise.hang")
+
+_MAX_MESSAGE = 1 << 20  # a request carries the rank's environment: a few kB
+_MAX_FDS = 16
 
 
 def _preload() -> None:
@@ -48,15 +70,39 @@ def _preload() -> None:
             pass
 
 
-def _child(request: dict, fds: tuple[int, int]) -> None:
+def _path_entries(env: dict[str, str]) -> list[str]:
+    return [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+
+
+def _install_fds(received: list[int], targets: list[int]) -> None:
+    """Put each received descriptor at its target number (a target may be another received one's number)."""
+    import fcntl
+
+    moved = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 256) for fd in received]  # above every target
+    for fd in received:
+        os.close(fd)
+    for fd, target in zip(moved, targets):
+        os.dup2(fd, target)  # inheritable, like Popen's pass_fds
+        os.close(fd)
+
+
+def _child(request: dict, fds: list[int], server_fds: list[int], server_env: dict[str, str]) -> None:
     """In the forked rank: become what `python -m distcheck ...` would have been, run it, exit."""
-    for fd in fds:
+    for fd in server_fds:
         os.close(fd)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    die_with_parent()  # die with the zygote, which dies with the launcher
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    die_with_parent()  # die with the zygote (which ends the ranks of a launcher that dies)
+    _install_fds(fds, request["fds"])
     os.environ.clear()
     os.environ.update(request["env"])
     os.chdir(request["cwd"])
+    # sys.path as `python -m` would build it for this request: the working directory, then its PYTHONPATH.
+    inherited = set(_path_entries(server_env))
+    rest = [p for p in sys.path[1:] if p not in inherited]
+    sys.path[:] = [request["cwd"], *_path_entries(request["env"]), *rest]
+    if "numpy.random" in sys.modules:  # a fresh interpreter seeds numpy's global generator from the OS; so do we
+        sys.modules["numpy.random"].seed()  # (`random` reseeds itself after a fork)
     argv = request["argv"]
     sys.argv = ["python -m distcheck", *argv]
     code = 1
@@ -81,41 +127,70 @@ def _child(request: dict, fds: tuple[int, int]) -> None:
             os._exit(code if isinstance(code, int) else 1)
 
 
-def serve(request_fd: int, reply_fd: int) -> None:
+def _send(conn: socket.socket, message: dict) -> None:
+    try:
+        conn.send(json.dumps(message).encode())
+    except OSError:  # the launcher is gone; its ranks are being ended
+        pass
+
+
+def serve(path: str, private: bool = False) -> None:
+    """Listen on ``path`` and fork a rank per request. ``private``: end when the first launcher disconnects."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(path)  # before the preload: a launcher connects at once and its first request waits for it
+    listener.listen(64)
     _preload()
     threads = len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else 1
-    if threads > 1:  # never fork a multi-threaded process: the launcher falls back to fresh interpreters
+    if threads > 1:  # never fork a multi-threaded process: the launchers fall back to fresh interpreters
         sys.stderr.write(f"distcheck zygote: {threads} threads after preloading; not forking\n")
         return
-    reply = os.fdopen(reply_fd, "w", buffering=1)
-    reply.write(json.dumps({"ready": os.getpid()}) + "\n")
-    buffer = b""
-    children: set[int] = set()
+    server_env = dict(os.environ)
+    owned: dict[socket.socket, set[int]] = {}  # connection -> the ranks it asked for that still run
+    owner: dict[int, socket.socket] = {}
+    served = False
     while True:
-        readable, _, _ = select.select([request_fd], [], [], 0.05)
-        if readable:
-            chunk = os.read(request_fd, 65536)
-            if not chunk:  # the launcher is gone: end (the ranks die with us through PR_SET_PDEATHSIG)
-                return
-            buffer += chunk
-            while b"\n" in buffer:
-                line, buffer = buffer.split(b"\n", 1)
-                request = json.loads(line)
-                pid = os.fork()
-                if pid == 0:
-                    _child(request, (request_fd, reply_fd))
-                children.add(pid)
-                reply.write(json.dumps({"pid": pid}) + "\n")
-        while children:
+        readable, _, _ = select.select([listener, *owned], [], [], 0.05)
+        for sock in readable:
+            if sock is listener:
+                conn, _ = listener.accept()
+                owned[conn] = set()
+                served = True
+                continue
+            try:
+                data, fds, _, _ = socket.recv_fds(sock, _MAX_MESSAGE, _MAX_FDS)
+            except OSError:
+                data, fds = b"", []
+            if not data:  # the launcher ended: so do the ranks it started (those already ended are reaped below)
+                for pid in owned.pop(sock):
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+                sock.close()
+                continue
+            request = json.loads(data)
+            pid = os.fork()
+            if pid == 0:
+                _child(request, fds, [listener.fileno(), *(c.fileno() for c in owned)], server_env)
+            for fd in fds:
+                os.close(fd)
+            owned[sock].add(pid)
+            owner[pid] = sock
+            _send(sock, {"pid": pid})
+        while owner:
             try:
                 pid, status = os.waitpid(-1, os.WNOHANG)
             except ChildProcessError:
                 break
             if pid == 0:
                 break
-            children.discard(pid)
-            code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
-            reply.write(json.dumps({"exit": pid, "code": code}) + "\n")
+            sock = owner.pop(pid, None)
+            if sock in owned:
+                owned[sock].discard(pid)
+                code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+                _send(sock, {"exit": pid, "code": code})
+        if private and served and not owned and not owner:
+            return
 
 
 # --- the launcher's handle on the zygote -----------------------------------------------------------------------
@@ -133,6 +208,8 @@ class ForkedRank:
         if self.returncode is None:
             self._zygote.collect()
             self.returncode = self._zygote.exits.get(self.pid)
+            if self.returncode is None and self._zygote.lost and not alive(self.pid):
+                self.returncode = -signal.SIGKILL  # the zygote died, and its ranks with it
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
@@ -155,76 +232,105 @@ class ForkedRank:
 
 
 class Zygote:
-    """The launcher's handle on ``python -m distcheck.supervise.zygote``: forks ranks that have torch imported already.
+    """A launcher's connection to a zygote: private (started here, ends with this process) or shared (a socket).
 
-    One per supervising process (compare reuses it for the reference and the N-rank runs). Used for ranks that
-    run ``python -m distcheck ...`` when DISTCHECK_ZYGOTE=1. Off by default: the stall at the end of a script that
-    the test suite saw under load came from preloading torch._dynamo (see PRELOAD); with it gone the suite passed
-    once and the 48-run loop showed no stall, which is not yet enough to make forking the default. (It cut the
-    suite's CPU time by about a third but not its wall time on the 2-core VM, which had other limits.)
+    One per launcher process (``shared()``): ``compare`` reuses it for the reference and the N-rank runs.
     """
 
     _shared: "Zygote | None" = None
 
-    def __init__(self) -> None:
-        req_r, self._req_w = os.pipe()
-        self._reply_r, reply_w = os.pipe()
-        self.proc = subprocess.Popen([sys.executable, "-m", "distcheck.supervise.zygote", str(req_r), str(reply_w)],
-                                     pass_fds=(req_r, reply_w), stdin=subprocess.DEVNULL,
-                                     preexec_fn=die_with_parent if sys.platform == "linux" else None)
-        os.close(req_r)
-        os.close(reply_w)
-        os.set_blocking(self._reply_r, False)
-        self._buffer = b""
+    def __init__(self, path: str, proc: subprocess.Popen | None = None, timeout: float = 10.0) -> None:
+        self.proc = proc  # the private zygote's process; None for a shared one
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        deadline = time.monotonic() + timeout
+        while True:  # a private zygote binds its socket a moment after it starts
+            try:
+                self.sock.connect(path)
+                break
+            except (FileNotFoundError, ConnectionRefusedError):
+                if time.monotonic() > deadline or (proc is not None and proc.poll() is not None):
+                    self.sock.close()
+                    raise RuntimeError(f"no zygote listens on {path}") from None
+                time.sleep(0.02)
         self.exits: dict[int, int] = {}
-        self._pids: list[int] = []
-        self._ready = False
+        self.lost = False
 
     @classmethod
     def shared(cls) -> "Zygote | None":
-        if os.environ.get("DISTCHECK_ZYGOTE", "0") != "1" or sys.platform != "linux":
+        """This process's zygote as DISTCHECK_ZYGOTE asks; None when it asks for none or none can be had."""
+        setting = os.environ.get(ENV, "0")
+        if setting in ("", "0") or sys.platform != "linux":
             return None
-        if cls._shared is None or cls._shared.proc.poll() is not None:
-            cls._shared = cls()
+        if cls._shared is not None and not cls._shared.lost:
+            return cls._shared
+        try:
+            cls._shared = cls._private() if setting == "1" else cls(setting, timeout=0.0)  # shared: there or not
+        except (OSError, RuntimeError) as exc:
+            log.warning("%s=%s: %s; starting ranks as fresh interpreters", ENV, setting, exc)
+            cls._shared = None
         return cls._shared
 
-    def _read(self, timeout: float) -> None:
-        import select
-
-        ready, _, _ = select.select([self._reply_r], [], [], timeout)
-        if not ready:
-            return
+    @classmethod
+    def _private(cls) -> "Zygote":
+        folder = tempfile.mkdtemp(prefix="distcheck-zygote-")
+        path = os.path.join(folder, "socket")
+        proc = subprocess.Popen([sys.executable, "-m", "distcheck.supervise.zygote", "--private", path],
+                                stdin=subprocess.DEVNULL,
+                                preexec_fn=die_with_parent if sys.platform == "linux" else None)
         try:
-            chunk = os.read(self._reply_r, 65536)
-        except BlockingIOError:
-            return
-        if not chunk:
-            raise RuntimeError("the zygote exited")
-        self._buffer += chunk
-        while b"\n" in self._buffer:
-            line, self._buffer = self._buffer.split(b"\n", 1)
-            msg = json.loads(line)
-            if "ready" in msg:
-                self._ready = True
-            elif "pid" in msg:
-                self._pids.append(msg["pid"])
-            elif "exit" in msg:
-                self.exits[msg["exit"]] = msg["code"]
+            return cls(path, proc)
+        finally:  # connected (or failed): the name is no longer needed
+            for remove, name in ((os.unlink, path), (os.rmdir, folder)):
+                try:
+                    remove(name)
+                except OSError:
+                    pass
+
+    def _handle(self, data: bytes) -> int | None:
+        if not data:
+            self.lost = True
+            return None
+        message = json.loads(data)
+        if "exit" in message:
+            self.exits[message["exit"]] = message["code"]
+            return None
+        return message["pid"]
 
     def collect(self) -> None:
-        self._read(0)
+        """Read the exits the zygote reported, without waiting."""
+        while not self.lost:
+            try:
+                data = self.sock.recv(_MAX_MESSAGE, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                return
+            except OSError:
+                data = b""
+            self._handle(data)
 
-    def spawn(self, argv: Sequence[str], env: dict[str, str], timeout: float = 120.0) -> ForkedRank:
-        """Fork a rank running ``python -m distcheck <argv>``; waits (bounded) for the zygote's torch import."""
-        os.write(self._req_w, (json.dumps({"argv": list(argv), "env": env, "cwd": os.getcwd()}) + "\n").encode())
+    def spawn(self, argv: Sequence[str], env: dict[str, str], pass_fds: Sequence[int] = (),
+              timeout: float = 120.0) -> ForkedRank:
+        """Fork a rank running ``python -m distcheck <argv>`` with this process's stdio and ``pass_fds``.
+
+        Waits (bounded) for the zygote's preload when it has only just started.
+        """
+        targets = [0, 1, 2, *pass_fds]
+        request = {"argv": list(argv), "env": env, "cwd": os.getcwd(), "fds": targets}
+        socket.send_fds(self.sock, [json.dumps(request).encode()], targets)
         deadline = time.monotonic() + timeout
-        while not self._pids:
-            if time.monotonic() > deadline or self.proc.poll() is not None:
+        while True:
+            remaining = deadline - time.monotonic()
+            ready, _, _ = select.select([self.sock], [], [], max(remaining, 0))
+            if not ready:
                 raise RuntimeError("the zygote did not fork the rank")
-            self._read(0.05)
-        return ForkedRank(self._pids.pop(0), self)
-
+            pid = self._handle(self.sock.recv(_MAX_MESSAGE))
+            if pid is not None:
+                return ForkedRank(pid, self)
+            if self.lost:
+                raise RuntimeError("the zygote exited")
 
 
 if __name__ == "__main__":
-    serve(int(sys.argv[1]), int(sys.argv[2]))
+    if sys.argv[1:2] == ["--private"]:
+        serve(sys.argv[2], private=True)
+    else:
+        serve(sys.argv[1])

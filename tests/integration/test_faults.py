@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from launch_helpers import FIXTURES, env_for_ranks, load_report
+from launch_helpers import FIXTURES, FRESH, env_for_ranks, load_report
 
 from distcheck.analysis.trace_events import load_traces
 
@@ -163,7 +163,7 @@ def test_a_second_signal_stops_at_once(tmp_path):
 
 
 def test_sigkill_of_one_rank_is_a_rank_failure_naming_it(tmp_path):
-    launch, out = hanging(tmp_path)
+    launch, out = hanging(tmp_path, env=FRESH)  # the ranks are the launcher's own children
     try:
         pids = rank_pids(out)
         os.kill(pids[1], signal.SIGKILL)
@@ -179,13 +179,16 @@ def test_sigkill_of_one_rank_is_a_rank_failure_naming_it(tmp_path):
         launch.cleanup()
 
 
-def test_sigkill_of_the_launcher_takes_the_ranks_along(tmp_path):
-    launch, out = hanging(tmp_path)
+@pytest.mark.parametrize("env", [FRESH, None], ids=["fresh", "zygote"])
+def test_sigkill_of_the_launcher_takes_the_ranks_along(tmp_path, env):
+    launch, out = hanging(tmp_path, env=env)
     try:
         pids = rank_pids(out)
         launch.proc.send_signal(signal.SIGKILL)
         launch.finish(10)
-        assert_no_rank_left(pids, out)  # each rank dies with its parent (PR_SET_PDEATHSIG); the store host sees EOF
+        # Fresh ranks die with their parent (PR_SET_PDEATHSIG); the shared zygote of the test session ends the
+        # ranks of a connection that closes; the store host sees end-of-file on its lifeline either way.
+        assert_no_rank_left(pids, out)
     finally:
         launch.cleanup()
 
@@ -193,7 +196,7 @@ def test_sigkill_of_the_launcher_takes_the_ranks_along(tmp_path):
 def test_a_segfaulting_rank_is_named_with_its_line_and_stderr(tmp_path, line_of):
     out = tmp_path / "report"
     launch = Launch([sys.executable, "-m", "distcheck", "run", "--nproc", "2", "--timeout", "60", "--report-dir",
-                     str(out), "--", str(FIXTURES / "fault_segfault.py")])
+                     str(out), "--", str(FIXTURES / "fault_segfault.py")], FRESH)
     try:
         code, _, stderr, seconds = launch.finish(120)
         assert code == 1, stderr

@@ -12,10 +12,11 @@ from launch_helpers import FIXTURES, distcheck, load_report, torchrun
 from distcheck.analysis.trace_events import load_traces
 
 
-def run_fixture(tmp_path: Path, fixture: str, *args: str, nproc: int = 2, timeout: float = 30, limit: float = 150):
+def run_fixture(tmp_path: Path, fixture: str, *args: str, nproc: int = 2, timeout: float = 30, limit: float = 150,
+                env: dict[str, str] | None = None):
     out = tmp_path / "report"
     res = distcheck(["run", "--nproc", str(nproc), "--timeout", str(timeout), "--report-dir", str(out), "--",
-                     str(FIXTURES / fixture), *args], timeout=limit)
+                     str(FIXTURES / fixture), *args], timeout=limit, env=env)
     return res, load_report(out), out
 
 
@@ -101,6 +102,19 @@ def test_hang_is_bounded_by_timeout(line_of, tmp_path):
         in f["message"]
     assert f["detail"]["last_collectives"]["1"]["last_completed"]["op"] == "all_reduce"
     assert report["artifacts"]["stacks.txt"] == "stacks.txt"
+
+
+@pytest.mark.parametrize("zygote", ["0", "1", "/nonexistent/zygote.sock"], ids=["fresh", "private", "missing"])
+def test_every_way_of_starting_ranks_gives_the_same_report(tmp_path, zygote):
+    """Fresh interpreters (the default), a private zygote, and a shared one that is not there (fresh, with a word)."""
+    res, report, out = run_fixture(tmp_path, "train_fsdp2.py", env={"DISTCHECK_ZYGOTE": zygote})
+    assert res.returncode == 0 and report["ok"] and report["findings"] == [], res.output
+    assert sorted(load_traces(out)) == [0, 1] and "PASSED" in res.stdout
+    if zygote.startswith("/"):
+        assert f"DISTCHECK_ZYGOTE={zygote}: no zygote listens on {zygote}; starting ranks as fresh interpreters" \
+            in res.stderr
+    else:
+        assert "zygote" not in res.output
 
 
 @pytest.mark.parametrize("fixture", ["coll_uneven_allgather.py", "train_fsdp2.py", "train_tp.py"])
