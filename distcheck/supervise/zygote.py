@@ -329,8 +329,20 @@ class Zygote:
                 raise RuntimeError("the zygote exited")
 
 
+def main(argv: Sequence[str]) -> int:
+    private = argv[:1] == ["--private"]
+    args = list(argv[1:] if private else argv)
+    if len(args) != 1:
+        sys.stderr.write("usage: python -m distcheck.supervise.zygote SOCKET_PATH   (then DISTCHECK_ZYGOTE=SOCKET_PATH)\n")
+        return 2
+    try:
+        serve(args[0], private=private)
+    except OSError as exc:  # a path in use, or a folder that is missing or not writable
+        sys.stderr.write(f"distcheck zygote: cannot listen on {args[0]}: {exc.strerror or exc}; remove the old "
+                         "socket or pick another path\n")
+        return 2
+    return 0
+
+
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--private"]:
-        serve(sys.argv[2], private=True)
-    else:
-        serve(sys.argv[1])
+    sys.exit(main(sys.argv[1:]))

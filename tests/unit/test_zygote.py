@@ -1,0 +1,42 @@
+"""The zygote's pieces that run without a process: descriptor installation, its command line's bad input.
+
+The zygote itself (fork, the socket protocol, a closed connection ending its ranks) runs in the integration tier:
+every `run` and `compare` there goes through one (tests/integration/conftest.py), and test_faults.py and
+test_run.py::test_every_way_of_starting_ranks_gives_the_same_report cover its ends.
+"""
+from __future__ import annotations
+
+import os
+
+from distcheck.supervise import zygote
+
+
+def test_descriptors_land_on_their_targets_even_when_the_targets_are_each_others_numbers():
+    (r1, w1), (r2, w2) = os.pipe(), os.pipe()
+    # The rank must get w1 at w2's number and w2 at w1's number: a naive dup2 in order would clobber one.
+    target_of_w1, target_of_w2 = w2, w1
+    zygote._install_fds([w1, w2], [target_of_w1, target_of_w2])
+    try:
+        os.write(target_of_w1, b"one")
+        os.write(target_of_w2, b"two")
+        assert os.read(r1, 10) == b"one" and os.read(r2, 10) == b"two"
+        assert os.get_inheritable(target_of_w1) and os.get_inheritable(target_of_w2)  # like Popen's pass_fds
+    finally:
+        for fd in (r1, r2, w1, w2):
+            os.close(fd)
+
+
+def test_bad_command_lines_are_one_line_and_exit_2(capsys, tmp_path):
+    assert zygote.main([]) == 2
+    assert capsys.readouterr().err.startswith("usage: python -m distcheck.supervise.zygote SOCKET_PATH")
+    missing = tmp_path / "no" / "socket"
+    assert zygote.main([str(missing)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"cannot listen on {missing}: No such file or directory" in err
+
+
+def test_no_zygote_unless_asked(monkeypatch):
+    monkeypatch.delenv(zygote.ENV, raising=False)
+    assert zygote.Zygote.shared() is None
+    monkeypatch.setenv(zygote.ENV, "0")
+    assert zygote.Zygote.shared() is None
