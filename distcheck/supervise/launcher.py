@@ -30,10 +30,10 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from distcheck.contract.findings import Finding
-from distcheck.supervise.procs import die_with_parent, terminate
+from distcheck.supervise.procs import terminate
 from distcheck.supervise.signals import Interrupt, StopNow
 from distcheck.supervise.watch import HUNG, INTERRUPTED, STOP_GRACE, STOPPED, HangDump, WatchLoop
-from distcheck.supervise.zygote import Zygote
+from distcheck.supervise.zygote import start
 
 log = logging.getLogger("distcheck")
 
@@ -73,12 +73,6 @@ def _distcheck_args(argv: Sequence[str]) -> list[str] | None:
     if len(argv) >= 3 and argv[0] == sys.executable and argv[1:3] == ["-m", "distcheck"]:
         return argv[3:]
     return None
-
-
-def _popen(argv: Sequence[str], env: dict[str, str], pass_fds: Sequence[int] = ()) -> subprocess.Popen:
-    """A rank as a fresh interpreter that dies with this process (PR_SET_PDEATHSIG)."""
-    return subprocess.Popen(argv, env=env, pass_fds=tuple(pass_fds),
-                            preexec_fn=die_with_parent if sys.platform == "linux" else None)
 
 
 class Supervisor:
@@ -176,7 +170,6 @@ class Supervisor:
         """Start every rank; rank 0 gets the store's socket and the read end of the lifeline (rank/store_host.py)."""
         from distcheck.rank.store_host import ENV_STORE_FDS
 
-        zygote = Zygote.shared()
         for rank in range(self.nproc):
             argv = list(self.argv_for_rank(rank))
             args = _distcheck_args(argv)
@@ -189,15 +182,7 @@ class Supervisor:
                 env[ENV_STORE_FDS] = f"{listen_fd},{read_end}"
                 pass_fds = (listen_fd, read_end)
             try:
-                if zygote is not None:
-                    try:
-                        self.procs[rank] = zygote.spawn(args, {**env, "DISTCHECK_PTRACER": str(os.getpid())},
-                                                        pass_fds)  # py-spy runs from here, not from the zygote
-                        continue
-                    except (OSError, RuntimeError) as exc:  # a broken zygote costs speed, never the run
-                        log.warning("zygote unavailable (%s): starting ranks as fresh interpreters", exc)
-                        zygote = Zygote._shared = None
-                self.procs[rank] = _popen(argv, env, pass_fds)
+                self.procs[rank] = start("distcheck", args, env, pass_fds)
             finally:
                 if rank == 0:
                     os.close(read_end)

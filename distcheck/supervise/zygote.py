@@ -87,12 +87,14 @@ def _install_fds(received: list[int], targets: list[int]) -> None:
 
 
 def _child(request: dict, fds: list[int], server_fds: list[int], server_env: dict[str, str]) -> None:
-    """In the forked rank: become what `python -m distcheck ...` would have been, run it, exit."""
+    """In the forked process: become what ``python -m MODULE ARGV`` would have been, run it, exit."""
     for fd in server_fds:
         os.close(fd)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    die_with_parent()  # die with the zygote (which ends the ranks of a launcher that dies)
+    if request.get("new_session"):
+        os.setsid()  # like Popen(start_new_session=True): a group kill reaches its own children too
+    die_with_parent()  # die with the zygote (which ends the processes of a launcher that dies)
     _install_fds(fds, request["fds"])
     os.environ.clear()
     os.environ.update(request["env"])
@@ -103,13 +105,14 @@ def _child(request: dict, fds: list[int], server_fds: list[int], server_env: dic
     sys.path[:] = [request["cwd"], *_path_entries(request["env"]), *rest]
     if "numpy.random" in sys.modules:  # a fresh interpreter seeds numpy's global generator from the OS; so do we
         sys.modules["numpy.random"].seed()  # (`random` reseeds itself after a fork)
-    argv = request["argv"]
-    sys.argv = ["python -m distcheck", *argv]
+    module = request["module"]
+    sys.argv = [module, *request["argv"]]  # runpy puts the module's file first, as `python -m` does
     code = 1
     try:
-        from distcheck.cli import main
+        import runpy
 
-        code = main(argv)
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        code = 0
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     except BaseException:  # noqa: BLE001 - print it as the interpreter would, then exit non-zero
@@ -238,6 +241,7 @@ class Zygote:
     """
 
     _shared: "Zygote | None" = None
+    _failed = False  # one warning, then fresh interpreters for the rest of this process
 
     def __init__(self, path: str, proc: subprocess.Popen | None = None, timeout: float = 10.0) -> None:
         self.proc = proc  # the private zygote's process; None for a shared one
@@ -259,16 +263,20 @@ class Zygote:
     def shared(cls) -> "Zygote | None":
         """This process's zygote as DISTCHECK_ZYGOTE asks; None when it asks for none or none can be had."""
         setting = os.environ.get(ENV, "0")
-        if setting in ("", "0") or sys.platform != "linux":
+        if setting in ("", "0") or sys.platform != "linux" or cls._failed:
             return None
         if cls._shared is not None and not cls._shared.lost:
             return cls._shared
         try:
             cls._shared = cls._private() if setting == "1" else cls(setting, timeout=0.0)  # shared: there or not
         except (OSError, RuntimeError) as exc:
-            log.warning("%s=%s: %s; starting ranks as fresh interpreters", ENV, setting, exc)
-            cls._shared = None
+            cls.give_up(f"{ENV}={setting}: {exc}")
         return cls._shared
+
+    @classmethod
+    def give_up(cls, why: str) -> None:
+        log.warning("%s; starting ranks as fresh interpreters", why)
+        cls._shared, cls._failed = None, True
 
     @classmethod
     def _private(cls) -> "Zygote":
@@ -307,14 +315,15 @@ class Zygote:
                 data = b""
             self._handle(data)
 
-    def spawn(self, argv: Sequence[str], env: dict[str, str], pass_fds: Sequence[int] = (),
-              timeout: float = 120.0) -> ForkedRank:
-        """Fork a rank running ``python -m distcheck <argv>`` with this process's stdio and ``pass_fds``.
+    def spawn(self, module: str, argv: Sequence[str], env: dict[str, str], pass_fds: Sequence[int] = (),
+              new_session: bool = False, timeout: float = 120.0) -> ForkedRank:
+        """Fork ``python -m MODULE ARGV`` with this process's stdio and ``pass_fds``.
 
         Waits (bounded) for the zygote's preload when it has only just started.
         """
         targets = [0, 1, 2, *pass_fds]
-        request = {"argv": list(argv), "env": env, "cwd": os.getcwd(), "fds": targets}
+        request = {"module": module, "argv": list(argv), "env": env, "cwd": os.getcwd(), "fds": targets,
+                   "new_session": new_session}
         socket.send_fds(self.sock, [json.dumps(request).encode()], targets)
         deadline = time.monotonic() + timeout
         while True:
@@ -327,6 +336,22 @@ class Zygote:
                 return ForkedRank(pid, self)
             if self.lost:
                 raise RuntimeError("the zygote exited")
+
+
+def start(module: str, argv: Sequence[str], env: dict[str, str], pass_fds: Sequence[int] = (),
+          new_session: bool = False) -> "subprocess.Popen | ForkedRank":
+    """``python -m MODULE ARGV`` as a process that dies with this one: forked by the zygote DISTCHECK_ZYGOTE asks
+    for, or a fresh interpreter (the default, and what a zygote that fails falls back to: it costs speed only)."""
+    zygote = Zygote.shared()
+    if zygote is not None:
+        try:
+            # py-spy runs from this process, which is not the forked process's parent: it says so (stack_hooks)
+            return zygote.spawn(module, argv, {**env, "DISTCHECK_PTRACER": str(os.getpid())}, pass_fds, new_session)
+        except (OSError, RuntimeError) as exc:
+            Zygote.give_up(f"zygote unavailable ({exc})")
+    return subprocess.Popen([sys.executable, "-m", module, *argv], env=env, pass_fds=tuple(pass_fds),
+                            start_new_session=new_session,
+                            preexec_fn=die_with_parent if sys.platform == "linux" else None)
 
 
 def main(argv: Sequence[str]) -> int:

@@ -16,7 +16,6 @@ import secrets
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -24,7 +23,7 @@ from multiprocessing.connection import Connection, Listener
 from pathlib import Path
 from typing import Any, Callable
 
-from distcheck.supervise.procs import die_with_parent
+from distcheck.supervise.zygote import start
 
 log = logging.getLogger("distcheck")
 
@@ -99,9 +98,9 @@ class Pool:
                 env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, self.devices))
             env.pop("PYTEST_XDIST_WORKER", None)
             # Its own session (a group kill takes its DataLoader workers too), and SIGKILL when this process dies:
-            # a pytest ended by SIGTERM or SIGINT leaves no rank behind.
-            self.procs.append(subprocess.Popen([sys.executable, "-m", "distcheck.testing.pool_worker"], env=env,
-                                               start_new_session=True, preexec_fn=die_with_parent))
+            # a pytest ended by SIGTERM or SIGINT leaves no rank behind. Forked by a zygote when DISTCHECK_ZYGOTE
+            # asks for one: a pool retired by a failing test then restarts without importing torch again.
+            self.procs.append(start("distcheck.testing.pool_worker", [], env, new_session=True))
         self._listener._listener._socket.settimeout(START_TIMEOUT)  # accept() must not block forever
         conns: dict[int, Connection] = {}
         deadline = time.monotonic() + START_TIMEOUT

@@ -2,6 +2,8 @@
 import re
 from pathlib import Path
 
+import pytest
+
 PASSING_FAILING_HANGING = '''
 import time, pytest, torch, torch.distributed as dist
 
@@ -168,29 +170,36 @@ def test_hangs(dist_ctx):
 '''
 
 
-def test_sigterm_to_pytest_ends_every_rank_worker(pytester):
+@pytest.mark.parametrize("zygote", ["0", None], ids=["fresh", "zygote"])
+def test_sigterm_to_pytest_ends_every_rank_worker(pytester, zygote):
     import os
     import signal
     import subprocess
     import sys
     import time
+    import uuid
     from pathlib import Path
 
+    from distcheck.supervise.procs import read_environ
+
     pytester.makepyfile(test_hang=HANGING)
+    tag = uuid.uuid4().hex  # the pool's ranks inherit the environment: found by it, whoever forked them
+    env = {**os.environ, "DISTCHECK_TEST_TAG": tag}
+    if zygote is not None:  # fresh interpreters, children of pytest; else forked by this session's shared zygote
+        env["DISTCHECK_ZYGOTE"] = zygote
     proc = subprocess.Popen([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "test_hang.py"],
                             cwd=pytester.path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+                            start_new_session=True, env=env)
 
     def workers() -> list[int]:
         out = []
         for entry in Path("/proc").iterdir():
             try:
-                stat = (entry / "stat").read_text()
-                if int(stat.rsplit(")", 1)[1].split()[1]) == proc.pid and \
-                        b"distcheck.testing.pool_worker" in (entry / "cmdline").read_bytes():
-                    out.append(int(entry.name))
+                environ = read_environ(int(entry.name))
             except (OSError, ValueError):
                 continue
+            if environ.get("DISTCHECK_TEST_TAG") == tag and "DISTCHECK_POOL_ADDR" in environ:
+                out.append(int(entry.name))
         return out
 
     try:
