@@ -182,7 +182,7 @@ class Supervisor:
                 env[ENV_STORE_FDS] = f"{listen_fd},{read_end}"
                 pass_fds = (listen_fd, read_end)
             try:
-                self.procs[rank] = start("distcheck", args, env, pass_fds)
+                self.procs[rank] = start(argv[1:], env, pass_fds)
             finally:
                 if rank == 0:
                     os.close(read_end)

@@ -5,20 +5,22 @@
     python -m distcheck.supervise.zygote /tmp/dc/zygote.sock &          # a shared one, serving until killed
     DISTCHECK_ZYGOTE=/tmp/dc/zygote.sock python -m distcheck run --nproc 2 -- train.py
 
-Every rank would otherwise spend seconds of CPU importing torch (about 2 s each on this project's 2-core
-machine). A private zygote pays that once per run instead of once per rank (`compare` reuses it for its reference
-and N-rank runs); a shared one pays it once for every run that names its socket: the test suite starts one per
-xdist worker (tests/conftest.py). Forking after ``import torch`` (before any CUDA or thread-pool initialization) is
-what DataLoader workers do on Linux by default. Off by default: ranks forked from one zygote share its string-hash
-seed (fresh interpreters draw one each), so a bug that needs a different set order per rank shows only without it.
+Every rank would otherwise spend seconds of CPU importing torch (about 2 s each on this project's 2-core machine).
+A private zygote pays that once per run instead of once per rank (`compare` reuses it for its reference and N-rank
+runs, the pytest marker for every pool it starts); a shared one pays it once for every run that names its socket:
+the test suite starts one per xdist worker (tests/integration/conftest.py). Forking after ``import torch`` (before
+any CUDA or thread-pool initialization) is what DataLoader workers do on Linux by default. Off by default: ranks
+forked from one zygote share its string-hash seed (fresh interpreters draw one each), so a bug that needs a
+different set order per rank shows only without it.
 
 Protocol, over a Unix SOCK_SEQPACKET socket (one message per request or reply, so the descriptors sent with a
-request cannot straddle two): request ``{"argv": [...], "env": {...}, "cwd": str, "fds": [targets]}`` with the
-descriptors to install at those numbers in the rank (its stdin, stdout and stderr, then any ``pass_fds``) ->
-reply ``{"pid": int}``; later, unprompted, ``{"exit": pid, "code": int}`` when a rank ends (negative: killed by
-that signal). A connection owns the ranks it asked for: when it closes (its launcher ended or was killed) the
-zygote SIGKILLs those still running, as PR_SET_PDEATHSIG does for ranks a launcher starts itself; and every rank
-dies with the zygote. The zygote is single-threaded (a select loop), so nothing holds a lock when it forks.
+request cannot straddle two): request ``{"args": [...], "env": {...}, "cwd": str, "fds": [targets],
+"new_session": bool}``, where args is what follows the interpreter (``-m MODULE ...`` or ``SCRIPT ...``), with the
+descriptors to install at those numbers (stdin, stdout, stderr, then any ``pass_fds``) -> reply ``{"pid": int}``;
+later, unprompted, ``{"exit": pid, "code": int}`` when the process ends (negative: killed by that signal). A
+connection owns the processes it asked for: when it closes (its launcher ended or was killed) the zygote SIGKILLs
+those still running, as PR_SET_PDEATHSIG does for ranks a launcher starts itself; and every one dies with the
+zygote. The zygote is single-threaded (a select loop), so nothing holds a lock when it forks.
 """
 from __future__ import annotations
 
@@ -99,19 +101,24 @@ def _child(request: dict, fds: list[int], server_fds: list[int], server_env: dic
     os.environ.clear()
     os.environ.update(request["env"])
     os.chdir(request["cwd"])
-    # sys.path as `python -m` would build it for this request: the working directory, then its PYTHONPATH.
+    args = request["args"]  # what follows the interpreter: ["-m", MODULE, ...] or [SCRIPT, ...]
+    module = args[1] if args[0] == "-m" else None
+    # sys.path as the interpreter would build it: the working directory (-m) or the script's folder, then PYTHONPATH.
     inherited = set(_path_entries(server_env))
     rest = [p for p in sys.path[1:] if p not in inherited]
-    sys.path[:] = [request["cwd"], *_path_entries(request["env"]), *rest]
+    first = request["cwd"] if module else os.path.dirname(os.path.abspath(args[0]))
+    sys.path[:] = [first, *_path_entries(request["env"]), *rest]
     if "numpy.random" in sys.modules:  # a fresh interpreter seeds numpy's global generator from the OS; so do we
         sys.modules["numpy.random"].seed()  # (`random` reseeds itself after a fork)
-    module = request["module"]
-    sys.argv = [module, *request["argv"]]  # runpy puts the module's file first, as `python -m` does
+    sys.argv = list(args[1:] if module else args)  # runpy puts the module's file first, as `python -m` does
     code = 1
     try:
         import runpy
 
-        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        if module:
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(args[0], run_name="__main__")
         code = 0
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
@@ -315,16 +322,17 @@ class Zygote:
                 data = b""
             self._handle(data)
 
-    def spawn(self, module: str, argv: Sequence[str], env: dict[str, str], pass_fds: Sequence[int] = (),
-              new_session: bool = False, timeout: float = 120.0) -> ForkedRank:
-        """Fork ``python -m MODULE ARGV`` with this process's stdio and ``pass_fds``.
+    def spawn(self, args: Sequence[str], env: dict[str, str], pass_fds: Sequence[int] = (),
+              new_session: bool = False, stdout: int | None = None, timeout: float = 120.0) -> ForkedRank:
+        """Fork ``python ARGS`` (``-m MODULE ...`` or ``SCRIPT ...``) with this process's stdin and ``pass_fds``;
+        its stdout and stderr are this process's, or both ``stdout``.
 
         Waits (bounded) for the zygote's preload when it has only just started.
         """
         targets = [0, 1, 2, *pass_fds]
-        request = {"module": module, "argv": list(argv), "env": env, "cwd": os.getcwd(), "fds": targets,
-                   "new_session": new_session}
-        socket.send_fds(self.sock, [json.dumps(request).encode()], targets)
+        sent = [0, 1, 2, *pass_fds] if stdout is None else [0, stdout, stdout, *pass_fds]
+        request = {"args": list(args), "env": env, "cwd": os.getcwd(), "fds": targets, "new_session": new_session}
+        socket.send_fds(self.sock, [json.dumps(request).encode()], sent)
         deadline = time.monotonic() + timeout
         while True:
             remaining = deadline - time.monotonic()
@@ -338,19 +346,22 @@ class Zygote:
                 raise RuntimeError("the zygote exited")
 
 
-def start(module: str, argv: Sequence[str], env: dict[str, str], pass_fds: Sequence[int] = (),
-          new_session: bool = False) -> "subprocess.Popen | ForkedRank":
-    """``python -m MODULE ARGV`` as a process that dies with this one: forked by the zygote DISTCHECK_ZYGOTE asks
-    for, or a fresh interpreter (the default, and what a zygote that fails falls back to: it costs speed only)."""
+def start(args: Sequence[str], env: dict[str, str], pass_fds: Sequence[int] = (), new_session: bool = False,
+          stdout: int | None = None) -> "subprocess.Popen | ForkedRank":
+    """``python ARGS`` as a process that dies with this one: forked by the zygote DISTCHECK_ZYGOTE asks for, or a
+    fresh interpreter (the default, and what a zygote that fails falls back to: it costs speed only).
+
+    ``stdout``: a descriptor for its stdout and stderr both; by default it shares this process's.
+    """
     zygote = Zygote.shared()
     if zygote is not None:
         try:
             # py-spy runs from this process, which is not the forked process's parent: it says so (stack_hooks)
-            return zygote.spawn(module, argv, {**env, "DISTCHECK_PTRACER": str(os.getpid())}, pass_fds, new_session)
+            return zygote.spawn(args, {**env, "DISTCHECK_PTRACER": str(os.getpid())}, pass_fds, new_session, stdout)
         except (OSError, RuntimeError) as exc:
             Zygote.give_up(f"zygote unavailable ({exc})")
-    return subprocess.Popen([sys.executable, "-m", module, *argv], env=env, pass_fds=tuple(pass_fds),
-                            start_new_session=new_session,
+    return subprocess.Popen([sys.executable, *args], env=env, pass_fds=tuple(pass_fds), start_new_session=new_session,
+                            stdout=stdout, stderr=None if stdout is None else subprocess.STDOUT,
                             preexec_fn=die_with_parent if sys.platform == "linux" else None)
 
 

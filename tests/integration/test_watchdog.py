@@ -24,6 +24,7 @@ from launch_helpers import FIXTURES, env_for_ranks, torchrun
 from distcheck.analysis.trace_events import load_traces
 from distcheck.supervise.procs import terminate
 from distcheck.supervise.watch import DONE, HUNG, HangDump, WatchLoop
+from distcheck.supervise.zygote import start
 
 BOOTSTRAP = '''\
 import os, runpy, sys
@@ -56,10 +57,10 @@ class Ranks:
             env = env_for_ranks({"RANK": str(r), "WORLD_SIZE": str(nproc), "LOCAL_RANK": str(r),
                                  "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                                  "DISTCHECK_REPORT_DIR": str(self.report_dir), "WATCH_TIMEOUT": str(timeout)})
-            log = open(tmp_path / f"rank{r}.log", "w")
-            self.procs.append(subprocess.Popen([sys.executable, str(boot), str(FIXTURES / fixture)], env=env,
-                                               stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
-            log.close()
+            # Forked by the session's zygote (tests/integration/conftest.py), as `run --nproc` ranks are here.
+            with open(tmp_path / f"rank{r}.log", "w") as log:
+                self.procs.append(start([str(boot), str(FIXTURES / fixture)], env, new_session=True,
+                                        stdout=log.fileno()))
 
     def pids(self) -> dict[int, int]:
         return {r: p.pid for r, p in enumerate(self.procs) if p.poll() is None}

@@ -1,8 +1,8 @@
 """The zygote's pieces that run without a process: descriptor installation, its command line's bad input.
 
 The zygote itself (fork, the socket protocol, a closed connection ending its ranks) runs in the integration tier:
-every `run` and `compare` there goes through one (tests/integration/conftest.py), and test_faults.py and
-test_run.py::test_every_way_of_starting_ranks_gives_the_same_report cover its ends.
+every `run` and `compare` there goes through one (tests/integration/conftest.py), and test_faults.py,
+test_pytest_plugin.py and test_run.py::test_every_way_of_starting_ranks_gives_the_same_report cover its ends.
 """
 from __future__ import annotations
 
@@ -40,3 +40,14 @@ def test_no_zygote_unless_asked(monkeypatch):
     assert zygote.Zygote.shared() is None
     monkeypatch.setenv(zygote.ENV, "0")
     assert zygote.Zygote.shared() is None
+
+
+def test_a_missing_shared_zygote_is_one_warning_then_fresh_interpreters(monkeypatch, caplog, tmp_path):
+    monkeypatch.setattr(zygote.Zygote, "_shared", None)
+    monkeypatch.setattr(zygote.Zygote, "_failed", False)
+    missing = tmp_path / "zygote.sock"
+    monkeypatch.setenv(zygote.ENV, str(missing))
+    with caplog.at_level("WARNING", logger="distcheck"):
+        assert zygote.Zygote.shared() is None and zygote.Zygote.shared() is None
+    assert [r.getMessage() for r in caplog.records] == \
+        [f"DISTCHECK_ZYGOTE={missing}: no zygote listens on {missing}; starting ranks as fresh interpreters"]
