@@ -1,6 +1,7 @@
 """Integration tests of ``distcheck compare``: real gloo ranks (1 and 2) on the cmp_* fixtures, exit codes."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -72,6 +73,8 @@ def test_loss_summed_with_several_world_sizes(line_of, tmp_path):
     res, report, out = compare(tmp_path, "cmp_loss_sum.py", nproc="1,2")
     assert res.returncode == 1, res.output
     assert sorted(report["runs"]) == ["1", "2", "reference"] and report["world_size"] == 2
+    # Every run completed (else no records to compare); once under load one did not, with nothing said why.
+    assert sorted(report["records"]) == ["1", "2"], res.output + json.dumps(report["findings"], indent=1)
     assert [r["status"] for r in report["records"]["1"]] == ["ok"] * 4  # a second 1-rank run: deterministic
     assert kinds(report) == ["reference_mismatch"]
     (f,) = report["findings"]
