@@ -1,15 +1,17 @@
 """Helpers for integration tests: launch distcheck or scripts on real gloo ranks, always with a timeout.
 
 Every launch runs in its own session (process group) so a timeout kills torchrun *and* its ranks, by pid,
-and parallel tests never collide: torchrun uses --standalone (a free port each time).
+and parallel tests never collide: torchrun uses --standalone (a free port each time). Launches fork from the
+session's zygote when there is one (tests/integration/conftest.py), so they do not import torch again.
 """
 from __future__ import annotations
 
 import json
 import os
+import select
 import signal
-import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,32 +46,51 @@ def env_for_ranks(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def run_cmd(cmd: list[str], timeout: float = 120, cwd: str | os.PathLike | None = None,
-            env: dict[str, str] | None = None) -> Result:
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd,
-                            env=env_for_ranks(env), start_new_session=True)
+def run_python(args: list[str], timeout: float = 120, cwd: str | os.PathLike | None = None,
+               env: dict[str, str] | None = None) -> Result:
+    """``python ARGS`` in its own session, forked by the session's zygote (tests/integration/conftest.py) when there
+    is one, so that it does not import torch again. Output captured, a timeout, and a group kill at the end."""
+    from distcheck.supervise.zygote import start
+
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
     try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        raise AssertionError(f"command timed out after {timeout}s: {' '.join(cmd)}\n{out}\n{err}") from None
+        proc = start(args, env_for_ranks(env), new_session=True, stdout=out_w, stderr=err_w,
+                     cwd=None if cwd is None else str(cwd))
     finally:
-        # Ranks may outlive a crashed torchrun: end everything this launch started, by its process group.
-        try:
+        os.close(out_w)
+        os.close(err_w)
+    chunks: dict[int, list[bytes]] = {out_r: [], err_r: []}
+    reading = [out_r, err_r]
+    deadline = time.monotonic() + timeout
+    try:
+        while reading and time.monotonic() < deadline:  # until every writer (the ranks too) closed its end
+            for fd in select.select(reading, [], [], max(0.0, deadline - time.monotonic()))[0]:
+                data = os.read(fd, 1 << 16)
+                chunks[fd].append(data) if data else reading.remove(fd)
+    finally:
+        try:  # ranks may outlive a crashed torchrun: end everything this launch started, by its process group
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-    return Result(proc.returncode, out, err)
+        code = proc.wait(timeout=10)
+        os.close(out_r)
+        os.close(err_r)
+    out, err = (b"".join(chunks[fd]).decode(errors="replace") for fd in (out_r, err_r))
+    if reading:
+        raise AssertionError(f"command timed out after {timeout}s: python {' '.join(args)}\n{out}\n{err}")
+    return Result(code, out, err)
 
 
 def torchrun(args: list[str], nproc: int = 2, timeout: float = 120, **kw) -> Result:
-    cmd = [str(BIN / "torchrun"), "--standalone", f"--nproc-per-node={nproc}", *args]
-    return run_cmd(cmd, timeout=timeout, **kw)
+    """torchrun's agent (torch.distributed.run, all the torchrun script runs): its ranks are fresh interpreters it
+    starts itself, as always; the agent is forked by the session's zygote when there is one (run_python)."""
+    return run_python(["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args],
+                      timeout=timeout, **kw)
 
 
 def distcheck(args: list[str], timeout: float = 120, **kw) -> Result:
-    return run_cmd([sys.executable, "-m", "distcheck", *args], timeout=timeout, **kw)
+    return run_python(["-m", "distcheck", *args], timeout=timeout, **kw)
 
 
 def load_report(report_dir: str | os.PathLike) -> dict:

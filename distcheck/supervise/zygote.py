@@ -323,15 +323,17 @@ class Zygote:
             self._handle(data)
 
     def spawn(self, args: Sequence[str], env: dict[str, str], pass_fds: Sequence[int] = (),
-              new_session: bool = False, stdout: int | None = None, timeout: float = 120.0) -> ForkedRank:
-        """Fork ``python ARGS`` (``-m MODULE ...`` or ``SCRIPT ...``) with this process's stdin and ``pass_fds``;
-        its stdout and stderr are this process's, or both ``stdout``.
+              new_session: bool = False, stdout: int | None = None, stderr: int | None = None,
+              cwd: str | None = None, timeout: float = 120.0) -> ForkedRank:
+        """Fork ``python ARGS`` (``-m MODULE ...`` or ``SCRIPT ...``) with this process's stdin and ``pass_fds``,
+        and its stdout and stderr unless given.
 
         Waits (bounded) for the zygote's preload when it has only just started.
         """
         targets = [0, 1, 2, *pass_fds]
-        sent = [0, 1, 2, *pass_fds] if stdout is None else [0, stdout, stdout, *pass_fds]
-        request = {"args": list(args), "env": env, "cwd": os.getcwd(), "fds": targets, "new_session": new_session}
+        sent = [0, 1 if stdout is None else stdout, 2 if stderr is None else stderr, *pass_fds]
+        request = {"args": list(args), "env": env, "cwd": cwd or os.getcwd(), "fds": targets,
+                   "new_session": new_session}
         socket.send_fds(self.sock, [json.dumps(request).encode()], sent)
         deadline = time.monotonic() + timeout
         while True:
@@ -347,21 +349,23 @@ class Zygote:
 
 
 def start(args: Sequence[str], env: dict[str, str], pass_fds: Sequence[int] = (), new_session: bool = False,
-          stdout: int | None = None) -> "subprocess.Popen | ForkedRank":
+          stdout: int | None = None, stderr: int | None = None,
+          cwd: str | None = None) -> "subprocess.Popen | ForkedRank":
     """``python ARGS`` as a process that dies with this one: forked by the zygote DISTCHECK_ZYGOTE asks for, or a
     fresh interpreter (the default, and what a zygote that fails falls back to: it costs speed only).
 
-    ``stdout``: a descriptor for its stdout and stderr both; by default it shares this process's.
+    ``stdout``, ``stderr``: descriptors to write to instead of this process's (the same one twice merges them).
     """
     zygote = Zygote.shared()
     if zygote is not None:
         try:
             # py-spy runs from this process, which is not the forked process's parent: it says so (stack_hooks)
-            return zygote.spawn(args, {**env, "DISTCHECK_PTRACER": str(os.getpid())}, pass_fds, new_session, stdout)
+            return zygote.spawn(args, {**env, "DISTCHECK_PTRACER": str(os.getpid())}, pass_fds, new_session,
+                                stdout, stderr, cwd)
         except (OSError, RuntimeError) as exc:
             Zygote.give_up(f"zygote unavailable ({exc})")
     return subprocess.Popen([sys.executable, *args], env=env, pass_fds=tuple(pass_fds), start_new_session=new_session,
-                            stdout=stdout, stderr=None if stdout is None else subprocess.STDOUT,
+                            stdout=stdout, stderr=stderr, cwd=cwd,
                             preexec_fn=die_with_parent if sys.platform == "linux" else None)
 
 

@@ -60,7 +60,7 @@ class Ranks:
             # Forked by the session's zygote (tests/integration/conftest.py), as `run --nproc` ranks are here.
             with open(tmp_path / f"rank{r}.log", "w") as log:
                 self.procs.append(start([str(boot), str(FIXTURES / fixture)], env, new_session=True,
-                                        stdout=log.fileno()))
+                                        stdout=log.fileno(), stderr=log.fileno()))
 
     def pids(self) -> dict[int, int]:
         return {r: p.pid for r, p in enumerate(self.procs) if p.poll() is None}
