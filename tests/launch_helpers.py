@@ -89,6 +89,22 @@ def torchrun(args: list[str], nproc: int = 2, timeout: float = 120, **kw) -> Res
                       timeout=timeout, **kw)
 
 
+def run_pytest(pytester, *args: str, timeout: float = 240):
+    """pytester.runpytest_subprocess with the inner pytest forked by the session's zygote (run_python): the same
+    command line (its own --basetemp, the test folder first on PYTHONPATH) and the same RunResult."""
+    import tempfile
+
+    import pytest
+
+    basetemp = tempfile.mkdtemp(prefix="runpytest-", dir=pytester.path)
+    started = time.monotonic()
+    res = run_python(["-m", "pytest", f"--basetemp={basetemp}", *args], timeout=timeout, cwd=pytester.path,
+                     env={"PYTHONPATH": os.pathsep.join(filter(None, [str(pytester.path),
+                                                                      os.environ.get("PYTHONPATH", "")]))})
+    return pytest.RunResult(res.returncode, res.stdout.splitlines(), res.stderr.splitlines(),
+                            time.monotonic() - started)
+
+
 def distcheck(args: list[str], timeout: float = 120, **kw) -> Result:
     return run_python(["-m", "distcheck", *args], timeout=timeout, **kw)
 

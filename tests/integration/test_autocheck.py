@@ -5,7 +5,7 @@ Each fixture is an unmodified script (no distcheck call); see its docstring for 
 from __future__ import annotations
 
 import pytest
-from launch_helpers import FIXTURES, distcheck, load_report
+from launch_helpers import FIXTURES, distcheck, load_report, run_pytest
 
 
 def run_fixture(tmp_path, fixture: str):
@@ -111,7 +111,7 @@ def test_nan_but_no_assert(dist_ctx):
 
 def test_marker_fails_a_passing_test_that_trips_bad_values(pytester):
     pytester.makepyfile(test_marker_nan=MARKER_TESTS)
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-v", timeout=180)
+    result = run_pytest(pytester, "-p", "no:cacheprovider", "-v", timeout=180)
     out = result.stdout.str()
     result.assert_outcomes(passed=1, failed=1)
     assert "test_clean PASSED" in out and "test_nan_but_no_assert FAILED" in out

@@ -3,6 +3,7 @@ import re
 from pathlib import Path
 
 import pytest
+from launch_helpers import run_pytest
 
 PASSING_FAILING_HANGING = '''
 import time, pytest, torch, torch.distributed as dist
@@ -61,7 +62,7 @@ def test_mismatched_collectives(dist_ctx):
 
 def test_pass_fail_hang_parametrize(pytester, line_of):
     pytester.makepyfile(test_dist=PASSING_FAILING_HANGING)
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-v", "--durations=0", timeout=240)
+    result = run_pytest(pytester, "-p", "no:cacheprovider", "-v", "--durations=0", timeout=240)
     out = result.stdout.str()
     result.assert_outcomes(passed=2, failed=5, skipped=1)
     assert re.search(r"test_passes PASSED", out) and re.search(r"test_passes_after_a_hang PASSED", out)
@@ -103,7 +104,7 @@ def test_sum_{i}(dist_ctx):
     assert t[0].item() == 1 + 2 * {i}
 ''' for i in range(6))
     pytester.makepyfile(test_many="import pytest, torch, torch.distributed as dist\n" + body)
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-n", "2", timeout=240)
+    result = run_pytest(pytester, "-p", "no:cacheprovider", "-n", "2", timeout=240)
     result.assert_outcomes(passed=6)
 
 
@@ -121,7 +122,7 @@ def test_crashes_on_rank_1(dist_ctx):
 
 def test_a_rank_that_dies_shows_its_stderr(pytester):
     pytester.makepyfile(test_crash=CRASHING)
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", timeout=240)
+    result = run_pytest(pytester, "-p", "no:cacheprovider", timeout=240)
     result.assert_outcomes(failed=1)
     out = result.stdout.str()
     assert "rank 1 exited with code -11" in out
@@ -155,7 +156,7 @@ def test_b_starts_clean(dist_ctx):
 
 def test_each_distributed_test_starts_from_the_same_process_state(pytester):
     pytester.makepyfile(test_state=STATEFUL)
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-v", timeout=240)
+    result = run_pytest(pytester, "-p", "no:cacheprovider", "-v", timeout=240)
     result.assert_outcomes(passed=2)
 
 
@@ -235,7 +236,7 @@ def test_values(dist_ctx):
 
 def test_a_failing_assert_on_a_rank_shows_the_values(pytester):
     pytester.makepyfile(test_values=ASSERTING)
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", timeout=240)
+    result = run_pytest(pytester, "-p", "no:cacheprovider", timeout=240)
     result.assert_outcomes(failed=1)
     out = result.stdout.str()
     rank1 = out[out.index("---------- [rank 1] ----------"):]

@@ -1,10 +1,11 @@
 """DTensors are compared only across the ranks that hold replicas of the same shard (Replicate mesh dims)."""
 import json
-import subprocess
-import sys
 import textwrap
 
-# A fresh interpreter: the fake process group is process-global state; it plays each of the 4 ranks in turn.
+from launch_helpers import run_python
+
+# A process of its own (forked by the session's zygote): the fake process group is process-global state; it
+# plays each of the 4 ranks in turn.
 SCRIPT = textwrap.dedent("""
     import json, torch, torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -25,8 +26,10 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_replicate_dims_define_the_replica_groups():
-    out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=120)
+def test_replicate_dims_define_the_replica_groups(tmp_path):
+    script = tmp_path / "replica_keys.py"
+    script.write_text(SCRIPT)
+    out = run_python([str(script)], timeout=120)
     assert out.returncode == 0, out.stderr
     keys = {int(r): k for r, k in json.loads(out.stdout.strip().splitlines()[-1]).items()}
     # [Replicate, Shard(0)] on a (dp=2, tp=2) mesh: ranks with the same tp coordinate hold the same shard.
