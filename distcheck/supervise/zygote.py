@@ -50,8 +50,8 @@ ENV = "DISTCHECK_ZYGOTE"  # "1": a private zygote per launcher; a socket path: a
 # for the GIL to drop a Python object of a finished work). This one ran 130 DDP runs, 6 loops in parallel
 # (fixtures/cmp_loss_sum.py, cmp_ddp_ok.py, ddp_no_sync_drift.py), without one.
 PRELOAD = ("torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.tensor.parallel",
-           "torch.distributed.fsdp", "torch._dynamo", "distcheck.cli", "distcheck.commands.run", "distcheck.rank.tracer",
-           "distcheck.rank.autocheck", "distcheck.rank.entry", "distcheck.supervise.hang")
+           "torch.distributed.fsdp", "torch._dynamo", "distcheck.cli", "distcheck.commands.run",
+           "distcheck.rank.tracer", "distcheck.rank.autocheck", "distcheck.rank.entry", "distcheck.supervise.hang")
 
 _MAX_MESSAGE = 1 << 20  # a request carries the rank's environment: a few kB
 _MAX_FDS = 16
@@ -89,7 +89,7 @@ def _install_fds(received: list[int], targets: list[int]) -> None:
 
 
 def _child(request: dict, fds: list[int], server_fds: list[int], server_env: dict[str, str]) -> None:
-    """In the forked process: become what ``python -m MODULE ARGV`` would have been, run it, exit."""
+    """In the forked process: become what ``python ARGS`` would have been, run it, exit."""
     for fd in server_fds:
         os.close(fd)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
@@ -144,11 +144,20 @@ def _send(conn: socket.socket, message: dict) -> None:
         pass
 
 
-def serve(path: str, private: bool = False) -> None:
-    """Listen on ``path`` and fork a rank per request. ``private``: end when the first launcher disconnects."""
+def listen(path: str) -> socket.socket:
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    listener.bind(path)  # before the preload: a launcher connects at once and its first request waits for it
-    listener.listen(64)
+    try:
+        listener.bind(path)  # before the preload: a launcher connects at once and its first request waits for it
+        os.chmod(path, 0o600)  # whoever can connect runs code as this user: this user only
+        listener.listen(64)
+    except OSError:
+        listener.close()
+        raise
+    return listener
+
+
+def serve(listener: socket.socket, private: bool = False) -> None:
+    """Fork a process per request on ``listener``. ``private``: end when the first launcher disconnects."""
     _preload()
     threads = len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else 1
     if threads > 1:  # never fork a multi-threaded process: the launchers fall back to fresh interpreters
@@ -373,14 +382,16 @@ def main(argv: Sequence[str]) -> int:
     private = argv[:1] == ["--private"]
     args = list(argv[1:] if private else argv)
     if len(args) != 1:
-        sys.stderr.write("usage: python -m distcheck.supervise.zygote SOCKET_PATH   (then DISTCHECK_ZYGOTE=SOCKET_PATH)\n")
+        sys.stderr.write("usage: python -m distcheck.supervise.zygote SOCKET_PATH"
+                         "   (then DISTCHECK_ZYGOTE=SOCKET_PATH)\n")
         return 2
     try:
-        serve(args[0], private=private)
+        listener = listen(args[0])
     except OSError as exc:  # a path in use, or a folder that is missing or not writable
         sys.stderr.write(f"distcheck zygote: cannot listen on {args[0]}: {exc.strerror or exc}; remove the old "
                          "socket or pick another path\n")
         return 2
+    serve(listener, private=private)
     return 0
 
 
