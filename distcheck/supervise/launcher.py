@@ -19,7 +19,6 @@ rank waits in a collective a finished peer never issued).
 """
 from __future__ import annotations
 
-import logging
 import os
 import signal
 import subprocess
@@ -34,8 +33,6 @@ from distcheck.supervise.procs import terminate
 from distcheck.supervise.signals import Interrupt, StopNow
 from distcheck.supervise.watch import HUNG, INTERRUPTED, STOP_GRACE, STOPPED, HangDump, WatchLoop
 from distcheck.supervise.zygote import start
-
-log = logging.getLogger("distcheck")
 
 ShouldStop = Callable[[dict[int, "int | None"]], "str | None"]
 
