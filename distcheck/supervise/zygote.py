@@ -42,16 +42,15 @@ log = logging.getLogger("distcheck")
 
 ENV = "DISTCHECK_ZYGOTE"  # "1": a private zygote per launcher; a socket path: a shared one; unset or "0": none
 
-# What every rank imports anyway, loaded once before any fork: torch._dynamo alone is 1.1 s of a DDP or FSDP2
-# rank's 1.3 s of CPU under a shared zygote (DDP's constructor and FSDP2's first DTensor import it). With torch
-# 2.13 none of these starts a thread (serve() checks). An earlier zygote, which forked per run and hosted the
-# store in the launcher, saw ranks deadlock at the end of DDP scripts with torch._dynamo preloaded (9 of 48 runs
-# of fixtures/cmp_loss_sum.py: the main thread, holding the GIL, joined ProcessGroupGloo's worker, which waited
-# for the GIL to drop a Python object of a finished work). This one ran 130 DDP runs, 6 loops in parallel
-# (fixtures/cmp_loss_sum.py, cmp_ddp_ok.py, ddp_no_sync_drift.py), without one.
-PRELOAD = ("torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.tensor.parallel",
-           "torch.distributed.fsdp", "torch._dynamo", "distcheck.cli", "distcheck.commands.run",
-           "distcheck.rank.tracer", "distcheck.rank.autocheck", "distcheck.rank.entry", "distcheck.supervise.hang")
+# What every rank imports anyway, loaded once before any fork. Not FSDP2, DTensor, TP or torch._dynamo, although
+# they are most of a DDP or FSDP2 rank's remaining CPU (torch._dynamo alone 1.1 s of 1.3 s): with them preloaded,
+# ranks now and then deadlocked at the end of a DDP script (the previous zygote: 9 of 48 runs of
+# fixtures/cmp_loss_sum.py in 4 parallel loops; this one: none in 130 such runs, but 3 in about 10 runs of the
+# test suite, each a 1-rank compare reference stuck for the 60 s timeout in <module> holding the GIL). The main
+# thread, holding the GIL, destroys the Reducer and joins ProcessGroupGloo's worker, which waits for the GIL to drop
+# a Python object held by a finished work's ThreadLocalState. Without them: 0 of 48, and none in the suite.
+PRELOAD = ("torch", "torch.distributed", "distcheck.cli", "distcheck.commands.run", "distcheck.rank.tracer",
+           "distcheck.rank.autocheck", "distcheck.rank.entry", "distcheck.supervise.hang")
 
 _MAX_MESSAGE = 1 << 20  # a request carries the rank's environment: a few kB
 _MAX_FDS = 16
