@@ -50,12 +50,12 @@ def run_python(args: list[str], timeout: float = 120, cwd: str | os.PathLike | N
                env: dict[str, str] | None = None) -> Result:
     """``python ARGS`` in its own session, forked by the session's zygote (tests/integration/conftest.py) when there
     is one, so that it does not import torch again. Output captured, a timeout, and a group kill at the end."""
-    from distcheck.supervise.zygote import start
+    from distcheck.supervise.zygote import start_process
 
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
     try:
-        proc = start(args, env_for_ranks(env), new_session=True, stdout=out_w, stderr=err_w,
+        proc = start_process(args, env_for_ranks(env), new_session=True, stdout=out_w, stderr=err_w,
                      cwd=None if cwd is None else str(cwd))
     finally:
         os.close(out_w)
@@ -67,7 +67,10 @@ def run_python(args: list[str], timeout: float = 120, cwd: str | os.PathLike | N
         while reading and time.monotonic() < deadline:  # until every writer (the ranks too) closed its end
             for fd in select.select(reading, [], [], max(0.0, deadline - time.monotonic()))[0]:
                 data = os.read(fd, 1 << 16)
-                chunks[fd].append(data) if data else reading.remove(fd)
+                if data:
+                    chunks[fd].append(data)
+                else:
+                    reading.remove(fd)
     finally:
         try:  # ranks may outlive a crashed torchrun: end everything this launch started, by its process group
             os.killpg(proc.pid, signal.SIGKILL)

@@ -32,7 +32,7 @@ from distcheck.contract.findings import Finding
 from distcheck.supervise.procs import terminate
 from distcheck.supervise.signals import Interrupt, StopNow
 from distcheck.supervise.watch import HUNG, INTERRUPTED, STOP_GRACE, STOPPED, HangDump, WatchLoop
-from distcheck.supervise.zygote import start
+from distcheck.supervise.zygote import start_process
 
 ShouldStop = Callable[[dict[int, "int | None"]], "str | None"]
 
@@ -179,7 +179,7 @@ class Supervisor:
                 env[ENV_STORE_FDS] = f"{listen_fd},{read_end}"
                 pass_fds = (listen_fd, read_end)
             try:
-                self.procs[rank] = start(argv[1:], env, pass_fds)
+                self.procs[rank] = start_process(argv[1:], env, pass_fds)
             finally:
                 if rank == 0:
                     os.close(read_end)

@@ -205,8 +205,7 @@ def serve(listener: socket.socket, private: bool = False) -> None:
             sock = owner.pop(pid, None)
             if sock in owned:
                 owned[sock].discard(pid)
-                code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
-                _send(sock, {"exit": pid, "code": code})
+                _send(sock, {"exit": pid, "code": os.waitstatus_to_exitcode(status)})  # -N: killed by signal N
         if private and served and not owned and not owner:
             return
 
@@ -356,7 +355,7 @@ class Zygote:
                 raise RuntimeError("the zygote exited")
 
 
-def start(args: Sequence[str], env: dict[str, str], pass_fds: Sequence[int] = (), new_session: bool = False,
+def start_process(args: Sequence[str], env: dict[str, str], pass_fds: Sequence[int] = (), new_session: bool = False,
           stdout: int | None = None, stderr: int | None = None,
           cwd: str | None = None) -> "subprocess.Popen | ForkedRank":
     """``python ARGS`` as a process that dies with this one: forked by the zygote DISTCHECK_ZYGOTE asks for, or a

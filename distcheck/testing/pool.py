@@ -23,7 +23,7 @@ from multiprocessing.connection import Connection, Listener
 from pathlib import Path
 from typing import Any, Callable
 
-from distcheck.supervise.zygote import start
+from distcheck.supervise.zygote import start_process
 
 log = logging.getLogger("distcheck")
 
@@ -100,7 +100,7 @@ class Pool:
             # Its own session (a group kill takes its DataLoader workers too), and SIGKILL when this process dies:
             # a pytest ended by SIGTERM or SIGINT leaves no rank behind. Forked by a zygote when DISTCHECK_ZYGOTE
             # asks for one: a pool retired by a failing test then restarts without importing torch again.
-            self.procs.append(start(["-m", "distcheck.testing.pool_worker"], env, new_session=True))
+            self.procs.append(start_process(["-m", "distcheck.testing.pool_worker"], env, new_session=True))
         self._listener._listener._socket.settimeout(START_TIMEOUT)  # accept() must not block forever
         conns: dict[int, Connection] = {}
         deadline = time.monotonic() + START_TIMEOUT

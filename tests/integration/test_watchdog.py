@@ -24,7 +24,7 @@ from launch_helpers import FIXTURES, env_for_ranks, torchrun
 from distcheck.analysis.trace_events import load_traces
 from distcheck.supervise.procs import terminate
 from distcheck.supervise.watch import DONE, HUNG, HangDump, WatchLoop
-from distcheck.supervise.zygote import start
+from distcheck.supervise.zygote import start_process
 
 BOOTSTRAP = '''\
 import os, runpy, sys
@@ -59,7 +59,7 @@ class Ranks:
                                  "DISTCHECK_REPORT_DIR": str(self.report_dir), "WATCH_TIMEOUT": str(timeout)})
             # Forked by the session's zygote (tests/integration/conftest.py), as `run --nproc` ranks are here.
             with open(tmp_path / f"rank{r}.log", "w") as log:
-                self.procs.append(start([str(boot), str(FIXTURES / fixture)], env, new_session=True,
+                self.procs.append(start_process([str(boot), str(FIXTURES / fixture)], env, new_session=True,
                                         stdout=log.fileno(), stderr=log.fileno()))
 
     def pids(self) -> dict[int, int]:
