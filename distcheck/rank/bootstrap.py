@@ -20,6 +20,7 @@ def rank_bootstrap(report_dir: str | os.PathLike, timeout: float, native: bool =
     when a supervisor outside the ranks already watches them. ``stop_dumps``: dump every thread on a stop signal
     (torchrun passing on SIGTERM/SIGINT/SIGHUP), for a command that leaves its report to the node watcher then.
     """
+    from distcheck.rank import group_keepalive
     from distcheck.rank.stack_hooks import install_rank_hooks
     from distcheck.rank.stderr_tee import tee_stderr
 
@@ -35,6 +36,7 @@ def rank_bootstrap(report_dir: str | os.PathLike, timeout: float, native: bool =
         node_watcher = start_node_watcher(report_dir, timeout, native, int(ws) if ws else None,
                                           int(lws) if lws else None)
     tee_stderr(report_dir, rank)  # failure reports quote the last lines of this rank's stderr
+    group_keepalive.install()  # a DDP script's end must not deadlock in torch's teardown (see the module)
     install_rank_hooks(report_dir, rank, stop_dumps=stop_dumps)
     if trace:
         from distcheck.rank import tracer as tracing

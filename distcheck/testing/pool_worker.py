@@ -119,7 +119,7 @@ def main() -> int:
     import torch
     import torch.distributed as dist
 
-    from distcheck.rank import autocheck
+    from distcheck.rank import autocheck, group_keepalive
     from distcheck.rank.error_context import explain
 
     from distcheck.rank import tracer as trace
@@ -141,6 +141,7 @@ def main() -> int:
         torch.cuda.set_device(device)
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
                           timeout=timedelta(seconds=120))
+    group_keepalive.install()
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timedelta(seconds=300))
     conn.send("ready")
     ctx = RankContext(rank, world, backend, device)
@@ -186,6 +187,8 @@ def main() -> int:
         except Exception as exc:  # noqa: BLE001 - a state that cannot be restored retires this pool
             result = RankOutcome(rank, "failed", f"{result.text}\n[distcheck] the test left state this rank cannot "
                                  f"restore ({type(exc).__name__}: {exc}): the pool is retired".strip())
+        fn = kwargs = None  # the test's objects die here, and then the groups it destroyed (see group_keepalive)
+        group_keepalive.release()
         conn.send(result)
     try:
         dist.destroy_process_group()
