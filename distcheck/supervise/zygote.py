@@ -42,15 +42,14 @@ log = logging.getLogger("distcheck")
 
 ENV = "DISTCHECK_ZYGOTE"  # "1": a private zygote per launcher; a socket path: a shared one; unset or "0": none
 
-# What every rank imports anyway, loaded once before any fork. Not FSDP2, DTensor, TP or torch._dynamo, although
-# they are most of a DDP or FSDP2 rank's remaining CPU (torch._dynamo alone 1.1 s of 1.3 s): with them preloaded,
-# ranks now and then deadlocked at the end of a DDP script (the previous zygote: 9 of 48 runs of
-# fixtures/cmp_loss_sum.py in 4 parallel loops; this one: none in 130 such runs, but 3 in about 10 runs of the
-# test suite, each a 1-rank compare reference stuck for the 60 s timeout in <module> holding the GIL). The main
-# thread, holding the GIL, destroys the Reducer and joins ProcessGroupGloo's worker, which waits for the GIL to drop
-# a Python object held by a finished work's ThreadLocalState. Without them: 0 of 48, and none in the suite.
-PRELOAD = ("torch", "torch.distributed", "distcheck.cli", "distcheck.commands.run", "distcheck.rank.tracer",
-           "distcheck.rank.autocheck", "distcheck.rank.entry", "distcheck.supervise.hang")
+# What every rank imports anyway, loaded once before any fork: FSDP2, DTensor, TP and torch._dynamo are most of a
+# DDP or FSDP2 rank's CPU (torch._dynamo alone 1.1 s of 1.3 s; DDP's constructor and FSDP2's first DTensor import
+# it). With torch 2.13 none of these starts a thread (serve() checks). With them preloaded, ranks deadlocked at the
+# end of DDP scripts far more often (about one suite run in three) in torch's teardown, which joins a gloo worker
+# under the GIL; rank/group_keepalive.py now keeps that teardown from running at all.
+PRELOAD = ("torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.tensor.parallel",
+           "torch.distributed.fsdp", "torch._dynamo", "distcheck.cli", "distcheck.commands.run",
+           "distcheck.rank.tracer", "distcheck.rank.autocheck", "distcheck.rank.entry", "distcheck.supervise.hang")
 
 _MAX_MESSAGE = 1 << 20  # a request carries the rank's environment: a few kB
 _MAX_FDS = 16

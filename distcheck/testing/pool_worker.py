@@ -194,6 +194,7 @@ def main() -> int:
         dist.destroy_process_group()
     except Exception:
         pass
+    group_keepalive.release()  # now, not during the interpreter's finalization
     return 0
 
 
