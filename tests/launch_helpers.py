@@ -86,8 +86,9 @@ def run_python(args: list[str], timeout: float = 120, cwd: str | os.PathLike | N
 
 
 def torchrun(args: list[str], nproc: int = 2, timeout: float = 120, **kw) -> Result:
-    """torchrun's agent (torch.distributed.run, all the torchrun script runs): its ranks are fresh interpreters it
-    starts itself, as always; the agent is forked by the session's zygote when there is one (run_python)."""
+    """torchrun's agent (torch.distributed.run, all the torchrun script runs), forked by the session's zygote when
+    there is one (run_python). It starts its ranks itself; a ``-m distcheck`` rank then has the zygote fork it and
+    stands in for it (distcheck/supervise/zygote.py, stand_in) unless ``env=FRESH``, as for users by default."""
     return run_python(["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args],
                       timeout=timeout, **kw)
 

@@ -49,6 +49,7 @@ from distcheck.analysis.ops import C10D_OPS, FUNCOL_OPS, P2P_OPS
 from distcheck.contract import files
 from distcheck.contract import trace_records as records
 from distcheck.rank.usersite import is_internal
+from distcheck.supervise.procs import agent_pid
 
 log = logging.getLogger("distcheck")
 
@@ -247,7 +248,7 @@ class Tracer:
         self.path = trace_path(report_dir, rank)
         self.writer = _JsonLines(self.path)
         self.writer.write({"ev": "meta", files.FORMAT_KEY: files.FORMAT, "rank": rank, "pid": os.getpid(),
-                           "ppid": os.getppid(), "t": time.time(), "argv": list(sys.argv),
+                           "ppid": agent_pid(), "t": time.time(), "argv": list(sys.argv),
                            "torch": torch.__version__})
         self.events = _EventLog(files.rank_file(report_dir, "trace_events", rank))
         self._ids = itertools.count(1)

@@ -130,3 +130,15 @@ def die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except Exception:
         pass
+
+
+AGENT_PID_ENV = "DISTCHECK_AGENT_PID"  # in a torchrun rank a zygote forked (zygote.stand_in): the agent's pid
+
+
+def agent_pid() -> int:
+    """The process that started this rank: torchrun's agent under torchrun. That is the parent, except for a rank a
+    zygote forked in place of the process the agent started, which names the agent in DISTCHECK_AGENT_PID."""
+    try:
+        return int(os.environ[AGENT_PID_ENV])
+    except (KeyError, ValueError):
+        return os.getppid()

@@ -22,6 +22,7 @@ from distcheck.analysis.trace_events import RankTrace, load_traces
 from distcheck.options import RunOptions
 from distcheck.rank.runtime import backstop, hard_exit
 from distcheck.supervise import run_report
+from distcheck.supervise.procs import agent_pid
 from distcheck.supervise.watch import HUNG, STARTUP_TIMEOUT, STOPPED, WatchLoop
 
 log = logging.getLogger("distcheck")
@@ -71,8 +72,8 @@ class TorchrunMonitor(threading.Thread):
                     for rank in files.rank_files(self.report_dir, "trace"))
         if self._cache is None or self._cache[0] != key:
             # A reused report dir may still hold a trace of an earlier run from a rank that has not started yet:
-            # only the ranks of this torchrun (same agent process as parent) count.
-            ppid = os.getppid()
+            # only the ranks of this torchrun (same agent) count.
+            ppid = agent_pid()
             self._cache = (key, {r: t for r, t in load_traces(self.report_dir).items()
                                  if r < self.world_size and t.meta.get("ppid", ppid) == ppid})
         return self._cache[1]

@@ -4,6 +4,7 @@
 
     python -m distcheck.supervise.zygote /tmp/dc/zygote.sock &          # a shared one, serving until killed
     DISTCHECK_ZYGOTE=/tmp/dc/zygote.sock python -m distcheck run --nproc 2 -- train.py
+    DISTCHECK_ZYGOTE=/tmp/dc/zygote.sock torchrun --nproc-per-node 2 -m distcheck consistency   # see stand_in
 
 Every rank would otherwise spend seconds of CPU importing torch (about 2 s each on this project's 2-core machine).
 A private zygote pays that once per run instead of once per rank (`compare` reuses it for its reference and N-rank
@@ -36,7 +37,7 @@ import tempfile
 import time
 from typing import Sequence
 
-from distcheck.supervise.procs import alive, die_with_parent
+from distcheck.supervise.procs import AGENT_PID_ENV, alive, die_with_parent
 
 log = logging.getLogger("distcheck")
 
@@ -373,6 +374,49 @@ def start_process(args: Sequence[str], env: dict[str, str], pass_fds: Sequence[i
     return subprocess.Popen([sys.executable, *args], env=env, pass_fds=tuple(pass_fds), start_new_session=new_session,
                             stdout=stdout, stderr=stderr, cwd=cwd,
                             preexec_fn=die_with_parent if sys.platform == "linux" else None)
+
+
+# The stop signals torchrun sends, and the stack-dump ones: what reaches the stand-in reaches the rank.
+_FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
+
+
+def stand_in(argv: Sequence[str]) -> int | None:
+    """A torchrun rank of ``python -m distcheck ARGV``, forked by the shared zygote DISTCHECK_ZYGOTE names while this
+    process (the one torchrun started: about 0.1 s of CPU, no torch) stands in for it; None: run here as usual.
+
+        DISTCHECK_ZYGOTE=/tmp/dc/zygote.sock torchrun --nproc-per-node 2 -m distcheck consistency
+
+    To torchrun the stand-in is the rank: it passes the rank its stdio, its environment and every stop signal, and
+    ends as the rank ends (the same exit code, or death by the same signal). If the stand-in is SIGKILLed, its
+    connection closes and the zygote kills the rank. The rank finds the agent in DISTCHECK_AGENT_PID (procs.agent_pid)
+    and names its own parent, the zygote, as its ptracer: the node watcher it starts descends from the zygote.
+    """
+    setting = os.environ.get(ENV, "0")
+    if (setting in ("", "0", "1") or sys.platform != "linux" or "TORCHELASTIC_RUN_ID" not in os.environ
+            or AGENT_PID_ENV in os.environ or not argv or argv[0] not in ("consistency", "run")):
+        return None
+    env = {k: v for k, v in os.environ.items() if k != "DISTCHECK_PTRACER"}
+    env[AGENT_PID_ENV] = str(os.getppid())
+    try:
+        rank = Zygote(setting, timeout=0.0).spawn(["-m", "distcheck", *argv], env)
+    except (OSError, RuntimeError) as exc:
+        Zygote.give_up(f"{ENV}={setting}: {exc}")
+        return None
+
+    def forward(sig: int, _frame: object) -> None:
+        try:
+            rank.send_signal(sig)
+        except ProcessLookupError:
+            pass
+
+    for sig in _FORWARDED:
+        signal.signal(sig, forward)
+    code = rank.wait()
+    if code < 0:  # killed by a signal: so is the stand-in, as torchrun would have seen it
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+        time.sleep(1.0)  # a signal that stops rather than kills; fall through to a plain exit code
+    return 128 - code if code < 0 else code
 
 
 def main(argv: Sequence[str]) -> int:

@@ -2,9 +2,11 @@
 
 Each pytest process (each xdist worker) starts one shared zygote (distcheck/supervise/zygote.py) and names it in
 DISTCHECK_ZYGOTE, which every `python -m distcheck run/compare` the tests start inherits (launch_helpers): its
-ranks are forked with torch already imported instead of importing it afresh, about 2 s of CPU each, which on a
-2-core machine is most of the suite's time. The path users get by default, fresh interpreters, is what torchrun
-launches and what the tests that pass ``FRESH`` (launch_helpers) run: the fault tests, among others.
+ranks are forked with torch, FSDP2, DTensor and torch._dynamo already imported instead of importing them afresh,
+about 4 s of CPU each, which on a 2-core machine is most of the suite's time. So are the ranks of
+`torchrun -m distcheck ...`: the processes torchrun starts stand in for them (zygote.stand_in). The path users get
+by default, fresh interpreters, is what torchrun runs for a plain script and what the tests that pass ``FRESH``
+(launch_helpers) run: the README's main job, the fault tests, a crash and a hang under torchrun, among others.
 """
 from __future__ import annotations
 

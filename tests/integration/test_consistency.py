@@ -1,19 +1,20 @@
 """The consistency command on real gloo ranks: a clean run passes, each fixture bug gives its finding."""
 
 import pytest
-from launch_helpers import FIXTURES, distcheck, load_report, torchrun
+from launch_helpers import FIXTURES, FRESH, distcheck, load_report, torchrun
 
 
-
-def consistency_run(tmp_path, *extra, nproc=2):
+def consistency_run(tmp_path, *extra, nproc=2, env=None):
+    """Ranks forked by the session's zygote (torchrun's processes stand in for them), or with ``env=FRESH`` the
+    fresh interpreters users get by default: the README's main job, a crash and a hang run that way."""
     out = tmp_path / "report"
     res = torchrun(["-m", "distcheck", "consistency", "--report-dir", str(out), "--timeout", "60", *extra],
-                   nproc=nproc, timeout=240)
+                   nproc=nproc, timeout=240, env=env)
     return res, load_report(out)
 
 
 def test_builtin_passes_and_prints_verdict(tmp_path):
-    res, report = consistency_run(tmp_path)
+    res, report = consistency_run(tmp_path, env=FRESH)
     assert res.returncode == 0, res.output
     assert report["ok"] is True and report["findings"] == [] and report["world_size"] == 2
     names = [c["name"] for c in report["checks"]]
@@ -138,7 +139,8 @@ def test_ddp_unused_head_is_one_translated_failure(tmp_path, line_of):
 
 
 def test_rank_crash_keeps_the_report(tmp_path):
-    res, report = consistency_run(tmp_path, "--model", f"{FIXTURES}/model_rank_crash.py:build", "--timeout", "30")
+    res, report = consistency_run(tmp_path, "--model", f"{FIXTURES}/model_rank_crash.py:build", "--timeout", "30",
+                                  env=FRESH)
     assert res.returncode != 0
     [f] = report["findings"]
     assert f["kind"] == "rank_failure" and f["ranks"] == [1], f
@@ -148,7 +150,8 @@ def test_rank_crash_keeps_the_report(tmp_path):
 
 
 def test_rank_hang_is_diagnosed_by_the_watchdog(tmp_path):
-    res, report = consistency_run(tmp_path, "--model", f"{FIXTURES}/model_rank_hang.py:build", "--timeout", "6")
+    res, report = consistency_run(tmp_path, "--model", f"{FIXTURES}/model_rank_hang.py:build", "--timeout", "6",
+                                  env=FRESH)
     assert res.returncode != 0
     [f] = report["findings"]
     assert f["kind"] == "hang" and f["ranks"] == [1], f

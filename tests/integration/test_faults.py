@@ -87,16 +87,30 @@ def hanging(tmp_path: Path, timeout: str = "300", env: dict[str, str] | None = N
     return launch, out
 
 
-def torchrun_hanging(tmp_path: Path, timeout: str, output: int = subprocess.PIPE) -> tuple[Launch, Path]:
-    """hang_python.py under ``torchrun -m distcheck run`` (signals reach the agent only), once its ranks are stuck."""
+def torchrun_hanging(tmp_path: Path, timeout: str, output: int = subprocess.PIPE,
+                     env: dict[str, str] | None = FRESH) -> tuple[Launch, Path]:
+    """hang_python.py under ``torchrun -m distcheck run`` (signals reach the agent only), once its ranks are stuck.
+
+    The ranks are fresh interpreters, torchrun's own children; ``env=None``: forked by the session's zygote, with
+    torchrun's children standing in for them (distcheck/supervise/zygote.py, stand_in)."""
     from launch_helpers import BIN
 
     out = tmp_path / "report"
     launch = Launch([str(BIN / "torchrun"), "--standalone", "--nproc-per-node=2", "-m", "distcheck", "run",
                      "--timeout", timeout, "--report-dir", str(out), "--", str(FIXTURES / "hang_python.py")],
-                    output=output)
+                    env, output=output)
     launch.wait_until(lambda: stuck(out))
     return launch, out
+
+
+def assert_ranks_started_as(launch: Launch, pids: dict[int, int], env: dict[str, str] | None) -> None:
+    """Fresh ranks are the agent's children; forked ones are the zygote's, and the agent's children stand in."""
+    parents = {int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]) for pid in pids.values()}
+    if env is FRESH:
+        assert parents == {launch.proc.pid}, parents
+    else:
+        assert len(parents) == 1 and launch.proc.pid not in parents, parents
+        assert "distcheck.supervise.zygote" in Path(f"/proc/{parents.pop()}/cmdline").read_text()
 
 
 def processes_of(report_dir: Path) -> list[int]:
@@ -240,12 +254,15 @@ def test_py_spy_missing_falls_back_to_faulthandler(tmp_path, line_of):
         launch.cleanup()
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_a_stop_signal_to_torchrun_leaves_the_report(tmp_path, line_of, sig):
-    """torchrun's agent passes the signal on: each rank dumps its own stacks, the node watcher writes the report."""
-    launch, out = torchrun_hanging(tmp_path, "300")
+@pytest.mark.parametrize("sig, env", [(signal.SIGTERM, FRESH), (signal.SIGINT, FRESH), (signal.SIGTERM, None)],
+                         ids=["SIGTERM", "SIGINT", "SIGTERM-stand-in"])
+def test_a_stop_signal_to_torchrun_leaves_the_report(tmp_path, line_of, sig, env):
+    """torchrun's agent passes the signal on: each rank dumps its own stacks, the node watcher writes the report.
+    A stand-in passes it on to its rank."""
+    launch, out = torchrun_hanging(tmp_path, "300", env=env)
     try:
         pids = rank_pids(out)
+        assert_ranks_started_as(launch, pids, env)
         launch.proc.send_signal(sig)
         _, stdout, stderr, seconds = launch.finish(60)
         assert seconds < 10 + 8
@@ -287,11 +304,14 @@ def test_the_rendezvous_store_dying_with_torchruns_agent(tmp_path, line_of):
                 pass
 
 
-def test_sigkill_of_a_rank_under_torchrun_still_yields_a_report_naming_it(tmp_path):
-    """torchrun then stops rank 0 before it writes the report: the node watcher writes it from the files."""
-    launch, out = torchrun_hanging(tmp_path, "300", output=subprocess.DEVNULL)
+@pytest.mark.parametrize("env", [FRESH, None], ids=["fresh", "stand-in"])
+def test_sigkill_of_a_rank_under_torchrun_still_yields_a_report_naming_it(tmp_path, env):
+    """torchrun then stops rank 0 before it writes the report: the node watcher writes it from the files. A rank's
+    stand-in dies of the rank's signal, so torchrun sees the same death."""
+    launch, out = torchrun_hanging(tmp_path, "300", output=subprocess.DEVNULL, env=env)
     try:
         pids = rank_pids(out)
+        assert_ranks_started_as(launch, pids, env)
         os.kill(pids[1], signal.SIGKILL)
         launch.proc.wait(timeout=60)
         t0 = time.monotonic()

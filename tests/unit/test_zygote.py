@@ -51,3 +51,38 @@ def test_a_missing_shared_zygote_is_one_warning_then_fresh_interpreters(monkeypa
         assert zygote.Zygote.shared() is None and zygote.Zygote.shared() is None
     assert [r.getMessage() for r in caplog.records] == \
         [f"DISTCHECK_ZYGOTE={missing}: no zygote listens on {missing}; starting ranks as fresh interpreters"]
+
+
+def test_a_torchrun_rank_stands_in_only_where_a_shared_zygote_is_named(monkeypatch, caplog, tmp_path):
+    """stand_in(): None means "run here": every case but a `consistency` or `run` rank of torchrun with a socket
+    path named, not itself forked on a stand-in's behalf. A named socket with no zygote: one warning, run here."""
+    monkeypatch.setattr(zygote.Zygote, "_shared", None)
+    monkeypatch.setattr(zygote.Zygote, "_failed", False)
+    missing = tmp_path / "zygote.sock"
+    monkeypatch.delenv(zygote.AGENT_PID_ENV, raising=False)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    for setting in ("", "0", "1"):  # none, or a private one: a rank has no launcher to share it with
+        monkeypatch.setenv(zygote.ENV, setting)
+        assert zygote.stand_in(["consistency"]) is None
+    monkeypatch.setenv(zygote.ENV, str(missing))
+    assert zygote.stand_in(["report", "out/"]) is None and zygote.stand_in([]) is None  # not a rank's command
+    monkeypatch.setenv(zygote.AGENT_PID_ENV, "123")  # the forked rank itself
+    assert zygote.stand_in(["consistency"]) is None
+    monkeypatch.delenv(zygote.AGENT_PID_ENV)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID")  # not under torchrun
+    assert zygote.stand_in(["run", "train.py"]) is None
+    assert not caplog.records
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    with caplog.at_level("WARNING", logger="distcheck"):
+        assert zygote.stand_in(["run", "train.py"]) is None
+    assert [r.getMessage() for r in caplog.records] == \
+        [f"DISTCHECK_ZYGOTE={missing}: no zygote listens on {missing}; starting ranks as fresh interpreters"]
+
+
+def test_the_agent_is_the_parent_unless_a_stand_in_names_it(monkeypatch):
+    from distcheck.supervise.procs import AGENT_PID_ENV, agent_pid
+
+    monkeypatch.delenv(AGENT_PID_ENV, raising=False)
+    assert agent_pid() == os.getppid()
+    monkeypatch.setenv(AGENT_PID_ENV, "4242")
+    assert agent_pid() == 4242
