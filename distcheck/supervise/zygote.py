@@ -16,8 +16,9 @@ different set order per rank shows only without it.
 
 Protocol, over a Unix SOCK_SEQPACKET socket (one message per request or reply, so the descriptors sent with a
 request cannot straddle two): request ``{"args": [...], "env": {...}, "cwd": str, "fds": [targets],
-"new_session": bool}``, where args is what follows the interpreter (``-m MODULE ...`` or ``SCRIPT ...``), with the
-descriptors to install at those numbers (stdin, stdout, stderr, then any ``pass_fds``) -> reply ``{"pid": int}``;
+"new_session": bool, "unbuffered": bool}``, where args is what follows the interpreter (``-m MODULE ...`` or
+``SCRIPT ...``) and unbuffered is ``python -u``, with the descriptors to install at those numbers (stdin, stdout,
+stderr, then any ``pass_fds``) -> reply ``{"pid": int}``;
 later, unprompted, ``{"exit": pid, "code": int}`` when the process ends (negative: killed by that signal). A
 connection owns the processes it asked for: when it closes (its launcher ended or was killed) the zygote SIGKILLs
 those still running, as PR_SET_PDEATHSIG does for ranks a launcher starts itself; and every one dies with the
@@ -110,6 +111,11 @@ def _child(request: dict, fds: list[int], server_fds: list[int], server_env: dic
     if "numpy.random" in sys.modules:  # a fresh interpreter seeds numpy's global generator from the OS; so do we
         sys.modules["numpy.random"].seed()  # (`random` reseeds itself after a fork)
     sys.argv = list(args[1:] if module else args)  # runpy puts the module's file first, as `python -m` does
+    # Buffering as a fresh interpreter would choose it for these descriptors, not as the zygote's own were:
+    # stdout line-buffered on a terminal only, stderr always; both written through under `python -u`.
+    unbuffered = bool(request.get("unbuffered") or request["env"].get("PYTHONUNBUFFERED"))
+    sys.stdout.reconfigure(line_buffering=os.isatty(1), write_through=unbuffered)
+    sys.stderr.reconfigure(line_buffering=True, write_through=unbuffered)
     code = 1
     try:
         import runpy
@@ -331,7 +337,7 @@ class Zygote:
 
     def spawn(self, args: Sequence[str], env: dict[str, str], pass_fds: Sequence[int] = (),
               new_session: bool = False, stdout: int | None = None, stderr: int | None = None,
-              cwd: str | None = None, timeout: float = 120.0) -> ForkedRank:
+              cwd: str | None = None, timeout: float = 120.0, unbuffered: bool = False) -> ForkedRank:
         """Fork ``python ARGS`` (``-m MODULE ...`` or ``SCRIPT ...``) with this process's stdin and ``pass_fds``,
         and its stdout and stderr unless given.
 
@@ -340,7 +346,7 @@ class Zygote:
         targets = [0, 1, 2, *pass_fds]
         sent = [0, 1 if stdout is None else stdout, 2 if stderr is None else stderr, *pass_fds]
         request = {"args": list(args), "env": env, "cwd": cwd or os.getcwd(), "fds": targets,
-                   "new_session": new_session}
+                   "new_session": new_session, "unbuffered": unbuffered}
         socket.send_fds(self.sock, [json.dumps(request).encode()], sent)
         deadline = time.monotonic() + timeout
         while True:
@@ -398,7 +404,9 @@ def stand_in(argv: Sequence[str]) -> int | None:
     env = {k: v for k, v in os.environ.items() if k != "DISTCHECK_PTRACER"}
     env[AGENT_PID_ENV] = str(os.getppid())
     try:
-        rank = Zygote(setting, timeout=0.0).spawn(["-m", "distcheck", *argv], env)
+        # torchrun starts `python -u` (stdout writes through): so must the rank, or its output waits for its exit
+        rank = Zygote(setting, timeout=0.0).spawn(["-m", "distcheck", *argv], env,
+                                                  unbuffered=bool(getattr(sys.stdout, "write_through", False)))
     except (OSError, RuntimeError) as exc:
         Zygote.give_up(f"{ENV}={setting}: {exc}")
         return None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -64,12 +65,19 @@ class Launch:
             raise AssertionError(f"the launcher did not end within {limit}s:\n{out}\n{err}\n{ps}") from None
         return self.proc.returncode, out, err, time.monotonic() - t0
 
-    def cleanup(self) -> None:
+    def cleanup(self, report_dir: Path | None = None) -> None:
+        """End the launcher's process group and, given its report dir, every rank it names (torchrun starts its
+        ranks in sessions of their own, out of the group's reach)."""
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
         self.proc.wait(timeout=10)
+        for pid in rank_pids(report_dir).values() if report_dir is not None else ():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 def stuck(out: Path) -> bool:
@@ -83,8 +91,16 @@ def hanging(tmp_path: Path, timeout: str = "300", env: dict[str, str] | None = N
     out = tmp_path / "report"
     launch = Launch([sys.executable, "-m", "distcheck", "run", "--nproc", "2", "--timeout", timeout,
                      "--report-dir", str(out), "--", str(FIXTURES / "hang_python.py")], env)
-    launch.wait_until(lambda: stuck(out))
+    _wait_until_stuck(launch, out)
     return launch, out
+
+
+def _wait_until_stuck(launch: Launch, out: Path) -> None:
+    try:
+        launch.wait_until(lambda: stuck(out))
+    except BaseException:  # the test never gets the launch: end it here
+        launch.cleanup(out)
+        raise
 
 
 def torchrun_hanging(tmp_path: Path, timeout: str, output: int = subprocess.PIPE,
@@ -99,7 +115,7 @@ def torchrun_hanging(tmp_path: Path, timeout: str, output: int = subprocess.PIPE
     launch = Launch([str(BIN / "torchrun"), "--standalone", "--nproc-per-node=2", "-m", "distcheck", "run",
                      "--timeout", timeout, "--report-dir", str(out), "--", str(FIXTURES / "hang_python.py")],
                     env, output=output)
-    launch.wait_until(lambda: stuck(out))
+    _wait_until_stuck(launch, out)
     return launch, out
 
 
@@ -277,7 +293,7 @@ def test_a_stop_signal_to_torchrun_leaves_the_report(tmp_path, line_of, sig, env
         assert "distcheck FAILED" in stdout + stderr  # printed to the job's console
         assert_no_rank_left(pids, out)
     finally:
-        launch.cleanup()
+        launch.cleanup(out)
 
 
 def test_the_rendezvous_store_dying_with_torchruns_agent(tmp_path, line_of):
@@ -296,12 +312,7 @@ def test_the_rendezvous_store_dying_with_torchruns_agent(tmp_path, line_of):
         assert f["ranks"] == [1] and f["detail"]["line"] == line_of("hang_python.py", "# HANG")
         assert_no_rank_left(pids, out)
     finally:
-        launch.cleanup()
-        for pid in rank_pids(out).values():
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        launch.cleanup(out)
 
 
 @pytest.mark.parametrize("env", [FRESH, None], ids=["fresh", "stand-in"])
@@ -323,4 +334,26 @@ def test_sigkill_of_a_rank_under_torchrun_still_yields_a_report_naming_it(tmp_pa
         assert report["command"].startswith("distcheck run --timeout 300")
         assert_no_rank_left(pids, out)
     finally:
-        launch.cleanup()
+        launch.cleanup(out)
+
+
+def test_a_stand_in_ranks_output_arrives_as_it_is_written(tmp_path):
+    """torchrun starts `python -u`: a rank forked for a stand-in writes through too, so what a rank printed before it
+    hung is on the job's console while it hangs (here: one rank, asleep after an unflushed print)."""
+    from launch_helpers import BIN
+
+    script = tmp_path / "talk.py"
+    script.write_text("import time\nprint('before the sleep')\ntime.sleep(300)\n")
+    out = tmp_path / "report"
+    launch = Launch([str(BIN / "torchrun"), "--standalone", "--nproc-per-node=1", "-m", "distcheck", "run",
+                     "--timeout", "300", "--report-dir", str(out), "--", str(script)],
+                    {"PYTHONUNBUFFERED": ""})  # unset (empty is unset for Python): only torchrun's -u counts
+    try:
+        seen, deadline = "", time.monotonic() + 90
+        while "before the sleep" not in seen:
+            assert time.monotonic() < deadline, f"the rank's line never arrived: {seen!r}"
+            if select.select([launch.proc.stdout], [], [], 1.0)[0]:
+                seen += launch.proc.stdout.readline()
+        assert_ranks_started_as(launch, rank_pids(out), None)
+    finally:
+        launch.cleanup(out)
