@@ -114,8 +114,11 @@ def _child(request: dict, fds: list[int], server_fds: list[int], server_env: dic
     # Buffering as a fresh interpreter would choose it for these descriptors, not as the zygote's own were:
     # stdout line-buffered on a terminal only, stderr always; both written through under `python -u`.
     unbuffered = bool(request.get("unbuffered") or request["env"].get("PYTHONUNBUFFERED"))
-    sys.stdout.reconfigure(line_buffering=os.isatty(1), write_through=unbuffered)
-    sys.stderr.reconfigure(line_buffering=True, write_through=unbuffered)
+    for stream, lines in ((sys.stdout, os.isatty(1)), (sys.stderr, True)):
+        try:
+            stream.reconfigure(line_buffering=lines, write_through=unbuffered)
+        except (AttributeError, ValueError, OSError):  # a zygote started without that stream: nothing to set
+            pass
     code = 1
     try:
         import runpy
