@@ -112,11 +112,12 @@ def _child(request: dict, fds: list[int], server_fds: list[int], server_env: dic
         sys.modules["numpy.random"].seed()  # (`random` reseeds itself after a fork)
     sys.argv = list(args[1:] if module else args)  # runpy puts the module's file first, as `python -m` does
     # Buffering as a fresh interpreter would choose it for these descriptors, not as the zygote's own were:
-    # stdout line-buffered on a terminal only, stderr always; both written through under `python -u`.
+    # stdout line-buffered on a terminal only, stderr always. Under `python -u` both reach the descriptor line by
+    # line (the stream objects stay: handlers made at import hold them; -u alone would pass partial lines too).
     unbuffered = bool(request.get("unbuffered") or request["env"].get("PYTHONUNBUFFERED"))
     for stream, lines in ((sys.stdout, os.isatty(1)), (sys.stderr, True)):
         try:
-            stream.reconfigure(line_buffering=lines, write_through=unbuffered)
+            stream.reconfigure(line_buffering=lines or unbuffered, write_through=unbuffered)
         except (AttributeError, ValueError, OSError):  # a zygote started without that stream: nothing to set
             pass
     code = 1
