@@ -366,8 +366,8 @@ class Zygote:
 
 
 def start_process(args: Sequence[str], env: dict[str, str], pass_fds: Sequence[int] = (), new_session: bool = False,
-          stdout: int | None = None, stderr: int | None = None,
-          cwd: str | None = None) -> "subprocess.Popen | ForkedRank":
+                  stdout: int | None = None, stderr: int | None = None,
+                  cwd: str | None = None) -> "subprocess.Popen | ForkedRank":
     """``python ARGS`` as a process that dies with this one: forked by the zygote DISTCHECK_ZYGOTE asks for, or a
     fresh interpreter (the default, and what a zygote that fails falls back to: it costs speed only).
 
@@ -405,14 +405,17 @@ def stand_in(argv: Sequence[str]) -> int | None:
     if (setting in ("", "0", "1") or sys.platform != "linux" or "TORCHELASTIC_RUN_ID" not in os.environ
             or AGENT_PID_ENV in os.environ or not argv or argv[0] not in ("consistency", "run")):
         return None
+    zygote = Zygote.shared()  # the socket's zygote ("1", a private one, is excluded above): None, and warned, if none
+    if zygote is None:
+        return None
     env = {k: v for k, v in os.environ.items() if k != "DISTCHECK_PTRACER"}
     env[AGENT_PID_ENV] = str(os.getppid())
     try:
         # torchrun starts `python -u` (stdout writes through): so must the rank, or its output waits for its exit
-        rank = Zygote(setting, timeout=0.0).spawn(["-m", "distcheck", *argv], env,
-                                                  unbuffered=bool(getattr(sys.stdout, "write_through", False)))
+        rank = zygote.spawn(["-m", "distcheck", *argv], env,
+                            unbuffered=bool(getattr(sys.stdout, "write_through", False)))
     except (OSError, RuntimeError) as exc:
-        Zygote.give_up(f"{ENV}={setting}: {exc}")
+        Zygote.give_up(f"zygote unavailable ({exc})")
         return None
 
     def forward(sig: int, _frame: object) -> None:
