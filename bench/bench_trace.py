@@ -1,10 +1,12 @@
 """Cost of collective tracing, in two measurements.
 
-    .venv/bin/python bench/bench_trace.py [--iters 2000] [--rounds 5]
+    .venv/bin/python bench/bench_trace.py [--iters 2000] [--rounds 5] [--pairs 3] [--fake-only]
 
 1. Per collective, with no communication to hide it: a loop of all_reduce(1024 float32) on torch's fake process
-   group (bench/_fake_pg_loop.py), run plain and under ``distcheck run --nproc 1``; the difference of the fastest
-   rounds is what tracing adds to each collective's CPU side (target <= 2 us; a small NCCL launch costs a few us).
+   group (bench/_fake_pg_loop.py), run plain and under ``distcheck run --nproc 1``, alternately, ``--pairs`` times;
+   the difference of the fastest rounds is what tracing adds to each collective's CPU side (target <= 2 us; a small
+   NCCL launch costs a few us). The traced process also times the unwrapped function in turn with the wrapper:
+   the same figure without process-to-process noise.
 2. all_reduce of 1024 float32 on 2 gloo ranks, untraced vs traced vs DETAIL:
 
 Runs once, on 2 ranks launched with torchrun, and measures the three modes in the same processes, interleaved
@@ -65,31 +67,53 @@ def worker(iters: int, rounds: int, out: str) -> None:
     dist.destroy_process_group()
 
 
-def fake_pg_figures() -> tuple[float, float]:
-    """(plain, traced) seconds per all_reduce on the fake process group, fastest round of each."""
+def fake_pg_figures(pairs: int = 3) -> dict[str, float]:
+    """Seconds per all_reduce on the fake process group, fastest round of each mode: ``plain`` (a plain process),
+    ``traced`` (under ``distcheck run --nproc 1``), and ``original``: the unwrapped function inside the traced
+    process, timed in turn with the traced one. The plain and traced processes alternate ``pairs`` times, so a
+    slow spell of a shared machine does not land on one mode only."""
     loop = Path(__file__).with_name("_fake_pg_loop.py")
     out = Path(tempfile.mkdtemp(prefix="distcheck-bench-"))
-    env = dict(os.environ, OMP_NUM_THREADS="1", DISTCHECK_BENCH_OUT=str(out / "plain.json"))
-    subprocess.run([sys.executable, str(loop)], env=env, check=True, timeout=600)
-    env["DISTCHECK_BENCH_OUT"] = str(out / "traced.json")
-    subprocess.run([sys.executable, "-m", "distcheck", "run", "--nproc", "1", "--report-dir", str(out / "report"),
-                    "--", str(loop)], env=env, check=True, timeout=600, stdout=subprocess.DEVNULL)
-    return (min(json.loads((out / "plain.json").read_text())), min(json.loads((out / "traced.json").read_text())))
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    rounds: dict[str, list[float]] = {"plain": [], "traced": [], "original": []}
+    for i in range(pairs):
+        env["DISTCHECK_BENCH_OUT"] = str(out / f"plain{i}.json")
+        subprocess.run([sys.executable, str(loop)], env=env, check=True, timeout=600)
+        rounds["plain"] += json.loads((out / f"plain{i}.json").read_text())["rounds"]
+        env["DISTCHECK_BENCH_OUT"] = str(out / f"traced{i}.json")
+        subprocess.run([sys.executable, "-m", "distcheck", "run", "--nproc", "1", "--report-dir",
+                        str(out / f"report{i}"), "--", str(loop)], env=env, check=True, timeout=600,
+                       stdout=subprocess.DEVNULL)
+        traced = json.loads((out / f"traced{i}.json").read_text())
+        rounds["traced"] += traced["rounds"]
+        rounds["original"] += traced["original_rounds"]
+    return {mode: min(r) for mode, r in rounds.items()}
+
+
+def print_fake_pg(figures: dict[str, float], pairs: int) -> None:
+    plain, traced, original = (figures[k] * 1e6 for k in ("plain", "traced", "original"))
+    print(f"all_reduce 1024 x float32 on the fake process group (no communication), fastest of {pairs} x 7 rounds "
+          "of 20000:")
+    print(f" plain process {plain:.2f} us/op, under distcheck run --nproc 1 {traced:.2f} us/op: tracing adds "
+          f"{traced - plain:.2f} us per collective (target <= 2 us)")
+    print(f" in the traced process, the unwrapped function {original:.2f} us/op: the wrapper adds "
+          f"{traced - original:.2f} us per collective")
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iters", type=int, default=2000)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--pairs", type=int, default=3, help="plain/traced process pairs of the fake-group figure")
+    parser.add_argument("--fake-only", action="store_true", help="only the fake-process-group figure")
     parser.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker_out:
         worker(args.iters, args.rounds, args.worker_out)
         return 0
-    plain, traced = fake_pg_figures()
-    print("all_reduce 1024 x float32 on the fake process group (no communication), fastest of 7 rounds of 20000:")
-    print(f" plain {plain * 1e6:.2f} us/op, under distcheck run --nproc 1 {traced * 1e6:.2f} us/op: tracing adds "
-          f"{(traced - plain) * 1e6:.2f} us per collective (target <= 2 us)")
+    print_fake_pg(fake_pg_figures(args.pairs), args.pairs)
+    if args.fake_only:
+        return 0
     out = Path(tempfile.mkdtemp(prefix="distcheck-bench-")) / "times.json"
     torchrun = Path(sys.executable).parent / "torchrun"
     env = dict(os.environ, OMP_NUM_THREADS="1")

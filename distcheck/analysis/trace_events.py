@@ -181,22 +181,18 @@ def parse_lines(lines: Iterable[str], rank: int, binary: bytes = b"") -> RankTra
             raise files.FormatError(f"the trace records of rank {rank} have distcheck file format {version}, this "
                                     f"distcheck reads format {files.FORMAT}: read it with the distcheck version "
                                     "that wrote it")
-        for kind, sig, eid, seq, t in records.iter_records(binary) if version is not None else ():
-            if kind == records.START:
-                desc = sigs.get(sig)
-                if desc is None:
-                    continue  # its sig line was lost (disk full): nothing to say about it
-                try:
-                    event = _event(rank, desc, eid, seq, t)
-                except (KeyError, TypeError, ValueError):
-                    continue
-                starts[eid] = event
-                order.append(event)
-            else:
-                event = starts.get(eid)
-                if event is not None and event.t_end is None:
-                    event.t_end = t
-                    event.issued_only = kind == records.ISSUED
+        for rec in records.iter_records(binary) if version is not None else ():
+            desc = sigs.get(rec.sig)
+            if desc is None:
+                continue  # its sig line was lost (disk full): nothing to say about it
+            try:
+                event = _event(rank, desc, rec.id, rec.seq, rec.t)
+            except (KeyError, TypeError, ValueError):
+                continue
+            event.t_end = rec.t_end
+            event.issued_only = rec.issued and rec.t_end is not None
+            starts[rec.id] = event
+            order.append(event)
     for rec in ends:  # JSON ends carry errors: they win over a record of the same id
         try:
             event = starts.get(int(rec["id"]))

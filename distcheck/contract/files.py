@@ -19,7 +19,7 @@ from distcheck.contract import trace_records
 from distcheck.errors import UsageError
 
 # Bump when a per-rank file changes in a way an older reader would misread.
-FORMAT = 2
+FORMAT = 3
 FORMAT_KEY = "format"
 
 REPORT_JSON = "report.json"
@@ -132,13 +132,13 @@ def tidy(report_dir: str | os.PathLike) -> None:
 
 
 def trace_progress(report_dir: str | os.PathLike, rank: int) -> int:
-    """A number that grows whenever the rank records a collective or a trace line: the watch loop's progress
-    token. -1 before the rank has opened its trace."""
+    """A number that grows whenever the rank starts a collective, completes its latest one or writes a trace line:
+    the watch loop's progress token. -1 before the rank has opened its trace."""
     try:
         size = rank_file(report_dir, "trace", rank).stat().st_size
     except OSError:
         return -1
-    return size + max(0, trace_records.written(rank_file(report_dir, "trace_events", rank)))
+    return size + max(0, trace_records.progress(rank_file(report_dir, "trace_events", rank)))
 
 
 def check_format(data: dict[str, Any], path: str | os.PathLike) -> None:

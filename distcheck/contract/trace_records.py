@@ -1,34 +1,53 @@
-"""The binary half of a rank's collective trace: ``trace-rank<R>.bin``, fixed-size event records.
+"""The binary half of a rank's collective trace: ``trace-rank<R>.bin``, one fixed-size record per collective.
 
     python -m distcheck run --nproc 2 --report-dir out -- train.py   # ranks write out/trace-rank<R>.{jsonl,bin}
 
 Why binary: the tracer runs on every collective, and on GPUs a small collective costs a few µs of CPU. A JSON line
-and a ``write`` system call per event cost ~6 µs; a 32-byte ``struct.pack_into`` into a shared memory map costs
-~0.2 µs. The map is ``MAP_SHARED`` on the file, so every store is already in the page cache: a SIGKILLed rank
-keeps every event it recorded, as with the O_APPEND lines before.
+and a ``write`` system call per event cost ~6 µs; storing a record into a shared memory map costs ~0.1 µs. The map
+is ``MAP_SHARED`` on the file, so every store is already in the page cache: a SIGKILLed rank keeps every record it
+stored, as with the O_APPEND lines before.
 
 What does not repeat goes to ``trace-rank<R>.jsonl`` as JSON lines: the meta line, one ``sig`` line per distinct
-call (op, group, shapes, dtypes, reduce op, root/peer, the user's site), errors and the exit line. An event
-record names its sig by number. Layout (little-endian, 32 bytes; slot 0 is the header):
+call (op, group, shapes, dtypes, reduce op, root/peer, the user's site), errors and the exit line. A record names
+its sig by number. Layout (little-endian, 32 bytes; slot 0 is the header; a collective's id is its slot number):
 
-    kind:u8  pad:3  sig:u32  id:u64  seq:u64  t:f64        kind 1 start, 2 end (completed), 3 end (issued only)
+    kind:u8  flags:u8  pad:2  sig:u32  seq:u64  t:f64  t_end:f64
 
-The file is grown a segment at a time and its unused tail is zeros (kind 0), which readers skip; a clean exit
-truncates it to what was written.
+``kind`` is 1 once the collective started (``t``); ``t_end`` stays 0 until it completed, and is then stored in place
+(one 8-byte store, from whichever thread saw the completion): a second record per collective cost another ~0.1 µs.
+``flags`` bit 0 (ISSUED): the end is when the op was issued, not when it completed (functional collectives, whose
+completion only ``wait_tensor`` sees). The file is grown a segment at a time and its unused tail is zeros (kind 0),
+which readers skip; a clean exit truncates it to what was written.
 """
 from __future__ import annotations
 
 import os
 import struct
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
-RECORD = struct.Struct("<B3xIQQd")
-SIZE = RECORD.size  # 32
+SIZE = 32
+START_RECORD = struct.Struct("<BB2xIQd")  # kind, flags, sig, seq, t: the first 24 bytes of a slot
+END_TIME = struct.Struct("<d")  # t_end, at END_OFFSET in the slot
+END_OFFSET = START_RECORD.size
+FLAGS_OFFSET = 1
+FLAG = struct.Struct("<B")
+RECORD = struct.Struct("<BB2xIQdd")  # a whole slot, for readers
+assert RECORD.size == SIZE
 MAGIC = b"DCTRACE\0"
 HEADER = struct.Struct("<8sI20x")  # magic, format; one record slot
-START, END, ISSUED = 1, 2, 3
+START = 1
+ISSUED = 1  # flags bit
 SEGMENT_RECORDS = 1 << 17  # 4 MiB of records per growth step
+
+
+class Record(NamedTuple):
+    id: int  # the slot number
+    sig: int
+    seq: int
+    t: float
+    t_end: float | None  # None: not completed (or not yet when the file was read)
+    issued: bool  # t_end is when the op was issued, not when it completed
 
 
 def header(format_version: int) -> bytes:
@@ -43,25 +62,37 @@ def read_header(data: bytes) -> int | None:
     return version if magic == MAGIC else None
 
 
-def iter_records(data: bytes) -> Iterator[tuple[int, int, int, int, float]]:
-    """(kind, sig, id, seq, t) of every written record after the header; unwritten (zero) slots are skipped."""
+def iter_records(data: bytes) -> Iterator[Record]:
+    """Every started collective's record after the header; unwritten (zero) slots are skipped."""
     end = len(data.rstrip(b"\0"))
     end = -(-end // SIZE) * SIZE  # a record whose last bytes happen to be zero is still whole
     if end <= SIZE:
         return
-    for record in RECORD.iter_unpack(memoryview(data)[SIZE:end]):
-        if record[0]:
-            yield record
+    for slot, (kind, flags, sig, seq, t, t_end) in enumerate(RECORD.iter_unpack(memoryview(data)[SIZE:end]), 1):
+        if kind:
+            yield Record(slot, sig, seq, t, t_end or None, bool(flags & ISSUED))
 
 
 def written(path: str | os.PathLike) -> int:
-    """How many record slots are in use: a cheap progress counter for the watch loop (a few 1-byte reads, not the
-    whole file). Slots fill in order, so the first zero slot is found by bisection; a slot another thread has
-    claimed but not yet written can make this a few short, which only delays progress by a poll. -1: no file."""
+    """How many record slots are in use (a few 1-byte reads, not the whole file). Slots fill in order, so the first
+    zero slot is found by bisection; a slot another thread has claimed but not yet written can make this a few
+    short. -1: no file."""
+    return _scan(path)[0]
+
+
+def progress(path: str | os.PathLike) -> int:
+    """A counter that grows whenever a collective starts or the latest one completes: the watch loop's progress
+    token (a rank that finished a long collective and now computes has progressed). -1: no file."""
+    used, last_ended = _scan(path)
+    return -1 if used < 0 else 2 * used + last_ended
+
+
+def _scan(path: str | os.PathLike) -> tuple[int, int]:
+    """(slots in use, 1 when the last one's t_end is set)."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
-        return -1
+        return -1, 0
     try:
         slots = os.fstat(fd).st_size // SIZE
         lo, hi = 1, slots  # the first zero slot is in [lo, hi]
@@ -71,7 +102,9 @@ def written(path: str | os.PathLike) -> int:
                 lo = mid + 1
             else:
                 hi = mid
-        return lo - 1
+        used = lo - 1
+        ended = used > 0 and os.pread(fd, END_TIME.size, used * SIZE + END_OFFSET).strip(b"\0") != b""
+        return used, int(ended)
     finally:
         os.close(fd)
 

@@ -23,11 +23,12 @@ Each call records a ``start`` before the call and an ``end`` when the op complet
 * functional collectives: when issued, flagged as such, since their completion is only observable through
   ``wait_tensor``.
 
-Records are 32-byte structs stored into a shared memory map of ``<report_dir>/trace-rank<R>.bin``
-(contract/trace_records.py): plain memory writes, no system call, and the kernel keeps the pages of a SIGKILLed
-rank. What each distinct call looks like (op, group, shapes, dtypes, the user's call site) is written once, as a
-``sig`` JSON line in ``trace-rank<R>.jsonl`` next to the meta, error and exit lines. ``bench/bench_trace.py``
-measures the cost per collective (about 1 µs on a no-op process group).
+Each collective is one 32-byte record stored into a shared memory map of ``<report_dir>/trace-rank<R>.bin``
+(contract/trace_records.py): its start is stored before the call, its end time into the same record when the op
+completes; plain memory writes, no system call, and the kernel keeps the pages of a SIGKILLed rank. What each
+distinct call looks like (op, group, shapes, dtypes, the user's call site) is written once, as a ``sig`` JSON line in
+``trace-rank<R>.jsonl`` next to the meta, error and exit lines. ``bench/bench_trace.py`` measures the cost per
+collective on a no-op process group (README, "Performance").
 """
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ import json
 import logging
 import mmap
 import os
+import struct
 import sys
 import threading
 import time
@@ -96,7 +98,8 @@ class _JsonLines:
 
 
 class _EventLog:
-    """``trace-rank<R>.bin``: fixed-size start/end records stored into a shared memory map (the hot path)."""
+    """``trace-rank<R>.bin``: one fixed-size record per collective, stored into a shared memory map (the hot path
+    stores into ``mm`` itself; these methods are for the rest)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -116,13 +119,14 @@ class _EventLog:
                 self.cap += records.SEGMENT_RECORDS * records.SIZE
                 self.mm.resize(self.cap)
 
-    def write(self, kind: int, sig: int, eid: int, seq: int, t: float) -> None:
-        offset = next(self.slots) * records.SIZE
+    def end(self, eid: int, t: float, issued: bool = False) -> None:
+        """Mark collective ``eid`` (its slot) completed at ``t``, or only issued then."""
+        offset = eid * records.SIZE
         try:
-            if offset >= self.cap:
-                self.grow(offset)
-            records.RECORD.pack_into(self.mm, offset, kind, sig, eid, seq, t)
-        except (ValueError, OSError):  # closed, or the disk is full: tracing must not break training
+            if issued:  # before the time: a reader takes the flag only once the time is there
+                records.FLAG.pack_into(self.mm, offset + records.FLAGS_OFFSET, records.ISSUED)
+            records.END_TIME.pack_into(self.mm, offset + records.END_OFFSET, t)
+        except (ValueError, OSError):  # closed under a late completion: tracing must not break training
             pass
 
     def close(self) -> None:
@@ -216,11 +220,8 @@ def _reduce_op_name(op: Any) -> str | None:
     return str(name).upper()
 
 
-class _ThreadState(threading.local):
-    busy = False  # a traced call is running on this thread: calls it makes inside torch are not traced
-
-
 _PLAIN = (int, float, bool, str, type(None))
+_NESTED = object()  # _user_frame's answer for a call made while a traced call is on the same thread's stack
 
 
 def _arg_key(value: Any, Tensor: type) -> Any:
@@ -251,18 +252,17 @@ class Tracer:
                            "ppid": agent_pid(), "t": time.time(), "argv": list(sys.argv),
                            "torch": torch.__version__})
         self.events = _EventLog(files.rank_file(report_dir, "trace_events", rank))
-        self._ids = itertools.count(1)
         self._sig_ids = itertools.count(1)
-        self._seq: dict[Any, int] = {}
-        self._sigs: dict[tuple, tuple[int, Any, bool]] = {}  # call key -> (sig number, seq key, CUDA tensors)
+        self._seq: dict[Any, Any] = {}  # seq key -> itertools.count: the next position in that group's sequence
+        self._codes: dict[int, Any] = {}  # id -> code object of every call site cached by id: ids stay unique
         self._groups: dict[Any, tuple[str, str | None, tuple[int, ...]]] = {}
         self._internal: dict[str, bool] = {}  # file name -> not the user's code (usersite's one rule, cached)
-        self._local = _ThreadState()
+        self._traced_code: Any = None  # the code object every wrapper shares (see _user_frame)
         self._patched: list[tuple[Any, str, Any]] = []
         self.completions = _CudaCompletions(self._write_end, lambda: torch.cuda.Event())
 
     def _write_end(self, eid: int, t: float) -> None:
-        self.events.write(records.END, 0, eid, 0, t)
+        self.events.end(eid, t)
 
     def close(self) -> None:
         self.completions.drain(timeout=1.0)
@@ -394,10 +394,17 @@ class Tracer:
         return event["pg_name"] or event["pg"]
 
     def _user_frame(self, frame: Any) -> Any:
-        """The first frame, from ``frame`` outwards, in the user's code (None when there is none)."""
+        """The first frame, from ``frame`` outwards, in the user's code (None when there is none), or _NESTED when a
+        traced call is on the way there: then torch is running this op for a traced one (``all_gather_object``'s
+        all_gather), and the trace names the op the user wrote, not torch's internals. Only calls from torch's
+        or distcheck's own code get here, so a user's direct call pays for no thread-local flag."""
         internal = self._internal
+        traced_code = self._traced_code
         while frame is not None:
-            filename = frame.f_code.co_filename
+            code = frame.f_code
+            if code is traced_code:
+                return _NESTED
+            filename = code.co_filename
             hit = internal.get(filename)
             if hit is None:
                 hit = internal[filename] = is_internal(filename)
@@ -408,9 +415,11 @@ class Tracer:
 
     def _new_sig(self, op: str, names: tuple[str, ...], args: tuple, kwargs: dict, funcol: bool,
                  default_op: str | None, frame: Any) -> tuple[int, Any, bool]:
-        """Describe a call in full, write its ``sig`` line and return (sig number, seq key, CUDA tensors)."""
+        """Describe a call in full, write its ``sig`` line and return (sig number, the counter of its group's
+        sequence, CUDA tensors)."""
         event = self._describe(op, names, args, kwargs, funcol, default_op)
         if frame is not None:
+            self._codes[id(frame.f_code)] = frame.f_code  # the cache keys it by id: it must never be reused
             event.update(site=f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}",
                          file=frame.f_code.co_filename, line=frame.f_lineno)
         else:
@@ -418,7 +427,11 @@ class Tracer:
         cuda = event.pop("cuda", False)
         sig = next(self._sig_ids)
         self.writer.write({"ev": "sig", "sig": sig, **event})
-        return sig, self._seq_key(event), cuda
+        seq_key = self._seq_key(event)
+        counter = self._seq.get(seq_key)
+        if counter is None:
+            counter = self._seq[seq_key] = itertools.count(1)
+        return sig, counter, cuda
 
     def wrap(self, fn: Callable, op: str, funcol: bool) -> Callable:
         try:
@@ -437,23 +450,25 @@ class Tracer:
         except ImportError:  # pragma: no cover - every supported torch has Work
             pass
 
-        # Everything the hot path touches is a local of this closure: each attribute lookup saved is ~30 ns, and
-        # the whole wrapper has to stay near 1 µs (bench/bench_trace.py).
-        local = self._local
+        # Everything the hot path touches is a local of this closure: each attribute lookup saved is 30 to 80 ns,
+        # and the whole wrapper has to stay near 1 µs (bench/bench_trace.py).
         getframe = sys._getframe
         user_frame = self._user_frame
-        internal = self._internal
-        sigs = self._sigs
-        seqs = self._seq
-        ids = self._ids
-        now = time.time
+        internal_get = self._internal.get
+        sigs: dict[tuple, tuple[int, Any, bool]] = {}  # call key -> (sig number, seq counter, CUDA tensors)
         events = self.events
         slots = events.slots
         grow = events.grow
         mm = events.mm
-        pack = records.RECORD.pack_into
-        SIZE, START, END = records.SIZE, records.START, records.END
+        pack_start = records.START_RECORD.pack_into
+        pack_end = records.END_TIME.pack_into
+        now = time.time
+        SIZE, START, END_OFFSET = records.SIZE, records.START, records.END_OFFSET
+        # A functional collective's end is when it was issued: its completion is only seen by wait_tensor.
+        flags = records.ISSUED if funcol else 0
         Tensor = self._torch.Tensor
+        # Without a CUDA (or ROCm) build no tensor is on the GPU: the key leaves the device out (~60 ns a tensor).
+        gpu_build = self._torch.version.cuda is not None or getattr(self._torch.version, "hip", None) is not None
         cacheable = op not in _UNCACHED
         new_sig = self._new_sig
         completions = self.completions
@@ -461,71 +476,72 @@ class Tracer:
 
         @functools.wraps(fn)
         def traced(*args: Any, **kwargs: Any) -> Any:
-            if local.busy:
-                return fn(*args, **kwargs)
-            local.busy = True
-            try:
-                try:
-                    frame = getframe(1)
-                    if internal.get(frame.f_code.co_filename) is not False:  # the caller is torch's, or new
-                        frame = user_frame(frame)
-                    # The static part of an event (op, group, shapes, dtypes, reduce op, root, site) is described
-                    # once per distinct call and written as a sig line; the event names it by number.
-                    hit = None
-                    if cacheable:
-                        key = [frame.f_code, frame.f_lineno] if frame is not None else [None, None]
-                        for value in args:
-                            if isinstance(value, Tensor):
-                                key += (value.shape, value.dtype, value.is_cuda)
-                            else:
-                                key.append(_arg_key(value, Tensor))
-                        if kwargs:
-                            for pname, value in kwargs.items():
-                                key.append(pname)
-                                key.append(_arg_key(value, Tensor))
-                        try:
-                            hkey = tuple(key)
-                            hit = sigs.get(hkey)
-                        except TypeError:  # an unhashable argument: describe the call every time
-                            hkey = None
-                    if hit is None:
-                        hit = new_sig(op, names, args, kwargs, funcol, default_op, frame)
-                        if cacheable and hkey is not None:
-                            if len(sigs) >= _CACHE_LIMIT:
-                                sigs.clear()
-                            sigs[hkey] = hit
-                    sig, seq_key, cuda = hit
-                    seq = seqs[seq_key] = seqs.get(seq_key, 0) + 1
-                    eid = next(ids)
-                    offset = next(slots) * SIZE
-                    if offset >= events.cap:
-                        grow(offset)
-                    pack(mm, offset, START, sig, eid, seq, now())
-                except Exception as exc:  # tracing must never break the user's collective
-                    log.debug("trace of %s failed: %s", op, exc)
+            frame = getframe(1)
+            if internal_get(frame.f_code.co_filename) is not False:  # torch's or distcheck's caller, or a new file
+                frame = user_frame(frame)
+                if frame is _NESTED:
                     return fn(*args, **kwargs)
-                try:
-                    result = fn(*args, **kwargs)
-                except BaseException as exc:
-                    writer.write({"ev": "end", "id": eid, "t": now(), "error": f"{type(exc).__name__}: {exc}"})
-                    raise
-            finally:
-                local.busy = False
+            try:
+                # The static part of an event (op, group, shapes, dtypes, reduce op, root, site) is described once
+                # per distinct call and written as a sig line; the event names it by number. The call is keyed by
+                # its site as (id(code), f_lasti): hashing a code object or computing f_lineno costs up to 0.5 µs
+                # each (Python 3.11 computes both on every access).
+                hit = None
+                if cacheable:
+                    key = [id(frame.f_code), frame.f_lasti] if frame is not None else [0, -1]
+                    for value in args:
+                        if type(value) is Tensor:
+                            key.append(value.shape)
+                            key.append(value.dtype)
+                            if gpu_build:
+                                key.append(value.is_cuda)
+                        else:
+                            key.append(_arg_key(value, Tensor))
+                    if kwargs:
+                        for pname, value in kwargs.items():
+                            key.append(pname)
+                            key.append(_arg_key(value, Tensor))
+                    try:
+                        hkey = tuple(key)
+                        hit = sigs.get(hkey)
+                    except TypeError:  # an unhashable argument: describe the call every time
+                        hkey = None
+                if hit is None:
+                    hit = new_sig(op, names, args, kwargs, funcol, default_op, frame)
+                    if cacheable and hkey is not None:
+                        if len(sigs) >= _CACHE_LIMIT:
+                            sigs.clear()
+                        sigs[hkey] = hit
+                sig, seq, cuda = hit
+                eid = next(slots)  # an event's id is the slot of its record
+                offset = eid * SIZE
+                position = next(seq)
+                try:  # no bounds check of our own: a store past the map's end fails, and then it grows
+                    pack_start(mm, offset, START, flags, sig, position, now())
+                except struct.error:
+                    grow(offset)
+                    pack_start(mm, offset, START, flags, sig, position, now())
+            except Exception as exc:  # tracing must never break the user's collective
+                log.debug("trace of %s failed: %s", op, exc)
+                return fn(*args, **kwargs)
+            try:
+                result = fn(*args, **kwargs)
+            except BaseException as exc:
+                writer.write({"ev": "end", "id": eid, "t": now(), "error": f"{type(exc).__name__}: {exc}"})
+                raise
             try:  # the op has run: nothing may turn its result into an exception now
                 if result is None and not funcol:
                     if cuda:
                         completions.add(eid)
                     else:
-                        offset = next(slots) * SIZE
-                        if offset >= events.cap:
-                            grow(offset)
-                        pack(mm, offset, END, 0, eid, 0, now())
+                        pack_end(mm, offset + END_OFFSET, now())
                 else:
                     self._finish(eid, result, Work, funcol)
             except Exception as exc:  # the trace closed under a running call (uninstall), a full disk, no CUDA
                 log.debug("trace of the end of %s failed: %s", op, exc)
             return result
 
+        self._traced_code = traced.__code__  # the same for every wrapper: _user_frame knows a traced call by it
         traced.__distcheck_original__ = fn  # type: ignore[attr-defined]
         return traced
 
@@ -537,14 +553,14 @@ class Tracer:
                 works = [result]
             elif isinstance(result, list) and result and all(isinstance(w, Work) for w in result):
                 works = result
-        if not works:
-            events.write(records.ISSUED if funcol else records.END, 0, eid, 0, time.time())
+        if not works:  # a functional collective's record is flagged issued from its start
+            events.end(eid, time.time())
             return
         try:
             futures = [w.get_future() for w in works]
             fut = futures[0] if len(futures) == 1 else self._torch.futures.collect_all(futures)
         except Exception:  # a backend without futures: the op is at least issued
-            events.write(records.ISSUED, 0, eid, 0, time.time())
+            events.end(eid, time.time(), issued=True)
             return
 
         batch = len(futures) > 1
@@ -560,7 +576,7 @@ class Tracer:
             except Exception as exc:
                 writer.write({"ev": "end", "id": eid, "t": t, "error": f"{type(exc).__name__}: {exc}"})
                 return
-            events.write(records.END, 0, eid, 0, t)
+            events.end(eid, t)
 
         fut.add_done_callback(done)
 

@@ -39,10 +39,12 @@ def test_events_carry_the_user_site_shapes_and_completion(fake_world, tmp_path, 
         ("all_reduce", 4, site("# ASYNC")), ("broadcast", 5, site("# ROOTED"))]
     assert all(e.completed and not e.issued_only for e in events)
     assert events[3].reduce_op == "MAX" and events[4].root == 1 and events[4].shapes == [[2, 3]]
-    # One sig line per distinct call, not per event; the closed record file holds exactly what was written.
+    # One sig line per distinct call, not per event; one record per collective, its end stored into it; the
+    # closed record file holds exactly what was written.
     lines = [json.loads(s) for s in (tmp_path / "trace-rank0.jsonl").read_text().splitlines()]
     assert [d["ev"] for d in lines] == ["meta", "sig", "sig", "sig"]
-    assert (tmp_path / "trace-rank0.bin").stat().st_size == records.SIZE * (1 + 2 * len(events))
+    assert (tmp_path / "trace-rank0.bin").stat().st_size == records.SIZE * (1 + len(events))
+    assert [e.id for e in events] == [1, 2, 3, 4, 5] and all(e.t_end >= e.t_start for e in events)
 
 
 def test_a_call_with_new_tensors_each_step_reuses_its_description(fake_world, tmp_path):
@@ -63,18 +65,31 @@ def test_records_are_on_disk_without_close_and_the_map_grows(fake_world, tmp_pat
     tracer = trace.install(tmp_path, 0)
     x = torch.ones(4)
     before = files.trace_progress(tmp_path, 0)
-    for _ in range(20):  # 40 records: the map grows 5 times
+    for _ in range(20):  # 20 records after the header: the map grows twice
         dist.all_reduce(x)
-    assert records.written(tmp_path / "trace-rank0.bin") == 40 and files.trace_progress(tmp_path, 0) > before
+    assert records.written(tmp_path / "trace-rank0.bin") == 20 and files.trace_progress(tmp_path, 0) > before
     data = (tmp_path / "trace-rank0.bin").read_bytes()  # while the map is open, as a supervisor reads it
-    kinds = [r[0] for r in records.iter_records(data)]
-    assert kinds == [records.START, records.END] * 20
-    assert len(load_traces(tmp_path)[0].events) == 20 and tracer.events.cap == 48 * records.SIZE
+    assert [(r.id, r.seq, r.t_end is not None, r.issued) for r in records.iter_records(data)] == [
+        (i, i, True, False) for i in range(1, 21)]
+    assert len(load_traces(tmp_path)[0].events) == 20 and tracer.events.cap == 24 * records.SIZE
+
+
+def test_progress_counts_starts_and_the_latest_completion(tmp_path):
+    """A rank that finished a long collective and now computes has progressed: the watch loop must see it."""
+    path = tmp_path / "trace-rank0.bin"
+    start = records.START_RECORD.pack(records.START, 0, 1, 1, 5.0)
+    path.write_bytes(records.header(files.FORMAT) + start + bytes(records.SIZE - len(start)) + bytes(records.SIZE))
+    begun = records.progress(path)
+    with open(path, "r+b") as fh:
+        fh.seek(records.SIZE + records.END_OFFSET)
+        fh.write(records.END_TIME.pack(6.0))
+    assert records.written(path) == 1 and records.progress(path) > begun
+    assert records.progress(tmp_path / "none.bin") == -1
 
 
 def test_a_killed_ranks_zero_tail_is_skipped_and_cut(tmp_path):
     path = tmp_path / "trace-rank0.bin"
-    rec = records.RECORD.pack(records.START, 1, 1, 1, 5.0)
+    rec = records.RECORD.pack(records.START, 0, 1, 1, 5.0, 0.0)
     path.write_bytes(records.header(files.FORMAT) + rec + b"\0" * records.SIZE * 100)
     assert records.written(path) == 1
     assert len(list(records.iter_records(path.read_bytes()))) == 1
@@ -155,3 +170,18 @@ def test_a_closed_trace_never_breaks_the_users_collective(fake_world, tmp_path):
     traced = tracer.wrap(all_reduce, "all_reduce", funcol=False)
     assert traced(torch.ones(4)) is None
     assert traced(torch.ones(4)) is None  # and with the trace closed before the call
+
+
+def test_torchs_own_collectives_inside_a_traced_call_are_not_traced(fake_world, tmp_path, line_of):
+    """all_gather_object runs all_gather inside torch: the trace names the op the user wrote, once, at the user's
+    line; a functional collective (DTensor's kind) ends when issued, as flagged."""
+    from torch.distributed import _functional_collectives as funcol
+
+    trace.install(tmp_path, 0)
+    dist.all_gather_object([None, None], {"step": 1})  # OBJECT
+    funcol.all_reduce(torch.ones(4), "sum", dist.group.WORLD).wait()  # FUNCOL
+    trace.uninstall()
+    events = load_traces(tmp_path)[0].events
+    assert [(e.op, e.site, e.issued_only) for e in events] == [
+        ("all_gather_object", f"test_tracer.py:{line_of(__file__, '# OBJECT')}", False),
+        ("all_reduce", f"test_tracer.py:{line_of(__file__, '# FUNCOL')}", True)]
