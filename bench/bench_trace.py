@@ -75,7 +75,7 @@ def fake_pg_figures(pairs: int = 3) -> dict[str, float]:
     loop = Path(__file__).with_name("_fake_pg_loop.py")
     out = Path(tempfile.mkdtemp(prefix="distcheck-bench-"))
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    rounds: dict[str, list[float]] = {"plain": [], "traced": [], "original": []}
+    rounds: dict[str, list[float]] = {"plain": [], "traced": [], "original": [], "deep": [], "deep_original": []}
     for i in range(pairs):
         env["DISTCHECK_BENCH_OUT"] = str(out / f"plain{i}.json")
         subprocess.run([sys.executable, str(loop)], env=env, check=True, timeout=600)
@@ -86,7 +86,8 @@ def fake_pg_figures(pairs: int = 3) -> dict[str, float]:
                        stdout=subprocess.DEVNULL)
         traced = json.loads((out / f"traced{i}.json").read_text())
         rounds["traced"] += traced["rounds"]
-        rounds["original"] += traced["original_rounds"]
+        for mode in ("original", "deep", "deep_original"):
+            rounds[mode] += traced[f"{mode}_rounds"]
     return {mode: min(r) for mode, r in rounds.items()}
 
 
@@ -98,6 +99,9 @@ def print_fake_pg(figures: dict[str, float], pairs: int) -> None:
           f"{traced - plain:.2f} us per collective (target <= 2 us)")
     print(f" in the traced process, the unwrapped function {original:.2f} us/op: the wrapper adds "
           f"{traced - original:.2f} us per collective")
+    deep, deep_original = figures["deep"] * 1e6, figures["deep_original"] * 1e6
+    print(f" called from 12 frames of torch's code (as FSDP2's hooks call it): {deep_original:.2f} us/op unwrapped, "
+          f"{deep:.2f} us/op traced: the wrapper adds {deep - deep_original:.2f} us per collective")
 
 
 def main() -> int:

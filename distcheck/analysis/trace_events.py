@@ -4,7 +4,8 @@
     events = load_rank_trace("report/trace-rank0.jsonl")   # reads trace-rank0.bin next to it too
 
 A rank's trace is two files: ``trace-rank<R>.jsonl`` (meta, one ``sig`` line per distinct call, errors, exit) and
-``trace-rank<R>.bin`` (start/end records naming a sig; contract/trace_records.py). ``start``/``end`` JSON lines
+``trace-rank<R>.bin`` (a record per collective naming a sig; contract/trace_records.py), whose positions in their
+groups' sequences are counted here (:func:`sequence_key`). ``start``/``end`` JSON lines
 are read too (error ends are written that way). Pure: no process group. Tolerant of a truncated last line (a rank
 killed mid-write), unwritten record slots and unknown line kinds.
 """
@@ -121,6 +122,20 @@ _KNOWN = frozenset({"ev", "id", "seq", "pg", "pg_name", "op", "shapes", "dtypes"
                     "site", "file", "line", "t", "sig"})
 
 
+def sequence_key(desc: dict[str, Any], rank: int) -> Any:
+    """What a collective's position (``seq``) counts in: collectives count per process group, point-to-point ops
+    per (sender, receiver), batch_isend_irecv per group on its own (it is paired per send/receive, not by position).
+    ``desc`` is the call's sig line."""
+    op = desc["op"]
+    if op in P2P_OPS:
+        peer = desc.get("peer")
+        sending = op.startswith(("send", "isend"))
+        return ("p2p", desc.get("pg"), rank if sending else peer, peer if sending else rank)
+    if op == "batch_isend_irecv":
+        return ("p2p-batch", desc.get("pg"))
+    return desc.get("pg_name") or desc.get("pg")
+
+
 def _event(rank: int, desc: dict[str, Any], eid: int, seq: int, t: float) -> TraceEvent:
     """A started collective from its description (a sig or start line) and its id, sequence number and time."""
     return TraceEvent(
@@ -181,12 +196,15 @@ def parse_lines(lines: Iterable[str], rank: int, binary: bytes = b"") -> RankTra
             raise files.FormatError(f"the trace records of rank {rank} have distcheck file format {version}, this "
                                     f"distcheck reads format {files.FORMAT}: read it with the distcheck version "
                                     "that wrote it")
+        positions: dict[Any, int] = {}  # sequence key -> events counted so far (records are in start order)
         for rec in records.iter_records(binary) if version is not None else ():
             desc = sigs.get(rec.sig)
             if desc is None:
                 continue  # its sig line was lost (disk full): nothing to say about it
             try:
-                event = _event(rank, desc, rec.id, rec.seq, rec.t)
+                key = sequence_key(desc, rank)
+                seq = positions[key] = positions.get(key, 0) + 1
+                event = _event(rank, desc, rec.id, seq, rec.t)
             except (KeyError, TypeError, ValueError):
                 continue
             event.t_end = rec.t_end

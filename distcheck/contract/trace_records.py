@@ -9,15 +9,17 @@ stored, as with the O_APPEND lines before.
 
 What does not repeat goes to ``trace-rank<R>.jsonl`` as JSON lines: the meta line, one ``sig`` line per distinct
 call (op, group, shapes, dtypes, reduce op, root/peer, the user's site), errors and the exit line. A record names
-its sig by number. Layout (little-endian, 32 bytes; slot 0 is the header; a collective's id is its slot number):
+its sig by number. Layout (little-endian, 24 bytes; slot 0 is the header; a collective's id is its slot number):
 
-    kind:u8  flags:u8  pad:2  sig:u32  seq:u64  t:f64  t_end:f64
+    kind:u8  flags:u8  pad:2  sig:u32  t:f64  t_end:f64
 
 ``kind`` is 1 once the collective started (``t``); ``t_end`` stays 0 until it completed, and is then stored in place
 (one 8-byte store, from whichever thread saw the completion): a second record per collective cost another ~0.1 µs.
 ``flags`` bit 0 (ISSUED): the end is when the op was issued, not when it completed (functional collectives, whose
-completion only ``wait_tensor`` sees). The file is grown a segment at a time and its unused tail is zeros (kind 0),
-which readers skip; a clean exit truncates it to what was written.
+completion only ``wait_tensor`` sees). A collective's position in its group's sequence is not stored: readers count
+it, in slot order, from the sigs (analysis/trace_events.py), which saves the hot path a counter. The file is grown a
+segment at a time and its unused tail is zeros (kind 0), which readers skip; a clean exit truncates it to what was
+written.
 """
 from __future__ import annotations
 
@@ -26,25 +28,31 @@ import struct
 from pathlib import Path
 from typing import Iterator, NamedTuple
 
-SIZE = 32
-START_RECORD = struct.Struct("<BB2xIQd")  # kind, flags, sig, seq, t: the first 24 bytes of a slot
+SIZE = 24
+# What the tracer stores when a collective starts: the first 8 bytes as one integer (see start_word) and t.
+START_RECORD = struct.Struct("<Qd")
 END_TIME = struct.Struct("<d")  # t_end, at END_OFFSET in the slot
 END_OFFSET = START_RECORD.size
 FLAGS_OFFSET = 1
 FLAG = struct.Struct("<B")
-RECORD = struct.Struct("<BB2xIQdd")  # a whole slot, for readers
+RECORD = struct.Struct("<BB2xIdd")  # a whole slot, for readers
 assert RECORD.size == SIZE
 MAGIC = b"DCTRACE\0"
-HEADER = struct.Struct("<8sI20x")  # magic, format; one record slot
+HEADER = struct.Struct("<8sI12x")  # magic, format; one record slot
+assert HEADER.size == SIZE
 START = 1
 ISSUED = 1  # flags bit
-SEGMENT_RECORDS = 1 << 17  # 4 MiB of records per growth step
+SEGMENT_RECORDS = 1 << 17  # 3 MiB of records per growth step
+
+
+def start_word(sig: int, flags: int = 0) -> int:
+    """kind, flags and sig of a started collective as the little-endian u64 that START_RECORD stores first."""
+    return START | flags << 8 | sig << 32
 
 
 class Record(NamedTuple):
     id: int  # the slot number
     sig: int
-    seq: int
     t: float
     t_end: float | None  # None: not completed (or not yet when the file was read)
     issued: bool  # t_end is when the op was issued, not when it completed
@@ -68,9 +76,9 @@ def iter_records(data: bytes) -> Iterator[Record]:
     end = -(-end // SIZE) * SIZE  # a record whose last bytes happen to be zero is still whole
     if end <= SIZE:
         return
-    for slot, (kind, flags, sig, seq, t, t_end) in enumerate(RECORD.iter_unpack(memoryview(data)[SIZE:end]), 1):
+    for slot, (kind, flags, sig, t, t_end) in enumerate(RECORD.iter_unpack(memoryview(data)[SIZE:end]), 1):
         if kind:
-            yield Record(slot, sig, seq, t, t_end or None, bool(flags & ISSUED))
+            yield Record(slot, sig, t, t_end or None, bool(flags & ISSUED))
 
 
 def written(path: str | os.PathLike) -> int:

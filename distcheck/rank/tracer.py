@@ -253,7 +253,6 @@ class Tracer:
                            "torch": torch.__version__})
         self.events = _EventLog(files.rank_file(report_dir, "trace_events", rank))
         self._sig_ids = itertools.count(1)
-        self._seq: dict[Any, Any] = {}  # seq key -> itertools.count: the next position in that group's sequence
         self._codes: dict[int, Any] = {}  # id -> code object of every call site cached by id: ids stay unique
         self._groups: dict[Any, tuple[str, str | None, tuple[int, ...]]] = {}
         self._internal: dict[str, bool] = {}  # file name -> not the user's code (usersite's one rule, cached)
@@ -381,18 +380,6 @@ class Tracer:
             event["objects"] = len(objs) if isinstance(objs, list) else None
         return event
 
-    def _seq_key(self, event: dict[str, Any]) -> Any:
-        """Collectives count per process group; point-to-point ops per (sender, receiver)."""
-        op = event["op"]
-        if op in P2P_OPS:
-            me = self.rank
-            peer = event["peer"]
-            sending = op.startswith(("send", "isend"))
-            return ("p2p", event["pg"], me if sending else peer, peer if sending else me)
-        if op == "batch_isend_irecv":
-            return ("p2p-batch", event["pg"])  # paired per send/receive, not a group position
-        return event["pg_name"] or event["pg"]
-
     def _user_frame(self, frame: Any) -> Any:
         """The first frame, from ``frame`` outwards, in the user's code (None when there is none), or _NESTED when a
         traced call is on the way there: then torch is running this op for a traced one (``all_gather_object``'s
@@ -414,9 +401,9 @@ class Tracer:
         return None
 
     def _new_sig(self, op: str, names: tuple[str, ...], args: tuple, kwargs: dict, funcol: bool,
-                 default_op: str | None, frame: Any) -> tuple[int, Any, bool]:
-        """Describe a call in full, write its ``sig`` line and return (sig number, the counter of its group's
-        sequence, CUDA tensors)."""
+                 default_op: str | None, frame: Any) -> tuple[int, bool]:
+        """Describe a call in full, write its ``sig`` line and return (the first word of its records, CUDA
+        tensors)."""
         event = self._describe(op, names, args, kwargs, funcol, default_op)
         if frame is not None:
             self._codes[id(frame.f_code)] = frame.f_code  # the cache keys it by id: it must never be reused
@@ -427,11 +414,8 @@ class Tracer:
         cuda = event.pop("cuda", False)
         sig = next(self._sig_ids)
         self.writer.write({"ev": "sig", "sig": sig, **event})
-        seq_key = self._seq_key(event)
-        counter = self._seq.get(seq_key)
-        if counter is None:
-            counter = self._seq[seq_key] = itertools.count(1)
-        return sig, counter, cuda
+        # A functional collective's end is when it was issued: its completion is only seen by wait_tensor.
+        return records.start_word(sig, records.ISSUED if funcol else 0), cuda
 
     def wrap(self, fn: Callable, op: str, funcol: bool) -> Callable:
         try:
@@ -455,7 +439,7 @@ class Tracer:
         getframe = sys._getframe
         user_frame = self._user_frame
         internal_get = self._internal.get
-        sigs: dict[tuple, tuple[int, Any, bool]] = {}  # call key -> (sig number, seq counter, CUDA tensors)
+        sigs: dict[tuple, tuple[int, bool]] = {}  # call key -> (first word of its records, CUDA tensors)
         events = self.events
         slots = events.slots
         grow = events.grow
@@ -463,9 +447,7 @@ class Tracer:
         pack_start = records.START_RECORD.pack_into
         pack_end = records.END_TIME.pack_into
         now = time.time
-        SIZE, START, END_OFFSET = records.SIZE, records.START, records.END_OFFSET
-        # A functional collective's end is when it was issued: its completion is only seen by wait_tensor.
-        flags = records.ISSUED if funcol else 0
+        SIZE, END_OFFSET = records.SIZE, records.END_OFFSET
         Tensor = self._torch.Tensor
         # Without a CUDA (or ROCm) build no tensor is on the GPU: the key leaves the device out (~60 ns a tensor).
         gpu_build = self._torch.version.cuda is not None or getattr(self._torch.version, "hip", None) is not None
@@ -512,15 +494,14 @@ class Tracer:
                         if len(sigs) >= _CACHE_LIMIT:
                             sigs.clear()
                         sigs[hkey] = hit
-                sig, seq, cuda = hit
+                word, cuda = hit
                 eid = next(slots)  # an event's id is the slot of its record
                 offset = eid * SIZE
-                position = next(seq)
                 try:  # no bounds check of our own: a store past the map's end fails, and then it grows
-                    pack_start(mm, offset, START, flags, sig, position, now())
+                    pack_start(mm, offset, word, now())
                 except struct.error:
                     grow(offset)
-                    pack_start(mm, offset, START, flags, sig, position, now())
+                    pack_start(mm, offset, word, now())
             except Exception as exc:  # tracing must never break the user's collective
                 log.debug("trace of %s failed: %s", op, exc)
                 return fn(*args, **kwargs)

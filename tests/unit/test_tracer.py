@@ -69,15 +69,16 @@ def test_records_are_on_disk_without_close_and_the_map_grows(fake_world, tmp_pat
         dist.all_reduce(x)
     assert records.written(tmp_path / "trace-rank0.bin") == 20 and files.trace_progress(tmp_path, 0) > before
     data = (tmp_path / "trace-rank0.bin").read_bytes()  # while the map is open, as a supervisor reads it
-    assert [(r.id, r.seq, r.t_end is not None, r.issued) for r in records.iter_records(data)] == [
-        (i, i, True, False) for i in range(1, 21)]
-    assert len(load_traces(tmp_path)[0].events) == 20 and tracer.events.cap == 24 * records.SIZE
+    assert [(r.id, r.t_end is not None, r.issued) for r in records.iter_records(data)] == [
+        (i, True, False) for i in range(1, 21)]
+    assert [e.seq for e in load_traces(tmp_path)[0].events] == list(range(1, 21))
+    assert tracer.events.cap == 24 * records.SIZE
 
 
 def test_progress_counts_starts_and_the_latest_completion(tmp_path):
     """A rank that finished a long collective and now computes has progressed: the watch loop must see it."""
     path = tmp_path / "trace-rank0.bin"
-    start = records.START_RECORD.pack(records.START, 0, 1, 1, 5.0)
+    start = records.START_RECORD.pack(records.start_word(1), 5.0)
     path.write_bytes(records.header(files.FORMAT) + start + bytes(records.SIZE - len(start)) + bytes(records.SIZE))
     begun = records.progress(path)
     with open(path, "r+b") as fh:
@@ -89,7 +90,7 @@ def test_progress_counts_starts_and_the_latest_completion(tmp_path):
 
 def test_a_killed_ranks_zero_tail_is_skipped_and_cut(tmp_path):
     path = tmp_path / "trace-rank0.bin"
-    rec = records.RECORD.pack(records.START, 0, 1, 1, 5.0, 0.0)
+    rec = records.RECORD.pack(records.START, 0, 1, 5.0, 0.0)
     path.write_bytes(records.header(files.FORMAT) + rec + b"\0" * records.SIZE * 100)
     assert records.written(path) == 1
     assert len(list(records.iter_records(path.read_bytes()))) == 1
@@ -185,3 +186,18 @@ def test_torchs_own_collectives_inside_a_traced_call_are_not_traced(fake_world, 
     assert [(e.op, e.site, e.issued_only) for e in events] == [
         ("all_gather_object", f"test_tracer.py:{line_of(__file__, '# OBJECT')}", False),
         ("all_reduce", f"test_tracer.py:{line_of(__file__, '# FUNCOL')}", True)]
+
+
+def test_positions_count_per_group_and_per_point_to_point_direction():
+    """Records carry no position: the reader counts it per group, and per (sender, receiver) for send/recv."""
+    sigs = [{"ev": "sig", "sig": 1, "op": "all_reduce", "pg": "0,1", "pg_name": "0"},
+            {"ev": "sig", "sig": 2, "op": "all_reduce", "pg": "0,1", "pg_name": "7"},
+            {"ev": "sig", "sig": 3, "op": "send", "pg": "0,1", "pg_name": "0", "peer": 1},
+            {"ev": "sig", "sig": 4, "op": "recv", "pg": "0,1", "pg_name": "0", "peer": 1}]
+    order = [1, 2, 3, 1, 4, 3, 2, 1]
+    binary = records.header(files.FORMAT) + b"".join(
+        records.RECORD.pack(records.START, 0, sig, float(i), float(i) + 0.5) for i, sig in enumerate(order))
+    events = parse_lines([json.dumps(s) for s in sigs], 0, binary).events
+    assert [(e.op, e.pg_name, e.seq) for e in events] == [
+        ("all_reduce", "0", 1), ("all_reduce", "7", 1), ("send", "0", 1), ("all_reduce", "0", 2),
+        ("recv", "0", 1), ("send", "0", 2), ("all_reduce", "7", 2), ("all_reduce", "0", 3)]
