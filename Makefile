@@ -18,8 +18,9 @@ STAMP := $(VENV)/.installed-$(TORCH_VERSION)
 setup: $(STAMP)
 
 # torch goes in first, pinned, so that the unpinned "torch" in pyproject.toml is already satisfied and pip never
-# pulls a multi-GB CUDA build onto a CPU machine.
-$(STAMP): pyproject.toml
+# pulls a multi-GB CUDA build onto a CPU machine. The editable install also compiles the tracer's C hot path
+# (setup.py, optional: without a C compiler the tracer takes its Python path); a changed .c file re-runs it.
+$(STAMP): pyproject.toml setup.py distcheck/rank/_tracefast.c
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "torch==$(TORCH_VERSION)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
@@ -47,4 +48,4 @@ soak: $(STAMP)
 	$(PY) bench/soak.py
 
 clean:
-	rm -rf $(VENV) distcheck-report-* .pytest_cache
+	rm -rf $(VENV) distcheck-report-* .pytest_cache build distcheck/rank/_tracefast*.so

@@ -23,7 +23,7 @@ Each call records a ``start`` before the call and an ``end`` when the op complet
 * functional collectives: when issued, flagged as such, since their completion is only observable through
   ``wait_tensor``.
 
-Each collective is one 32-byte record stored into a shared memory map of ``<report_dir>/trace-rank<R>.bin``
+Each collective is one 24-byte record stored into a shared memory map of ``<report_dir>/trace-rank<R>.bin``
 (contract/trace_records.py): its start is stored before the call, its end time into the same record when the op
 completes; plain memory writes, no system call, and the kernel keeps the pages of a SIGKILLed rank. What each
 distinct call looks like (op, group, shapes, dtypes, the user's call site) is written once, as a ``sig`` JSON line in
@@ -52,6 +52,11 @@ from distcheck.contract import files
 from distcheck.contract import trace_records as records
 from distcheck.rank.usersite import is_internal
 from distcheck.supervise.procs import agent_pid
+
+try:  # the hot path in C (setup.py builds it where a C compiler is there): same records, ~0.5 µs less a call
+    from distcheck.rank import _tracefast
+except ImportError:  # not built (no compiler at install, Python < 3.11): the Python path does everything
+    _tracefast = None
 
 log = logging.getLogger("distcheck")
 
@@ -108,7 +113,9 @@ class _EventLog:
         os.ftruncate(self._fd, self.cap)
         self.mm = mmap.mmap(self._fd, self.cap)
         self.mm[:records.SIZE] = records.header(files.FORMAT)
-        self.slots = itertools.count(1)  # next() is atomic under the GIL: threads never share a slot
+        # The next free slot; atomic under the GIL, so threads never share one. The C path swaps in its own
+        # counter (Tracer.__init__), which both paths then claim from.
+        self.claim: Callable[[], int] = itertools.count(1).__next__
         self._lock = threading.Lock()
         self._closed = False
 
@@ -135,7 +142,7 @@ class _EventLog:
             if self._closed:
                 return
             self._closed = True
-            used = next(self.slots) * records.SIZE
+            used = self.claim() * records.SIZE
             try:
                 self.mm.close()
             except BufferError:  # a record being written on another thread right now: leave the map to exit
@@ -238,6 +245,26 @@ def _arg_key(value: Any, Tensor: type) -> Any:
     return value
 
 
+def call_key(frame: Any, args: tuple, kwargs: dict, Tensor: type, gpu_build: bool) -> tuple:
+    """The cache key of a call from ``frame`` (the user's): its site as ``(id(code), f_lasti)``, then each positional
+    argument (an exact Tensor as shape, dtype[, is_cuda], flat), then each keyword's name and value. _tracefast.c
+    builds the same key for the calls it handles; the two paths share one cache."""
+    key = [id(frame.f_code), frame.f_lasti] if frame is not None else [0, -1]
+    for value in args:
+        if type(value) is Tensor:
+            key.append(value.shape)
+            key.append(value.dtype)
+            if gpu_build:
+                key.append(value.is_cuda)
+        else:
+            key.append(_arg_key(value, Tensor))
+    if kwargs:
+        for pname, value in kwargs.items():
+            key.append(pname)
+            key.append(_arg_key(value, Tensor))
+    return tuple(key)
+
+
 class Tracer:
     """The installed tracer of this process (one at a time; see install / uninstall)."""
 
@@ -248,14 +275,20 @@ class Tracer:
         self.rank = rank
         self.path = trace_path(report_dir, rank)
         self.writer = _JsonLines(self.path)
+        self.events = _EventLog(files.rank_file(report_dir, "trace_events", rank))
+        # Without a CUDA (or ROCm) build no tensor is on the GPU: keys leave the device out (~60 ns a tensor).
+        self._gpu_build = torch.version.cuda is not None or getattr(torch.version, "hip", None) is not None
+        self._internal: dict[str, bool] = {}  # file name -> not the user's code (usersite's one rule, cached)
+        self._fast = None if _tracefast is None else _tracefast.Log(self.events.mm, self._internal, torch.Tensor,
+                                                                    self._gpu_build)
+        if self._fast is not None:
+            self.events.claim = self._fast.claim
         self.writer.write({"ev": "meta", files.FORMAT_KEY: files.FORMAT, "rank": rank, "pid": os.getpid(),
                            "ppid": agent_pid(), "t": time.time(), "argv": list(sys.argv),
-                           "torch": torch.__version__})
-        self.events = _EventLog(files.rank_file(report_dir, "trace_events", rank))
+                           "torch": torch.__version__, "hot_path": "python" if self._fast is None else "c"})
         self._sig_ids = itertools.count(1)
         self._codes: dict[int, Any] = {}  # id -> code object of every call site cached by id: ids stay unique
         self._groups: dict[Any, tuple[str, str | None, tuple[int, ...]]] = {}
-        self._internal: dict[str, bool] = {}  # file name -> not the user's code (usersite's one rule, cached)
         self._traced_code: Any = None  # the code object every wrapper shares (see _user_frame)
         self._patched: list[tuple[Any, str, Any]] = []
         self.completions = _CudaCompletions(self._write_end, lambda: torch.cuda.Event())
@@ -441,7 +474,7 @@ class Tracer:
         internal_get = self._internal.get
         sigs: dict[tuple, tuple[int, bool]] = {}  # call key -> (first word of its records, CUDA tensors)
         events = self.events
-        slots = events.slots
+        claim = events.claim
         grow = events.grow
         mm = events.mm
         pack_start = records.START_RECORD.pack_into
@@ -449,62 +482,59 @@ class Tracer:
         now = time.time
         SIZE, END_OFFSET = records.SIZE, records.END_OFFSET
         Tensor = self._torch.Tensor
-        # Without a CUDA (or ROCm) build no tensor is on the GPU: the key leaves the device out (~60 ns a tensor).
-        gpu_build = self._torch.version.cuda is not None or getattr(self._torch.version, "hip", None) is not None
+        gpu_build = self._gpu_build
         cacheable = op not in _UNCACHED
         new_sig = self._new_sig
         completions = self.completions
         writer = self.writer
+        # The C path (_tracefast.c): the common case in one call, sharing this wrapper's cache.
+        fast = self._fast
+        begin = _tracefast.Recorder(fast, sigs).begin if fast is not None and cacheable else None
+        end = fast.end if fast is not None else None
 
         @functools.wraps(fn)
         def traced(*args: Any, **kwargs: Any) -> Any:
-            frame = getframe(1)
-            if internal_get(frame.f_code.co_filename) is not False:  # torch's or distcheck's caller, or a new file
-                frame = user_frame(frame)
-                if frame is _NESTED:
+            eid = begin(args, kwargs) if begin is not None else None
+            if type(eid) is int:  # the C path stored the start: the call's slot, negative for GPU tensors
+                cuda = eid < 0
+                if cuda:
+                    eid = -eid
+            else:
+                hkey = eid  # the C path's key for the call when it missed the cache, else None
+                frame = getframe(1)
+                if internal_get(frame.f_code.co_filename) is not False:  # torch's or distcheck's caller, or new
+                    frame = user_frame(frame)
+                    if frame is _NESTED:
+                        return fn(*args, **kwargs)
+                try:
+                    # The static part of an event (op, group, shapes, dtypes, reduce op, root, site) is described
+                    # once per distinct call and written as a sig line; the event names it by number. The call is
+                    # keyed by its site as (id(code), f_lasti): hashing a code object or computing f_lineno costs
+                    # up to 0.5 µs each (Python 3.11 computes both on every access).
+                    hit = None
+                    if cacheable and hkey is None:
+                        hkey = call_key(frame, args, kwargs, Tensor, gpu_build)
+                        try:
+                            hit = sigs.get(hkey)
+                        except TypeError:  # an unhashable argument: describe the call every time
+                            hkey = None
+                    if hit is None:
+                        hit = new_sig(op, names, args, kwargs, funcol, default_op, frame)
+                        if cacheable and hkey is not None:
+                            if len(sigs) >= _CACHE_LIMIT:
+                                sigs.clear()
+                            sigs[hkey] = hit
+                    word, cuda = hit
+                    eid = claim()  # an event's id is the slot of its record
+                    offset = eid * SIZE
+                    try:  # no bounds check of our own: a store past the map's end fails, and then it grows
+                        pack_start(mm, offset, word, now())
+                    except struct.error:
+                        grow(offset)
+                        pack_start(mm, offset, word, now())
+                except Exception as exc:  # tracing must never break the user's collective
+                    log.debug("trace of %s failed: %s", op, exc)
                     return fn(*args, **kwargs)
-            try:
-                # The static part of an event (op, group, shapes, dtypes, reduce op, root, site) is described once
-                # per distinct call and written as a sig line; the event names it by number. The call is keyed by
-                # its site as (id(code), f_lasti): hashing a code object or computing f_lineno costs up to 0.5 µs
-                # each (Python 3.11 computes both on every access).
-                hit = None
-                if cacheable:
-                    key = [id(frame.f_code), frame.f_lasti] if frame is not None else [0, -1]
-                    for value in args:
-                        if type(value) is Tensor:
-                            key.append(value.shape)
-                            key.append(value.dtype)
-                            if gpu_build:
-                                key.append(value.is_cuda)
-                        else:
-                            key.append(_arg_key(value, Tensor))
-                    if kwargs:
-                        for pname, value in kwargs.items():
-                            key.append(pname)
-                            key.append(_arg_key(value, Tensor))
-                    try:
-                        hkey = tuple(key)
-                        hit = sigs.get(hkey)
-                    except TypeError:  # an unhashable argument: describe the call every time
-                        hkey = None
-                if hit is None:
-                    hit = new_sig(op, names, args, kwargs, funcol, default_op, frame)
-                    if cacheable and hkey is not None:
-                        if len(sigs) >= _CACHE_LIMIT:
-                            sigs.clear()
-                        sigs[hkey] = hit
-                word, cuda = hit
-                eid = next(slots)  # an event's id is the slot of its record
-                offset = eid * SIZE
-                try:  # no bounds check of our own: a store past the map's end fails, and then it grows
-                    pack_start(mm, offset, word, now())
-                except struct.error:
-                    grow(offset)
-                    pack_start(mm, offset, word, now())
-            except Exception as exc:  # tracing must never break the user's collective
-                log.debug("trace of %s failed: %s", op, exc)
-                return fn(*args, **kwargs)
             try:
                 result = fn(*args, **kwargs)
             except BaseException as exc:
@@ -514,8 +544,10 @@ class Tracer:
                 if result is None and not funcol:
                     if cuda:
                         completions.add(eid)
+                    elif end is not None:
+                        end(eid)
                     else:
-                        pack_end(mm, offset + END_OFFSET, now())
+                        pack_end(mm, eid * SIZE + END_OFFSET, now())
                 else:
                     self._finish(eid, result, Work, funcol)
             except Exception as exc:  # the trace closed under a running call (uninstall), a full disk, no CUDA

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 import torch
@@ -21,7 +22,18 @@ def _no_tracer_left():
     trace.uninstall()  # a failing test must not leave the next one traced
 
 
-def test_events_carry_the_user_site_shapes_and_completion(fake_world, tmp_path, line_of):
+@pytest.fixture(params=["c", "python"])
+def hot_path(request, monkeypatch):
+    """Both ways a call is traced: the C path (_tracefast.c, built by pip install where a compiler is there) and
+    the Python path every call falls back to."""
+    if request.param == "python":
+        monkeypatch.setattr(trace, "_tracefast", None)
+    elif trace._tracefast is None:
+        pytest.skip("the C path was not built here (pip install -e . with a C compiler builds it)")
+    return request.param
+
+
+def test_events_carry_the_user_site_shapes_and_completion(fake_world, tmp_path, line_of, hot_path):
     trace.install(tmp_path, 0)
     x = torch.ones(4)
     for _ in range(3):
@@ -42,12 +54,12 @@ def test_events_carry_the_user_site_shapes_and_completion(fake_world, tmp_path, 
     # One sig line per distinct call, not per event; one record per collective, its end stored into it; the
     # closed record file holds exactly what was written.
     lines = [json.loads(s) for s in (tmp_path / "trace-rank0.jsonl").read_text().splitlines()]
-    assert [d["ev"] for d in lines] == ["meta", "sig", "sig", "sig"]
+    assert [d["ev"] for d in lines] == ["meta", "sig", "sig", "sig"] and lines[0]["hot_path"] == hot_path
     assert (tmp_path / "trace-rank0.bin").stat().st_size == records.SIZE * (1 + len(events))
     assert [e.id for e in events] == [1, 2, 3, 4, 5] and all(e.t_end >= e.t_start for e in events)
 
 
-def test_a_call_with_new_tensors_each_step_reuses_its_description(fake_world, tmp_path):
+def test_a_call_with_new_tensors_each_step_reuses_its_description(fake_world, tmp_path, hot_path):
     """Keyword or positional, a fresh tensor of the same shape is the same call: one sig line, no tensor kept."""
     trace.install(tmp_path, 0)
     for _ in range(5):
@@ -59,7 +71,7 @@ def test_a_call_with_new_tensors_each_step_reuses_its_description(fake_world, tm
     assert len(load_traces(tmp_path)[0].events) == 10
 
 
-def test_records_are_on_disk_without_close_and_the_map_grows(fake_world, tmp_path, monkeypatch):
+def test_records_are_on_disk_without_close_and_the_map_grows(fake_world, tmp_path, monkeypatch, hot_path):
     """A SIGKILLed rank never closes its trace: every record stored into the map is already in the file."""
     monkeypatch.setattr(records, "SEGMENT_RECORDS", 8)
     tracer = trace.install(tmp_path, 0)
@@ -173,7 +185,7 @@ def test_a_closed_trace_never_breaks_the_users_collective(fake_world, tmp_path):
     assert traced(torch.ones(4)) is None  # and with the trace closed before the call
 
 
-def test_torchs_own_collectives_inside_a_traced_call_are_not_traced(fake_world, tmp_path, line_of):
+def test_torchs_own_collectives_inside_a_traced_call_are_not_traced(fake_world, tmp_path, line_of, hot_path):
     """all_gather_object runs all_gather inside torch: the trace names the op the user wrote, once, at the user's
     line; a functional collective (DTensor's kind) ends when issued, as flagged."""
     from torch.distributed import _functional_collectives as funcol
@@ -201,3 +213,32 @@ def test_positions_count_per_group_and_per_point_to_point_direction():
     assert [(e.op, e.pg_name, e.seq) for e in events] == [
         ("all_reduce", "0", 1), ("all_reduce", "7", 1), ("send", "0", 1), ("all_reduce", "0", 2),
         ("recv", "0", 1), ("send", "0", 2), ("all_reduce", "7", 2), ("all_reduce", "0", 3)]
+
+
+def _begin(recorder, *args, **kwargs):
+    """Calls the C path as the tracer's wrapper does: the call's site is this function's caller."""
+    return recorder.begin(args, kwargs)
+
+
+def test_the_c_path_keys_a_call_as_the_python_path_does(fake_world, tmp_path):
+    """The two paths share one cache: a key the C path builds must equal the Python path's for the same call."""
+    if trace._tracefast is None:
+        pytest.skip("the C path was not built here (pip install -e . with a C compiler builds it)")
+    tracer = trace.install(tmp_path, 0)
+    tracer._internal[__file__] = False  # this file is the user's code
+    Tensor, gpu = torch.Tensor, tracer._gpu_build
+    calls = [((torch.ones(4),), {}),
+             ((torch.ones(2, 3), 1), {"group": dist.group.WORLD, "async_op": True}),
+             ((torch.empty(8), torch.ones(4, dtype=torch.float16)), {"op": dist.ReduceOp.MAX}),
+             ((torch.ones(3),), {"tensor": torch.ones(5, dtype=torch.int64), "tag": "x"})]
+    frame = sys._getframe()
+    for args, kwargs in calls:
+        key = _begin(trace._tracefast.Recorder(tracer._fast, {}), *args, **kwargs)  # a miss: the key comes back
+        assert key[0] == id(frame.f_code) and key[1] > 0
+        assert key[2:] == trace.call_key(frame, args, kwargs, Tensor, gpu)[2:]
+    # Arguments keyed recursively (lists, tensor subclasses) and callers in torch's code are the Python path's.
+    recorder = trace._tracefast.Recorder(tracer._fast, {})
+    assert _begin(recorder, [torch.ones(2)], torch.ones(2)) is None
+    assert _begin(recorder, torch.nn.Parameter(torch.ones(2))) is None
+    tracer._internal[__file__] = True
+    assert _begin(recorder, torch.ones(2)) is None

@@ -1,0 +1,361 @@
+/* The tracer's hot path in C: what a collective called from the user's own code costs (README, "Performance").
+
+    pip install -e .        # builds distcheck/rank/_tracefast*.so when a C compiler is there (optional)
+
+distcheck/rank/tracer.py is the tracer; this module only speeds up its common case, a call whose caller is the
+user's code and whose description is already cached. ``Recorder.begin(args, kwargs)`` does, in one C call, what
+the Python path does in about twenty bytecode-level steps: find the caller's frame, look up whether its file is the
+user's, build the call's cache key, look it up, claim the next record slot and store the start word and time into
+the memory map. It returns the slot (negative when the call's tensors are on the GPU), the key when the cache
+misses (the Python path describes the call and caches it under that key), or None whenever anything is not the
+common case (a caller in torch's code, a list argument, a full map, an error): the Python path then handles the
+call from scratch, so every rule stays written once, in tracer.py.
+
+The key built here must equal the Python path's key, element by element (the two share one cache):
+(id(code), f_lasti, for each positional argument: shape, dtype[, is_cuda] of an exact Tensor, else the value; for
+each keyword argument: its name, then (shape, dtype, is_cuda) of an exact Tensor, else the value).
+tests/unit/test_tracer.py checks that both paths find each other's entries.
+*/
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <frameobject.h>
+#include <stdint.h>
+#include <string.h>
+#include <time.h>
+
+#if PY_VERSION_HEX < 0x030B0000
+#error "the tracer's C path needs Python 3.11 (PyFrame_GetLasti); older versions use the Python path"
+#endif
+
+#define RECORD_SIZE 24
+#define END_OFFSET 16
+
+static PyObject *str_shape, *str_dtype, *str_is_cuda, *getframe, *one;
+
+/* ---- Log: the record file's slot counter and memory map, shared by every wrapper ---- */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *mm;        /* the mmap.mmap of trace-rank<R>.bin */
+    PyObject *internal;  /* dict: file name -> True when not the user's code (filled by the Python path) */
+    PyObject *tensor;    /* torch.Tensor */
+    int gpu_build;       /* key tensors' is_cuda too (a CUDA or ROCm build of torch) */
+    unsigned long long next_slot;
+} LogObject;
+
+static void Log_dealloc(LogObject *self) {
+    Py_XDECREF(self->mm);
+    Py_XDECREF(self->internal);
+    Py_XDECREF(self->tensor);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static int Log_init(LogObject *self, PyObject *args, PyObject *kwds) {
+    PyObject *mm, *internal, *tensor;
+    int gpu_build;
+    if (!PyArg_ParseTuple(args, "OO!Op", &mm, &PyDict_Type, &internal, &tensor, &gpu_build))
+        return -1;
+    Py_INCREF(mm);
+    Py_INCREF(internal);
+    Py_INCREF(tensor);
+    Py_XSETREF(self->mm, mm);
+    Py_XSETREF(self->internal, internal);
+    Py_XSETREF(self->tensor, tensor);
+    self->gpu_build = gpu_build;
+    self->next_slot = 1; /* slot 0 is the header */
+    return 0;
+}
+
+/* claim() -> the next free slot (the Python path's counter, so both paths share one sequence of slots). */
+static PyObject *Log_claim(LogObject *self, PyObject *Py_UNUSED(ignored)) {
+    return PyLong_FromUnsignedLongLong(self->next_slot++);
+}
+
+static double now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+/* Store 8 bytes at offset of the map; 0 on success, -1 (no exception set) when the map is closed or too short. */
+static int store(LogObject *log, unsigned long long offset, const void *bytes, size_t n) {
+    Py_buffer view;
+    if (PyObject_GetBuffer(log->mm, &view, PyBUF_WRITABLE) < 0) {
+        PyErr_Clear();
+        return -1;
+    }
+    int ok = offset + n <= (unsigned long long)view.len;
+    if (ok)
+        memcpy((char *)view.buf + offset, bytes, n);
+    PyBuffer_Release(&view);
+    return ok ? 0 : -1;
+}
+
+/* end(slot): store the end time into the slot's record (the op completed now). */
+static PyObject *Log_end(LogObject *self, PyObject *arg) {
+    unsigned long long slot = PyLong_AsUnsignedLongLong(arg);
+    if (slot == (unsigned long long)-1 && PyErr_Occurred())
+        return NULL;
+    double t = now();
+    store(self, slot * RECORD_SIZE + END_OFFSET, &t, sizeof t); /* a closed map: tracing never breaks the op */
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef Log_methods[] = {
+    {"claim", (PyCFunction)Log_claim, METH_NOARGS, "The next free record slot."},
+    {"end", (PyCFunction)Log_end, METH_O, "Store the end time (now) into a slot's record."},
+    {NULL}};
+
+static PyTypeObject LogType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "distcheck.rank._tracefast.Log",
+    .tp_basicsize = sizeof(LogObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Log_init,
+    .tp_dealloc = (destructor)Log_dealloc,
+    .tp_methods = Log_methods,
+};
+
+/* ---- Recorder: one per wrapped function, with that function's cache ---- */
+
+typedef struct {
+    PyObject_HEAD
+    LogObject *log;
+    PyObject *sigs; /* dict: call key -> (start word, CUDA tensors) */
+} RecorderObject;
+
+static void Recorder_dealloc(RecorderObject *self) {
+    Py_XDECREF(self->log);
+    Py_XDECREF(self->sigs);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static int Recorder_init(RecorderObject *self, PyObject *args, PyObject *kwds) {
+    PyObject *log, *sigs;
+    if (!PyArg_ParseTuple(args, "O!O!", &LogType, &log, &PyDict_Type, &sigs))
+        return -1;
+    Py_INCREF(log);
+    Py_INCREF(sigs);
+    Py_XSETREF(self->log, (LogObject *)log);
+    Py_XSETREF(self->sigs, sigs);
+    return 0;
+}
+
+/* Append a tensor's key parts to list; 0 on success, -1 with an exception set. */
+static int append_tensor(PyObject *list, PyObject *value, int with_device, int nested) {
+    PyObject *shape = PyObject_GetAttr(value, str_shape);
+    if (!shape)
+        return -1;
+    PyObject *dtype = PyObject_GetAttr(value, str_dtype);
+    if (!dtype) {
+        Py_DECREF(shape);
+        return -1;
+    }
+    PyObject *cuda = NULL;
+    if (with_device) {
+        cuda = PyObject_GetAttr(value, str_is_cuda);
+        if (!cuda) {
+            Py_DECREF(shape);
+            Py_DECREF(dtype);
+            return -1;
+        }
+    }
+    int rc;
+    if (nested) {
+        PyObject *t = cuda ? PyTuple_Pack(3, shape, dtype, cuda) : PyTuple_Pack(2, shape, dtype);
+        rc = t ? PyList_Append(list, t) : -1;
+        Py_XDECREF(t);
+    } else {
+        rc = PyList_Append(list, shape);
+        if (rc == 0)
+            rc = PyList_Append(list, dtype);
+        if (rc == 0 && cuda)
+            rc = PyList_Append(list, cuda);
+    }
+    Py_DECREF(shape);
+    Py_DECREF(dtype);
+    Py_XDECREF(cuda);
+    return rc;
+}
+
+/* Whether the Python path's _arg_key(value) is value itself, for a value that is not an exact Tensor. */
+static int keyed_as_itself(RecorderObject *self, PyObject *value) {
+    if (PyList_Check(value) || PyTuple_Check(value))
+        return 0; /* _arg_key recurses into them */
+    int sub = PyObject_IsInstance(value, self->log->tensor);
+    if (sub < 0) {
+        PyErr_Clear();
+        return 0;
+    }
+    return !sub; /* a Tensor subclass (Parameter, DTensor): keyed by its metadata, in Python */
+}
+
+/* The call's key, or NULL with no exception set when the Python path must build it. */
+static PyObject *build_key(RecorderObject *self, PyObject *code_id, PyObject *lasti, PyObject *args,
+                           PyObject *kwargs) {
+    PyObject *key = PyList_New(0);
+    if (!key)
+        goto fail;
+    if (PyList_Append(key, code_id) < 0 || PyList_Append(key, lasti) < 0)
+        goto fail;
+    PyTypeObject *tensor = (PyTypeObject *)self->log->tensor;
+    Py_ssize_t n = PyTuple_GET_SIZE(args);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *value = PyTuple_GET_ITEM(args, i);
+        if (Py_IS_TYPE(value, tensor)) {
+            if (append_tensor(key, value, self->log->gpu_build, 0) < 0)
+                goto fail;
+        } else if (!keyed_as_itself(self, value) || PyList_Append(key, value) < 0) {
+            goto fail;
+        }
+    }
+    if (kwargs != Py_None && PyDict_GET_SIZE(kwargs)) {
+        PyObject *name, *value;
+        Py_ssize_t pos = 0;
+        while (PyDict_Next(kwargs, &pos, &name, &value)) {
+            if (PyList_Append(key, name) < 0)
+                goto fail;
+            if (Py_IS_TYPE(value, tensor)) {
+                if (append_tensor(key, value, 1, 1) < 0)
+                    goto fail;
+            } else if (!keyed_as_itself(self, value) || PyList_Append(key, value) < 0) {
+                goto fail;
+            }
+        }
+    }
+    PyObject *tuple = PyList_AsTuple(key);
+    Py_DECREF(key);
+    if (!tuple)
+        PyErr_Clear();
+    return tuple;
+fail:
+    Py_XDECREF(key);
+    PyErr_Clear();
+    return NULL;
+}
+
+/* begin(args, kwargs) -> slot (negative: CUDA tensors) | key (a cache miss) | None (take the Python path). */
+static PyObject *Recorder_begin(RecorderObject *self, PyObject *const *argv, Py_ssize_t argc) {
+    if (argc != 2 || !PyTuple_Check(argv[0]) || (argv[1] != Py_None && !PyDict_Check(argv[1]))) {
+        PyErr_SetString(PyExc_TypeError, "begin(args: tuple, kwargs: dict)");
+        return NULL;
+    }
+    /* sys._getframe(1) from here is the wrapper's caller, and it materializes that frame only (PyEval_GetFrame
+       would also make a frame object for the wrapper, on every call). */
+    PyObject *frame = PyObject_CallOneArg(getframe, one);
+    if (!frame || !PyFrame_Check(frame)) {
+        Py_XDECREF(frame);
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    PyFrameObject *caller = (PyFrameObject *)frame;
+    PyObject *result = Py_None;
+    PyObject *key = NULL, *code_id = NULL, *lasti = NULL;
+    PyCodeObject *code = PyFrame_GetCode(caller);
+    PyObject *internal = PyDict_GetItemWithError(self->log->internal, code->co_filename);
+    if (internal != Py_False) { /* torch's caller (walk out to the user's frame) or a file not seen yet */
+        PyErr_Clear();
+        goto done;
+    }
+    code_id = PyLong_FromVoidPtr(code);
+    lasti = PyLong_FromLong(PyFrame_GetLasti(caller));
+    if (!code_id || !lasti) {
+        PyErr_Clear();
+        goto done;
+    }
+    key = build_key(self, code_id, lasti, argv[0], argv[1]);
+    if (!key)
+        goto done;
+    PyObject *hit = PyDict_GetItemWithError(self->sigs, key); /* borrowed */
+    if (!hit) {
+        if (PyErr_Occurred()) { /* an unhashable argument */
+            PyErr_Clear();
+            goto done;
+        }
+        result = key; /* a miss: the Python path describes the call and caches it under this key */
+        goto done;
+    }
+    if (!PyTuple_Check(hit) || PyTuple_GET_SIZE(hit) != 2)
+        goto done;
+    unsigned long long word = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(hit, 0));
+    int cuda = PyObject_IsTrue(PyTuple_GET_ITEM(hit, 1));
+    if ((word == (unsigned long long)-1 && PyErr_Occurred()) || cuda < 0) {
+        PyErr_Clear();
+        goto done;
+    }
+    LogObject *log = self->log;
+    unsigned long long slot = log->next_slot;
+    unsigned char record[16];
+    double t = now();
+    memcpy(record, &word, 8); /* little-endian targets only (see the check at module init) */
+    memcpy(record + 8, &t, 8);
+    if (store(log, slot * RECORD_SIZE, record, sizeof record) < 0)
+        goto done; /* the map must grow (or is closed): the Python path claims this slot */
+    log->next_slot = slot + 1;
+    result = PyLong_FromLongLong(cuda ? -(long long)slot : (long long)slot);
+    Py_XDECREF(key);
+    Py_XDECREF(code_id);
+    Py_XDECREF(lasti);
+    Py_DECREF(code);
+    Py_DECREF(caller);
+    return result;
+done:
+    if (result == key)
+        key = NULL; /* the caller gets our reference */
+    else
+        Py_INCREF(result);
+    Py_XDECREF(key);
+    Py_XDECREF(code_id);
+    Py_XDECREF(lasti);
+    Py_DECREF(code);
+    Py_DECREF(caller);
+    return result;
+}
+
+static PyMethodDef Recorder_methods[] = {
+    {"begin", (PyCFunction)(void (*)(void))Recorder_begin, METH_FASTCALL,
+     "begin(args, kwargs): slot | key | None (see the module's docstring)."},
+    {NULL}};
+
+static PyTypeObject RecorderType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "distcheck.rank._tracefast.Recorder",
+    .tp_basicsize = sizeof(RecorderObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Recorder_init,
+    .tp_dealloc = (destructor)Recorder_dealloc,
+    .tp_methods = Recorder_methods,
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_tracefast", "The tracer's hot path in C.", -1, NULL};
+
+PyMODINIT_FUNC PyInit__tracefast(void) {
+    const uint16_t probe = 1;
+    if (*(const unsigned char *)&probe != 1) {
+        PyErr_SetString(PyExc_ImportError, "the tracer's C path stores little-endian records only");
+        return NULL;
+    }
+    str_shape = PyUnicode_InternFromString("shape");
+    str_dtype = PyUnicode_InternFromString("dtype");
+    str_is_cuda = PyUnicode_InternFromString("is_cuda");
+    if (!str_shape || !str_dtype || !str_is_cuda)
+        return NULL;
+    getframe = PySys_GetObject("_getframe"); /* borrowed */
+    one = PyLong_FromLong(1);
+    if (!getframe || !one)
+        return NULL;
+    Py_INCREF(getframe);
+    if (PyType_Ready(&LogType) < 0 || PyType_Ready(&RecorderType) < 0)
+        return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (!m)
+        return NULL;
+    Py_INCREF(&LogType);
+    Py_INCREF(&RecorderType);
+    if (PyModule_AddObject(m, "Log", (PyObject *)&LogType) < 0 ||
+        PyModule_AddObject(m, "Recorder", (PyObject *)&RecorderType) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
