@@ -32,6 +32,18 @@ tests/unit/test_tracer.py checks that both paths find each other's entries.
 
 static PyObject *str_shape, *str_dtype, *str_is_cuda, *getframe, *one;
 
+/* A plain type with an __init__, a dealloc and methods (both of this module's types). */
+#define TYPE(var, name, object, init, dealloc, methods)                                                            \
+    static PyTypeObject var = {                                                                                    \
+        PyVarObject_HEAD_INIT(NULL, 0).tp_name = "distcheck.rank._tracefast." name,                               \
+        .tp_basicsize = sizeof(object),                                                                            \
+        .tp_flags = Py_TPFLAGS_DEFAULT,                                                                            \
+        .tp_new = PyType_GenericNew,                                                                               \
+        .tp_init = (initproc)init,                                                                                 \
+        .tp_dealloc = (destructor)dealloc,                                                                         \
+        .tp_methods = methods,                                                                                     \
+    }
+
 /* ---- Log: the record file's slot counter and memory map, shared by every wrapper ---- */
 
 typedef struct {
@@ -50,7 +62,7 @@ static void Log_dealloc(LogObject *self) {
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
-static int Log_init(LogObject *self, PyObject *args, PyObject *kwds) {
+static int Log_init(LogObject *self, PyObject *args, PyObject *Py_UNUSED(kwds)) {
     PyObject *mm, *internal, *tensor;
     int gpu_build;
     if (!PyArg_ParseTuple(args, "OO!Op", &mm, &PyDict_Type, &internal, &tensor, &gpu_build))
@@ -106,15 +118,7 @@ static PyMethodDef Log_methods[] = {
     {"end", (PyCFunction)Log_end, METH_O, "Store the end time (now) into a slot's record."},
     {NULL}};
 
-static PyTypeObject LogType = {
-    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "distcheck.rank._tracefast.Log",
-    .tp_basicsize = sizeof(LogObject),
-    .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_new = PyType_GenericNew,
-    .tp_init = (initproc)Log_init,
-    .tp_dealloc = (destructor)Log_dealloc,
-    .tp_methods = Log_methods,
-};
+TYPE(LogType, "Log", LogObject, Log_init, Log_dealloc, Log_methods);
 
 /* ---- Recorder: one per wrapped function, with that function's cache ---- */
 
@@ -130,7 +134,7 @@ static void Recorder_dealloc(RecorderObject *self) {
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
-static int Recorder_init(RecorderObject *self, PyObject *args, PyObject *kwds) {
+static int Recorder_init(RecorderObject *self, PyObject *args, PyObject *Py_UNUSED(kwds)) {
     PyObject *log, *sigs;
     if (!PyArg_ParseTuple(args, "O!O!", &LogType, &log, &PyDict_Type, &sigs))
         return -1;
@@ -249,40 +253,33 @@ static PyObject *Recorder_begin(RecorderObject *self, PyObject *const *argv, Py_
         Py_RETURN_NONE;
     }
     PyFrameObject *caller = (PyFrameObject *)frame;
-    PyObject *result = Py_None;
+    PyObject *result = NULL; /* ours until returned; NULL: None (take the Python path) */
     PyObject *key = NULL, *code_id = NULL, *lasti = NULL;
     PyCodeObject *code = PyFrame_GetCode(caller);
     PyObject *internal = PyDict_GetItemWithError(self->log->internal, code->co_filename);
-    if (internal != Py_False) { /* torch's caller (walk out to the user's frame) or a file not seen yet */
-        PyErr_Clear();
+    if (internal != Py_False) /* torch's caller (walk out to the user's frame) or a file not seen yet */
         goto done;
-    }
     code_id = PyLong_FromVoidPtr(code);
     lasti = PyLong_FromLong(PyFrame_GetLasti(caller));
-    if (!code_id || !lasti) {
-        PyErr_Clear();
+    if (!code_id || !lasti)
         goto done;
-    }
     key = build_key(self, code_id, lasti, argv[0], argv[1]);
     if (!key)
         goto done;
     PyObject *hit = PyDict_GetItemWithError(self->sigs, key); /* borrowed */
     if (!hit) {
-        if (PyErr_Occurred()) { /* an unhashable argument */
-            PyErr_Clear();
-            goto done;
-        }
-        result = key; /* a miss: the Python path describes the call and caches it under this key */
+        if (!PyErr_Occurred()) { /* a miss: the Python path describes the call and caches it under this key */
+            result = key;
+            key = NULL;
+        } /* else an unhashable argument */
         goto done;
     }
     if (!PyTuple_Check(hit) || PyTuple_GET_SIZE(hit) != 2)
         goto done;
     unsigned long long word = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(hit, 0));
     int cuda = PyObject_IsTrue(PyTuple_GET_ITEM(hit, 1));
-    if ((word == (unsigned long long)-1 && PyErr_Occurred()) || cuda < 0) {
-        PyErr_Clear();
+    if ((word == (unsigned long long)-1 && PyErr_Occurred()) || cuda < 0)
         goto done;
-    }
     LogObject *log = self->log;
     unsigned long long slot = log->next_slot;
     unsigned char record[16];
@@ -293,22 +290,15 @@ static PyObject *Recorder_begin(RecorderObject *self, PyObject *const *argv, Py_
         goto done; /* the map must grow (or is closed): the Python path claims this slot */
     log->next_slot = slot + 1;
     result = PyLong_FromLongLong(cuda ? -(long long)slot : (long long)slot);
-    Py_XDECREF(key);
-    Py_XDECREF(code_id);
-    Py_XDECREF(lasti);
-    Py_DECREF(code);
-    Py_DECREF(caller);
-    return result;
 done:
-    if (result == key)
-        key = NULL; /* the caller gets our reference */
-    else
-        Py_INCREF(result);
     Py_XDECREF(key);
     Py_XDECREF(code_id);
     Py_XDECREF(lasti);
     Py_DECREF(code);
     Py_DECREF(caller);
+    PyErr_Clear(); /* nothing here may raise into the user's collective */
+    if (!result)
+        Py_RETURN_NONE;
     return result;
 }
 
@@ -317,17 +307,9 @@ static PyMethodDef Recorder_methods[] = {
      "begin(args, kwargs): slot | key | None (see the module's docstring)."},
     {NULL}};
 
-static PyTypeObject RecorderType = {
-    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "distcheck.rank._tracefast.Recorder",
-    .tp_basicsize = sizeof(RecorderObject),
-    .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_new = PyType_GenericNew,
-    .tp_init = (initproc)Recorder_init,
-    .tp_dealloc = (destructor)Recorder_dealloc,
-    .tp_methods = Recorder_methods,
-};
+TYPE(RecorderType, "Recorder", RecorderObject, Recorder_init, Recorder_dealloc, Recorder_methods);
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_tracefast", "The tracer's hot path in C.", -1, NULL};
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, .m_name = "_tracefast", .m_doc = "The tracer's hot path in C.", .m_size = -1};
 
 PyMODINIT_FUNC PyInit__tracefast(void) {
     const uint16_t probe = 1;
