@@ -501,8 +501,11 @@ class Tracer:
                     eid = -eid
             else:
                 hkey = eid  # the C path's key for the call when it missed the cache, else None
-                frame = getframe(1)
-                if internal_get(frame.f_code.co_filename) is not False:  # torch's or distcheck's caller, or new
+                try:
+                    frame = getframe(1)
+                except ValueError:  # called straight from C (a thread started by _thread, say): no Python caller
+                    frame = None
+                if frame is not None and internal_get(frame.f_code.co_filename) is not False:  # torch's caller
                     frame = user_frame(frame)
                     if frame is _NESTED:
                         return fn(*args, **kwargs)

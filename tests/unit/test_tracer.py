@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 
 import pytest
 import torch
@@ -242,3 +243,22 @@ def test_the_c_path_keys_a_call_as_the_python_path_does(fake_world, tmp_path):
     assert _begin(recorder, torch.nn.Parameter(torch.ones(2))) is None
     tracer._internal[__file__] = True
     assert _begin(recorder, torch.ones(2)) is None
+
+
+def test_a_collective_called_straight_from_c_is_traced_without_a_site(fake_world, tmp_path, hot_path):
+    """A thread started from C calls the collective with no Python frame above it: traced, with no user line."""
+    import _thread
+    import threading
+
+    trace.install(tmp_path, 0)
+    done = threading.Event()
+    _thread.start_new_thread(lambda *a: (dist.all_reduce(*a), done.set()), (torch.ones(2),))
+    assert done.wait(10)
+    _thread.start_new_thread(dist.all_reduce, (torch.ones(3),))  # nothing but C calls dist.all_reduce
+    deadline = time.monotonic() + 10
+    while len(load_traces(tmp_path)[0].events) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    trace.uninstall()
+    events = load_traces(tmp_path)[0].events
+    assert [(e.op, e.shapes, e.site is None) for e in events] == [("all_reduce", [[2]], False),
+                                                                  ("all_reduce", [[3]], True)]
