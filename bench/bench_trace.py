@@ -5,7 +5,8 @@
 1. Per collective, with no communication to hide it: a loop of all_reduce(1024 float32) on torch's fake process
    group (bench/_fake_pg_loop.py), run plain and under ``distcheck run --nproc 1``, alternately, ``--pairs`` times;
    the difference of the fastest rounds is what tracing adds to each collective's CPU side (target <= 2 us; a small
-   NCCL launch costs a few us). The traced process also times the unwrapped function in turn with the wrapper:
+   NCCL launch costs a few us), with the C hot path and with DISTCHECK_TRACE_HOT_PATH=python. The traced process
+   also times the unwrapped function in turn with the wrapper:
    the same figure without process-to-process noise.
 2. all_reduce of 1024 float32 on 2 gloo ranks, untraced vs traced vs DETAIL:
 
@@ -67,36 +68,51 @@ def worker(iters: int, rounds: int, out: str) -> None:
     dist.destroy_process_group()
 
 
-def fake_pg_figures(pairs: int = 3) -> dict[str, float]:
+def fake_pg_figures(pairs: int = 3) -> tuple[dict[str, float], dict[str, str]]:
     """Seconds per all_reduce on the fake process group, fastest round of each mode: ``plain`` (a plain process),
-    ``traced`` (under ``distcheck run --nproc 1``), and ``original``: the unwrapped function inside the traced
-    process, timed in turn with the traced one. The plain and traced processes alternate ``pairs`` times, so a
-    slow spell of a shared machine does not land on one mode only."""
+    ``traced`` (under ``distcheck run --nproc 1``, the C hot path when it is built), ``python`` (the same with
+    DISTCHECK_TRACE_HOT_PATH=python), and, inside the traced process, ``original`` (the unwrapped function, timed in
+    turn with the wrapper) and the ``deep`` pair (both called from 12 frames of torch's code). The processes
+    alternate ``pairs`` times, so a slow spell of a shared machine does not land on one mode only. Also returns the
+    hot path each traced mode's meta line names."""
     loop = Path(__file__).with_name("_fake_pg_loop.py")
     out = Path(tempfile.mkdtemp(prefix="distcheck-bench-"))
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    rounds: dict[str, list[float]] = {"plain": [], "traced": [], "original": [], "deep": [], "deep_original": []}
+    env.pop("DISTCHECK_TRACE_HOT_PATH", None)
+    modes = ("plain", "traced", "python", "original", "deep", "deep_original")
+    rounds: dict[str, list[float]] = {mode: [] for mode in modes}
     for i in range(pairs):
         env["DISTCHECK_BENCH_OUT"] = str(out / f"plain{i}.json")
         subprocess.run([sys.executable, str(loop)], env=env, check=True, timeout=600)
         rounds["plain"] += json.loads((out / f"plain{i}.json").read_text())["rounds"]
-        env["DISTCHECK_BENCH_OUT"] = str(out / f"traced{i}.json")
-        subprocess.run([sys.executable, "-m", "distcheck", "run", "--nproc", "1", "--report-dir",
-                        str(out / f"report{i}"), "--", str(loop)], env=env, check=True, timeout=600,
-                       stdout=subprocess.DEVNULL)
-        traced = json.loads((out / f"traced{i}.json").read_text())
-        rounds["traced"] += traced["rounds"]
-        for mode in ("original", "deep", "deep_original"):
-            rounds[mode] += traced[f"{mode}_rounds"]
-    return {mode: min(r) for mode, r in rounds.items()}
+        for mode, hot_path in (("traced", ""), ("python", "python")):
+            result = out / f"{mode}{i}.json"
+            subprocess.run([sys.executable, "-m", "distcheck", "run", "--nproc", "1", "--report-dir",
+                            str(out / f"report-{mode}{i}"), "--", str(loop)], timeout=600, check=True,
+                           env=dict(env, DISTCHECK_BENCH_OUT=str(result), DISTCHECK_TRACE_HOT_PATH=hot_path),
+                           stdout=subprocess.DEVNULL)
+            traced = json.loads(result.read_text())
+            rounds[mode] += traced["rounds"]
+            if mode == "traced":
+                for inner in ("original", "deep", "deep_original"):
+                    rounds[inner] += traced[f"{inner}_rounds"]
+    paths = {mode: hot_path_of(out / f"report-{mode}0") for mode in ("traced", "python")}
+    return {mode: min(r) for mode, r in rounds.items()}, paths
 
 
-def print_fake_pg(figures: dict[str, float], pairs: int) -> None:
-    plain, traced, original = (figures[k] * 1e6 for k in ("plain", "traced", "original"))
+def hot_path_of(report_dir: Path) -> str:
+    meta = json.loads((report_dir / "trace-rank0.jsonl").read_text().splitlines()[0])
+    return meta.get("hot_path", "?")
+
+
+def print_fake_pg(figures: dict[str, float], paths: dict[str, str], pairs: int) -> None:
+    plain, traced, python, original = (figures[k] * 1e6 for k in ("plain", "traced", "python", "original"))
     print(f"all_reduce 1024 x float32 on the fake process group (no communication), fastest of {pairs} x 7 rounds "
           "of 20000:")
-    print(f" plain process {plain:.2f} us/op, under distcheck run --nproc 1 {traced:.2f} us/op: tracing adds "
-          f"{traced - plain:.2f} us per collective (target <= 2 us)")
+    print(f" plain process {plain:.2f} us/op, under distcheck run --nproc 1 {traced:.2f} us/op (hot path: "
+          f"{paths['traced']}): tracing adds {traced - plain:.2f} us per collective (target <= 2 us)")
+    print(f" with DISTCHECK_TRACE_HOT_PATH=python {python:.2f} us/op (hot path: {paths['python']}): tracing adds "
+          f"{python - plain:.2f} us")
     print(f" in the traced process, the unwrapped function {original:.2f} us/op: the wrapper adds "
           f"{traced - original:.2f} us per collective")
     deep, deep_original = figures["deep"] * 1e6, figures["deep_original"] * 1e6
@@ -115,7 +131,7 @@ def main() -> int:
     if args.worker_out:
         worker(args.iters, args.rounds, args.worker_out)
         return 0
-    print_fake_pg(fake_pg_figures(args.pairs), args.pairs)
+    print_fake_pg(*fake_pg_figures(args.pairs), args.pairs)
     if args.fake_only:
         return 0
     out = Path(tempfile.mkdtemp(prefix="distcheck-bench-")) / "times.json"

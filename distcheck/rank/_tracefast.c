@@ -2,14 +2,15 @@
 
     pip install -e .        # builds distcheck/rank/_tracefast*.so when a C compiler is there (optional)
 
-distcheck/rank/tracer.py is the tracer; this module only speeds up its common case, a call whose caller is the
-user's code and whose description is already cached. ``Recorder.begin(args, kwargs)`` does, in one C call, what
-the Python path does in about twenty bytecode-level steps: find the caller's frame, look up whether its file is the
-user's, build the call's cache key, look it up, claim the next record slot and store the start word and time into
-the memory map. It returns the slot (negative when the call's tensors are on the GPU), the key when the cache
-misses (the Python path describes the call and caches it under that key), or None whenever anything is not the
-common case (a caller in torch's code, a list argument, a full map, an error): the Python path then handles the
-call from scratch, so every rule stays written once, in tracer.py.
+distcheck/rank/tracer.py is the tracer; this module only speeds up its common case, a call whose description is
+already cached. ``Recorder.begin(args, kwargs)`` does, in one C call, what the Python path does in dozens of
+bytecode-level steps: find the caller's frame, walk out through torch's frames to the user's (FSDP2's and DTensor's
+collectives are called from torch's code), build the call's cache key, look it up, claim the next record slot and
+store the start word and time into the memory map. It returns the slot (negative when the call's tensors are on the
+GPU), the key when the cache misses (the Python path describes the call and caches it under that key), the
+``nested`` marker when a traced call is already on the stack, or None whenever anything is not the common case (a
+file not classified yet, a list argument, a full map, an error): the Python path then handles the call from
+scratch, so every rule stays written once, in tracer.py.
 
 The key built here must equal the Python path's key, element by element (the two share one cache):
 (id(code), f_lasti, for each positional argument: shape, dtype[, is_cuda] of an exact Tensor, else the value; for
@@ -125,23 +126,32 @@ TYPE(LogType, "Log", LogObject, Log_init, Log_dealloc, Log_methods);
 typedef struct {
     PyObject_HEAD
     LogObject *log;
-    PyObject *sigs; /* dict: call key -> (start word, CUDA tensors) */
+    PyObject *sigs;         /* dict: call key -> (start word, CUDA tensors) */
+    PyObject *wrapper_code; /* the code object of tracer.py's wrapper: on the stack, a traced call is running */
+    PyObject *nested;       /* what begin returns then: tracer._NESTED */
 } RecorderObject;
 
 static void Recorder_dealloc(RecorderObject *self) {
     Py_XDECREF(self->log);
     Py_XDECREF(self->sigs);
+    Py_XDECREF(self->wrapper_code);
+    Py_XDECREF(self->nested);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
 static int Recorder_init(RecorderObject *self, PyObject *args, PyObject *Py_UNUSED(kwds)) {
-    PyObject *log, *sigs;
-    if (!PyArg_ParseTuple(args, "O!O!", &LogType, &log, &PyDict_Type, &sigs))
+    PyObject *log, *sigs, *wrapper_code, *nested;
+    if (!PyArg_ParseTuple(args, "O!O!O!O", &LogType, &log, &PyDict_Type, &sigs, &PyCode_Type, &wrapper_code,
+                          &nested))
         return -1;
     Py_INCREF(log);
     Py_INCREF(sigs);
+    Py_INCREF(wrapper_code);
+    Py_INCREF(nested);
     Py_XSETREF(self->log, (LogObject *)log);
     Py_XSETREF(self->sigs, sigs);
+    Py_XSETREF(self->wrapper_code, wrapper_code);
+    Py_XSETREF(self->nested, nested);
     return 0;
 }
 
@@ -238,7 +248,8 @@ fail:
     return NULL;
 }
 
-/* begin(args, kwargs) -> slot (negative: CUDA tensors) | key (a cache miss) | None (take the Python path). */
+/* begin(args, kwargs) -> slot (negative: CUDA tensors) | key (a cache miss) | nested (a traced call is running:
+   do not trace) | None (take the Python path). */
 static PyObject *Recorder_begin(RecorderObject *self, PyObject *const *argv, Py_ssize_t argc) {
     if (argc != 2 || !PyTuple_Check(argv[0]) || (argv[1] != Py_None && !PyDict_Check(argv[1]))) {
         PyErr_SetString(PyExc_TypeError, "begin(args: tuple, kwargs: dict)");
@@ -252,15 +263,32 @@ static PyObject *Recorder_begin(RecorderObject *self, PyObject *const *argv, Py_
         PyErr_Clear();
         Py_RETURN_NONE;
     }
-    PyFrameObject *caller = (PyFrameObject *)frame;
     PyObject *result = NULL; /* ours until returned; NULL: None (take the Python path) */
     PyObject *key = NULL, *code_id = NULL, *lasti = NULL;
-    PyCodeObject *code = PyFrame_GetCode(caller);
-    PyObject *internal = PyDict_GetItemWithError(self->log->internal, code->co_filename);
-    if (internal != Py_False) /* torch's caller (walk out to the user's frame) or a file not seen yet */
-        goto done;
+    PyCodeObject *code = PyFrame_GetCode((PyFrameObject *)frame);
+    /* Out to the user's frame, as tracer._user_frame walks: through torch's and distcheck's frames (FSDP2's hooks,
+       DTensor), and a traced call on the way means torch runs this op inside it (not traced). */
+    for (;;) {
+        if ((PyObject *)code == self->wrapper_code) {
+            result = Py_NewRef(self->nested);
+            goto done;
+        }
+        PyObject *internal = PyDict_GetItemWithError(self->log->internal, code->co_filename);
+        if (internal == Py_False)
+            break;
+        if (internal != Py_True) /* a file not classified yet: the Python path does it */
+            goto done;
+        PyObject *back = (PyObject *)PyFrame_GetBack((PyFrameObject *)frame);
+        Py_DECREF(code);
+        Py_DECREF(frame);
+        code = NULL;
+        frame = back;
+        if (!frame) /* no user frame at all: the Python path records the call without a site */
+            goto done;
+        code = PyFrame_GetCode((PyFrameObject *)frame);
+    }
     code_id = PyLong_FromVoidPtr(code);
-    lasti = PyLong_FromLong(PyFrame_GetLasti(caller));
+    lasti = PyLong_FromLong(PyFrame_GetLasti((PyFrameObject *)frame));
     if (!code_id || !lasti)
         goto done;
     key = build_key(self, code_id, lasti, argv[0], argv[1]);
@@ -294,8 +322,8 @@ done:
     Py_XDECREF(key);
     Py_XDECREF(code_id);
     Py_XDECREF(lasti);
-    Py_DECREF(code);
-    Py_DECREF(caller);
+    Py_XDECREF(code);
+    Py_XDECREF(frame);
     PyErr_Clear(); /* nothing here may raise into the user's collective */
     if (!result)
         Py_RETURN_NONE;

@@ -57,6 +57,9 @@ try:  # the hot path in C (setup.py builds it where a C compiler is there): same
     from distcheck.rank import _tracefast
 except ImportError:  # not built (no compiler at install, Python < 3.11): the Python path does everything
     _tracefast = None
+ENV_HOT_PATH = "DISTCHECK_TRACE_HOT_PATH"  # "python": leave the C path out (to compare the two, or rule it out)
+if os.environ.get(ENV_HOT_PATH, "").strip().lower() == "python":
+    _tracefast = None
 
 log = logging.getLogger("distcheck")
 
@@ -487,9 +490,10 @@ class Tracer:
         new_sig = self._new_sig
         completions = self.completions
         writer = self.writer
-        # The C path (_tracefast.c): the common case in one call, sharing this wrapper's cache.
+        # The C path (_tracefast.c): the common case in one call, sharing this wrapper's cache (its Recorder is made
+        # below: it needs this wrapper's code object).
         fast = self._fast
-        begin = _tracefast.Recorder(fast, sigs).begin if fast is not None and cacheable else None
+        begin = None
         end = fast.end if fast is not None else None
 
         @functools.wraps(fn)
@@ -499,6 +503,8 @@ class Tracer:
                 cuda = eid < 0
                 if cuda:
                     eid = -eid
+            elif eid is _NESTED:
+                return fn(*args, **kwargs)
             else:
                 hkey = eid  # the C path's key for the call when it missed the cache, else None
                 try:
@@ -558,6 +564,8 @@ class Tracer:
             return result
 
         self._traced_code = traced.__code__  # the same for every wrapper: _user_frame knows a traced call by it
+        if fast is not None and cacheable:
+            begin = _tracefast.Recorder(fast, sigs, traced.__code__, _NESTED).begin
         traced.__distcheck_original__ = fn  # type: ignore[attr-defined]
         return traced
 

@@ -221,12 +221,22 @@ def _begin(recorder, *args, **kwargs):
     return recorder.begin(args, kwargs)
 
 
+def _wrapper(recorder, *args):
+    """Stands in for the tracer's wrapper on the stack: a call under it is one torch makes inside a traced call."""
+    return _begin(recorder, *args)
+
+
 def test_the_c_path_keys_a_call_as_the_python_path_does(fake_world, tmp_path):
-    """The two paths share one cache: a key the C path builds must equal the Python path's for the same call."""
+    """The two paths share one cache: a key the C path builds must equal the Python path's for the same call, from
+    the user's frame, found through torch's frames as tracer._user_frame finds it."""
     if trace._tracefast is None:
         pytest.skip("the C path was not built here (pip install -e . with a C compiler builds it)")
     tracer = trace.install(tmp_path, 0)
     tracer._internal[__file__] = False  # this file is the user's code
+
+    def recorder():
+        return trace._tracefast.Recorder(tracer._fast, {}, _wrapper.__code__, trace._NESTED)
+
     Tensor, gpu = torch.Tensor, tracer._gpu_build
     calls = [((torch.ones(4),), {}),
              ((torch.ones(2, 3), 1), {"group": dist.group.WORLD, "async_op": True}),
@@ -234,15 +244,24 @@ def test_the_c_path_keys_a_call_as_the_python_path_does(fake_world, tmp_path):
              ((torch.ones(3),), {"tensor": torch.ones(5, dtype=torch.int64), "tag": "x"})]
     frame = sys._getframe()
     for args, kwargs in calls:
-        key = _begin(trace._tracefast.Recorder(tracer._fast, {}), *args, **kwargs)  # a miss: the key comes back
+        key = _begin(recorder(), *args, **kwargs)  # a miss: the key comes back
         assert key[0] == id(frame.f_code) and key[1] > 0
         assert key[2:] == trace.call_key(frame, args, kwargs, Tensor, gpu)[2:]
-    # Arguments keyed recursively (lists, tensor subclasses) and callers in torch's code are the Python path's.
-    recorder = trace._tracefast.Recorder(tracer._fast, {})
-    assert _begin(recorder, [torch.ones(2)], torch.ones(2)) is None
-    assert _begin(recorder, torch.nn.Parameter(torch.ones(2))) is None
-    tracer._internal[__file__] = True
-    assert _begin(recorder, torch.ones(2)) is None
+    # Called from torch's code (here: this file, as if it were torch's), the site is the first user frame out.
+    user_code: dict = {}
+    exec(compile("import sys\ndef user(call, *args):\n    return call(*args), sys._getframe().f_code\n",
+                 "/user/train.py", "exec"), user_code)
+    tracer._internal.update({__file__: True, "/user/train.py": False})
+    args = (torch.ones(2),)
+    key, code = user_code["user"](_begin, recorder(), *args)
+    assert key[0] == id(code) and key[2:] == trace.call_key(None, args, {}, Tensor, gpu)[2:]
+    assert user_code["user"](_wrapper, recorder(), *args)[0] is trace._NESTED  # a traced call on the stack
+    # Arguments keyed recursively (lists, tensor subclasses) and files not classified yet are the Python path's.
+    tracer._internal[__file__] = False
+    assert _begin(recorder(), [torch.ones(2)], torch.ones(2)) is None
+    assert _begin(recorder(), torch.nn.Parameter(torch.ones(2))) is None
+    del tracer._internal[__file__]
+    assert _begin(recorder(), torch.ones(2)) is None
 
 
 def test_a_collective_called_straight_from_c_is_traced_without_a_site(fake_world, tmp_path, hot_path):
