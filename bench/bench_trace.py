@@ -3,19 +3,18 @@
     .venv/bin/python bench/bench_trace.py [--iters 2000] [--rounds 5] [--pairs 3] [--fake-only]
 
 1. Per collective, with no communication to hide it: a loop of all_reduce(1024 float32) on torch's fake process
-   group (bench/_fake_pg_loop.py), run plain and under ``distcheck run --nproc 1``, alternately, ``--pairs`` times;
-   the difference of the fastest rounds is what tracing adds to each collective's CPU side (target <= 2 us; a small
-   NCCL launch costs a few us), with the C hot path and with DISTCHECK_TRACE_HOT_PATH=python. The traced process
-   also times the unwrapped function in turn with the wrapper:
-   the same figure without process-to-process noise.
-2. all_reduce of 1024 float32 on 2 gloo ranks, untraced vs traced vs DETAIL:
-
-Runs once, on 2 ranks launched with torchrun, and measures the three modes in the same processes, interleaved
-round by round (untraced, traced, TORCH_DISTRIBUTED_DEBUG=DETAIL), so load drift on a shared machine hits all
-three alike; the verdict uses each mode's fastest round (on a loaded machine the slower rounds measure the
-scheduler, not the tracer), medians are printed too. DETAIL is a second process group created after ``set_debug_level(DETAIL)`` (c10d wraps it in
-ProcessGroupWrapper exactly as TORCH_DISTRIBUTED_DEBUG=DETAIL does at init). Prints per-op medians, the traced
-overhead and its share of what DETAIL adds; the targets are <= 5% and <= 1/20.
+   group (bench/_fake_pg_loop.py), run plain, under ``distcheck run --nproc 1`` (the C hot path where it is built)
+   and under it with DISTCHECK_TRACE_HOT_PATH=python, in turn, ``--pairs`` times; the difference of the fastest
+   rounds is what tracing adds to each collective's CPU side (target <= 2 us; a small NCCL launch costs a few us).
+   The traced process also times the unwrapped function in turn with the wrapper (the same figure without
+   process-to-process noise), and both called from 12 frames of torch's code, as FSDP2's hooks call collectives.
+2. all_reduce of 1024 float32 on 2 gloo ranks, untraced vs traced vs DETAIL, on 2 ranks launched with torchrun:
+   the three modes in the same processes, interleaved round by round (untraced, traced,
+   TORCH_DISTRIBUTED_DEBUG=DETAIL), so load drift on a shared machine hits all three alike; the verdict uses each
+   mode's fastest round (on a loaded machine the slower rounds measure the scheduler, not the tracer), medians are
+   printed too. DETAIL is a second process group created after ``set_debug_level(DETAIL)`` (c10d wraps it in
+   ProcessGroupWrapper exactly as TORCH_DISTRIBUTED_DEBUG=DETAIL does at init). Prints per-op medians, the traced
+   overhead and its share of what DETAIL adds; the targets are <= 5% and <= 1/20.
 """
 from __future__ import annotations
 

@@ -337,7 +337,8 @@ static PyMethodDef Recorder_methods[] = {
 
 TYPE(RecorderType, "Recorder", RecorderObject, Recorder_init, Recorder_dealloc, Recorder_methods);
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, .m_name = "_tracefast", .m_doc = "The tracer's hot path in C.", .m_size = -1};
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, .m_name = "_tracefast", .m_doc = "The tracer's hot path in C.", .m_size = -1};
 
 PyMODINIT_FUNC PyInit__tracefast(void) {
     const uint16_t probe = 1;
