@@ -283,12 +283,12 @@ static PyObject *Recorder_begin(RecorderObject *self, PyObject *const *argv, Py_
         Py_DECREF(frame);
         code = NULL;
         frame = back;
-        if (!frame) /* no user frame at all: the Python path records the call without a site */
-            goto done;
+        if (!frame) /* no user frame at all (a thread of torch's): keyed with no site, as tracer.call_key does */
+            break;
         code = PyFrame_GetCode((PyFrameObject *)frame);
     }
-    code_id = PyLong_FromVoidPtr(code);
-    lasti = PyLong_FromLong(PyFrame_GetLasti((PyFrameObject *)frame));
+    code_id = frame ? PyLong_FromVoidPtr(code) : PyLong_FromLong(0);
+    lasti = PyLong_FromLong(frame ? PyFrame_GetLasti((PyFrameObject *)frame) : -1);
     if (!code_id || !lasti)
         goto done;
     key = build_key(self, code_id, lasti, argv[0], argv[1]);

@@ -256,6 +256,8 @@ def test_the_c_path_keys_a_call_as_the_python_path_does(fake_world, tmp_path):
     key, code = user_code["user"](_begin, recorder(), *args)
     assert key[0] == id(code) and key[2:] == trace.call_key(None, args, {}, Tensor, gpu)[2:]
     assert user_code["user"](_wrapper, recorder(), *args)[0] is trace._NESTED  # a traced call on the stack
+    assert tracer._user_frame(sys._getframe()) is None  # pytest's frames count as internal too: no user frame
+    assert _begin(recorder(), *args) == trace.call_key(None, args, {}, Tensor, gpu)
     # Arguments keyed recursively (lists, tensor subclasses) and files not classified yet are the Python path's.
     tracer._internal[__file__] = False
     assert _begin(recorder(), [torch.ones(2)], torch.ones(2)) is None
