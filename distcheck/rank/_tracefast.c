@@ -192,19 +192,26 @@ static int append_tensor(PyObject *list, PyObject *value, int with_device, int n
     return rc;
 }
 
-/* Whether the Python path's _arg_key(value) is value itself, for a value that is not an exact Tensor. */
+/* Clear an error of the tracer's own (an Exception: the Python path then handles the call) and return 0; leave a
+   KeyboardInterrupt or SystemExit raised while Python code ran under us (a __torch_function__ mode, say) and
+   return -1: it is the user's, and must reach them, as it would from the Python path. */
+static int clear_ours(void) {
+    if (PyErr_Occurred() && !PyErr_ExceptionMatches(PyExc_Exception))
+        return -1;
+    PyErr_Clear();
+    return 0;
+}
+
+/* Whether the Python path's _arg_key(value) is value itself, for a value that is not an exact Tensor (0 with an
+   exception set on an error). */
 static int keyed_as_itself(RecorderObject *self, PyObject *value) {
     if (PyList_Check(value) || PyTuple_Check(value))
         return 0; /* _arg_key recurses into them */
     int sub = PyObject_IsInstance(value, self->log->tensor);
-    if (sub < 0) {
-        PyErr_Clear();
-        return 0;
-    }
-    return !sub; /* a Tensor subclass (Parameter, DTensor): keyed by its metadata, in Python */
+    return sub == 0; /* a Tensor subclass (Parameter, DTensor): keyed by its metadata, in Python */
 }
 
-/* The call's key, or NULL with no exception set when the Python path must build it. */
+/* The call's key, or NULL (an exception may be set) when the Python path must build it. */
 static PyObject *build_key(RecorderObject *self, PyObject *code_id, PyObject *lasti, PyObject *args,
                            PyObject *kwargs) {
     PyObject *key = PyList_New(0);
@@ -239,12 +246,9 @@ static PyObject *build_key(RecorderObject *self, PyObject *code_id, PyObject *la
     }
     PyObject *tuple = PyList_AsTuple(key);
     Py_DECREF(key);
-    if (!tuple)
-        PyErr_Clear();
     return tuple;
 fail:
     Py_XDECREF(key);
-    PyErr_Clear();
     return NULL;
 }
 
@@ -258,9 +262,10 @@ static PyObject *Recorder_begin(RecorderObject *self, PyObject *const *argv, Py_
     /* sys._getframe(1) from here is the wrapper's caller, and it materializes that frame only (PyEval_GetFrame
        would also make a frame object for the wrapper, on every call). */
     PyObject *frame = PyObject_CallOneArg(getframe, one);
-    if (!frame || !PyFrame_Check(frame)) {
+    if (!frame || !PyFrame_Check(frame)) { /* no Python caller (a thread started from C) */
         Py_XDECREF(frame);
-        PyErr_Clear();
+        if (clear_ours() < 0)
+            return NULL;
         Py_RETURN_NONE;
     }
     PyObject *result = NULL; /* ours until returned; NULL: None (take the Python path) */
@@ -324,7 +329,10 @@ done:
     Py_XDECREF(lasti);
     Py_XDECREF(code);
     Py_XDECREF(frame);
-    PyErr_Clear(); /* nothing here may raise into the user's collective */
+    if (clear_ours() < 0) { /* nothing of ours may raise into the user's collective; their Ctrl-C may */
+        Py_XDECREF(result);
+        return NULL;
+    }
     if (!result)
         Py_RETURN_NONE;
     return result;

@@ -2,6 +2,7 @@
 (a shared memory map that survives the process), and when an op counts as completed."""
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import time
@@ -283,3 +284,29 @@ def test_a_collective_called_straight_from_c_is_traced_without_a_site(fake_world
     events = load_traces(tmp_path)[0].events
     assert [(e.op, e.shapes, e.site is None) for e in events] == [("all_reduce", [[2]], False),
                                                                   ("all_reduce", [[3]], True)]
+
+
+def test_a_ctrl_c_while_the_tracer_reads_a_tensor_reaches_the_user(fake_world, tmp_path, hot_path):
+    """Python code can run under the tracer (a __torch_function__ mode sees Tensor.shape): a KeyboardInterrupt
+    raised there is the user's, and the tracer must not swallow it as one of its own errors."""
+    from torch.overrides import TorchFunctionMode
+
+    class InterruptOnce(TorchFunctionMode):
+        fired = False
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if not self.fired and getattr(func, "__self__", None) is torch.Tensor.shape:  # reading x.shape
+                InterruptOnce.fired = True
+                raise KeyboardInterrupt
+            return func(*args, **(kwargs or {}))
+
+    trace.install(tmp_path, 0)
+    for interrupt in (False, True):  # the first call has the tracer know this file and cache the call
+        with InterruptOnce() if interrupt else contextlib.nullcontext():
+            try:
+                dist.all_reduce(torch.ones(2))
+            except KeyboardInterrupt:
+                assert interrupt
+            else:
+                assert not interrupt, "the KeyboardInterrupt never reached the caller"
+    assert InterruptOnce.fired
