@@ -31,6 +31,7 @@ from typing import Iterator, NamedTuple
 SIZE = 24
 # What the tracer stores when a collective starts: the first 8 bytes as one integer (see start_word) and t.
 START_RECORD = struct.Struct("<Qd")
+START_TIME_OFFSET = 8  # t, after the start word (rank/_tracefast.c stores both itself)
 END_TIME = struct.Struct("<d")  # t_end, at END_OFFSET in the slot
 END_OFFSET = START_RECORD.size
 FLAGS_OFFSET = 1

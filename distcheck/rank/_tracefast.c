@@ -28,7 +28,10 @@ tests/unit/test_tracer.py checks that both paths find each other's entries.
 #error "the tracer's C path needs Python 3.11 (PyFrame_GetLasti); older versions use the Python path"
 #endif
 
+/* The record layout of contract/trace_records.py: a slot's size, where the start's time and the end time go (the
+   start word goes first). The module exports them and tracer.py takes the C path only when they match. */
 #define RECORD_SIZE 24
+#define START_TIME_OFFSET 8
 #define END_OFFSET 16
 
 static PyObject *str_shape, *str_dtype, *str_is_cuda, *getframe, *one;
@@ -90,7 +93,7 @@ static double now(void) {
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
-/* Store 8 bytes at offset of the map; 0 on success, -1 (no exception set) when the map is closed or too short. */
+/* Store n bytes at offset of the map; 0 on success, -1 (no exception set) when the map is closed or too short. */
 static int store(LogObject *log, unsigned long long offset, const void *bytes, size_t n) {
     Py_buffer view;
     if (PyObject_GetBuffer(log->mm, &view, PyBUF_WRITABLE) < 0) {
@@ -318,7 +321,7 @@ static PyObject *Recorder_begin(RecorderObject *self, PyObject *const *argv, Py_
     unsigned char record[16];
     double t = now();
     memcpy(record, &word, 8); /* little-endian targets only (see the check at module init) */
-    memcpy(record + 8, &t, 8);
+    memcpy(record + START_TIME_OFFSET, &t, 8);
     if (store(log, slot * RECORD_SIZE, record, sizeof record) < 0)
         goto done; /* the map must grow (or is closed): the Python path claims this slot */
     log->next_slot = slot + 1;
@@ -372,7 +375,10 @@ PyMODINIT_FUNC PyInit__tracefast(void) {
     Py_INCREF(&LogType);
     Py_INCREF(&RecorderType);
     if (PyModule_AddObject(m, "Log", (PyObject *)&LogType) < 0 ||
-        PyModule_AddObject(m, "Recorder", (PyObject *)&RecorderType) < 0) {
+        PyModule_AddObject(m, "Recorder", (PyObject *)&RecorderType) < 0 ||
+        PyModule_AddIntConstant(m, "RECORD_SIZE", RECORD_SIZE) < 0 ||
+        PyModule_AddIntConstant(m, "START_TIME_OFFSET", START_TIME_OFFSET) < 0 ||
+        PyModule_AddIntConstant(m, "END_OFFSET", END_OFFSET) < 0) {
         Py_DECREF(m);
         return NULL;
     }

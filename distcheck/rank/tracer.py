@@ -60,6 +60,10 @@ except ImportError:  # not built (no compiler at install, Python < 3.11): the Py
 ENV_HOT_PATH = "DISTCHECK_TRACE_HOT_PATH"  # "python": leave the C path out (to compare the two, or rule it out)
 if os.environ.get(ENV_HOT_PATH, "").strip().lower() == "python":
     _tracefast = None
+# A C path built from an older layout (a stale build next to a newer tracer) would store records at the wrong place.
+if _tracefast is not None and (_tracefast.RECORD_SIZE, _tracefast.START_TIME_OFFSET, _tracefast.END_OFFSET) != (
+        records.SIZE, records.START_TIME_OFFSET, records.END_OFFSET):
+    _tracefast = None
 
 log = logging.getLogger("distcheck")
 

@@ -227,6 +227,19 @@ def _wrapper(recorder, *args):
     return _begin(recorder, *args)
 
 
+def test_the_c_path_stores_records_where_the_readers_look():
+    """_tracefast.c has its own copy of the record layout (tracer.py leaves a stale build out at import)."""
+    import importlib
+
+    built = importlib.util.find_spec("distcheck.rank._tracefast")
+    if built is None:
+        pytest.skip("the C path was not built here (pip install -e . with a C compiler builds it)")
+    fast = importlib.import_module("distcheck.rank._tracefast")
+    assert (fast.RECORD_SIZE, fast.START_TIME_OFFSET, fast.END_OFFSET) == (
+        records.SIZE, records.START_TIME_OFFSET, records.END_OFFSET) == (
+        records.RECORD.size, records.START_RECORD.size - 8, records.START_RECORD.size)
+
+
 def test_the_c_path_keys_a_call_as_the_python_path_does(fake_world, tmp_path):
     """The two paths share one cache: a key the C path builds must equal the Python path's for the same call, from
     the user's frame, found through torch's frames as tracer._user_frame finds it."""
