@@ -29,6 +29,11 @@ completes; plain memory writes, no system call, and the kernel keeps the pages o
 distinct call looks like (op, group, shapes, dtypes, the user's call site) is written once, as a ``sig`` JSON line in
 ``trace-rank<R>.jsonl`` next to the meta, error and exit lines. ``bench/bench_trace.py`` measures the cost per
 collective on a no-op process group (README, "Performance").
+
+The common case, a call whose description is cached, runs in C (``_tracefast.c``, built where a C compiler is
+there): one call finds the user's frame, keys the call and stores its start, another stores its end. Everything
+else takes the Python path below, which shares the C path's cache and slot counter, so each rule is written once,
+here. ``DISTCHECK_TRACE_HOT_PATH=python`` leaves the C path out; the meta line names the path that ran.
 """
 from __future__ import annotations
 
