@@ -200,7 +200,7 @@ def parse_lines(lines: Iterable[str], rank: int, binary: bytes = b"") -> RankTra
         for rec in records.iter_records(binary) if version is not None else ():
             desc = sigs.get(rec.sig)
             if desc is None:
-                continue  # its sig line was lost (disk full): nothing to say about it
+                continue  # its sig line was lost (disk full): nothing to say about it, nor which group it counts in
             try:
                 key = sequence_key(desc, rank)
                 seq = positions[key] = positions.get(key, 0) + 1
