@@ -4,6 +4,10 @@ Grouping follows MegaScale's stack aggregation: ranks whose main-thread stacks a
 torch, distcheck and interpreter internals) form one group; groups smaller than the largest are the minority and
 are highlighted, because in a hang the few ranks that are somewhere else are almost always the culprit.
 
+Whose frame is whose is decided by distcheck.analysis.frame_owner alone. The user's frames are shown one by one;
+a run of one library's frames (lightning, transformers) is shown by the call into it, with its path inside the
+package, so a reader sees ``training_step (train.py:40)`` under ``[library] log (lightning/.../module.py:512)``.
+
 Stacks are stored innermost frame first, as py-spy and faulthandler print them ("most recent call first").
 """
 from __future__ import annotations
@@ -13,6 +17,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
+from distcheck.analysis.frame_owner import LIBRARY, TORCH, USER, display_path, native_owner, owner, package
 from distcheck.analysis.ops import C10D_OPS, FUNCOL_OPS
 from distcheck.contract.findings import format_ranks
 
@@ -26,13 +31,6 @@ GENERIC_WRAPPERS = frozenset({
     "wrapper", "inner", "_fn", "decorate_context", "__call__", "_call_impl", "_wrapped_call_impl", "fn",
     "wrapped", "_wrapper", "new_fn", "_exception_logger", "_time_logger",
 })
-
-_TORCH_PY = re.compile(r"(^|/)(site|dist)-packages/(torch|functorch|torchgen)/|^(torch|functorch)/")
-_DISTCHECK_PY = re.compile(r"(^|/)distcheck/((analysis|commands)/)?[A-Za-z_]\w*\.py$")
-_STDLIB_PY = re.compile(r"/lib/python3\.\d+/(?!site-packages/|dist-packages/)|^<frozen |^<string>$")
-_TORCH_NATIVE = re.compile(r"^(libtorch|libc10|libgloo|libnccl|libshm|libcudart|libcuda|_C\.)")
-# Interpreter and ctypes plumbing seen with --native: collapsed, so the frame that actually blocks stays visible.
-_PYTHON_NATIVE_LIB = re.compile(r"^(libpython|python3|libffi|_ctypes|callproc\.c|_ctypes\.c|ceval\.c|call\.c)")
 
 
 @dataclass
@@ -182,26 +180,14 @@ def _mark_main_by_module(threads: list[ThreadStack]) -> None:
 
 
 def frame_owner(frame: Frame) -> str:
-    """``user``, or the internal layer that owns the frame: ``torch``, ``distcheck`` or ``python``."""
-    f = frame.file
-    if frame.native:
-        if _TORCH_NATIVE.match(frame.basename):
-            return "torch"
-        if _PYTHON_NATIVE_LIB.match(frame.basename) or frame.name.startswith(("_Py", "Py", "0x")):
-            return "python"
-        return "user"
-    if _TORCH_PY.search(f):
-        return "torch"
-    if _DISTCHECK_PY.search(f):
-        return "distcheck"
-    if _STDLIB_PY.search(f):
-        return "python"
-    return "user"
+    """``user``, ``library``, ``torch``, ``distcheck`` or ``python`` (see distcheck.analysis.frame_owner)."""
+    return native_owner(frame.file, frame.name) if frame.native else owner(frame.file)
 
 
 @dataclass(frozen=True)
 class ShownFrame:
-    """A frame as displayed: a user frame, or a run of ``count`` internal frames shown by their representative."""
+    """A frame as displayed: a user frame, or a run of ``count`` frames of one owner (of one library) shown by
+    their representative."""
 
     owner: str
     name: str
@@ -212,12 +198,15 @@ class ShownFrame:
 
     @property
     def internal(self) -> bool:
-        return self.owner != "user"
+        return self.owner != USER
 
     def text(self) -> str:
-        loc = f"{os.path.basename(self.file)}:{self.line}" if self.line else os.path.basename(self.file)
         if not self.internal:
+            loc = f"{os.path.basename(self.file)}:{self.line}" if self.line else os.path.basename(self.file)
             return f"{self.name} ({loc})" + ("  [native]" if self.native else "")
+        # a library is named by its path inside the package: "module.py" alone says nothing about which library
+        path = display_path(self.file) if self.owner == LIBRARY and not self.native else os.path.basename(self.file)
+        loc = f"{path}:{self.line}" if self.line else path
         more = f", {self.count} frames" if self.count > 1 else ""
         return f"[{self.owner}] {self.name} ({loc}{more})"
 
@@ -226,57 +215,81 @@ class ShownFrame:
                 "native": self.native, "count": self.count, "text": self.text()}
 
 
+def _run_key(frame: Frame) -> tuple[str, str]:
+    """What one collapsed run shares: its owner, and for a library which library (lightning calling torchmetrics
+    stays two runs)."""
+    who = frame_owner(frame)
+    return who, (package(frame.file) if who == LIBRARY else "")
+
+
 def collapse(frames: list[Frame]) -> list[ShownFrame]:
-    """Replace each run of internal frames of one owner by a single representative frame.
+    """Replace each run of non-user frames of one owner (one library) by a single representative frame.
 
     The representative is the outermost frame of the run that is not a generic wrapper: for a collective that is
-    the torch.distributed function the user called (``all_reduce``), not the logging wrapper around it.
+    the torch.distributed function the user called (``all_reduce``), not the logging wrapper around it; for a
+    library, the call the code outside it made into it (lightning's ``log``).
     """
     out: list[ShownFrame] = []
     i = 0
     while i < len(frames):
-        owner = frame_owner(frames[i])
-        if owner == "user":
+        key = _run_key(frames[i])
+        if key[0] == USER:
             f = frames[i]
-            out.append(ShownFrame("user", f.name, f.file, f.line, f.native))
+            out.append(ShownFrame(USER, f.name, f.file, f.line, f.native))
             i += 1
             continue
         j = i
-        while j < len(frames) and frame_owner(frames[j]) == owner:
+        while j < len(frames) and _run_key(frames[j]) == key:
             j += 1
         run = frames[i:j]
         rep = next((f for f in reversed(run) if f.name not in GENERIC_WRAPPERS and not f.name.startswith("0x")),
                    run[-1])
-        out.append(ShownFrame(owner, rep.name, rep.file, rep.line, rep.native, len(run)))
+        out.append(ShownFrame(key[0], rep.name, rep.file, rep.line, rep.native, len(run)))
         i = j
     return out
 
 
 def signature(thread: ThreadStack | None) -> tuple:
-    """The grouping key: collapsed frames, with internal runs keyed by owner and representative name only.
+    """The grouping key: collapsed frames, with non-user runs keyed by owner, library and representative name.
 
-    Internal line numbers and frame counts are left out, because ranks blocked in the same collective can be in
-    slightly different spots of torch's waiting code; user frames keep their lines, which is what tells ranks apart.
+    Their line numbers and frame counts are left out, because ranks blocked in the same collective can be in
+    slightly different spots of torch's (or a library's) waiting code; user frames keep their lines, which is what
+    tells ranks apart.
     """
     if thread is None:
         return ("<no stack>",)
     key = []
     for s in collapse(thread.frames):
-        if s.internal:
+        if s.owner == LIBRARY:
+            key.append((s.owner, package(s.file), s.name))
+        elif s.internal:
             key.append((s.owner, s.name))
         else:
             key.append((s.name, s.file, s.line))
     return tuple(key)
 
 
-def innermost_user_frame(thread: ThreadStack | None) -> Frame | None:
-    """The innermost Python frame of the user's code: where the user should look."""
+def user_frame_via(thread: ThreadStack | None) -> tuple[Frame | None, Frame | None]:
+    """The innermost Python frame of the user's code, and the library frame it called on the way in (the
+    outermost library frame inside it: lightning's ``log`` under the user's ``training_step``), or None."""
     if thread is None:
-        return None
+        return None, None
+    via = None
     for f in thread.frames:
-        if not f.native and frame_owner(f) == "user":
-            return f
-    return None
+        if f.native:
+            continue
+        who = owner(f.file)
+        if who == USER:
+            return f, via
+        if who == LIBRARY:
+            via = f
+    return None, None
+
+
+def innermost_user_frame(thread: ThreadStack | None) -> Frame | None:
+    """The innermost Python frame of the user's code: where the user should look. Never a frame of torch, a
+    library, the interpreter or distcheck itself (its hooks sit between the user's call and torch's)."""
+    return user_frame_via(thread)[0]
 
 
 def stack_collective(thread: ThreadStack | None) -> str | None:
@@ -285,10 +298,11 @@ def stack_collective(thread: ThreadStack | None) -> str | None:
         return None
     found = None
     for f in thread.frames:
-        if frame_owner(f) == "torch" and "distributed" in f.file and f.name in COLLECTIVE_NAMES:
+        who = frame_owner(f)
+        if who == TORCH and "distributed" in f.file and f.name in COLLECTIVE_NAMES:
             found = f.name  # keep going outwards: `wait` inside `barrier` should report `barrier`
-        elif frame_owner(f) == "user" and found:
-            break
+        elif who in (USER, LIBRARY) and found:
+            break  # the code that made the call: a collective further out is another call
     return found
 
 
@@ -340,7 +354,8 @@ def render_groups(groups: list[StackGroup], stacks: list[RankStack], errors: lis
     if title:
         lines.append(title)
     lines.append(f"{n} rank{'s' if n != 1 else ''} in {len(groups)} stack group{'s' if len(groups) != 1 else ''}"
-                 " (most recent call first; torch/distcheck/python internals collapsed)")
+                 " (most recent call first; torch/distcheck/python internals collapsed, a library shown by the call"
+                 " into it)")
     for g in groups:
         mark = "  <-- MINORITY: somewhere other than the rest" if g.minority else ""
         gil = "  [holds the GIL]" if g.owns_gil else ""

@@ -240,7 +240,8 @@ def mesh_error_finding(exc: BaseException, tb: TracebackType | None = None) -> F
             shape = walker.tb_frame.f_locals.get("mesh_shape")
             names = walker.tb_frame.f_locals.get("mesh_dim_names")
         walker = walker.tb_next
-    where = f" at {user.site}" if user else ""
+    # a library's mesh builder (torchtitan's) made the call: say which, under the user's line that called it
+    where = (f" at {user.site}" + (f" via {user.via}" if user.via else "")) if user else ""
     call = f"init_device_mesh({tuple(shape)!r}" + (f", mesh_dim_names={tuple(names)!r}" if names else "") + ")" \
         if shape is not None else "DeviceMesh(...)"
     hint = ""
@@ -255,8 +256,7 @@ def mesh_error_finding(exc: BaseException, tb: TracebackType | None = None) -> F
     if user:
         import linecache
 
-        detail["file"] = user.file
-        detail["line"] = user.line
+        detail.update(user.detail())
         detail["code"] = linecache.getline(user.file, user.line).strip()
     return Finding("mesh_mismatch", [rank], f"{call}{where} failed on rank {rank}{hint} "
                                             f"(torch: {message})", detail)

@@ -2,8 +2,11 @@
 
     python -m distcheck run --nproc 2 -- train.py    # collective sites, crash sites, record sites all come from here
 
-A frame is the user's when its file is not torch, not distcheck, not the standard library and not interpreter
-machinery (``<frozen runpy>``, ``<string>``). From that one predicate:
+A frame is the user's when distcheck's one frame classifier (:mod:`distcheck.analysis.frame_owner`) says ``user``:
+not torch, not distcheck, not a third-party library installed as a package (lightning, transformers, ...), not the
+standard library and not interpreter machinery (``<frozen runpy>``, ``<string>``). The user's line is the innermost
+frame of the user's own code; when the walk out to it passed through a library, :attr:`Site.via` names the library
+call under it (``lightning/pytorch/core/module.py:512 in log``). From that one predicate:
 
 * :class:`SiteFinder` / :func:`caller_site`: the innermost user frame of the current call stack (the tracer's
   collective sites, ``distcheck.record``'s site, the automatic loss and step records);
@@ -15,23 +18,24 @@ machinery (``<frozen runpy>``, ``<string>``). From that one predicate:
 """
 from __future__ import annotations
 
-import functools
 import inspect
 import os
 import re
 import sys
-import sysconfig
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # .../distcheck
+from distcheck.analysis.frame_owner import LIBRARY, USER, is_user, location, owner
 
 
 @dataclass(frozen=True)
 class Site:
     file: str | None
     line: int | None
+    # The library call the user's line made, when the walk out to it passed through one: what the user called
+    # (``lightning/pytorch/core/module.py:512 in log``) is not always what issued the collective or raised.
+    via: str | None = field(default=None, compare=False)
 
     @property
     def site(self) -> str | None:
@@ -47,28 +51,19 @@ class Site:
         return self.file is not None
 
     def detail(self) -> dict:
-        return {"file": self.file, "line": self.line}
+        out: dict[str, Any] = {"file": self.file, "line": self.line}
+        if self.via:
+            out["via"] = self.via
+        return out
 
 
 UNKNOWN = Site(None, None)
 
 
-@functools.lru_cache(maxsize=1)
-def _internal_roots() -> tuple[str, ...]:
-    import torch
-
-    roots = [os.path.dirname(torch.__file__), _PACKAGE_DIR]
-    for key in ("stdlib", "platstdlib"):
-        path = sysconfig.get_paths().get(key)
-        if path:
-            roots.append(path)
-    return tuple(os.path.join(os.path.realpath(r), "") for r in roots) + tuple(os.path.join(r, "") for r in roots)
-
-
 def is_internal(filename: str) -> bool:
-    """Whether a frame's file is torch, distcheck, the standard library or interpreter machinery: never the
-    user's line."""
-    return filename.startswith("<") or filename.startswith(_internal_roots())
+    """Whether a frame's file is anything but the user's own code (torch, distcheck, a library, the standard
+    library, interpreter machinery): never the user's line."""
+    return not is_user(filename)
 
 
 class SiteFinder:
@@ -76,14 +71,17 @@ class SiteFinder:
     collective and the same few call sites repeat."""
 
     def __init__(self) -> None:
-        self._internal: dict[str, bool] = {}
-        self._sites: dict[tuple[Any, int], Site] = {}
+        self._owners: dict[str, str] = {}
+        self._sites: dict[tuple[Any, ...], Site] = {}
+
+    def _owner(self, filename: str) -> str:
+        hit = self._owners.get(filename)
+        if hit is None:  # the hot path: one dict lookup per frame after the first time
+            hit = self._owners[filename] = owner(filename)
+        return hit
 
     def _is_internal(self, filename: str) -> bool:
-        hit = self._internal.get(filename)
-        if hit is None:  # the hot path: one dict lookup per frame after the first time
-            hit = self._internal[filename] = is_internal(filename)
-        return hit
+        return self._owner(filename) != USER
 
     def find(self, depth: int = 1) -> Site:
         """Walks out from ``depth`` frames above this call (1: the caller of ``find``)."""
@@ -91,16 +89,29 @@ class SiteFinder:
             frame = sys._getframe(depth)
         except ValueError:
             return UNKNOWN
-        internal = self._is_internal
-        while frame is not None and internal(frame.f_code.co_filename):
+        owner_of = self._owner
+        via = None  # the outermost library frame passed so far: the call the user's line made into the library
+        while frame is not None:
+            who = owner_of(frame.f_code.co_filename)
+            if who == USER:
+                break
+            if who == LIBRARY:
+                via = frame
             frame = frame.f_back
         if frame is None:
             return UNKNOWN
-        key = (frame.f_code, frame.f_lineno)
+        key = (frame.f_code, frame.f_lineno) if via is None else \
+            (frame.f_code, frame.f_lineno, via.f_code, via.f_lineno)
         site = self._sites.get(key)
         if site is None:
-            site = self._sites[key] = Site(frame.f_code.co_filename, frame.f_lineno)
+            site = self._sites[key] = Site(frame.f_code.co_filename, frame.f_lineno, _via(via))
         return site
+
+
+def _via(frame: Any) -> str | None:
+    if frame is None:
+        return None
+    return location(frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name)
 
 
 _finder: SiteFinder | None = None
@@ -119,20 +130,25 @@ def traceback_site(tb: Any, before: int | None = None) -> Site:
     frames = traceback.extract_tb(tb) if tb is not None else []
     if before is not None:
         frames = frames[:before]
+    via = None
     for frame in reversed(frames):
-        if not is_internal(frame.filename) and not is_internal(os.path.realpath(frame.filename)):
-            return Site(frame.filename, frame.lineno)
+        who = owner(frame.filename)
+        if who == USER:
+            return Site(frame.filename, frame.lineno,
+                        location(via.filename, via.lineno, via.name) if via is not None else None)
+        if who == LIBRARY:
+            via = frame
     return UNKNOWN
 
 
 def _is_user_class(klass: type) -> bool:
-    if klass is object or klass.__module__.startswith("torch."):
+    if klass is object:
         return False
     try:
         path = inspect.getsourcefile(klass)
-    except TypeError:
+    except TypeError:  # a class defined in C
         return False
-    return bool(path) and not is_internal(os.path.realpath(path))
+    return bool(path) and is_user(path)
 
 
 def _source_of(obj: Any) -> tuple[str, list[str], int] | None:

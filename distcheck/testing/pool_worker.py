@@ -105,13 +105,24 @@ class ProcessState:
         torch.set_num_threads(self.threads)
 
 
+def _without_runner(frames: list) -> list:
+    """A failing test's traceback from the test on: the outermost frames are this runner's (distcheck's), and the
+    user's frames are what matter. Frames inside the test (torch's, a library's, distcheck's API) stay, as pytest
+    shows them."""
+    from distcheck.analysis.frame_owner import DISTCHECK, owner
+
+    start = 0
+    while start < len(frames) and owner(frames[start].filename) == DISTCHECK:
+        start += 1
+    return list(frames[start:]) if start < len(frames) else list(frames)
+
+
 def _outcome(rank: int, exc: BaseException) -> RankOutcome:
     name = type(exc).__name__
     if name in ("Skipped", "SkipTest"):
         return RankOutcome(rank, "skipped", str(exc))
     tb = traceback.TracebackException.from_exception(exc)
-    # Drop this runner's own frames: the user's frames are what matter.
-    tb.stack = traceback.StackSummary.from_list([f for f in tb.stack if not f.filename.endswith("pool_worker.py")])
+    tb.stack = traceback.StackSummary.from_list(_without_runner(tb.stack))
     return RankOutcome(rank, "failed", "".join(tb.format()))
 
 

@@ -3,13 +3,15 @@ from __future__ import annotations
 
 from distcheck.analysis.hang import CollectiveRef, RankProgress, compose_hang_finding, diagnose, progress_from_events
 from distcheck.analysis.stack_groups import (
-    FAULTHANDLER_MARKER, Frame, RankStack, ThreadStack, collapse, frame_owner, group_stacks, parse_faulthandler,
-    parse_pyspy_json, render_groups, stack_collective,
+    FAULTHANDLER_MARKER, Frame, RankStack, ThreadStack, collapse, frame_owner, group_stacks, innermost_user_frame,
+    parse_faulthandler, parse_pyspy_json, render_groups, stack_collective, user_frame_via,
 )
 from distcheck.analysis.trace_events import parse_lines
 
 TORCH = "/venv/lib/python3.11/site-packages/torch/distributed"
 TRAIN = "/home/u/proj/train.py"
+SITE = "/venv/lib/python3.11/site-packages"
+LIGHTNING = f"{SITE}/lightning/pytorch"
 
 
 def pyspy_thread(pid, frames, name="MainThread", owns_gil=False):
@@ -43,10 +45,58 @@ def test_frame_owners_and_collapse_keep_user_frames_visible():
     assert [s.name for s in shown[1:]] == ["train_step", "main", "<module>"]
     assert stack_collective(stack) == "all_reduce"
     assert frame_owner(Frame("run", "/usr/lib/python3.11/threading.py", 982)) == "python"
-    assert frame_owner(Frame("check", "/x/site-packages/distcheck/replicas.py", 3)) == "distcheck"
-    assert frame_owner(Frame("clock_nanosleep", "libc.so.6", 0, native=True)) == "user"
+    assert frame_owner(Frame("clock_nanosleep", "libc.so.6", 0, native=True)) == "library"
     assert frame_owner(Frame("ffi_call", "libffi.so.8.1.2", 0, native=True)) == "python"
     assert frame_owner(Frame("c10d::ProcessGroupGloo::wait", "libtorch_cpu.so", 0, native=True)) == "torch"
+
+
+def test_distcheck_frames_at_any_depth_are_distcheck_wherever_installed():
+    # The package is nested (rank/autocheck/, supervise/, ...): a rule written for a flat package called these
+    # "user" and named distcheck's own hooks as where a rank was.
+    for path in ("/x/site-packages/distcheck/rank/autocheck/patches.py", "/x/site-packages/distcheck/replicas.py",
+                 "/work/main/distcheck/supervise/watch.py", "/ci/src/distcheck/distcheck/testing/pool_worker.py",
+                 "/x/dist-packages/distcheck/checks/replicas.py", "/x/site-packages/distcheck/contract/report.py"):
+        assert frame_owner(Frame("f", path, 3)) == "distcheck", path
+    # ...while the repo's fixtures and tests are the user's code, and an installed library is a library
+    assert frame_owner(Frame("main", "/work/main/fixtures/hang_python.py", 3)) == "user"
+    assert frame_owner(Frame("log", f"{LIGHTNING}/core/module.py", 512)) == "library"
+
+
+def test_a_hang_in_ddp_backward_names_the_users_backward_line_not_distchecks_hook():
+    frames = [("wait", f"{TORCH}/distributed_c10d.py", 4800), ("_run_backward", f"{SITE}/torch/autograd/graph.py", 825),
+              ("backward", f"{SITE}/torch/autograd/__init__.py", 347),
+              ("backward_wrapper", f"{SITE}/distcheck/rank/autocheck/patches.py", 233),
+              ("train_step", TRAIN, 57), ("main", TRAIN, 120), ("<module>", TRAIN, 130)]
+    main = rank_stack(0, frames).main_thread()
+    user = innermost_user_frame(main)
+    assert (user.name, user.file, user.line) == ("train_step", TRAIN, 57)
+    assert [s.owner for s in collapse(main.frames)] == ["torch", "distcheck", "user", "user", "user"]
+    d = diagnose([rank_stack(0, frames), rank_stack(1, in_load_shard())], {}, world_size=2)
+    assert "patches.py" not in d.message and "backward_wrapper" not in d.message
+    assert "train.py:57" in d.message
+
+
+def test_a_lightning_stack_names_the_users_training_step_and_shows_the_library_call_under_it():
+    frames = [("all_reduce", f"{TORCH}/distributed_c10d.py", 2806), ("wrapper", f"{TORCH}/c10d_logger.py", 81),
+              ("reduce", f"{LIGHTNING}/strategies/ddp.py", 330), ("_sync", f"{LIGHTNING}/core/module.py", 640),
+              ("log", f"{LIGHTNING}/core/module.py", 512), ("training_step", TRAIN, 40),
+              ("_call_impl", f"{SITE}/torch/nn/modules/module.py", 1750),
+              ("training_step", f"{LIGHTNING}/strategies/strategy.py", 390),
+              ("run", f"{LIGHTNING}/loops/training_epoch_loop.py", 150),
+              ("fit", f"{LIGHTNING}/trainer/trainer.py", 544),
+              ("main", TRAIN, 120), ("<module>", TRAIN, 130)]
+    main = rank_stack(0, frames).main_thread()
+    user, via = user_frame_via(main)
+    assert (user.name, user.line) == ("training_step", 40) and innermost_user_frame(main) is user
+    assert (via.name, via.line) == ("log", 512)  # the call the user's line made, not lightning's innermost frame
+    shown = collapse(main.frames)
+    assert [s.owner for s in shown] == ["torch", "library", "user", "torch", "library", "user", "user"]
+    # the library run is represented by the call the user made into it, with its path inside the package
+    assert shown[1].text() == "[library] log (lightning/pytorch/core/module.py:512, 3 frames)"
+    assert shown[4].text() == "[library] fit (lightning/pytorch/trainer/trainer.py:544, 3 frames)"
+    assert stack_collective(main) == "all_reduce"
+    text = render_groups(group_stacks([rank_stack(0, frames)]), [])
+    assert text.index("[library] log (lightning/pytorch/core/module.py:512") < text.index("training_step (train.py:40)")
 
 
 def test_identical_stacks_group_and_minority_is_flagged():

@@ -1,6 +1,7 @@
 """The one rule for "the user's line" (rank/usersite.py), as the tracer, records, crashes and check_model use it."""
 from __future__ import annotations
 
+import importlib.util
 import inspect
 
 import torch
@@ -32,6 +33,34 @@ def _line(marker: str) -> int:
 def test_internal_files():
     assert is_internal(torch.__file__) and is_internal(inspect.__file__) and is_internal("<frozen runpy>")
     assert not is_internal(__file__)
+    assert is_internal("/opt/venv/lib/python3.11/site-packages/lightning/pytorch/core/module.py")
+    assert is_internal("/opt/venv/lib/python3.11/site-packages/distcheck/rank/autocheck/patches.py")
+
+
+def _fake_library(tmp_path):
+    """A third-party package as pip installs one: a file under site-packages that calls back into the user."""
+    path = tmp_path / "venv" / "lib" / "python3.11" / "site-packages" / "fakelib" / "api.py"
+    path.parent.mkdir(parents=True)
+    path.write_text("def log(report):\n    return report()\n\n\ndef fail():\n    raise ValueError('bad')\n")
+    spec = importlib.util.spec_from_file_location("fakelib_api", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_third_party_library_frame_is_not_the_users_line(tmp_path):
+    api = _fake_library(tmp_path)
+    site = api.log(caller_site)  # LIBRARY CALL
+    assert site.file == __file__ and site.line == _line("LIBRARY CALL")
+    assert site.via == "fakelib/api.py:2 in log" and site.detail()["via"] == site.via
+    try:
+        api.fail()  # LIBRARY RAISES
+    except ValueError as exc:
+        crash = traceback_site(exc.__traceback__)
+    assert crash.line == _line("LIBRARY RAISES") and crash.via == "fakelib/api.py:6 in fail"
+    # a direct call has no library under it, and the findings' detail stays as it was
+    direct = caller_site(0)
+    assert direct.via is None and set(direct.detail()) == {"file", "line"}
 
 
 def test_param_site_is_the_assignment_in_the_users_class():
@@ -63,3 +92,21 @@ def test_traceback_site_is_the_innermost_user_frame():
     except RuntimeError as exc:
         site = traceback_site(exc.__traceback__)
     assert site.file == __file__ and "RAISES" in open(__file__).read().splitlines()[site.line - 1]
+
+
+def test_a_mesh_built_by_a_library_names_the_users_line_and_the_library_call(tmp_path, monkeypatch):
+    from distcheck.checks.mesh import mesh_error_finding
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    path = tmp_path / "venv" / "lib" / "python3.11" / "site-packages" / "meshlib" / "dims.py"
+    path.parent.mkdir(parents=True)
+    path.write_text("def build():\n    raise RuntimeError('Mesh should not be bigger than default world size 2')\n")
+    spec = importlib.util.spec_from_file_location("meshlib_dims", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    try:
+        module.build()  # BUILD MESH
+    except RuntimeError as exc:
+        finding = mesh_error_finding(exc)
+    assert finding.detail["line"] == _line("BUILD MESH") and finding.detail["via"] == "meshlib/dims.py:2 in build"
+    assert f"at test_usersite.py:{_line('BUILD MESH')} via meshlib/dims.py:2 in build failed" in finding.message
