@@ -14,105 +14,16 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from distcheck.analysis.ops import PEER_OPS
+# Each rank's last collectives come from the one model of progress; the names stay importable from here for
+# readers of stacks.json (commands/report.py) and older callers.
+from distcheck.analysis.progress import CollectiveRef, RankProgress, rank_progress as progress_from_events
 from distcheck.analysis.stack_groups import (
     Frame, RankStack, StackGroup, group_stacks, innermost_user_frame, stack_collective,
 )
 from distcheck.contract.findings import Finding, format_ranks
 
-
-
-# --- last collectives from the per-rank trace ------------------------------------------------------------------
-
-
-@dataclass
-class CollectiveRef:
-    op: str
-    seq: int | None
-    pg: list[int] | None  # ranks of the process group; None = the default (world) group
-    site: str  # "train.py:88"
-    file: str
-    line: int
-    id: int | None = None
-    completed: bool = False
-
-    def to_json(self) -> dict[str, Any]:
-        return {"op": self.op, "seq": self.seq, "pg": self.pg, "site": self.site, "file": self.file,
-                "line": self.line, "id": self.id, "completed": self.completed}
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> CollectiveRef:
-        return cls(d.get("op", "?"), d.get("seq"), d.get("pg"), d.get("site", ""), d.get("file", ""),
-                   int(d.get("line") or 0), d.get("id"), bool(d.get("completed", False)))
-
-
-@dataclass
-class RankProgress:
-    rank: int
-    last_started: CollectiveRef | None = None
-    last_completed: CollectiveRef | None = None
-    started: int = 0
-    completed: int = 0
-    first_open: CollectiveRef | None = None  # the earliest collective issued and not completed
-
-    @property
-    def pending(self) -> CollectiveRef | None:
-        """The collective this rank waits on, if any: the earliest one it issued that has not completed.
-
-        Completion, not return: an async op (and every NCCL op) returns once queued, and later ones may be
-        issued, or even complete, behind it; the one that never completes is what the rank is stuck on."""
-        if self.first_open is not None:
-            return self.first_open
-        if self.last_started is not None and not self.last_started.completed:
-            return self.last_started
-        return None
-
-    def to_json(self) -> dict[str, Any]:
-        return {"last_started": self.last_started.to_json() if self.last_started else None,
-                "last_completed": self.last_completed.to_json() if self.last_completed else None,
-                "first_open": self.first_open.to_json() if self.first_open else None,
-                "started": self.started, "completed": self.completed}
-
-    @classmethod
-    def from_json(cls, rank: int, d: dict[str, Any]) -> RankProgress:
-        def ref(key: str) -> CollectiveRef | None:
-            return CollectiveRef.from_json(d[key]) if d.get(key) else None
-
-        return cls(rank, ref("last_started"), ref("last_completed"), int(d.get("started", 0)),
-                   int(d.get("completed", 0)), ref("first_open"))
-
-
-def _pg_ranks(pg: Any) -> list[int] | None:
-    if pg is None or pg == "":
-        return None
-    if isinstance(pg, str):
-        try:
-            return [int(x) for x in pg.split(",") if x.strip()]
-        except ValueError:  # a named group ("default_pg"): membership unknown
-            return None
-    try:
-        return [int(x) for x in pg]
-    except (TypeError, ValueError):
-        return None
-
-
-def progress_from_refs(rank: int, refs: Sequence[CollectiveRef]) -> RankProgress:
-    done = [r for r in refs if r.completed]
-    first_open = next((r for r in refs if not r.completed), None)
-    return RankProgress(rank, refs[-1] if refs else None, done[-1] if done else None, len(refs), len(done),
-                        first_open)
-
-
-def progress_from_events(rank: int, events: Sequence[Any]) -> RankProgress:
-    """The same from ``distcheck.analysis.trace_events.TraceEvent`` objects (duck-typed: t_end None = pending)."""
-    refs = []
-    for e in events:
-        file = str(getattr(e, "file", "") or "")
-        line = int(getattr(e, "line", 0) or 0)
-        site = str(getattr(e, "site", "") or (f"{os.path.basename(file)}:{line}" if file else ""))
-        refs.append(CollectiveRef(str(getattr(e, "op", "?")), getattr(e, "seq", None),
-                                  _pg_ranks(getattr(e, "pg", None)), site, file, line, getattr(e, "id", None),
-                                  getattr(e, "t_end", None) is not None))
-    return progress_from_refs(rank, refs)
+__all__ = ["CollectiveRef", "HangDiagnosis", "Location", "RankProgress", "compose_hang_finding", "diagnose",
+           "hang_finding", "locate", "progress_from_events"]
 
 
 # --- where each group is ---------------------------------------------------------------------------------------
@@ -130,6 +41,7 @@ class Location:
     owns_gil: bool = False
     unknown_reason: str = ""
     absent: list[int] = field(default_factory=list)  # members of a subgroup collective that are elsewhere
+    via: str | None = None  # who issued a collective Python never called ("DDP gradient bucket all-reduce")
 
     @property
     def in_collective(self) -> bool:
@@ -150,13 +62,14 @@ class Location:
             absent = ""
             if group and self.absent:
                 absent = f" where {format_ranks(self.absent)} never arrived"
-            return f"{self.collective}{seq}{group} ({self.site()}){gil}{absent}"
+            where = f"{self.via} at {self.site()}" if self.via else self.site()
+            return f"{self.collective}{seq}{group} ({where}){gil}{absent}"
         return f"{self.func or '?'} ({self.site()}){gil}"
 
     def to_json(self) -> dict[str, Any]:
         return {"ranks": self.ranks, "collective": self.collective, "seq": self.seq, "pg": self.pg,
                 "file": self.file, "line": self.line, "func": self.func, "owns_gil": self.owns_gil,
-                "absent": self.absent}
+                "absent": self.absent, "via": self.via}
 
 
 def locate(ranks: list[int], stack: RankStack | None, progress: RankProgress | None, error: str = "") -> Location:
@@ -176,14 +89,14 @@ def locate(ranks: list[int], stack: RankStack | None, progress: RankProgress | N
             loc.file, loc.line, loc.func = frame.file, frame.line, frame.name
         op = stack_collective(main)
         if pending is not None:
-            loc.collective, loc.seq, loc.pg = pending.op, pending.seq, pending.pg
+            loc.collective, loc.seq, loc.pg, loc.via = pending.op, pending.seq, pending.pg, pending.via
             if pending.file:
                 loc.file, loc.line = pending.file, pending.line
         elif op is not None:
             loc.collective = op
         return loc
     if pending is not None:
-        loc.collective, loc.seq, loc.pg = pending.op, pending.seq, pending.pg
+        loc.collective, loc.seq, loc.pg, loc.via = pending.op, pending.seq, pending.pg, pending.via
         loc.file, loc.line, loc.func = pending.file, pending.line, pending.op
     return loc
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from distcheck.analysis.progress import CollectiveRef, rank_progress
 from distcheck.contract.findings import format_names
 
 _DDP_UNUSED = "Expected to have finished reduction in the prior iteration"
@@ -274,19 +275,25 @@ _GLOO_PEER = re.compile(r"Connection (?:closed|reset) by peer|Application timeou
 _GLOO_TIMEOUT = re.compile(r"Timed out waiting (\d+)ms for (\w+) operation to complete")
 
 
-def _failed_event(context: dict[str, Any]) -> Any:
-    """The traced collective the error came out of: the last one with an error recorded."""
-    failed = [e for e in context.get("events") or () if getattr(e, "error", None) is not None]
-    return failed[-1] if failed else None
+def _failed_event(context: dict[str, Any]) -> CollectiveRef | None:
+    """The traced collective the error came out of: the rank's last failed one (analysis/progress.py), from the
+    ``progress`` the caller computed or from its ``events``."""
+    progress = context.get("progress")
+    if progress is None:
+        events = list(context.get("events") or ())
+        if not events:
+            return None
+        progress = rank_progress(events[0].rank, events)
+    return progress.last_failed
 
 
-def _in_event(e: Any, detail: dict[str, Any]) -> str:
-    if e is None:
+def _in_event(ref: CollectiveRef | None, detail: dict[str, Any]) -> str:
+    if ref is None:
         return ""
-    detail.update(op=e.op, seq=e.seq, site=e.site)
-    if e.file and e.line:
-        detail.update(file=e.file, line=e.line)
-    return f" in {e.op} #{e.seq}" + (f" at {e.site}" if e.site else "")
+    detail.update(op=ref.op, seq=ref.seq, site=ref.site or None)
+    if ref.file and ref.line:
+        detail.update(file=ref.file, line=ref.line)
+    return f" in {ref.op} #{ref.seq}" + (f" at {ref.site}" if ref.site else "")
 
 
 def _gloo_peer(message: str, context: dict[str, Any]) -> dict[str, Any] | None:
@@ -351,8 +358,9 @@ _TRANSLATORS = (_ddp_unused, _ddp_ready_twice, _dtensor_mixed, _cross_mesh, _red
 
 def translate(exc_type: str, message: str, context: dict[str, Any] | None = None) -> dict[str, Any] | None:
     """``{"message": ..., "detail": {...}}`` for an error distcheck knows, else None. ``context``: what the rank
-    knew (``ddp_params``: names in DDP's index order; ``param_sites``: name -> "file.py:LINE") and the rank's traced
-    collectives (``events``: trace_events.TraceEvent objects)."""
+    knew (``ddp_params``: names in DDP's index order; ``param_sites``: name -> "file.py:LINE"), the rank's traced
+    collectives (``events``: trace_events.TraceEvent objects) and, when the caller has it, their ``progress``
+    (analysis/progress.RankProgress: the collective an error came out of is its ``last_failed``)."""
     context = context or {}
     for translator in _TRANSLATORS:
         try:

@@ -8,18 +8,26 @@ member of a group must issue the same collective at the same position. Point-to-
 (sender, receiver) instead. What "the same" means is per op (see ``signature``): an all_gather with a list of
 differently sized outputs is legal as long as every rank passes the same list, all_to_all(_single) may move
 different amounts per rank, and the *_object variants carry pickles of any size.
+
+Collectives the tracer did not see (DDP's buckets, compiled graphs: merged from torch's Flight Recorder, with
+``extra["origin"]``) align in a sequence of their own per group (:attr:`TraceEvent.group_key`); a group reports its
+earliest divergence in either. A rank that finished its script having issued fewer collectives on a group than
+its peers is a count mismatch: the finding names both counts, the first collective it never issued (op, sizes,
+who issued it and the user's line) and the fix. Where each rank is (last started, last completed, the collective
+it waits on, counts per group) comes from analysis/progress.py, the one model of a rank's progress.
 """
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
-from distcheck.analysis.hang import hang_finding as make_hang_finding, progress_from_events
+from distcheck.analysis.hang import hang_finding as make_hang_finding
 from distcheck.analysis.ops import PEER_OPS
+from distcheck.analysis.progress import (FAILED, ISSUED, ISSUED_NOTE, CollectiveRef, RankProgress, group_counts,
+                                         process_group, progress_by_rank)
 from distcheck.analysis.torch_errors import brief, first_line, lost_peer, translate
-from distcheck.analysis.trace_events import (P2P_OPS, RankError, RankTrace, TraceEvent, last_completed,
-                                             last_started, open_events)
+from distcheck.analysis.trace_events import P2P_OPS, RankError, RankTrace, TraceEvent
 from distcheck.contract.findings import Finding, format_ranks
 
 # Ops that are the same backend collective under different API names (c10d vs functional, old vs new names).
@@ -56,12 +64,14 @@ class Divergence:
     """The first position of a process group where ranks disagree."""
 
     group: tuple[int, ...]
-    group_key: str
-    position: int  # per-group sequence number (1 = the group's first collective)
+    group_key: str  # the process group (analysis/progress.process_group)
+    position: int  # place in the sequence (1 = the group's first collective)
     kind: str  # "different" | "extra" | "missing"
     events: dict[int, TraceEvent | None]  # what each member issued there (None: nothing)
     ranks: list[int]  # the odd ranks
     fields: list[str] = field(default_factory=list)  # what differs: op, shapes, dtypes, reduce_op, root, ...
+    counts: dict[int, int] = field(default_factory=dict)  # extra/missing: collectives each member issued on the group
+    sequence: str = ""  # TraceEvent.group_key of the events: the group's traced or untraced sequence
 
 
 def canonical_op(op: str) -> str:
@@ -101,16 +111,28 @@ def differing_fields(events: list[TraceEvent]) -> list[str]:
     return [name for i, name in enumerate(_FIELDS) if len({repr(s[i]) for s in sigs}) > 1]
 
 
-def _collectives_by_group(traces: dict[int, RankTrace]) -> dict[str, tuple[tuple[int, ...], dict[int, list[TraceEvent]]]]:
-    groups: dict[str, tuple[tuple[int, ...], dict[int, list[TraceEvent]]]] = {}
+@dataclass
+class _Sequence:
+    """One sequence of positions: a process group's traced collectives, or its untraced ones (TraceEvent.group_key
+    keeps those apart: they are numbered by torch, the traced ones by the tracer)."""
+
+    members: tuple[int, ...]
+    group: str  # the process group (analysis/progress.process_group), traced and untraced alike
+    per_rank: dict[int, list[TraceEvent]]
+
+
+def _collectives_by_group(traces: dict[int, RankTrace]) -> dict[str, _Sequence]:
+    groups: dict[str, _Sequence] = {}
     for rank, trace in traces.items():
         for e in trace.events:
             if e.op in PEER_OPS:
                 continue
-            members, per_rank = groups.setdefault(e.group_key, (e.pg, {}))
-            per_rank.setdefault(rank, []).append(e)
-    for members, per_rank in groups.values():
-        for events in per_rank.values():
+            seq = groups.get(e.group_key)
+            if seq is None:
+                seq = groups[e.group_key] = _Sequence(e.pg, process_group(e), {})
+            seq.per_rank.setdefault(rank, []).append(e)
+    for seq in groups.values():
+        for events in seq.per_rank.values():
             events.sort(key=lambda e: (e.seq, e.id))
     return groups
 
@@ -125,38 +147,54 @@ def _odd_ranks(present: dict[int, TraceEvent]) -> list[int]:
     return sorted(r for rs in ordered[1:] for r in rs)
 
 
-def find_divergences(traces: dict[int, RankTrace], outcomes: dict[int, RankOutcome]) -> list[Divergence]:
+def find_divergences(traces: dict[int, RankTrace], outcomes: dict[int, RankOutcome],
+                     progress: dict[int, RankProgress] | None = None) -> list[Divergence]:
     """The first divergence of each process group, in order of time."""
-    out: list[Divergence] = []
-    for key, (members, per_rank) in _collectives_by_group(traces).items():
-        members = tuple(members) or tuple(sorted(per_rank))
+    progress = progress if progress is not None else progress_by_rank(traces)
+    first: dict[str, Divergence] = {}  # process group -> its earliest divergence (traced or untraced sequence)
+    for key, seq in _collectives_by_group(traces).items():
+        per_rank = seq.per_rank
+        members = tuple(seq.members) or tuple(sorted(per_rank))
         longest = max((len(v) for v in per_rank.values()), default=0)
+        found: Divergence | None = None
         for i in range(longest):
             present = {r: per_rank[r][i] for r in members if len(per_rank.get(r, [])) > i}
             absent = [r for r in members if r not in present]
             if len({signature(e) for e in present.values()}) > 1:
                 events = {r: present.get(r) for r in members}
-                out.append(Divergence(members, key, i + 1, "different", events, _odd_ranks(present),
-                                      differing_fields(list(present.values()))))
+                found = Divergence(members, seq.group, i + 1, "different", events, _odd_ranks(present),
+                                   differing_fields(list(present.values())), sequence=key)
                 break
             if absent:
-                # A rank that finished cleanly without this collective will never issue it: a real extra/missing
-                # collective. A rank that raised, died or hung stopped early for its own reason (reported as such).
+                # A rank that finished cleanly without this collective will never issue it: it issued fewer
+                # collectives than its peers. A rank that raised, died or hung stopped early for its own reason
+                # (reported as such), so fewer collectives say nothing about it by themselves.
                 if all(outcomes.get(r, RankOutcome(r, STATE_UNKNOWN)).state == STATE_OK for r in absent):
                     have = sorted(present)
                     kind, odd = ("extra", have) if len(have) <= len(absent) else ("missing", sorted(absent))
-                    out.append(Divergence(members, key, i + 1, kind, {r: present.get(r) for r in members}, odd))
+                    counts = group_counts(progress, seq.group, members)
+                    if not all(counts[a] < counts[h] for a in absent for h in have):
+                        # The group's totals hide it (another sequence of the group runs the other way): count
+                        # in the sequence that diverged.
+                        counts = {r: len(per_rank.get(r, [])) for r in members}
+                    found = Divergence(members, seq.group, i + 1, kind, {r: present.get(r) for r in members},
+                                       odd, counts=counts, sequence=key)
                 break
-    out.sort(key=lambda d: min((e.t_start for e in d.events.values() if e is not None), default=0.0))
-    return out
+        if found is not None and (seq.group not in first or _when(found) < _when(first[seq.group])):
+            first[seq.group] = found
+    return sorted(first.values(), key=_when)
+
+
+def _when(d: Divergence) -> float:
+    return min((e.t_start for e in d.events.values() if e is not None), default=0.0)
 
 
 def _where(e: TraceEvent) -> str:
     return f" at {e.site}" if e.site else ""
 
 
-def _group_label(group: tuple[int, ...]) -> str:
-    return "[" + ",".join(map(str, group)) + "]"
+def _group_label(group: Sequence[int] | None) -> str:
+    return "[" + ",".join(map(str, group or ())) + "]"
 
 
 def _state_phrase(o: RankOutcome | None) -> str:
@@ -166,11 +204,90 @@ def _state_phrase(o: RankOutcome | None) -> str:
             STATE_HUNG: "was still running", STATE_STOPPED: "was stopped while waiting"}.get(o.state, o.state)
 
 
+# Bytes per element of the dtypes the tracer names (str(torch.dtype) without "torch."); no torch import here.
+_DTYPE_BYTES = {"float64": 8, "double": 8, "float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2,
+                "complex128": 16, "complex64": 8, "complex32": 4, "int64": 8, "long": 8, "int32": 4, "int": 4,
+                "int16": 2, "short": 2, "int8": 1, "uint8": 1, "bool": 1, "uint16": 2, "uint32": 4, "uint64": 8,
+                "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1}
+
+# The usual cause of a rank issuing fewer collectives than its peers: it ran fewer steps.
+UNEVEN_REMEDIES = "DDP's join(), drop_last=True in the DistributedSampler/DataLoader, or equal shards"
+UNEVEN_FIX = f"uneven batches per rank: {UNEVEN_REMEDIES}, so that every rank runs the same number of steps"
+_ISSUERS = {"ddp": "issued by DDP", "compiled": "issued by compiled code", "torch": "issued by torch itself"}
+
+
+def payload_bytes(e: TraceEvent) -> int | None:
+    """Bytes of the tensors the call passed (every shape with its dtype), or None when a dtype is unknown."""
+    if not e.shapes or len(e.dtypes) != len(e.shapes):
+        return None
+    total = 0
+    for shape, dtype in zip(e.shapes, e.dtypes):
+        size = _DTYPE_BYTES.get(str(dtype).removeprefix("torch."))
+        if size is None:
+            return None
+        numel = 1
+        for dim in shape:
+            numel *= int(dim)
+        total += numel * size
+    return total
+
+
+def format_bytes(n: int) -> str:
+    """``4 B``, ``8.0 KiB``, ``1.5 MiB``."""
+    if n < 1024:
+        return f"{n} B"
+    value = float(n)
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        value /= 1024
+        if value < 1024 or unit == "TiB":
+            return f"{value:.1f} {unit}"
+    return f"{n} B"
+
+
+def issuer(e: TraceEvent) -> tuple[str, str]:
+    """Who issued a collective (``extra["origin"]``: ddp | compiled | torch; none: the user's own call) and how a
+    message says it, with the user's line: ``DDP gradient bucket all-reduce at train.py:27``."""
+    origin = str(e.extra.get("origin") or "user")
+    via = e.extra.get("via")
+    text = "your own call" if origin == "user" else str(via or _ISSUERS.get(origin, f"issued by {origin}"))
+    return origin, text + _where(e)
+
+
+def _sized(e: TraceEvent, position: int | None) -> str:
+    """``all_reduce #31 [2058] float32 SUM (8.0 KiB)``."""
+    seq = f" #{position}" if position is not None else ""
+    n = payload_bytes(e)
+    return f"{e.op}{seq}{e.brief()[len(e.op):]}" + (f" ({format_bytes(n)})" if n is not None else "")
+
+
+def _shown_position(d: Divergence) -> int:
+    """The position a message names: an untraced collective's own number in its group (torch's
+    collective_seq_id, which counts every collective of the group), else the place in the traced sequence."""
+    e = next((e for e in d.events.values() if e is not None), None)
+    return e.seq if e is not None and e.extra.get("untraced") and e.seq else d.position
+
+
+def _count_phrase(counts: dict[int, int], group: tuple[int, ...]) -> str:
+    """``rank 1 issued 30 collectives on group [0,1], rank 0 issued 34``: fewest first."""
+    by_count: dict[int, list[int]] = {}
+    for r, n in counts.items():
+        by_count.setdefault(n, []).append(r)
+    parts = []
+    for i, (n, ranks) in enumerate(sorted(by_count.items())):
+        noun = f" collective{'s' if n != 1 else ''} on group {_group_label(group)}" if i == 0 else ""
+        parts.append(f"{format_ranks(ranks)} issued {n}{noun}")
+    return ", ".join(parts)
+
+
 def divergence_finding(d: Divergence, outcomes: dict[int, RankOutcome],
                        backend_errors: dict[int, str]) -> Finding:
-    where = f"collective #{d.position} on group {_group_label(d.group)}"
+    shown = _shown_position(d)
+    where = f"collective #{shown} on group {_group_label(d.group)}"
     issued = {r: (e.to_json() if e is not None else None) for r, e in d.events.items()}
     primary: TraceEvent | None = None
+    detail: dict[str, Any] = {"group": list(d.group), "group_name": d.group_key, "position": shown,
+                              "divergence": d.kind, "fields": d.fields, "issued": issued}
+    fixes = ""
     if d.kind == "different":
         buckets: dict[tuple, list[int]] = {}
         for r, e in d.events.items():
@@ -180,29 +297,39 @@ def divergence_finding(d: Divergence, outcomes: dict[int, RankOutcome],
                  for (brief, site), rs in sorted(buckets.items(), key=lambda kv: kv[1][0])]
         primary = next((d.events[r] for r in d.ranks if d.events.get(r) is not None), None)
         message = f"{where} differs in {', '.join(d.fields) or 'signature'}: " + "; ".join(parts)
-    elif d.kind == "extra":
-        e = d.events[d.ranks[0]]
-        primary = e
-        others = [r for r in d.group if r not in d.ranks]
-        message = (f"{format_ranks(d.ranks)} issued an extra {e.brief()}{_where(e)} ({where}); "
-                   f"{format_ranks(others)} issued no collective there ("
-                   + ", ".join(sorted({_state_phrase(outcomes.get(r)) for r in others})) + ")")
     else:
+        # A count mismatch ("extra" or "missing" at the first position some member never reached): the ranks that
+        # finished short, both counts, and the first collective they never issued, with who issued it.
+        fewer = [r for r in d.group if d.events.get(r) is None]
         have = [r for r in d.group if d.events.get(r) is not None]
-        e = d.events[have[0]]
-        primary = e
-        message = (f"{format_ranks(d.ranks)} never issued {where}: {format_ranks(have)} issued "
-                   f"{e.brief()}{_where(e)}; {format_ranks(d.ranks)} "
-                   + ", ".join(sorted({_state_phrase(outcomes.get(r)) for r in d.ranks})) + " without it")
-    detail: dict[str, Any] = {"group": list(d.group), "group_name": d.group_key, "position": d.position,
-                              "divergence": d.kind, "fields": d.fields, "issued": issued}
+        e = primary = d.events[have[0]]
+        origin, by = issuer(e)
+        n = payload_bytes(e)
+        message = (f"{_count_phrase(d.counts, d.group)}; the first collective {format_ranks(fewer)} never issued: "
+                   f"{_sized(e, shown)}, {by}; {format_ranks(fewer)} issued no collective there ("
+                   + ", ".join(sorted({_state_phrase(outcomes.get(r)) for r in fewer})) + ")")
+        # torch's own collectives (DDP's buckets, a compiled step) run once per step: fewer means fewer steps.
+        # The user's own call may also sit under a rank-dependent condition.
+        fixes = UNEVEN_FIX if origin != "user" else (
+            f"call {e.op} on every rank of the group or on none (no rank-dependent condition around it); or, if "
+            f"the ranks ran different numbers of steps (uneven batches per rank): {UNEVEN_REMEDIES}")
+        detail.update(counts=dict(d.counts), fewer_ranks=fewer,
+                      first_missing={**e.to_json(), "position": shown, "bytes": n, "origin": origin,
+                                     "via": e.extra.get("via")},
+                      origin=origin, fixes=fixes)
     if primary is not None and primary.line is not None:
         detail["file"] = primary.file
         detail["line"] = primary.line
     if backend_errors:
         detail["backend_errors"] = backend_errors
         first = next(iter(backend_errors.values()))
-        message += " (backend error: " + (brief(first) or first_line(first)) + ")"
+        said = brief(first) or first_line(first)
+        if d.kind == "different":
+            message += f" (backend error: {said})"
+        else:  # the peer left: what the ranks that went on met is the consequence, not a second finding
+            message += f"; then {format_ranks(sorted(backend_errors))} failed: {said}"
+    if fixes:
+        message += f". Fix: {fixes}"
     return Finding("collective_mismatch", d.ranks, message, detail)
 
 
@@ -256,44 +383,59 @@ def find_p2p_mismatches(traces: dict[int, RankTrace], outcomes: dict[int, RankOu
     return out
 
 
-def position_of(rank: int, trace: RankTrace | None, outcome: RankOutcome | None) -> dict[str, Any]:
+def _ref_json(ref: CollectiveRef | None) -> dict[str, Any] | None:
+    if ref is None:
+        return None
+    return {**(ref.event.to_json() if ref.event is not None else ref.to_json()), "state": ref.state}
+
+
+def _ref_where(ref: CollectiveRef) -> str:
+    return f" at {ref.site}" if ref.site else ""
+
+
+def position_of(rank: int, progress: RankProgress | None, outcome: RankOutcome | None) -> dict[str, Any]:
     """Where a rank is: its state, the collective it waits in (if any), its last started and completed ones."""
-    events = trace.events if trace is not None else []
-    waiting = open_events(events)
-    started, completed = last_started(events), last_completed(events)
+    p = progress if progress is not None else RankProgress(rank)
     return {
         "state": outcome.state if outcome is not None else STATE_UNKNOWN,
-        "waiting_in": waiting[0].to_json() if waiting else None,
-        "last_started": started.to_json() if started else None,
-        "last_completed": completed.to_json() if completed else None,
+        "waiting_in": _ref_json(p.pending),
+        "last_started": _ref_json(p.last_started),
+        "last_completed": _ref_json(p.last_completed),
+        "started": p.started,
+        "completed": p.completed,
     }
 
 
-def describe_position(rank: int, trace: RankTrace | None, outcome: RankOutcome | None) -> str:
-    events = trace.events if trace is not None else []
-    waiting = open_events(events)
+def describe_position(rank: int, progress: RankProgress | None, outcome: RankOutcome | None) -> str:
+    p = progress if progress is not None else RankProgress(rank)
     if outcome is not None and outcome.state == STATE_OK:
         return f"rank {rank} finished its script"
-    if waiting:
-        e = waiting[0]  # the earliest op not completed: later async ops queue behind it
-        return f"rank {rank} waits in {e.op} #{e.seq} on group {_group_label(e.pg)}{_where(e)}"
-    last = last_started(events)
-    if last is not None and last.error is not None:
-        return (f"rank {rank} failed in {last.op} #{last.seq} on group {_group_label(last.pg)}{_where(last)} "
-                f"({brief(last.error) or first_line(last.error, 80)})")
-    done = last_completed(events)
+    pending = p.pending  # the first op not completed: later async ops queue behind it
+    if pending is not None:
+        return (f"rank {rank} waits in {pending.op} #{pending.seq} on group {_group_label(pending.pg)}"
+                f"{_ref_where(pending)}")
+    last = p.last_started
+    if last is not None and last.state == FAILED:
+        return (f"rank {rank} failed in {last.op} #{last.seq} on group {_group_label(last.pg)}{_ref_where(last)} "
+                f"({brief(last.error or '') or first_line(last.error or '', 80)})")
+    if last is not None and last.state == ISSUED:
+        return (f"rank {rank} is outside traced collectives, last issued {last.op} #{last.seq} on group "
+                f"{_group_label(last.pg)}{_ref_where(last)} ({ISSUED_NOTE})")
+    done = p.last_completed
     if done is not None:
-        return f"rank {rank} is outside collectives, last completed {done.op} #{done.seq}{_where(done)}"
+        return f"rank {rank} is outside collectives, last completed {done.op} #{done.seq}{_ref_where(done)}"
     return f"rank {rank} issued no collective"
 
 
-def _translation(o: RankOutcome, traces: dict[int, RankTrace]) -> dict[str, Any] | None:
+def _translation(o: RankOutcome, traces: dict[int, RankTrace],
+                 progress: dict[int, RankProgress]) -> dict[str, Any] | None:
     """A rank's error in terms of its model and trace (analysis/torch_errors.py), or None for an unknown error."""
     if o.error is None:
         return None
     trace = traces.get(o.rank)
     return translate(o.error.exc_type, o.error.message,
-                     {**(o.error.context or {}), "events": trace.events if trace is not None else []})
+                     {**(o.error.context or {}), "events": trace.events if trace is not None else [],
+                      "progress": progress.get(o.rank)})
 
 
 def _same_error_key(o: RankOutcome, translated: dict[str, Any] | None) -> tuple | None:
@@ -306,28 +448,30 @@ def _same_error_key(o: RankOutcome, translated: dict[str, Any] | None) -> tuple 
     return (err.exc_type, err.file, err.line, text)
 
 
-def failure_findings(failed: list[RankOutcome], traces: dict[int, RankTrace],
-                     outcomes: dict[int, RankOutcome]) -> list[Finding]:
+def failure_findings(failed: list[RankOutcome], traces: dict[int, RankTrace], outcomes: dict[int, RankOutcome],
+                     progress: dict[int, RankProgress] | None = None) -> list[Finding]:
     """One ``rank_failure`` per cause: ranks that raised the same error at the same line are one finding."""
+    progress = progress if progress is not None else progress_by_rank(traces)
     groups: dict[Any, list[tuple[RankOutcome, dict[str, Any] | None]]] = {}
     for o in failed:
-        translated = _translation(o, traces)
+        translated = _translation(o, traces, progress)
         key = _same_error_key(o, translated)
         groups.setdefault(key if key is not None else ("rank", o.rank), []).append((o, translated))
-    return [failure_finding(members[0][0], traces, outcomes, [o.rank for o, _ in members], members[0][1])
+    return [failure_finding(members[0][0], traces, outcomes, [o.rank for o, _ in members], members[0][1], progress)
             for members in groups.values()]
 
 
 def failure_finding(o: RankOutcome, traces: dict[int, RankTrace], outcomes: dict[int, RankOutcome],
-                    ranks: list[int] | None = None, translated: dict[str, Any] | None = None) -> Finding:
+                    ranks: list[int] | None = None, translated: dict[str, Any] | None = None,
+                    progress: dict[int, RankProgress] | None = None) -> Finding:
     """The failure of rank ``o`` (and of ``ranks``, which failed the same way), with where every other rank was;
     ``translated``: its error in the user's terms (analysis/torch_errors.py), torch's text kept in detail."""
+    progress = progress if progress is not None else progress_by_rank(traces)
     ranks = sorted(ranks or [o.rank])
-    trace = traces.get(o.rank)
-    others = [r for r in sorted(set(traces) | set(outcomes)) if r not in ranks]
+    everyone = sorted(set(traces) | set(outcomes))
+    others = [r for r in everyone if r not in ranks]
     detail: dict[str, Any] = {"exit_code": o.exit_code, "signal": o.signal,
-                              "positions": {r: position_of(r, traces.get(r), outcomes.get(r))
-                                            for r in sorted(set(traces) | set(outcomes))}}
+                              "positions": {r: position_of(r, progress.get(r), outcomes.get(r)) for r in everyone}}
     if o.error is not None:
         err = o.error
         detail.update(exception=err.exc_type, error=err.message, traceback=err.traceback)
@@ -342,13 +486,13 @@ def failure_finding(o: RankOutcome, traces: dict[int, RankTrace], outcomes: dict
         what = f"died from {o.signal}" + (f" (exit code {o.exit_code})" if o.exit_code is not None else "")
     else:
         what = f"exited with code {o.exit_code} without reporting an exception"
-    events = trace.events if trace is not None else []
-    last = last_started(events)
+    p = progress.get(o.rank)
+    last = p.last_started if p is not None else None
     if o.error is None and last is not None:
-        what += f" after {last.op} #{last.seq}{_where(last)}"
-        if last.line is not None and "line" not in detail:
+        what += f" after {last.op} #{last.seq}{_ref_where(last)}"
+        if last.line and "line" not in detail:
             detail.update(file=last.file, line=last.line)
-    positions = "; ".join(describe_position(r, traces.get(r), outcomes.get(r)) for r in others)
+    positions = "; ".join(describe_position(r, progress.get(r), outcomes.get(r)) for r in others)
     message = f"{format_ranks(ranks)} {what}" + (f"; {positions}" if positions else "")
     if len(ranks) > 1:
         detail["errors"] = {r: outcomes[r].error.message for r in ranks
@@ -356,45 +500,44 @@ def failure_finding(o: RankOutcome, traces: dict[int, RankTrace], outcomes: dict
     return Finding("rank_failure", ranks, message, detail)
 
 
-def hang_finding(traces: dict[int, RankTrace], outcomes: dict[int, RankOutcome], timeout: float) -> Finding:
+def hang_finding(traces: dict[int, RankTrace], outcomes: dict[int, RankOutcome], timeout: float,
+                 progress: dict[int, RankProgress] | None = None) -> Finding:
     """No progress for ``timeout`` seconds: every rank's position, from the traces alone."""
+    progress = progress if progress is not None else progress_by_rank(traces)
     ranks = sorted(set(traces) | set(outcomes))
     hung = [r for r in ranks if outcomes.get(r) is not None and outcomes[r].state == STATE_HUNG] or ranks
-    positions = {r: position_of(r, traces.get(r), outcomes.get(r)) for r in ranks}
+    positions = {r: position_of(r, progress.get(r), outcomes.get(r)) for r in ranks}
     site = None
     for r in hung:
-        waiting = open_events(traces[r].events) if r in traces else []
-        if waiting and waiting[0].line is not None:
-            site = (waiting[0].file, waiting[0].line)
+        pending = progress[r].pending if r in progress else None
+        if pending is not None and pending.line:
+            site = (pending.file, pending.line)
             break
     message = (f"no progress for {timeout:g}s: "
-               + "; ".join(describe_position(r, traces.get(r), outcomes.get(r)) for r in ranks))
-    progress = {r: progress_from_events(r, t.events) for r, t in traces.items()}
+               + "; ".join(describe_position(r, progress.get(r), outcomes.get(r)) for r in ranks))
     return make_hang_finding(hung, message, timeout=timeout, progress=progress, site=site, positions=positions)
 
 
-def _explained_by(o: RankOutcome, divergences: list[Divergence], trace: RankTrace | None) -> Divergence | None:
+def _explained_by(o: RankOutcome, divergences: list[Divergence], progress: RankProgress | None) -> Divergence | None:
     """The divergence a rank's failure came from: it raised or died in or after its collective at that position."""
-    last = last_started(trace.events) if trace is not None else None
+    last = progress.last_started if progress is not None else None
     for d in divergences:
         e = d.events.get(o.rank)
         if e is None:
             continue
         if o.error is not None and (e.error is not None or e.t_end is None or o.error.t >= e.t_start):
             return d
-        if o.error is None and last is not None and last.t_start >= e.t_start:
+        if o.error is None and last is not None and last.id is not None and last.id >= e.id:
             return d  # died (e.g. SIGABRT inside gloo) at or after the diverging collective
     return None
 
 
-def _failed_in_collective(o: RankOutcome, trace: RankTrace | None) -> TraceEvent | None:
+def _failed_in_collective(o: RankOutcome, progress: RankProgress | None) -> CollectiveRef | None:
     """The collective a rank's exception came out of (a backend error), or None for an error in user code."""
-    if o.error is None or trace is None:
+    if o.error is None or progress is None:
         return None
-    last = last_started(trace.events)
-    if last is not None and last.error is not None:
-        return last
-    return None
+    last = progress.last_started
+    return last if last is not None and last.state == FAILED else None
 
 
 def _failure_text(o: RankOutcome) -> str:
@@ -406,16 +549,19 @@ def _failure_text(o: RankOutcome) -> str:
 
 
 def analyze_run(traces: dict[int, RankTrace], outcomes: dict[int, RankOutcome], world_size: int,
-                timeout: float | None = None, hang_findings: list[Finding] | None = None) -> list[Finding]:
-    """All findings of a traced run: collective mismatches first, then failures and the hang."""
-    divergences = find_divergences(traces, outcomes)
+                timeout: float | None = None, hang_findings: list[Finding] | None = None,
+                progress: dict[int, RankProgress] | None = None) -> list[Finding]:
+    """All findings of a traced run: collective mismatches first, then failures and the hang. ``progress``: each
+    rank's (analysis/progress.py), when the caller has it already."""
+    progress = progress if progress is not None else progress_by_rank(traces)
+    divergences = find_divergences(traces, outcomes, progress)
     errors_by_div: dict[int, dict[int, str]] = {}
     failed: list[RankOutcome] = []
     for r in sorted(outcomes):
         o = outcomes[r]
         if o.state not in (STATE_ERROR, STATE_DIED, STATE_UNKNOWN):
             continue
-        d = _explained_by(o, divergences, traces.get(r))
+        d = _explained_by(o, divergences, progress.get(r))
         if d is not None:
             # A cryptic backend error ("Connection closed by peer", SIGABRT in gloo) caused by the mismatch:
             # the mismatch is the diagnosis, the error is kept as evidence.
@@ -424,10 +570,10 @@ def analyze_run(traces: dict[int, RankTrace], outcomes: dict[int, RankOutcome], 
         failed.append(o)
     # A backend error raised inside a collective after another rank failed in its own code is a consequence of
     # that failure ("Connection reset by peer"): keep it in the root failure's detail, not as a second finding.
-    roots = [o for o in failed if _failed_in_collective(o, traces.get(o.rank)) is None]
+    roots = [o for o in failed if _failed_in_collective(o, progress.get(o.rank)) is None]
     if not roots:  # all failed inside collectives: those that only lost a peer failed because that peer did
         roots = [o for o in failed if o.error is None or not lost_peer(o.error.message)]
-    failures = failure_findings([o for o in failed if not roots or o in roots], traces, outcomes)
+    failures = failure_findings([o for o in failed if not roots or o in roots], traces, outcomes, progress)
     consequences = {c.rank: _failure_text(c) for c in failed if c not in roots}
     if consequences and roots:
         for f in failures:
@@ -436,7 +582,7 @@ def analyze_run(traces: dict[int, RankTrace], outcomes: dict[int, RankOutcome], 
     findings += find_p2p_mismatches(traces, outcomes)
     findings += failures
     if any(o.state == STATE_HUNG for o in outcomes.values()):
-        findings += hang_findings if hang_findings else [hang_finding(traces, outcomes, timeout or 0.0)]
+        findings += hang_findings if hang_findings else [hang_finding(traces, outcomes, timeout or 0.0, progress)]
     return findings
 
 
@@ -445,18 +591,24 @@ def provably_stuck(traces: dict[int, RankTrace], finished: set[int]) -> str | No
     that a finished member never issued, or every member of a group has issued a different collective at the
     same position and none of them completed."""
     groups = _collectives_by_group(traces)
-    for rank, trace in sorted(traces.items()):
-        if rank in finished:
-            continue
-        for e in open_events(trace.events):
-            if e.op in PEER_OPS or e.extra.get("api") == "functional":
+    progress = progress_by_rank({r: t for r, t in traces.items() if r not in finished})
+    for rank, p in sorted(progress.items()):
+        for ref in p.open:
+            e = ref.event
+            if e is None or e.op in PEER_OPS or e.extra.get("api") == "functional":
                 continue
-            members, per_rank = groups.get(e.group_key, ((), {}))
-            for m in members:
-                if m in finished and len(per_rank.get(m, [])) < e.seq:
+            seq = groups.get(e.group_key)
+            if seq is None:
+                continue
+            for m in seq.members:
+                # The member's last position in the same sequence (an untraced collective's number counts every
+                # collective of the group, so compare numbers, not how many the member has).
+                issued = seq.per_rank.get(m, [])
+                if m in finished and (issued[-1].seq if issued else 0) < e.seq:
                     return (f"rank {rank} waits in {e.op} #{e.seq} on group {_group_label(e.pg)}{_where(e)}, "
                             f"which rank {m} finished without issuing")
-    for key, (members, per_rank) in groups.items():
+    for seq in groups.values():
+        members, per_rank = seq.members, seq.per_rank
         for i in range(max((len(v) for v in per_rank.values()), default=0)):
             present = {r: per_rank[r][i] for r in members if len(per_rank.get(r, [])) > i}
             if len(present) < len(members):

@@ -1,13 +1,14 @@
 """Reading per-rank collective traces (written by distcheck.rank.tracer) into typed events.
 
-    from distcheck.analysis.trace_events import load_rank_trace, last_started, last_completed
+    from distcheck.analysis.trace_events import load_rank_trace
     events = load_rank_trace("report/trace-rank0.jsonl")   # reads trace-rank0.bin next to it too
 
 A rank's trace is two files: ``trace-rank<R>.jsonl`` (meta, one ``sig`` line per distinct call, errors, exit) and
 ``trace-rank<R>.bin`` (a record per collective naming a sig; contract/trace_records.py), whose positions in their
 groups' sequences are counted here (:func:`sequence_key`). ``start``/``end`` JSON lines
 are read too (error ends are written that way). Pure: no process group. Tolerant of a truncated last line (a rank
-killed mid-write), unwritten record slots and unknown line kinds.
+killed mid-write), unwritten record slots and unknown line kinds. Where a rank is in its collectives (last started,
+last completed, the one it waits on) is analysis/progress.py's, computed from these events.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
+from distcheck.analysis import flight_recorder
 from distcheck.analysis.ops import P2P_OPS
 from distcheck.contract import files
 from distcheck.contract import trace_records as records
@@ -51,8 +53,10 @@ class TraceEvent:
 
     @property
     def group_key(self) -> str:
-        """Events of the same process group share this key on every rank."""
-        return self.pg_name or ",".join(map(str, self.pg))
+        """Events of the same process group share this key on every rank. What the tracer did not see (DDP,
+        compiled graphs: analysis/flight_recorder.py) counts in a sequence of its own per group."""
+        key = self.pg_name or ",".join(map(str, self.pg))
+        return f"untraced:{key}" if self.extra.get("untraced") else key
 
     @property
     def is_p2p(self) -> bool:
@@ -232,8 +236,9 @@ def rank_of_path(path: str | os.PathLike) -> int:
         return 0
 
 
-def load_rank_records(path: str | os.PathLike, rank: int | None = None) -> RankTrace:
-    """Events, errors, meta and exit line of one rank's trace file (empty when the file does not exist)."""
+def load_rank_records(path: str | os.PathLike, rank: int | None = None, merge: bool = True) -> RankTrace:
+    """Events, errors, meta and exit line of one rank's trace file (empty when the file does not exist); with
+    ``merge``, what its Flight Recorder dump holds beyond them (see load_traces)."""
     path = Path(path)
     rank = rank_of_path(path) if rank is None else rank
     try:
@@ -244,7 +249,11 @@ def load_rank_records(path: str | os.PathLike, rank: int | None = None) -> RankT
         binary = files.rank_file(path.parent, "trace_events", rank).read_bytes()
     except OSError:
         binary = b""
-    return parse_lines(text.splitlines(), rank, binary)
+    trace = parse_lines(text.splitlines(), rank, binary)
+    if merge:
+        trace.events = flight_recorder.merge(trace.events, flight_recorder.load_dump(path.parent, rank), TraceEvent,
+                                             since=float(trace.meta.get("t", 0.0)))
+    return trace
 
 
 def load_rank_trace(path: str | os.PathLike, rank: int | None = None) -> list[TraceEvent]:
@@ -253,21 +262,14 @@ def load_rank_trace(path: str | os.PathLike, rank: int | None = None) -> list[Tr
 
 
 def load_traces(report_dir: str | os.PathLike) -> dict[int, RankTrace]:
-    """Every rank's trace (``trace-rank<R>.jsonl`` and ``.bin``) of a report directory, by rank."""
-    return {rank: load_rank_records(path, rank) for rank, path in files.rank_files(report_dir, "trace").items()}
-
-
-def last_started(events: list[TraceEvent]) -> TraceEvent | None:
-    """The collective this rank issued last (complete or not)."""
-    return max(events, key=lambda e: (e.t_start, e.id)) if events else None
-
-
-def last_completed(events: list[TraceEvent]) -> TraceEvent | None:
-    """The collective that completed last on this rank, or None."""
-    done = [e for e in events if e.t_end is not None]
-    return max(done, key=lambda e: (e.t_end, e.id)) if done else None
-
-
-def open_events(events: list[TraceEvent]) -> list[TraceEvent]:
-    """Collectives started and not (yet) completed: what a stuck rank is waiting in."""
-    return [e for e in events if e.t_end is None]
+    """Every rank's trace (``trace-rank<R>.jsonl`` and ``.bin``) of a report directory, by rank, with what the
+    process group ran that Python did not call (``flight-rank<R>.json``, analysis/flight_recorder.py) merged in,
+    from the first position every rank's ring still holds."""
+    traces = {rank: load_rank_records(path, rank, merge=False)
+              for rank, path in files.rank_files(report_dir, "trace").items()}
+    dumps = {rank: flight_recorder.load_dump(report_dir, rank) for rank in traces}
+    floor = flight_recorder.common_floor(dumps)
+    for rank, trace in traces.items():
+        trace.events = flight_recorder.merge(trace.events, dumps[rank], TraceEvent,
+                                             since=float(trace.meta.get("t", 0.0)), floor=floor)
+    return traces

@@ -38,6 +38,9 @@ _PER_RANK = {
     "records_data": "records-rank{rank}.bin",  # distcheck.record tensor bytes
     # compare's second look at the first divergent module: its whole local output or input gradient (torch.save)
     "module_capture": "module-capture-rank{rank}.pt",
+    # torch's Flight Recorder ring with the rank's phases (rank/flight_recorder.py), and its progress counter
+    "flight": "flight-rank{rank}.json",
+    "flight_status": "flight-rank{rank}.status",
     "faulthandler": "faulthandler-rank{rank}.txt",  # stack dump fallback (rank/stack_hooks.py)
     "stderr": "stderr-rank{rank}.txt",  # a copy of the rank's stderr, for the failure reports (rank/stderr_tee.py)
     # Every thread's stack, dumped by the rank itself when torchrun's agent passes on a stop signal.
@@ -52,6 +55,7 @@ _RANK_OF = {kind: re.compile("^" + re.escape(pattern).replace(r"\{rank\}", r"(\d
 AUTO_LOSS = "auto/loss"
 AUTO_PARAMS = "auto/params"
 STACK_HOOK = "stackhook-pid{pid}.json"  # per process: "this pid takes the faulthandler signal"
+FLIGHT_REQUEST = "flight-request"  # touched by a supervisor: every live rank dumps its Flight Recorder ring
 
 
 class FormatError(UsageError, ValueError):
@@ -90,7 +94,8 @@ def hook_files(report_dir: str | os.PathLike) -> list[Path]:
 
 
 def remove_rank_files(report_dir: str | os.PathLike, ranks: Iterable[int],
-                      kinds: Iterable[str] = ("trace", "trace_events", "findings", "autocheck", "stderr")) -> None:
+                      kinds: Iterable[str] = ("trace", "trace_events", "findings", "autocheck", "stderr", "flight",
+                                               "flight_status")) -> None:
     """Per-rank files are appended to: a reused report dir must not mix in an earlier run."""
     for rank in ranks:
         for kind in kinds:
@@ -127,6 +132,9 @@ def tidy(report_dir: str | os.PathLike) -> None:
         remove_empty_rank_files(report_dir, rank)
     for path in hook_files(report_dir):
         path.unlink(missing_ok=True)
+    for path in rank_files(report_dir, "flight_status").values():  # a progress counter, not an artifact
+        path.unlink(missing_ok=True)
+    (Path(report_dir) / FLIGHT_REQUEST).unlink(missing_ok=True)
     for path in rank_files(report_dir, "trace_events").values():
         trace_records.truncate_unused(path)
 
@@ -138,7 +146,17 @@ def trace_progress(report_dir: str | os.PathLike, rank: int) -> int:
         size = rank_file(report_dir, "trace", rank).stat().st_size
     except OSError:
         return -1
-    return size + max(0, trace_records.progress(rank_file(report_dir, "trace_events", rank)))
+    return (size + max(0, trace_records.progress(rank_file(report_dir, "trace_events", rank)))
+            + flight_progress(report_dir, rank))
+
+
+def flight_progress(report_dir: str | os.PathLike, rank: int) -> int:
+    """The rank's count of collectives the process group enqueued and completed, Python-called or not (DDP's
+    buckets, compiled graphs): rank/flight_recorder.py rewrites it when it moves. 0 when unknown."""
+    try:
+        return int(rank_file(report_dir, "flight_status", rank).read_text().strip() or 0)
+    except (OSError, ValueError):
+        return 0
 
 
 def check_format(data: dict[str, Any], path: str | os.PathLike) -> None:

@@ -52,9 +52,11 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from distcheck.analysis.frame_owner import LIBRARY, location, owner
 from distcheck.analysis.ops import C10D_OPS, FUNCOL_OPS, P2P_OPS
 from distcheck.contract import files
 from distcheck.contract import trace_records as records
+from distcheck.rank import flight_recorder
 from distcheck.rank.usersite import is_internal
 from distcheck.supervise.procs import agent_pid
 
@@ -277,6 +279,24 @@ def call_key(frame: Any, args: tuple, kwargs: dict, Tensor: type, gpu_build: boo
     return tuple(key)
 
 
+def _library_call(user: Any) -> str | None:
+    """The call the user's line made into a third-party library on the way to this collective (Lightning's
+    ``self.log(..., sync_dist=True)``), as ``lightning/pytorch/core/module.py:512 in log``; None when the user's
+    code called torch directly. Once per sig, so the walk costs nothing per collective."""
+    try:
+        frame = sys._getframe(2)
+    except ValueError:
+        return None
+    outer = None
+    while frame is not None and frame is not user:
+        if owner(frame.f_code.co_filename) == LIBRARY:
+            outer = frame  # the outermost library frame below the user's is the call the user made
+        frame = frame.f_back
+    if frame is None or outer is None:
+        return None
+    return location(outer.f_code.co_filename, outer.f_lineno, outer.f_code.co_name)
+
+
 class Tracer:
     """The installed tracer of this process (one at a time; see install / uninstall)."""
 
@@ -454,6 +474,9 @@ class Tracer:
             self._codes[id(frame.f_code)] = frame.f_code  # the cache keys it by id: it must never be reused
             event.update(site=f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}",
                          file=frame.f_code.co_filename, line=frame.f_lineno)
+            via = _library_call(frame)
+            if via:
+                event["via"] = via
         else:
             event.update(site=None, file=None, line=None)
         cuda = event.pop("cuda", False)
@@ -504,9 +527,17 @@ class Tracer:
         fast = self._fast
         begin = None
         end = fast.end if fast is not None else None
+        # Under torch.compile, Dynamo inlines this wrapper: it folds is_compiling() to True and sees ``fn``, torch's
+        # own function, which it rewrites into a traceable collective, as it does without distcheck. The C path and
+        # the Python path below are nothing it could trace (``fullgraph=True`` would reject the graph break). What a
+        # compiled graph issues is seen from the process group's own record (rank/flight_recorder.py). In eager
+        # mode this costs one call that returns False (about 50 ns).
+        is_compiling = self._torch.compiler.is_compiling
 
         @functools.wraps(fn)
         def traced(*args: Any, **kwargs: Any) -> Any:
+            if is_compiling():
+                return fn(*args, **kwargs)
             eid = begin(args, kwargs) if begin is not None else None
             if type(eid) is int:  # the C path stored the start: the call's slot, negative for GPU tensors
                 cuda = eid < 0
@@ -619,12 +650,17 @@ class Tracer:
         import torch.distributed.distributed_c10d as c10d
 
         wrapped: dict[int, Callable] = {}
+        # Modules of torch's that bound a collective by name at import (DTensor's _collective_utils does
+        # ``from ...distributed_c10d import scatter``): already imported (a zygote preloads DTensor), they would call
+        # the original. The same rebinding for them; modules imported later look the patched attribute up.
+        importers = [m for name, m in list(sys.modules.items())
+                     if m is not None and name.startswith("torch.distributed.") and m not in (c10d, dist)]
         for op in C10D_OPS:
             fn = getattr(c10d, op, None)
             if fn is None:
                 continue
             traced = wrapped.setdefault(id(fn), self.wrap(fn, op, funcol=False))
-            for module in (c10d, dist):
+            for module in (c10d, dist, *importers):
                 if getattr(module, op, None) is fn:
                     self._patched.append((module, op, fn))
                     setattr(module, op, traced)
@@ -648,6 +684,7 @@ class Tracer:
         """Write a non-collective line (``{"ev": "error", ...}``) into this rank's trace."""
         if record.get("ev") == "exit":  # the script is over: record the ends of GPU collectives still in flight
             self.completions.drain(timeout=1.0)
+            flight_recorder.final_dump("exit")  # before the exit line: a reader that sees the exit finds the ring
         record.setdefault("t", time.time())
         self.writer.write(record)
 
@@ -663,6 +700,7 @@ def install(report_dir: str | os.PathLike, rank: int) -> Tracer:
     Path(report_dir).mkdir(parents=True, exist_ok=True)
     _tracer = Tracer(report_dir, rank)
     _tracer.patch()
+    flight_recorder.start(report_dir, rank)  # what the process group runs that Python does not call
     return _tracer
 
 
@@ -671,6 +709,7 @@ def uninstall() -> None:
     global _tracer
     if _tracer is None:
         return
+    flight_recorder.stop()
     _tracer.unpatch()
     _tracer.close()
     _tracer = None

@@ -13,7 +13,8 @@ import logging
 import os
 import time
 
-from distcheck.analysis.hang import RankProgress, diagnose, hang_finding, progress_from_events
+from distcheck.analysis.hang import diagnose, hang_finding
+from distcheck.analysis.progress import RankProgress, progress_by_rank
 from distcheck.contract import files
 from distcheck.contract.findings import Finding, format_ranks
 from distcheck.supervise.stacks import DEFAULT_DUMP_TIMEOUT, Target, dump_all, write_stack_artifacts
@@ -21,11 +22,47 @@ from distcheck.supervise.stacks import DEFAULT_DUMP_TIMEOUT, Target, dump_all, w
 log = logging.getLogger("distcheck")
 
 
+FLIGHT_WAIT = 2.0  # a rank's thread answers within its 0.5 s poll plus the dump (tens of ms for 10k entries)
+
+
+def request_flight_dumps(report_dir: str | os.PathLike) -> float:
+    """Ask every live rank of ``report_dir`` to dump its Flight Recorder ring (rank/flight_recorder.py answers from
+    its own thread, while the main thread is blocked); returns the time of the request."""
+    asked = time.time()
+    try:
+        path = os.path.join(report_dir, files.FLIGHT_REQUEST)
+        with open(path, "a"):
+            pass
+        os.utime(path, (asked, asked))
+    except OSError as exc:
+        log.debug("cannot ask for Flight Recorder dumps: %s", exc)
+    return asked
+
+
+def await_flight_dumps(report_dir: str | os.PathLike, ranks: list[int], asked: float,
+                       limit: float = FLIGHT_WAIT) -> set[int]:
+    """Wait (bounded) until each rank's dump is newer than the request; returns the ranks that answered. A rank that
+    holds the GIL, or was killed, never answers: its memory-mapped trace still says what Python called."""
+    deadline = time.monotonic() + limit
+    answered: set[int] = set()
+    while True:
+        for rank in ranks:
+            try:
+                if files.rank_file(report_dir, "flight", rank).stat().st_mtime >= asked - 0.01:
+                    answered.add(rank)
+            except OSError:
+                pass
+        if len(answered) == len(ranks) or time.monotonic() >= deadline:
+            return answered
+        time.sleep(0.05)
+
+
 def load_progress(report_dir: str | os.PathLike) -> dict[int, RankProgress]:
-    """Each traced rank's last started and last completed collective, from ``trace-rank<R>.jsonl``."""
+    """Each traced rank's progress (analysis/progress.py: last started and completed collective, the one it waits
+    on), from its trace."""
     from distcheck.analysis.trace_events import load_traces
 
-    return {rank: progress_from_events(rank, rt.events) for rank, rt in load_traces(report_dir).items()}
+    return progress_by_rank(load_traces(report_dir))
 
 
 def diagnose_hang(rank_pids: dict[int, int], report_dir: str | os.PathLike, native: bool = False,
@@ -64,7 +101,10 @@ def _diagnose_hang(rank_pids: dict[int, int], report_dir: str | os.PathLike, nat
                    out_dir: str | os.PathLike | None, prefix: str) -> list[Finding]:
     t0 = time.monotonic()
     targets = [Target(pid, rank, "launcher", world_size, str(report_dir)) for rank, pid in sorted(rank_pids.items())]
+    # The rings first (what DDP's Reducer or a compiled graph is blocked in), answered while py-spy dumps.
+    asked = request_flight_dumps(report_dir)
     result = dump_all(targets, native=native, timeout=dump_timeout, report_dirs=[report_dir])
+    await_flight_dumps(report_dir, sorted(rank_pids), asked)
     try:
         progress = load_progress(report_dir)
     except Exception as exc:  # a broken trace must not cost us the stacks

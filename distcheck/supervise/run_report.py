@@ -20,7 +20,8 @@ from typing import Any
 from distcheck.analysis.bad_values import fold_first_bad, merge_states
 from distcheck.analysis.trace_align import (STATE_DIED, STATE_ERROR, STATE_HUNG, STATE_OK, STATE_STOPPED,
                                             STATE_UNKNOWN, RankOutcome, analyze_run)
-from distcheck.analysis.trace_events import RankTrace, open_events
+from distcheck.analysis.progress import RankProgress, progress_by_rank, rank_progress
+from distcheck.analysis.trace_events import RankTrace
 from distcheck.contract import files
 from distcheck.contract.chrome_trace import write_chrome_trace
 from distcheck.contract.findings import CheckResult, Finding, Note, format_ranks
@@ -45,7 +46,9 @@ def build_report(report_dir: Path, command: str, world_size: int, traces: dict[i
                  outcomes: dict[int, RankOutcome], timeout: float, seconds: float,
                  hang_findings: list[Finding] | None = None, stop_reason: str | None = None,
                  warnings: list[Note] | None = None) -> Report:
-    findings = analyze_run(traces, outcomes, world_size, timeout=timeout, hang_findings=hang_findings)
+    progress = progress_by_rank(traces)  # once per rank, for every finding and the report's counts
+    findings = analyze_run(traces, outcomes, world_size, timeout=timeout, hang_findings=hang_findings,
+                           progress=progress)
     findings = merge_mesh_errors(findings + sink.collect(report_dir))
     # Zero-code checks: model_check (its time), and the first NaN/Inf merged from every rank's own record.
     auto_findings, auto_checks = report_parts(report_dir)
@@ -78,7 +81,7 @@ def build_report(report_dir: Path, command: str, world_size: int, traces: dict[i
     outcomes_json = {str(r): {"state": o.state, "exit_code": o.exit_code, "signal": o.signal}
                      for r, o in sorted(outcomes.items())}
     return Report(command=command, world_size=world_size, findings=findings, checks=checks, artifacts=artifacts,
-                  data={"ranks": outcomes_json, "collectives": {str(r): len(t.events) for r, t in traces.items()}},
+                  data={"ranks": outcomes_json, "collectives": {str(r): p.started for r, p in progress.items()}},
                   warnings=list(warnings or []))
 
 
@@ -172,7 +175,7 @@ def outcomes_from_exits(exits: dict, traces: dict[int, RankTrace],
             continue
         own = outcome_from_trace(r, trace)
         if (own is not None and own.state == STATE_OK and ex.returncode not in (0, None)
-                and not open_events(trace.events)):
+                and _all_ended(rank_progress(r, trace.events))):
             outcomes[r] = RankOutcome(r, STATE_OK, exit_code=0)
             notes.append(teardown_note(r, ex, report_dir))
             continue
@@ -185,6 +188,11 @@ def outcomes_from_exits(exits: dict, traces: dict[int, RankTrace],
             err = trace.errors[-1] if trace is not None and trace.errors else None
             outcomes[r] = RankOutcome(r, STATE_ERROR if err else STATE_DIED, ex.returncode, ex.signal, err)
     return outcomes, notes
+
+
+def _all_ended(progress: RankProgress) -> bool:
+    """No collective of the rank is still waiting to complete."""
+    return progress.pending is None
 
 
 def teardown_note(rank: int, ex: Any, report_dir: Path | None) -> Note:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+from distcheck.analysis.progress import RankProgress
 from distcheck.analysis.stack_groups import (
     FAULTHANDLER_MARKER, RankStack, StackGroup, group_stacks, parse_faulthandler, parse_pyspy_json, render_all_threads,
     render_groups,
@@ -292,7 +293,7 @@ STACKS_FORMAT = "distcheck-stacks/1"
 
 
 def stacks_document(stacks: Sequence[RankStack], errors: Sequence[DumpError], native: bool,
-                    progress: dict[int, Any] | None = None, hosts: Sequence[str] | None = None,
+                    progress: dict[int, RankProgress] | None = None, hosts: Sequence[str] | None = None,
                     groups: Sequence[StackGroup] | None = None, summary: str = "") -> dict[str, Any]:
     """The JSON form (stacks.json): one document per node; ``distcheck report`` merges several."""
     groups = list(groups) if groups is not None else group_stacks(stacks)
@@ -312,8 +313,21 @@ def stacks_document(stacks: Sequence[RankStack], errors: Sequence[DumpError], na
     }
 
 
+def progress_line(rank: int, p: RankProgress) -> str:
+    """``rank 1: last started all_reduce #3 (t.py:3); last completed all_reduce #3 (t.py:3); waits in all_reduce
+    #2 (t.py:2) PENDING``: the rank's line of stacks.txt, from its progress (analysis/progress.py). The collective
+    it waits in is named when it is not the last one started (an async op pending behind later ones)."""
+    started = p.last_started.text() if p.last_started else "none"
+    completed = p.last_completed.text() if p.last_completed else "none"
+    line = f"rank {rank}: last started {started}; last completed {completed}"
+    pending = p.pending
+    if pending is not None and pending != p.last_started:
+        line += f"; waits in {pending.text()}"
+    return line
+
+
 def render_stacks_text(stacks: Sequence[RankStack], errors: Sequence[DumpError], title: str = "",
-                       progress: dict[int, Any] | None = None, groups: Sequence[StackGroup] | None = None,
+                       progress: dict[int, RankProgress] | None = None, groups: Sequence[StackGroup] | None = None,
                        summary: str = "") -> str:
     groups = list(groups) if groups is not None else group_stacks(stacks)
     if summary:
@@ -321,17 +335,13 @@ def render_stacks_text(stacks: Sequence[RankStack], errors: Sequence[DumpError],
     text = render_groups(groups, list(stacks), [e.message for e in errors], title)
     if progress:
         lines = ["", "last collectives (from the trace):"]
-        for r, p in sorted(progress.items()):
-            s, c = p.last_started, p.last_completed
-            started = f"{s.op} #{s.seq} ({s.site}){'' if s.completed else ' PENDING'}" if s else "none"
-            completed = f"{c.op} #{c.seq} ({c.site})" if c else "none"
-            lines.append(f"  rank {r}: last started {started}; last completed {completed}")
+        lines += [f"  {progress_line(r, p)}" for r, p in sorted(progress.items())]
         text += "\n".join(lines) + "\n"
     return text + "\nall threads, uncollapsed:\n" + render_all_threads(list(stacks))
 
 
 def write_stack_artifacts(report_dir: str | os.PathLike, stacks: Sequence[RankStack], errors: Sequence[DumpError],
-                          native: bool = False, progress: dict[int, Any] | None = None,
+                          native: bool = False, progress: dict[int, RankProgress] | None = None,
                           title: str = "", stem: str = "stacks", groups: Sequence[StackGroup] | None = None,
                           summary: str = "") -> dict[str, str]:
     """Write ``<stem>.txt`` and ``<stem>.json``; returns report.json artifact entries (relative paths).

@@ -62,13 +62,18 @@ SHARDING = ("shape '[-1, 3]' is invalid for input of size 16\n\nSharding propaga
             "aten.view.default(Spec(f32[4, 4](S(0))), [-1, 3]) on DeviceMesh((2,), 'cpu', stride=(1,)))")
 
 
-class _Event:
-    def __init__(self, op, seq, error=None):
-        self.op, self.seq, self.error, self.site, self.file, self.line = op, seq, error, "train.py:12", "/w/train.py", 12
+def _ended(*errors) -> list:
+    """all_reduce #1, #2, ... at train.py:12 on rank 0, each ended with the given error (None: completed)."""
+    lines = [json.dumps({"ev": "meta", "format": files.FORMAT, "rank": 0})]
+    for i, error in enumerate(errors, start=1):
+        lines.append(json.dumps({"ev": "start", "id": i, "seq": i, "pg": "0,1", "op": "all_reduce",
+                                 "site": "train.py:12", "file": "/w/train.py", "line": 12, "t": i}))
+        lines.append(json.dumps({"ev": "end", "id": i, "t": i + 0.5, **({"error": error} if error else {})}))
+    return parse_lines(lines, 0).events
 
 
 def test_gloo_peer_and_timeout_point_at_the_collective():
-    events = [_Event("all_reduce", 1), _Event("all_reduce", 2, error="RuntimeError: ...")]
+    events = _ended(None, "RuntimeError: ...")
     out = translate("RuntimeError", GLOO_RESET, {"events": events})
     assert out["detail"]["translated"] == "gloo_peer_closed" and (out["detail"]["seq"], out["detail"]["line"]) == (2, 12)
     assert out["message"].startswith("gloo lost its connection to another rank in all_reduce #2 at train.py:12")

@@ -5,8 +5,8 @@ import json
 
 from distcheck.analysis.trace_align import (STATE_DIED, STATE_ERROR, STATE_HUNG, STATE_OK, RankOutcome,
                                             analyze_run, find_divergences, provably_stuck, signature)
-from distcheck.analysis.trace_events import (last_completed, last_started, load_rank_trace,
-                                             parse_lines)
+from distcheck.analysis.progress import rank_progress
+from distcheck.analysis.trace_events import load_rank_trace, parse_lines
 from distcheck.contract.chrome_trace import chrome_events
 
 
@@ -62,8 +62,9 @@ def test_load_rank_trace_tolerates_truncated_last_line(tmp_path):
     events = load_rank_trace(path)
     assert [e.op for e in events] == ["all_reduce", "broadcast"]
     assert events[0].rank == 0 and events[0].pg == (0, 1) and events[0].line == 11
-    assert last_started(events).op == "broadcast" and last_started(events).t_end is None
-    assert last_completed(events).op == "all_reduce"
+    progress = rank_progress(0, events)
+    assert progress.last_started.op == "broadcast" and not progress.last_started.completed
+    assert progress.last_completed.op == "all_reduce" and progress.pending.op == "broadcast"
 
 
 def test_identical_traces_have_no_divergence():

@@ -1,0 +1,65 @@
+"""Cost of distcheck on a DDP training step: ``distcheck run --nproc 2`` against plain ``torchrun``, side by side.
+
+    .venv/bin/python bench/bench_ddp_step.py [--rounds 5] [--steps 60]
+
+Each round runs bench/_ddp_step_train.py once under plain torchrun and once under ``distcheck run`` (tracer,
+Flight Recorder status thread and phase marks, zero-code checks: everything a user gets), in alternating order,
+so load drift on a shared machine hits both alike. A run's figure is the median step time of rank 0 after the
+first 10 steps (the first steps pay for DDP's bucket rebuild and distcheck's drift check on steps 1 to 3). The
+bench prints each mode's median over rounds and their ratio; the target is within 3%.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "bench" / "_ddp_step_train.py"
+WARMUP = 10
+
+
+def one_run(mode: str, steps: int, workdir: Path, index: int) -> float:
+    out = workdir / f"times-{index}-{mode}.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    args = [str(SCRIPT), "--steps", str(steps), "--out", str(out)]
+    if mode == "torchrun":
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *args]
+    else:
+        cmd = [sys.executable, "-m", "distcheck", "run", "--nproc", "2", "--timeout", "120", "--report-dir",
+               str(workdir / f"report-{index}"), "--", *args]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    if proc.returncode != 0:
+        raise SystemExit(f"{mode} run failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    times = json.loads(out.read_text())["steps"]
+    return statistics.median(times[WARMUP:])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=60)
+    args = parser.parse_args()
+    workdir = Path(tempfile.mkdtemp(prefix="distcheck-bench-ddp-"))
+    figures: dict[str, list[float]] = {"torchrun": [], "distcheck": []}
+    for i in range(args.rounds):
+        for mode in (("torchrun", "distcheck") if i % 2 == 0 else ("distcheck", "torchrun")):
+            figures[mode].append(one_run(mode, args.steps, workdir, i))
+    plain, ours = statistics.median(figures["torchrun"]), statistics.median(figures["distcheck"])
+    for mode, values in figures.items():
+        print(f"{mode:10s} median step {statistics.median(values) * 1e3:.2f} ms "
+              f"(rounds: {', '.join(f'{v * 1e3:.2f}' for v in values)})")
+    print(f"ddp_step distcheck/torchrun = {ours / plain:.3f} ({(ours / plain - 1) * 100:+.1f}%)")
+    print(json.dumps({"torchrun_s": figures["torchrun"], "distcheck_s": figures["distcheck"],
+                      "ratio": ours / plain}))
+
+
+if __name__ == "__main__":
+    main()

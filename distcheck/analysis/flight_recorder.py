@@ -1,0 +1,253 @@
+"""Join torch's Flight Recorder ring with the traced collectives: what the process group ran that Python did not call.
+
+    from distcheck.analysis.trace_events import load_traces
+    traces = load_traces("report/")      # merges flight-rank<R>.json into each rank's events (via merge below)
+
+A rank's ``flight-rank<R>.json`` (rank/flight_recorder.py) holds the ring's entries (group name,
+``collective_seq_id``, op, sizes, dtypes, creation time), the phases the rank went through (DDP construction and
+forward, ``backward()``, ``join()``'s exit, each run of a compiled graph, with the user's line) and the compiled
+graphs' collectives with their lines.
+
+**The join.** Per process group, entries in sequence order against the traced events in issue order: an entry is
+the traced call's own when it was created after that call started and before the next traced call on the group
+started, it is the first entry since that call (or the call is one that issues several: ``*_object``,
+``batch_isend_irecv``, coalesced ops), and its op is the same kind. Every other entry is *untraced*: it becomes a
+:class:`TraceEvent` with ``extra["origin"]`` ``"ddp"``, ``"compiled"`` or ``"torch"``, ``extra["via"]`` saying who
+issued it ("DDP gradient bucket all-reduce", "compiled step (train.py:12)") and the user's line from the phase it
+was created in (for a compiled graph, the line inside the compiled function, by its place in the graph).
+
+**Positions.** Untraced events count in a sequence of their own per group (``sequence_key`` ``("untraced", group)``)
+numbered by torch's ``collective_seq_id``, which counts every collective of the group, traced or not. The traced
+events keep their positions, so a rank whose ring is missing (SIGKILLed) or overflowed changes nothing about how
+the traced calls align; :func:`common_floor` drops the untraced positions below what every rank's ring still holds.
+Pure: no process group, no torch.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from distcheck.contract import files
+
+# Traced calls that issue several backend collectives (the *_object helpers' size exchange, coalesced batches).
+_MULTI = frozenset({"all_gather_object", "gather_object", "broadcast_object_list", "scatter_object_list",
+                    "send_object_list", "recv_object_list", "batch_isend_irecv", "all_reduce_coalesced",
+                    "all_gather_coalesced", "all_gather_into_tensor_coalesced", "reduce_scatter_tensor_coalesced",
+                    "barrier", "monitored_barrier", "all_gather", "all_to_all"})
+
+# Collectives a backend runs as another (gloo's reduce_scatter is an all-reduce, its gather an all-gather): the
+# ring names what the backend ran, the trace what the caller asked for.
+_RUNS_AS = {"reduce_scatter": {"all_reduce"}, "reduce": {"all_reduce"}, "gather": {"all_gather"},
+            "scatter": {"broadcast"}, "all_to_all": {"all_gather", "send", "recv"}}
+
+
+def same_kind(traced_op: str, ring_op: str) -> bool:
+    """Whether a ring entry can be the backend's run of a traced call."""
+    if traced_op in _MULTI:
+        return True
+    want, got = family(traced_op), family(ring_op)
+    return want == got or got in _RUNS_AS.get(want, ())
+
+
+_PHASE_VIA = {"backward": ("ddp", "DDP gradient bucket {op}"), "ddp_init": ("ddp", "DDP construction {op}"),
+              "ddp_forward": ("ddp", "DDP forward {op} (buffers or bucket rebuild)"),
+              "join": ("ddp", "DDP join() shadow {op}")}
+_PHASE_WHERE = {"backward": "during backward()", "ddp_init": "in DistributedDataParallel(...)",
+                "ddp_forward": "in the DDP model's forward", "join": "at the end of join()"}
+
+
+def family(op: str) -> str:
+    """One name per kind of collective, for torch's profiling names (``gloo:all_reduce``, ``nccl:_allgather_base``)
+    and the traced ops (``all_gather_into_tensor``) alike."""
+    name = op.split(":", 1)[-1].lower().lstrip("_")
+    for prefix, fam in (("allreduce", "all_reduce"), ("all_reduce", "all_reduce"), ("reduce_scatter", "reduce_scatter"),
+                        ("allgather", "all_gather"), ("all_gather", "all_gather"), ("alltoall", "all_to_all"),
+                        ("all_to_all", "all_to_all"), ("broadcast", "broadcast"), ("barrier", "barrier"),
+                        ("isend", "send"), ("send", "send"), ("irecv", "recv"), ("recv", "recv"),
+                        ("gather", "gather"), ("scatter", "scatter"), ("reduce", "reduce")):
+        if name.startswith(prefix):
+            return fam
+    return name
+
+
+_DTYPES = {"Float": "float32", "Double": "float64", "Half": "float16", "BFloat16": "bfloat16", "Long": "int64",
+           "Int": "int32", "Short": "int16", "Char": "int8", "Byte": "uint8", "Bool": "bool"}
+
+
+@dataclass
+class FlightDump:
+    rank: int
+    entries: list[dict[str, Any]]
+    phases: list[dict[str, Any]]
+    graphs: dict[str, dict[str, Any]]
+    groups: dict[str, list[int]]
+    status: dict[str, dict[str, Any]]
+    reason: str = ""
+    dropped: bool = False  # the ring overflowed: its oldest entries are gone
+    window: dict[str, int] = field(default_factory=dict)  # group name -> first collective_seq_id still held
+    seen: frozenset[str] = frozenset()  # every phase kind the rank went through (ddp_init: a DDP model exists)
+
+
+def load_dump(report_dir: str | os.PathLike, rank: int) -> FlightDump | None:
+    """A rank's ``flight-rank<R>.json``, or None (no dump: the rank was killed, or the recorder was off)."""
+    path = files.rank_file(report_dir, "flight", rank)
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict):
+        return None
+    files.check_format(data, f"the Flight Recorder dump of rank {rank}")
+    entries = [e for e in data.get("entries") or [] if isinstance(e, dict)]
+    window: dict[str, int] = {}
+    for e in entries:
+        if not e.get("is_p2p"):
+            g = _group(e)
+            window[g] = min(window.get(g, 1 << 62), int(e.get("collective_seq_id") or 0))
+    return FlightDump(rank, entries, list(data.get("phases") or []), dict(data.get("graphs") or {}),
+                      {str(k): list(v) for k, v in (data.get("groups") or {}).items()},
+                      dict(data.get("pg_status") or {}), str(data.get("reason", "")),
+                      dropped=bool(entries) and int(entries[0].get("record_id") or 0) > 0, window=window,
+                      seen=frozenset(str(k) for k in data.get("seen") or ()))
+
+
+def _group(entry: dict[str, Any]) -> str:
+    pg = entry.get("process_group")
+    if isinstance(pg, (list, tuple)) and pg:
+        return str(pg[0])
+    return str(entry.get("pg_id", ""))
+
+
+def _created(entry: dict[str, Any]) -> float:
+    return int(entry.get("time_created_ns") or 0) / 1e9
+
+
+def _phase_at(phases: list[dict[str, Any]], t: float) -> dict[str, Any] | None:
+    """The innermost phase open at ``t`` (the latest to begin among those that contain it)."""
+    best = None
+    for p in phases:
+        t0, t1 = p.get("t0"), p.get("t1")
+        if t0 is None or t0 > t or (t1 is not None and t1 < t):
+            continue
+        if best is None or t0 >= best["t0"]:
+            best = p
+    return best
+
+
+def _site(file: str | None, line: int | None) -> str | None:
+    return f"{os.path.basename(file)}:{line}" if file and line else None
+
+
+def _describe(entry: dict[str, Any], dump: FlightDump, graph_pos: dict[int, int]) -> dict[str, Any]:
+    """origin, via, file and line of an untraced entry, from the phase it was created in."""
+    op = family(str(entry.get("profiling_name", "?")))
+    phase = _phase_at(dump.phases, _created(entry))
+    if phase is None:
+        return {"origin": "torch", "via": f"{op} issued by torch itself (not called from Python)", "file": None,
+                "line": None}
+    kind = phase.get("kind")
+    file, line = phase.get("file"), phase.get("line")
+    if kind == "compiled":
+        graph = dump.graphs.get(str(phase.get("graph"))) or {}
+        fn_site = _site(graph.get("file") or file, graph.get("line") or line)
+        key = id(phase)
+        k = graph_pos.get(key, 0)
+        graph_pos[key] = k + 1
+        colls = graph.get("collectives") or []
+        where = colls[k] if k < len(colls) else {}
+        if where.get("file") and where.get("line"):
+            return {"origin": "compiled", "via": f"{op} inside compiled {graph.get('fn', '?')} ({fn_site})",
+                    "file": where["file"], "line": where["line"]}
+        return {"origin": "compiled", "via": f"{op} inside compiled {graph.get('fn', '?')} ({fn_site})",
+                "file": graph.get("file") or file, "line": graph.get("line") or line}
+    origin, via = _PHASE_VIA.get(kind, ("torch", f"{{op}} issued by torch {_PHASE_WHERE.get(kind, '')}"))
+    if kind == "backward" and "ddp_init" not in dump.seen:  # no DDP model: torch's own backward collectives
+        origin, via = "torch", f"{{op}} issued by torch {_PHASE_WHERE['backward']}"
+    return {"origin": origin, "via": via.format(op=op.replace("_", "-")), "file": file, "line": line}
+
+
+def merge(events: list[Any], dump: FlightDump | None, event_type: Callable[..., Any], since: float = 0.0,
+          floor: dict[str, int] | None = None) -> list[Any]:
+    """The rank's traced events plus an event for each untraced ring entry created at or after ``since`` (the
+    trace's start: a pytest pool's process keeps one ring across tests) and, per group, at or after ``floor``'s
+    position (common_floor), in issue order, ids renumbered. ``event_type`` is trace_events.TraceEvent (passed in:
+    trace_events reads the dumps through this module)."""
+    if dump is None or not dump.entries:
+        return events
+
+    by_group: dict[str, list[Any]] = {}
+    for ev in events:
+        if ev.pg_name is not None:
+            by_group.setdefault(str(ev.pg_name), []).append(ev)
+    claimed: dict[int, int] = {}  # id(traced event) -> entries it owns
+    cursor: dict[str, int] = {}
+    untraced: list[Any] = []
+    graph_pos: dict[int, int] = {}
+    status_done = {}
+    for gid, s in dump.status.items():
+        try:
+            status_done[str(gid)] = int(s.get("last_completed_collective", -1))
+        except (TypeError, ValueError, AttributeError):
+            continue
+    for entry in sorted(dump.entries, key=lambda e: int(e.get("record_id") or 0)):
+        created = _created(entry)
+        if created < since:
+            continue
+        group = _group(entry)
+        traced = by_group.get(group, [])
+        i = cursor.get(group, -1)
+        while i + 1 < len(traced) and traced[i + 1].t_start <= created:
+            i += 1
+        cursor[group] = i
+        if i >= 0:
+            ev = traced[i]
+            owned = claimed.get(id(ev), 0)
+            same = same_kind(ev.op, str(entry.get("profiling_name", "")))
+            if same and (owned == 0 or ev.op in _MULTI):
+                claimed[id(ev)] = owned + 1
+                continue
+        desc = _describe(entry, dump, graph_pos)
+        seq = int(entry.get("collective_seq_id") or 0)
+        if floor and seq < floor.get(group, 0):
+            continue
+        done_upto = status_done.get(str(entry.get("pg_id")), -1)
+        t_done = int(entry.get("time_discovered_completed_ns") or 0) / 1e9
+        completed = t_done > 0 or (seq and seq <= done_upto)
+        ranks = dump.groups.get(group) or []
+        op = family(str(entry.get("profiling_name", "?")))
+        # What every rank of the group holds alike: a scatter's inputs exist on its root only (its outputs match),
+        # an all-to-all may split unevenly by design; anything else compares its inputs.
+        side = "output" if op == "scatter" else "input"
+        sizes = [] if op == "all_to_all" else entry.get(f"{side}_sizes")
+        dtypes = [_DTYPES.get(str(d), str(d).lower()) for d in entry.get(f"{side}_dtypes") or []]
+        untraced.append(event_type(
+            rank=dump.rank, id=0, seq=seq, pg=tuple(int(r) for r in ranks),
+            op=op, shapes=[list(s) for s in sizes or []], dtypes=dtypes, reduce_op=None, peer=None,
+            site=_site(desc["file"], desc["line"]), file=desc["file"], line=desc["line"], t_start=created,
+            t_end=(t_done or created) if completed else None, pg_name=group,
+            extra={"origin": desc["origin"], "via": desc["via"], "untraced": True,
+                   "sequence": ("untraced", group), "end_unknown": completed and not t_done}))
+    if not untraced:
+        return events
+    merged = sorted([*events, *untraced], key=lambda e: (e.t_start, 0 if e.extra.get("untraced") else 1))
+    # Traced events keep their relative order (their ids are slots claimed in call order).
+    traced_sorted = iter(sorted(events, key=lambda e: e.id))
+    out = [e if e.extra.get("untraced") else next(traced_sorted) for e in merged]
+    for n, ev in enumerate(out, 1):
+        ev.id = n
+    return out
+
+
+def common_floor(dumps: dict[int, FlightDump | None]) -> dict[str, int]:
+    """Per group, the first collective_seq_id every rank's ring still holds: below it some rank's ring lost its
+    entries, so positions there cannot be compared."""
+    floor: dict[str, int] = {}
+    for dump in dumps.values():
+        if dump is None:
+            continue
+        for group, first in dump.window.items():
+            floor[group] = max(floor.get(group, 0), first)
+    return floor

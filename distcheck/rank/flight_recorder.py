@@ -1,0 +1,358 @@
+"""What the process group ran that Python did not call: DDP's buckets, compiled graphs, torch's own collectives.
+
+    python -m distcheck run --nproc 2 -- train.py    # every traced rank keeps this beside its tracer
+
+The tracer (rank/tracer.py) sees the collectives Python code calls. DDP's C++ Reducer (construction broadcast,
+gradient buckets, join()'s shadow all-reduces) and compiled graphs (``torch.ops._c10d_functional.*`` run by Dynamo's
+output code) call the process group directly. Every process group records those in torch's Flight Recorder
+(c10d's in-memory ring, ``TORCH_FR_BUFFER_SIZE`` entries, on gloo too): op, sizes, dtypes, the group and its
+``collective_seq_id``, but no Python frames and, on gloo, no completion. This module adds what only the rank knows
+and the supervisor needs:
+
+* **phases**: when the rank was inside ``DistributedDataParallel(...)``, a DDP forward, ``loss.backward()``,
+  ``join()``'s exit or a compiled graph, with the user's line (rank/autocheck/patches.py marks them); a compiled
+  graph also lists its collectives in order with the line inside the compiled function (:func:`graph_collectives`,
+  from the FX graph's stack traces). The analysis (analysis/flight_recorder.py) names each untraced entry by them.
+* **liveness**: a daemon thread reads the per-group counters of enqueued and completed collectives every
+  ``POLL_S`` (a 5 µs call that skips the entries) and rewrites ``flight-rank<R>.status`` when they move, so the
+  watch loop counts a loop that only runs DDP's all-reduces as progress instead of declaring it hung.
+* **dumps**: the ring, the phases and the group names go to ``flight-rank<R>.json`` when the script ends, when it
+  raises, and when the supervisor asks (``flight-request``: the same thread answers it while the main thread is
+  stuck in a collective). Dumping reads the whole ring (tens of ms for 10k entries), so it is never periodic.
+  A rank SIGKILLed, or stuck holding the GIL, leaves no dump: the memory-mapped trace still has every collective
+  Python called.
+
+``DISTCHECK_FLIGHT_RECORDER=0`` leaves all of this out (the user's own ``TORCH_FR_BUFFER_SIZE`` is never changed).
+"""
+from __future__ import annotations
+
+import collections
+import functools
+import itertools
+import json
+import logging
+import os
+import re
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from distcheck.contract import files
+
+log = logging.getLogger("distcheck")
+
+ENV_ENABLE = "DISTCHECK_FLIGHT_RECORDER"
+ENV_BUFFER = "TORCH_FR_BUFFER_SIZE"
+DEFAULT_ENTRIES = 20000  # about 400 to 2000 DDP steps; a few MB of the rank's memory
+POLL_S = 0.5
+_PHASE_LIMIT = 4096  # phases kept: each names the entries created while it was open, older ones are gone anyway
+_GRAPH_LIMIT = 1024
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV_ENABLE, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def enable_env() -> None:
+    """Before the first process group exists: make sure torch keeps a ring big enough to name what a hang left."""
+    if enabled():
+        os.environ.setdefault(ENV_BUFFER, str(DEFAULT_ENTRIES))
+
+
+# -- phases ---------------------------------------------------------------------------------------------------------
+class Phases:
+    """What the rank was doing, with the user's line, while the process group recorded entries. Appended from any
+    thread (deque.append is atomic); an open phase has ``t1`` None until it closes."""
+
+    def __init__(self) -> None:
+        self.done: collections.deque[dict[str, Any]] = collections.deque(maxlen=_PHASE_LIMIT)
+        self.open: dict[int, dict[str, Any]] = {}
+        self.graphs: dict[int, dict[str, Any]] = {}
+        self.seen: set[str] = set()  # every kind ever begun (a DDP model built long ago still owns the buckets)
+        self._ids = itertools.count(1).__next__
+
+    def begin(self, kind: str, file: str | None, line: int | None, **extra: Any) -> int:
+        pid = self._ids()
+        self.seen.add(kind)
+        self.open[pid] = {"kind": kind, "file": file, "line": line, "t0": time.time(), "t1": None, **extra}
+        return pid
+
+    def end(self, pid: int) -> None:
+        phase = self.open.pop(pid, None)
+        if phase is not None:
+            phase["t1"] = time.time()
+            self.done.append(phase)
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"phases": list(self.done) + [dict(p) for p in list(self.open.values())],
+                "graphs": {str(k): v for k, v in list(self.graphs.items())}, "seen": sorted(self.seen)}
+
+
+phases = Phases()
+
+
+def user_phase(kind: str, **extra: Any) -> Callable[[Callable], Callable]:
+    """Decorate a wrapper of torch's (DDP's forward, Tensor.backward, ...) so the entries the process group records
+    while it runs are named ``kind`` at the user's line that called it."""
+    def wrap(fn: Callable) -> Callable:
+        import torch
+
+        is_compiling = torch.compiler.is_compiling
+
+        @functools.wraps(fn)
+        def run(*args: Any, **kwargs: Any) -> Any:
+            if is_compiling():  # Dynamo inlining a compiled DDP forward: it must see torch's function only
+                return fn(*args, **kwargs)
+            from distcheck.rank.usersite import caller_site
+
+            site = caller_site()
+            pid = phases.begin(kind, site.file, site.line, **extra)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                phases.end(pid)
+
+        return run
+
+    return wrap
+
+
+_phases_installed = False
+
+
+def install_phases() -> None:
+    """Mark the calls inside which torch's C++ issues collectives on the user's behalf (once per process). Each
+    wrapper calls the original with the same arguments and returns its result."""
+    global _phases_installed
+    if _phases_installed:
+        return
+    _phases_installed = True
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.autograd.backward = user_phase("backward")(torch.autograd.backward)  # loss.backward() calls it
+    DDP.__init__ = user_phase("ddp_init")(DDP.__init__)  # parameter shape check, construction broadcast
+    DDP.forward = user_phase("ddp_forward")(DDP.forward)  # buffer broadcasts, bucket rebuild
+    try:
+        from torch.distributed.algorithms.join import Join
+
+        Join.__exit__ = user_phase("join")(Join.__exit__)  # the shadow all-reduces of ranks out of data
+    except ImportError:  # pragma: no cover - every supported torch has Join
+        pass
+
+
+# -- compiled graphs ------------------------------------------------------------------------------------------------
+_FRAME_RE = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
+
+
+def _site_in_compiled(stack_trace: str | None) -> tuple[str | None, int | None]:
+    """The innermost user frame of an FX node's stack trace (Dynamo records the user code that made each op)."""
+    from distcheck.rank.usersite import is_internal
+
+    if not stack_trace:
+        return None, None
+    found: tuple[str | None, int | None] = (None, None)
+    for match in _FRAME_RE.finditer(stack_trace):
+        if not is_internal(match.group(1)):
+            found = (match.group(1), int(match.group(2)))
+    return found
+
+
+def graph_collectives(gm: Any) -> list[dict[str, Any]]:
+    """The collectives of an FX graph in graph order: op, the compiled function's line that issued it, shapes."""
+    out: list[dict[str, Any]] = []
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        name = str(node.target)
+        if not name.startswith("_c10d_functional.") or "wait_tensor" in name:
+            continue
+        op = name.split(".")[1].rstrip("_")
+        file, line = _site_in_compiled(node.meta.get("stack_trace"))
+        value = node.meta.get("example_value")
+        shape = list(value.shape) if hasattr(value, "shape") else None
+        out.append({"op": op, "file": file, "line": line, "shape": shape})
+    return out
+
+
+def install_compile_hook() -> None:
+    """Wrap what Dynamo returns for each graph with collectives so each run of it is a phase; the graph and the
+    backend are left as they are (the backend gets the same graph, its result is called with the same args)."""
+    try:
+        from torch._dynamo.output_graph import OutputGraph
+    except Exception:  # no Dynamo in this build: nothing is compiled
+        return
+    original = OutputGraph.call_user_compiler
+    if getattr(original, "__distcheck_original__", None) is not None:
+        return
+
+    @functools.wraps(original)
+    def call_user_compiler(self: Any, gm: Any, example_inputs: Any) -> Any:
+        try:
+            colls = graph_collectives(gm)
+            code = self.root_tx.f_code
+        except Exception as exc:  # introspection must never fail a compile
+            log.debug("distcheck: cannot read a compiled graph: %s", exc)
+            colls, code = [], None
+        compiled = original(self, gm, example_inputs)
+        if not colls or code is None or len(phases.graphs) >= _GRAPH_LIMIT:
+            return compiled
+        gid = len(phases.graphs) + 1
+        phases.graphs[gid] = {"fn": code.co_name, "file": code.co_filename, "line": code.co_firstlineno,
+                              "collectives": colls}
+
+        @functools.wraps(compiled)  # keeps the backend's attributes (_boxed_call: called with one list)
+        def run_graph(*args: Any, **kwargs: Any) -> Any:
+            pid = phases.begin("compiled", code.co_filename, code.co_firstlineno, graph=gid, fn=code.co_name)
+            try:
+                return compiled(*args, **kwargs)
+            finally:
+                phases.end(pid)
+
+        return run_graph
+
+    call_user_compiler.__distcheck_original__ = original  # type: ignore[attr-defined]
+    OutputGraph.call_user_compiler = call_user_compiler
+
+
+# -- the ring -------------------------------------------------------------------------------------------------------
+def _c10d() -> Any:
+    import torch
+
+    return torch._C._distributed_c10d
+
+
+def read_status() -> dict[str, tuple[int, int]] | None:
+    """{group id: (last enqueued, last completed) collective_seq_id}, without reading the entries (about 5 µs)."""
+    try:
+        raw = _c10d()._dump_fr_trace_json(False, False)
+        status = json.loads(raw).get("pg_status") or {}
+    except Exception:
+        return None
+    out = {}
+    for gid, s in status.items():
+        try:
+            out[str(gid)] = (int(s.get("last_enqueued_collective", -1)), int(s.get("last_completed_collective", -1)))
+        except (TypeError, ValueError):
+            continue
+    return out
+
+
+def _group_names() -> dict[str, list[int]]:
+    """{group name: global ranks} of every process group this rank knows (the ring names groups, gloo's dump has
+    no ranks for them)."""
+    try:
+        import torch.distributed as dist
+
+        world = dist.distributed_c10d._world
+        return {str(name): list(dist.get_process_group_ranks(pg)) for pg, name in list(world.pg_names.items())}
+    except Exception:
+        return {}
+
+
+_KEEP = ("record_id", "pg_id", "process_group", "collective_seq_id", "p2p_seq_id", "is_p2p", "profiling_name",
+         "input_sizes", "input_dtypes", "output_sizes", "output_dtypes", "state", "time_created_ns",
+         "time_discovered_completed_ns", "thread_id")
+
+
+def dump(report_dir: str | os.PathLike, rank: int, reason: str) -> bool:
+    """Write the ring, the phases and the group names to ``flight-rank<R>.json`` (whole, or not at all)."""
+    try:
+        raw = _c10d()._dump_fr_trace_json(True, False)
+        data = json.loads(raw)
+    except Exception as exc:
+        log.debug("distcheck: no Flight Recorder dump: %s", exc)
+        return False
+    entries = [{k: e.get(k) for k in _KEEP} for e in data.get("entries") or []]
+    doc = {files.FORMAT_KEY: files.FORMAT, "rank": rank, "t": time.time(), "reason": reason,
+           "buffer": int(os.environ.get(ENV_BUFFER, "0") or 0), "entries": entries,
+           "pg_status": data.get("pg_status") or {}, "groups": _group_names(), **phases.snapshot()}
+    path = files.rank_file(report_dir, "flight", rank)
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        tmp.write_text(json.dumps(doc, separators=(",", ":"), default=str))
+        os.replace(tmp, path)
+    except OSError as exc:  # a full disk must not break the user's training
+        log.debug("distcheck: cannot write %s: %s", path, exc)
+        tmp.unlink(missing_ok=True)
+        return False
+    return True
+
+
+class Sink:
+    """The rank's daemon thread: rewrites the status file when the counters move, answers dump requests."""
+
+    def __init__(self, report_dir: str | os.PathLike, rank: int) -> None:
+        self.report_dir = Path(report_dir)
+        self.rank = rank
+        self.status_path = files.rank_file(report_dir, "flight_status", rank)
+        self.request_path = self.report_dir / files.FLIGHT_REQUEST
+        self._stop = threading.Event()
+        self._last: dict[str, tuple[int, int]] | None = None
+        self._answered = time.time()  # a request left in a reused report dir is not for this run
+        self._thread = threading.Thread(target=self._run, name="distcheck-flight", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def poll(self) -> None:
+        status = read_status()
+        if status and status != self._last:
+            self._last = status
+            total = sum(max(0, e) + max(0, c) for e, c in status.values())
+            try:  # one small write; the watch loop reads the number (files.flight_progress)
+                self.status_path.write_text(f"{total}\n")
+            except OSError:
+                pass
+        try:
+            asked = self.request_path.stat().st_mtime
+        except OSError:
+            return
+        if asked > self._answered:
+            self._answered = asked
+            dump(self.report_dir, self.rank, "requested")
+
+    def _run(self) -> None:
+        while not self._stop.wait(POLL_S):
+            try:
+                self.poll()
+            except Exception as exc:  # never let the thread die loudly in the user's process
+                log.debug("distcheck: flight recorder poll failed: %s", exc)
+
+
+_sink: Sink | None = None
+
+
+def start(report_dir: str | os.PathLike, rank: int) -> None:
+    """Before the script runs: the ring's size, the phase marks, the compile hook and the status thread (a new
+    report dir replaces the old thread)."""
+    global _sink
+    if not enabled():
+        return
+    enable_env()
+    try:
+        install_phases()
+        install_compile_hook()
+    except Exception as exc:  # a torch without these hooks: untraced entries are named less precisely
+        log.debug("distcheck: flight recorder hooks not installed: %s", exc)
+    stop()
+    _sink = Sink(report_dir, rank)
+    _sink.start()
+
+
+def stop() -> None:
+    global _sink
+    if _sink is not None:
+        _sink.stop()
+        _sink = None
+
+
+def final_dump(reason: str) -> None:
+    """At the end of the script (returned or raised): the whole ring for the report."""
+    sink = _sink
+    if sink is not None:
+        dump(sink.report_dir, sink.rank, reason)

@@ -1,0 +1,186 @@
+"""What the process group ran that Python did not call (torch's Flight Recorder ring), joined with the trace:
+DDP's buckets and compiled graphs become events named by who issued them and the user's line. No process launched:
+the dumps are written here as a rank writes them (rank/flight_recorder.py's format)."""
+from __future__ import annotations
+
+import json
+import textwrap
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from distcheck.analysis import flight_recorder as fr
+from distcheck.analysis.trace_events import TraceEvent, load_traces
+from distcheck.contract import files
+from distcheck.rank import flight_recorder as rank_fr
+from distcheck.rank import tracer as trace
+
+
+@pytest.fixture(autouse=True)
+def _no_tracer_left():
+    yield
+    trace.uninstall()
+
+
+def traced(eid: int, op: str, t: float, line: int = 10) -> TraceEvent:
+    return TraceEvent(rank=0, id=eid, seq=eid, pg=(0, 1), op=op, shapes=[[4]], dtypes=["float32"], reduce_op="SUM",
+                      peer=None, site=f"train.py:{line}", file="/p/train.py", line=line, t_start=t, t_end=t + 0.001,
+                      pg_name="0")
+
+
+def entry(rid: int, seq: int, name: str, t: float, size: int = 4, group: str = "0") -> dict:
+    return {"record_id": rid, "pg_id": int(group), "process_group": [group, "default_pg"], "collective_seq_id": seq,
+            "is_p2p": False, "profiling_name": name, "input_sizes": [[size]], "input_dtypes": ["Float"],
+            "time_created_ns": int(t * 1e9), "time_discovered_completed_ns": 0, "state": "scheduled"}
+
+
+def dump(entries, phases=(), graphs=None, seen=("ddp_init",), done=1000, rank=0) -> fr.FlightDump:
+    doc = {"format": files.FORMAT, "entries": list(entries), "phases": list(phases), "graphs": graphs or {},
+           "groups": {"0": [0, 1]}, "pg_status": {"0": {"last_completed_collective": str(done)}}, "seen": list(seen)}
+    return _load(doc, rank)
+
+
+def _load(doc: dict, rank: int) -> fr.FlightDump:
+    import tempfile
+    from pathlib import Path
+
+    d = Path(tempfile.mkdtemp())
+    files.rank_file(d, "flight", rank).write_text(json.dumps(doc))
+    return fr.load_dump(d, rank)
+
+
+def test_ddp_bucket_all_reduces_are_named_at_the_backward_line():
+    events = [traced(1, "all_reduce", 100.0)]
+    ring = [entry(0, 1, "gloo:all_reduce", 100.0005),  # the traced call's own entry
+            entry(1, 2, "gloo:all_reduce", 101.0, size=676), entry(2, 3, "gloo:all_reduce", 101.1, size=676)]
+    phases = [{"kind": "backward", "file": "/p/train.py", "line": 31, "t0": 100.9, "t1": 101.2}]
+    merged = fr.merge(events, dump(ring, phases), TraceEvent)
+    assert [(e.op, e.extra.get("origin"), e.line, e.seq) for e in merged] == [
+        ("all_reduce", None, 10, 1), ("all_reduce", "ddp", 31, 2), ("all_reduce", "ddp", 31, 3)]
+    assert merged[1].extra["via"] == "DDP gradient bucket all-reduce" and merged[1].shapes == [[676]]
+    assert merged[1].group_key == "untraced:0" and merged[0].group_key == "0"  # a sequence of their own
+    assert [e.id for e in merged] == [1, 2, 3] and merged[1].completed  # the group's counter passed them
+
+
+def test_without_a_ddp_model_backward_collectives_are_torchs():
+    ring = [entry(0, 1, "gloo:all_reduce", 101.0)]
+    phases = [{"kind": "backward", "file": "/p/train.py", "line": 31, "t0": 100.9, "t1": 101.2}]
+    (ev,) = fr.merge([], dump(ring, phases, seen=()), TraceEvent)
+    assert ev.extra["origin"] == "torch" and "during backward()" in ev.extra["via"]
+
+
+def test_a_backend_running_one_op_as_another_is_still_the_traced_call():
+    """gloo runs reduce_scatter as an all-reduce: the ring names what ran, the trace what the caller asked for."""
+    events = [traced(1, "reduce_scatter_single", 100.0), traced(2, "all_gather_single", 100.01)]
+    ring = [entry(0, 1, "gloo:all_reduce", 100.001), entry(1, 2, "gloo:all_gather", 100.011)]
+    assert fr.merge(events, dump(ring), TraceEvent) == events
+
+
+def test_an_entry_after_the_traced_call_owns_its_one_is_untraced():
+    """A traced single-entry call claims one entry; DDP's all-reduce right after it is not its second."""
+    events = [traced(1, "all_reduce", 100.0)]
+    ring = [entry(0, 1, "gloo:all_reduce", 100.001), entry(1, 2, "gloo:all_reduce", 100.002)]
+    merged = fr.merge(events, dump(ring), TraceEvent)
+    assert [e.extra.get("untraced", False) for e in merged] == [False, True]
+    assert merged[1].extra["origin"] == "torch"  # no phase around it: torch itself
+
+
+def test_object_collectives_own_their_helper_entries():
+    events = [traced(1, "all_gather_object", 100.0)]
+    ring = [entry(0, 1, "gloo:all_gather", 100.001, size=1), entry(1, 2, "gloo:all_gather", 100.002, size=9)]
+    assert fr.merge(events, dump(ring), TraceEvent) == events
+
+
+def test_compiled_graph_collectives_get_the_line_inside_the_compiled_function():
+    graphs = {"1": {"fn": "step", "file": "/p/train.py", "line": 20, "collectives": [
+        {"op": "all_reduce", "file": "/p/train.py", "line": 22}, {"op": "all_reduce", "file": "/p/train.py",
+                                                                   "line": 23}]}}
+    phases = [{"kind": "compiled", "file": "/p/train.py", "line": 20, "t0": 100.0, "t1": 100.5, "graph": 1,
+               "fn": "step"},
+              {"kind": "compiled", "file": "/p/train.py", "line": 20, "t0": 101.0, "t1": 101.5, "graph": 1,
+               "fn": "step"}]
+    ring = [entry(0, 1, "gloo:all_reduce", 100.1), entry(1, 2, "gloo:all_reduce", 100.2),
+            entry(2, 3, "gloo:all_reduce", 101.1), entry(3, 4, "gloo:all_reduce", 101.2)]
+    merged = fr.merge([], dump(ring, phases, graphs), TraceEvent)
+    assert [e.line for e in merged] == [22, 23, 22, 23]  # each run of the graph restarts its order
+    assert {e.extra["via"] for e in merged} == {"all_reduce inside compiled step (train.py:20)"}
+    assert {e.extra["origin"] for e in merged} == {"compiled"}
+
+
+def test_entries_before_the_trace_began_belong_to_an_earlier_test():
+    """A pytest pool's process keeps one ring across tests: only what came after this trace's start counts."""
+    ring = [entry(0, 1, "gloo:all_reduce", 50.0), entry(1, 2, "gloo:all_reduce", 101.0)]
+    assert [e.seq for e in fr.merge([], dump(ring), TraceEvent, since=100.0)] == [2]
+
+
+def test_positions_below_what_every_ring_still_holds_are_dropped(tmp_path):
+    """Rank 1's ring overflowed past seq 3: comparing seq 1-2 would call rank 0's extra."""
+    for rank, first in ((0, 1), (1, 3)):
+        (tmp_path / f"trace-rank{rank}.jsonl").write_text(json.dumps({"ev": "meta", "format": files.FORMAT,
+                                                                      "t": 0.0}) + "\n")
+        ring = [entry(i, i + 1, "gloo:all_reduce", 100.0 + i) for i in range(first - 1, 5)]
+        files.rank_file(tmp_path, "flight", rank).write_text(json.dumps(
+            {"format": files.FORMAT, "entries": ring, "phases": [], "graphs": {}, "groups": {"0": [0, 1]},
+             "pg_status": {}, "seen": []}))
+    traces = load_traces(tmp_path)
+    assert [e.seq for e in traces[0].events] == [3, 4, 5] == [e.seq for e in traces[1].events]
+
+
+def test_a_dump_of_another_format_is_named(tmp_path):
+    files.rank_file(tmp_path, "flight", 0).write_text(json.dumps({"format": files.FORMAT + 1, "entries": []}))
+    with pytest.raises(files.FormatError, match="Flight Recorder dump of rank 0"):
+        fr.load_dump(tmp_path, 0)
+
+
+def test_families_of_backend_names():
+    assert fr.family("gloo:all_reduce") == fr.family("nccl:allreduce") == fr.family("all_reduce") == "all_reduce"
+    assert fr.family("nccl:_allgather_base") == fr.family("all_gather_into_tensor") == "all_gather"
+    assert fr.family("nccl:_reduce_scatter_base") == "reduce_scatter"
+
+
+def test_graph_collectives_read_the_user_line_from_the_fx_stack_trace():
+    gm = torch.fx.symbolic_trace(torch.nn.Identity())
+    node = next(n for n in gm.graph.nodes if n.op == "placeholder")
+    with gm.graph.inserting_after(node):
+        call = gm.graph.call_function(torch.ops._c10d_functional.all_reduce.default, (node, "sum", "0"))
+        gm.graph.call_function(torch.ops._c10d_functional.wait_tensor.default, (call,))
+    call.meta["stack_trace"] = textwrap.dedent('''\
+          File "/home/me/train.py", line 22, in step
+            return funcol.all_reduce(x, "sum", group)
+          File "/venv/lib/python3.11/site-packages/torch/distributed/_functional_collectives.py", line 179, in all_reduce
+            tensor = torch.ops._c10d_functional.all_reduce(
+        ''')
+    assert rank_fr.graph_collectives(gm) == [{"op": "all_reduce", "file": "/home/me/train.py", "line": 22,
+                                               "shape": None}]
+
+
+def test_a_compiled_collective_compiles_under_the_tracer(fake_world, tmp_path):
+    """Dynamo inlines the tracer's wrapper; with fullgraph=True it must see torch's own function (no graph break)."""
+    trace.install(tmp_path, 0)
+
+    @torch.compile(fullgraph=True, backend="eager")
+    def step(x: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(x)
+        return x * 2
+
+    assert torch.equal(step(torch.ones(4)), torch.full((4,), 2.0))  # fake group: the all-reduce leaves x as it is
+    torch._dynamo.reset()
+
+
+def test_a_collective_called_through_a_library_names_the_users_line_and_the_library_call(fake_world, tmp_path,
+                                                                                          line_of):
+    lib = tmp_path / "venv" / "lib" / "python3.11" / "site-packages" / "fakelib"
+    lib.mkdir(parents=True)
+    (lib / "comm.py").write_text("import torch.distributed as dist\n\n\ndef sync(t):\n    dist.all_reduce(t)\n")
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("fakelib_comm", lib / "comm.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    trace.install(tmp_path / "out", 0)
+    module.sync(torch.ones(4))  # USER LINE
+    trace.uninstall()
+    (event,) = load_traces(tmp_path / "out")[0].events
+    assert event.line == line_of(__file__, "# USER LINE")
+    assert event.extra["via"] == "fakelib/comm.py:5 in sync"
