@@ -6,7 +6,9 @@ Each round runs bench/_ddp_step_train.py once under plain torchrun and once unde
 Flight Recorder status thread and phase marks, zero-code checks: everything a user gets), in alternating order,
 so load drift on a shared machine hits both alike. A run's figure is the median step time of rank 0 after the
 first 10 steps (the first steps pay for DDP's bucket rebuild and distcheck's drift check on steps 1 to 3). The
-bench prints each mode's median over rounds and their ratio; the target is within 3%.
+bench prints each mode's fastest round and median round, and both ratios; the target is within 3%. As in
+bench_trace.py, the verdict takes the fastest rounds: this 2-core VM has slow spells of 10 to 20% that hit a
+whole run of either mode (a spell in one round of a mode moves the median ratio, never the fastest).
 """
 from __future__ import annotations
 
@@ -52,13 +54,15 @@ def main() -> None:
     for i in range(args.rounds):
         for mode in (("torchrun", "distcheck") if i % 2 == 0 else ("distcheck", "torchrun")):
             figures[mode].append(one_run(mode, args.steps, workdir, i))
-    plain, ours = statistics.median(figures["torchrun"]), statistics.median(figures["distcheck"])
     for mode, values in figures.items():
-        print(f"{mode:10s} median step {statistics.median(values) * 1e3:.2f} ms "
-              f"(rounds: {', '.join(f'{v * 1e3:.2f}' for v in values)})")
-    print(f"ddp_step distcheck/torchrun = {ours / plain:.3f} ({(ours / plain - 1) * 100:+.1f}%)")
+        print(f"{mode:10s} step: fastest round {min(values) * 1e3:.2f} ms, median round "
+              f"{statistics.median(values) * 1e3:.2f} ms (rounds: {', '.join(f'{v * 1e3:.2f}' for v in values)})")
+    fastest = min(figures["distcheck"]) / min(figures["torchrun"])
+    median = statistics.median(figures["distcheck"]) / statistics.median(figures["torchrun"])
+    print(f"ddp_step distcheck/torchrun = {fastest:.3f} ({(fastest - 1) * 100:+.1f}%, fastest rounds; target <= 3%), "
+          f"{median:.3f} ({(median - 1) * 100:+.1f}%, median rounds)")
     print(json.dumps({"torchrun_s": figures["torchrun"], "distcheck_s": figures["distcheck"],
-                      "ratio": ours / plain}))
+                      "ratio_fastest": fastest, "ratio_median": median}))
 
 
 if __name__ == "__main__":

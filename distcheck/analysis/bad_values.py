@@ -305,6 +305,9 @@ class BadEvent:
     grad_params: list[str] = field(default_factory=list)  # non-finite gradients, in backward order
     file: str | None = None  # the user's backward() line
     line: int | None = None
+    # Past the dense steps gradients are checked every few steps (rank/autocheck/nan_watch.py): the last step
+    # whose gradients were checked and finite, so the first bad gradient lies after it.
+    last_clean_grads: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -362,6 +365,10 @@ def first_bad_finding(events: dict[int, BadEvent | None], steps_done: dict[int, 
     elif not loss_ranks:
         msg += (". Every loss was finite: the NaN/Inf arose in backward (overflow, division by zero, log of 0) or "
                 "came from a parameter")
+        since = [at_step[r].last_clean_grads for r in grad_ranks if at_step[r].last_clean_grads is not None]
+        if since:
+            msg += (f" (after the first steps gradients are checked every few steps: they were last finite at "
+                    f"step {max(since)}, so the first bad one lies in steps {max(since) + 1}-{step})")
     if clean:
         msg += f". {format_ranks(clean).capitalize()} stayed finite at that step"
     detail: dict[str, Any] = {

@@ -33,11 +33,16 @@ def chrome_events(traces: dict[int, RankTrace], end_time: float | None = None) -
             end = e.t_end if e.t_end is not None else t_last
             name = e.op if e.t_end is not None else f"{e.op} (never completed)"
             out.append({
-                "name": name, "cat": "collective", "ph": "X", "pid": rank, "tid": 0,
+                "name": name, "ph": "X", "pid": rank, "tid": 0,
                 "ts": round((e.t_start - t0) * 1e6, 3), "dur": round(max(end - e.t_start, 0.0) * 1e6, 3),
                 "args": {"seq": e.seq, "group": ",".join(map(str, e.pg)), "shapes": e.shapes, "dtypes": e.dtypes,
                          "reduce_op": e.reduce_op, "root": e.root, "peer": e.peer, "site": e.site,
-                         **({"error": e.error} if e.error else {})},
+                         **({"error": e.error} if e.error else {}),
+                         # not called from Python: who issued it (DDP, a compiled graph, torch); its end is the
+                         # issue time when the ring holds no completion time (gloo)
+                         **({"via": e.extra["via"]} if e.extra.get("via") else {}),
+                         **({"untraced": True} if e.extra.get("untraced") else {})},
+                "cat": "untraced collective" if e.extra.get("untraced") else "collective",
             })
         for err in trace.errors:
             out.append({"name": f"{err.exc_type}", "cat": "error", "ph": "i", "s": "p", "pid": rank, "tid": 0,

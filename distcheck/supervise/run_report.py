@@ -75,7 +75,7 @@ def build_report(report_dir: Path, command: str, world_size: int, traces: dict[i
         artifacts[files.CHROME_TRACE] = files.CHROME_TRACE
     except OSError as exc:
         log.warning("could not write %s: %s", files.CHROME_TRACE, exc)
-    for kind in ("findings", "autocheck", "stderr"):
+    for kind in ("findings", "autocheck", "stderr", "flight"):
         for path in files.rank_files(report_dir, kind).values():
             artifacts[path.stem] = path.name
     outcomes_json = {str(r): {"state": o.state, "exit_code": o.exit_code, "signal": o.signal}

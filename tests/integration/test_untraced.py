@@ -118,8 +118,11 @@ def test_uneven_batches_under_ddp_are_a_count_mismatch_naming_ddps_all_reduce(tm
 
 
 def test_join_with_uneven_batches_is_silent(tmp_path):
-    res, report, _ = run_fixture(tmp_path, "ddp_uneven_batches.py", "--join", timeout=30)
+    res, report, out = run_fixture(tmp_path, "ddp_uneven_batches.py", "--join", timeout=30)
     assert res.returncode == 0 and report["ok"] and report["findings"] == [], res.output
+    # rank 1, out of data, shadows rank 0's fourth step: join()'s all-reduces, issued by DDP's C++ Reducer
+    shadows = [e for e in load_traces(out)[1].events if "join() shadow" in (e.extra.get("via") or "")]
+    assert shadows and {e.extra["origin"] for e in shadows} == {"ddp"}
 
 
 def test_a_hang_in_ddps_backward_names_the_all_reduce_and_the_backward_line(tmp_path, line_of):

@@ -136,3 +136,18 @@ def test_fast_path_agrees_with_classify():
     for t in cases:
         for role in ("parameter", "buffer"):
             assert plausible(t, role) == (classify(tensor_stats(t), str(t.dtype), role) == []), (t, role)
+
+
+def test_a_gradient_found_bad_by_a_sparse_check_says_since_when_it_can_be():
+    """Past the dense steps gradients are checked every GRAD_EVERY steps: the finding bounds the first bad step."""
+    from distcheck.rank.autocheck.nan_watch import GRAD_DENSE_STEPS, GRAD_EVERY, grads_checked
+
+    assert all(grads_checked(s) for s in range(GRAD_DENSE_STEPS))
+    assert [s for s in range(GRAD_DENSE_STEPS, GRAD_DENSE_STEPS + 2 * GRAD_EVERY) if grads_checked(s)] == [
+        GRAD_DENSE_STEPS, GRAD_DENSE_STEPS + GRAD_EVERY]
+    events = {0: BadEvent(70, "optimizer.step", False, None, ["fc.weight"], last_clean_grads=60), 1: None}
+    f = first_bad_finding(events, {0: 71, 1: 71})
+    assert f is not None and f.ranks == [0]
+    assert "last finite at step 60, so the first bad one lies in steps 61-70" in f.message
+    dense = first_bad_finding({0: BadEvent(3, "optimizer.step", False, None, ["fc.weight"])}, {0: 4})
+    assert "last finite" not in dense.message
