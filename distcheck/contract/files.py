@@ -134,7 +134,10 @@ def tidy(report_dir: str | os.PathLike) -> None:
         path.unlink(missing_ok=True)
     for path in rank_files(report_dir, "flight_status").values():  # a progress counter, not an artifact
         path.unlink(missing_ok=True)
-    (Path(report_dir) / FLIGHT_REQUEST).unlink(missing_ok=True)
+    try:
+        (Path(report_dir) / FLIGHT_REQUEST).unlink(missing_ok=True)
+    except OSError:  # the report dir was removed or replaced under the run: nothing of ours is left in it
+        pass
     for path in rank_files(report_dir, "trace_events").values():
         trace_records.truncate_unused(path)
 
