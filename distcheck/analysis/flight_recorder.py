@@ -6,7 +6,9 @@
 A rank's ``flight-rank<R>.json`` (rank/flight_recorder.py) holds the ring's entries (group name,
 ``collective_seq_id``, op, sizes, dtypes, creation time), the phases the rank went through (DDP construction and
 forward, ``backward()``, ``join()``'s exit, each run of a compiled graph, with the user's line) and the compiled
-graphs' collectives with their lines.
+graphs' collectives with their lines. NCCL keeps a ring of its own, with the time each op completed: the
+tracer leaves the ends of synchronous NCCL collectives to it (``completion: flight_recorder`` in their sig), and the
+join stores them into the traced events.
 
 **The join.** Per process group, entries in sequence order against the traced events in issue order: an entry is
 the traced call's own when it was created after that call started and before the next traced call on the group
@@ -176,7 +178,7 @@ def merge(events: list[Any], dump: FlightDump | None, event_type: Callable[..., 
     position (common_floor), in issue order, ids renumbered. ``event_type`` is trace_events.TraceEvent (passed in:
     trace_events reads the dumps through this module)."""
     if dump is None or not dump.entries:
-        return events
+        return _assume_ends(events)
 
     by_group: dict[str, list[Any]] = {}
     for ev in events:
@@ -187,12 +189,26 @@ def merge(events: list[Any], dump: FlightDump | None, event_type: Callable[..., 
     untraced: list[Any] = []
     graph_pos: dict[int, int] = {}
     status_done = {}
-    for gid, s in dump.status.items():
+    for gid, s in dump.status.items():  # keyed "ring:group id" (a dump before rings were named: "group id")
         try:
-            status_done[str(gid)] = int(s.get("last_completed_collective", -1))
+            status_done[str(gid) if ":" in str(gid) else f"c10d:{gid}"] = int(s.get("last_completed_collective", -1))
         except (TypeError, ValueError, AttributeError):
             continue
-    for entry in sorted(dump.entries, key=lambda e: int(e.get("record_id") or 0)):
+
+    def done(entry: dict[str, Any]) -> float | None:
+        """When the entry's op completed (its time, or the dump's when only the group's counter says so), else
+        None. NCCL's ring has completion times; gloo's only the counter."""
+        t_done = int(entry.get("time_discovered_completed_ns") or 0) / 1e9
+        if t_done:
+            return t_done
+        seq = int(entry.get("collective_seq_id") or 0)
+        if entry.get("state") == "completed" or (seq and seq <= status_done.get(
+                f"{entry.get('ring', 'c10d')}:{entry.get('pg_id')}", -1)):
+            return _created(entry)
+        return None
+
+    for entry in sorted(dump.entries, key=lambda e: (int(e.get("time_created_ns") or 0),
+                                                      int(e.get("record_id") or 0))):
         created = _created(entry)
         if created < since:
             continue
@@ -208,14 +224,16 @@ def merge(events: list[Any], dump: FlightDump | None, event_type: Callable[..., 
             same = same_kind(ev.op, str(entry.get("profiling_name", "")))
             if same and (owned == 0 or ev.op in _MULTI):
                 claimed[id(ev)] = owned + 1
+                if ev.extra.get("completion") == "flight_recorder":  # NCCL: the ring says when it completed
+                    ended = done(entry)
+                    ev.t_end = None if ended is None else max(ended, ev.t_start)
                 continue
         desc = _describe(entry, dump, graph_pos)
         seq = int(entry.get("collective_seq_id") or 0)
         if floor and seq < floor.get(group, 0):
             continue
-        done_upto = status_done.get(str(entry.get("pg_id")), -1)
+        ended = done(entry)
         t_done = int(entry.get("time_discovered_completed_ns") or 0) / 1e9
-        completed = t_done > 0 or (seq and seq <= done_upto)
         ranks = dump.groups.get(group) or []
         op = family(str(entry.get("profiling_name", "?")))
         # What every rank of the group holds alike: a scatter's inputs exist on its root only (its outputs match),
@@ -227,9 +245,9 @@ def merge(events: list[Any], dump: FlightDump | None, event_type: Callable[..., 
             rank=dump.rank, id=0, seq=seq, pg=tuple(int(r) for r in ranks),
             op=op, shapes=[list(s) for s in sizes or []], dtypes=dtypes, reduce_op=None, peer=None,
             site=_site(desc["file"], desc["line"]), file=desc["file"], line=desc["line"], t_start=created,
-            t_end=(t_done or created) if completed else None, pg_name=group,
+            t_end=ended, pg_name=group,
             extra={"origin": desc["origin"], "via": desc["via"], "untraced": True,
-                   "sequence": ("untraced", group), "end_unknown": completed and not t_done}))
+                   "sequence": ("untraced", group), "end_unknown": ended is not None and not t_done}))
     if not untraced:
         return events
     merged = sorted([*events, *untraced], key=lambda e: (e.t_start, 0 if e.extra.get("untraced") else 1))
@@ -239,6 +257,21 @@ def merge(events: list[Any], dump: FlightDump | None, event_type: Callable[..., 
     for n, ev in enumerate(out, 1):
         ev.id = n
     return out
+
+
+def _assume_ends(events: list[Any]) -> list[Any]:
+    """Without a ring (a rank SIGKILLed, or stuck holding the GIL, never dumped it), the NCCL collectives whose end
+    only the ring knew: every one but the last of its group is taken as completed (NCCL runs a group's ops in
+    order and the rank went on issuing), flagged ``end_unknown``; the last one stays open."""
+    last: dict[str, Any] = {}
+    for ev in events:
+        if ev.extra.get("completion") == "flight_recorder" and ev.t_end is None:
+            last[ev.group_key] = ev
+    for ev in events:
+        if ev.extra.get("completion") == "flight_recorder" and ev.t_end is None and last.get(ev.group_key) is not ev:
+            ev.t_end = ev.t_start
+            ev.extra["end_unknown"] = True
+    return events
 
 
 def common_floor(dumps: dict[int, FlightDump | None]) -> dict[str, int]:

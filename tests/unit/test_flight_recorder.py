@@ -184,3 +184,25 @@ def test_a_collective_called_through_a_library_names_the_users_line_and_the_libr
     (event,) = load_traces(tmp_path / "out")[0].events
     assert event.line == line_of(__file__, "# USER LINE")
     assert event.extra["via"] == "fakelib/comm.py:5 in sync"
+
+
+def test_nccl_collectives_take_their_end_from_the_ring():
+    """The tracer leaves a synchronous NCCL collective's end to NCCL's ring, which knows when it completed."""
+    ev = traced(1, "all_reduce", 100.0)
+    ev.t_end, ev.extra["completion"] = None, "flight_recorder"
+    pending = traced(2, "all_reduce", 101.0)
+    pending.t_end, pending.extra["completion"] = None, "flight_recorder"
+    done = {**entry(0, 1, "nccl:all_reduce", 100.001), "ring": "nccl", "time_discovered_completed_ns": int(100.5e9),
+            "state": "completed"}
+    started = {**entry(1, 2, "nccl:all_reduce", 101.001), "ring": "nccl", "state": "started"}
+    merged = fr.merge([ev, pending], dump([done, started], done=0), TraceEvent)
+    assert [(e.id, e.t_end) for e in merged] == [(1, 100.5), (2, None)]
+
+
+def test_without_a_ring_nccl_ends_are_assumed_but_the_last_of_each_group():
+    events = [traced(i, "all_reduce", 100.0 + i) for i in (1, 2, 3)]
+    for e in events:
+        e.t_end, e.extra["completion"] = None, "flight_recorder"
+    fr.merge(events, None, TraceEvent)
+    assert [e.t_end is not None for e in events] == [True, True, False]
+    assert events[0].extra["end_unknown"] and "end_unknown" not in events[2].extra
