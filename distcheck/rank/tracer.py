@@ -18,8 +18,11 @@ Each call records a ``start`` before the call and an ``end`` when the op complet
 * ops that return a Work (``async_op=True``, ``isend``): from the Work's future, i.e. when the backend says the
   op finished (on NCCL, when the GPU has run it), not when the call returned;
 * synchronous ops on CPU tensors (gloo): on return, which is when gloo has finished them;
-* synchronous ops on CUDA tensors: NCCL returns once the op is queued on the stream, so a CUDA event is recorded
-  after it on the current stream and a completion thread writes the end when the event has passed;
+* synchronous ops on CUDA tensors: NCCL returns once the op is queued on the stream. NCCL's own Flight Recorder
+  ring records when it completed (rank/flight_recorder.py dumps it; the analysis stores that end into the trace):
+  the sig says ``completion: flight_recorder`` and the record stays open. Otherwise (the recorder off, another
+  backend) a CUDA event is recorded after it on the current stream and a completion thread writes the end when the
+  event has passed;
 * functional collectives: when issued, flagged as such, since their completion is only observable through
   ``wait_tensor``.
 
