@@ -54,6 +54,15 @@ def enabled() -> bool:
     return os.environ.get(ENV_ENABLE, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
+def ring_kept() -> bool:
+    """Whether torch keeps a ring this run (the user may have set TORCH_FR_BUFFER_SIZE=0): only then can a
+    collective's end be left to it."""
+    try:
+        return enabled() and int(os.environ.get(ENV_BUFFER, str(DEFAULT_ENTRIES)) or 0) > 0
+    except ValueError:
+        return False
+
+
 def enable_env() -> None:
     """Before the first process group exists: make sure torch keeps a ring big enough to name what a hang left."""
     if enabled():

@@ -488,7 +488,7 @@ class Tracer:
         else:
             event.update(site=None, file=None, line=None)
         cuda = event.pop("cuda", False)
-        if cuda and self._backends.get(event.get("pg_name")) == "nccl" and flight_recorder.enabled():
+        if cuda and self._backends.get(event.get("pg_name")) == "nccl" and flight_recorder.ring_kept():
             # NCCL's own Flight Recorder ring records when each op completed (its watchdog queries the events
             # ProcessGroupNCCL records anyway); an event of ours cost 10 to 50 µs per collective on an H100
             # (README, "GPU"). The analysis takes the end from the ring (analysis/flight_recorder.py).
@@ -678,6 +678,7 @@ class Tracer:
                 if getattr(module, op, None) is fn:
                     self._patched.append((module, op, fn))
                     setattr(module, op, traced)
+        self._keep_compile_rewrites(wrapped)
         try:
             from torch.distributed import _functional_collectives as fc
         except ImportError:  # pragma: no cover
@@ -688,6 +689,25 @@ class Tracer:
                 continue
             self._patched.append((fc, op, fn))
             setattr(fc, op, self.wrap(fn, op, funcol=True))
+
+    @staticmethod
+    def _keep_compile_rewrites(wrapped: dict[int, Callable]) -> None:
+        """Dynamo rewrites ``dist.all_reduce`` & co. into traceable collectives by looking the callee up in
+        ``traceable_collective_remaps``, whose keys are the functions ``_functional_collectives`` saw when it was
+        imported: torch's own, or a wrapper of an earlier install (a pytest pool installs the tracer per test).
+        Every one of them, the original and this install's wrapper must map to the same rewrite."""
+        fc = sys.modules.get("torch.distributed._functional_collectives")
+        remaps = getattr(fc, "traceable_collective_remaps", None)
+        if not isinstance(remaps, dict):
+            return
+        for key, target in list(remaps.items()):
+            original = getattr(key, "__distcheck_original__", None)
+            if original is not None:
+                remaps.setdefault(original, target)
+        for traced in wrapped.values():
+            target = remaps.get(traced.__distcheck_original__)
+            if target is not None:
+                remaps[traced] = target
 
     def unpatch(self) -> None:
         for module, name, fn in reversed(self._patched):

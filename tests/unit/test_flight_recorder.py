@@ -206,3 +206,33 @@ def test_without_a_ring_nccl_ends_are_assumed_but_the_last_of_each_group():
     fr.merge(events, None, TraceEvent)
     assert [e.t_end is not None for e in events] == [True, True, False]
     assert events[0].extra["end_unknown"] and "end_unknown" not in events[2].extra
+
+
+def test_compile_rewrites_survive_a_reinstall(fake_world, tmp_path):
+    """A pytest pool installs the tracer per test: _functional_collectives, imported while an earlier install was
+    active, keyed Dynamo's rewrite by that install's wrapper. The next install must still compile."""
+    from torch.distributed import _functional_collectives as fc
+
+    remaps = fc.traceable_collective_remaps
+    original = dist.all_reduce
+    target = remaps[original]
+    trace.install(tmp_path / "a", 0)
+    first_wrapper = dist.all_reduce
+    trace.uninstall()
+    del remaps[original]  # as if imported under the first install
+    remaps[first_wrapper] = target
+    try:
+        trace.install(tmp_path / "b", 0)
+
+        @torch.compile(fullgraph=True, backend="eager")
+        def step(x: torch.Tensor) -> torch.Tensor:
+            dist.all_reduce(x)
+            return x + 1
+
+        assert torch.equal(step(torch.ones(2)), torch.full((2,), 2.0))
+    finally:
+        trace.uninstall()
+        torch._dynamo.reset()
+        for key in [k for k in remaps if getattr(k, "__distcheck_original__", None) is original]:
+            del remaps[key]
+        remaps[original] = target
