@@ -61,6 +61,16 @@ def test_compiled_code_runs_under_compare(tmp_path):
     assert res.returncode == 0 and report["ok"], res.output
 
 
+def test_compiled_code_runs_under_consistency(tmp_path):
+    out = tmp_path / "report"
+    res = torchrun(["-m", "distcheck", "consistency", "--model", f"{FIXTURES / 'model_compiled.py'}:build",
+                    "--timeout", "60", "--report-dir", str(out)], timeout=240)
+    assert res.returncode == 0, res.output
+    report = load_report(out)
+    assert report["ok"] and report["findings"] == [] and {c["name"] for c in report["checks"]} >= {
+        "model_consistency", "parallel_vs_reference"}
+
+
 COMPILED_MARKER_TEST = '''
 import torch, torch.distributed as dist, pytest
 import torch.distributed._functional_collectives as funcol
