@@ -34,11 +34,13 @@ from typing import Any, Callable
 
 from distcheck.contract import files
 
-# Traced calls that issue several backend collectives (the *_object helpers' size exchange, coalesced batches).
-_MULTI = frozenset({"all_gather_object", "gather_object", "broadcast_object_list", "scatter_object_list",
-                    "send_object_list", "recv_object_list", "batch_isend_irecv", "all_reduce_coalesced",
-                    "all_gather_coalesced", "all_gather_into_tensor_coalesced", "reduce_scatter_tensor_coalesced",
-                    "barrier", "monitored_barrier", "all_gather", "all_to_all"})
+# Traced calls that issue several backend collectives, and how many at most: the *_object helpers exchange sizes
+# first, a barrier or a list all-gather may run as more than one op on some backends, a batch or a coalesced call
+# one per tensor. Any of them accepts an entry of any kind (what the backend runs differs by backend).
+_MULTI = {"all_gather_object": 3, "gather_object": 3, "broadcast_object_list": 3, "scatter_object_list": 3,
+          "send_object_list": 3, "recv_object_list": 3, "barrier": 2, "monitored_barrier": 2, "all_gather": 2,
+          "all_to_all": 2, "batch_isend_irecv": 64, "all_reduce_coalesced": 64, "all_gather_coalesced": 64,
+          "all_gather_into_tensor_coalesced": 64, "reduce_scatter_tensor_coalesced": 64}
 
 # Collectives a backend runs as another (gloo's reduce_scatter is an all-reduce, its gather an all-gather): the
 # ring names what the backend ran, the trace what the caller asked for.
@@ -49,7 +51,7 @@ _RUNS_AS = {"reduce_scatter": {"all_reduce"}, "reduce": {"all_reduce"}, "gather"
 def same_kind(traced_op: str, ring_op: str) -> bool:
     """Whether a ring entry can be the backend's run of a traced call."""
     if traced_op in _MULTI:
-        return True
+        return True  # bounded by _MULTI's count
     want, got = family(traced_op), family(ring_op)
     return want == got or got in _RUNS_AS.get(want, ())
 
@@ -127,26 +129,48 @@ def _created(entry: dict[str, Any]) -> float:
     return int(entry.get("time_created_ns") or 0) / 1e9
 
 
-def _phase_at(phases: list[dict[str, Any]], t: float) -> dict[str, Any] | None:
-    """The innermost phase open at ``t`` (the latest to begin among those that contain it)."""
-    best = None
-    for p in phases:
-        t0, t1 = p.get("t0"), p.get("t1")
-        if t0 is None or t0 > t or (t1 is not None and t1 < t):
-            continue
-        if best is None or t0 >= best["t0"]:
-            best = p
-    return best
+class _PhaseIndex:
+    """The phases sorted by start, with the latest end among each prefix: the innermost phase open at a time is
+    found by walking back from the last start before it, and the walk stops where no earlier phase reaches that
+    far, so a full ring against thousands of phases stays linear in practice."""
+
+    def __init__(self, phases: list[dict[str, Any]]) -> None:
+        import bisect
+
+        self._bisect = bisect.bisect_right
+        self.phases = sorted((p for p in phases if p.get("t0") is not None), key=lambda p: p["t0"])
+        self.starts = [p["t0"] for p in self.phases]
+        self.reach: list[float] = []
+        far = float("-inf")
+        for p in self.phases:
+            far = max(far, float("inf") if p.get("t1") is None else p["t1"])
+            self.reach.append(far)
+
+    def at(self, t: float) -> dict[str, Any] | None:
+        """The innermost phase open at ``t`` (the latest to begin among those that contain it)."""
+        i = self._bisect(self.starts, t) - 1
+        while i >= 0 and self.reach[i] >= t:
+            p = self.phases[i]
+            if p.get("t1") is None or p["t1"] >= t:
+                return p
+            i -= 1
+        return None
+
+    def began_between(self, a: float, b: float) -> bool:
+        """Whether a phase began in (a, b]: an entry created then belongs to that phase, not to a traced call
+        made before it."""
+        return self._bisect(self.starts, b) > self._bisect(self.starts, a)
 
 
 def _site(file: str | None, line: int | None) -> str | None:
     return f"{os.path.basename(file)}:{line}" if file and line else None
 
 
-def _describe(entry: dict[str, Any], dump: FlightDump, graph_pos: dict[int, int]) -> dict[str, Any]:
+def _describe(entry: dict[str, Any], dump: FlightDump, index: _PhaseIndex,
+              graph_pos: dict[int, int]) -> dict[str, Any]:
     """origin, via, file and line of an untraced entry, from the phase it was created in."""
     op = family(str(entry.get("profiling_name", "?")))
-    phase = _phase_at(dump.phases, _created(entry))
+    phase = index.at(_created(entry))
     if phase is None:
         return {"origin": "torch", "via": f"{op} issued by torch itself (not called from Python)", "file": None,
                 "line": None}
@@ -185,6 +209,9 @@ def merge(events: list[Any], dump: FlightDump | None, event_type: Callable[..., 
         if ev.pg_name is not None:
             by_group.setdefault(str(ev.pg_name), []).append(ev)
     claimed: dict[int, int] = {}  # id(traced event) -> entries it owns
+    index = _PhaseIndex(dump.phases)
+    # Traced events know their group's ranks: a dump written after destroy_process_group() may not.
+    members = {str(ev.pg_name): tuple(ev.pg) for ev in events if ev.pg_name is not None and ev.pg}
     cursor: dict[str, int] = {}
     untraced: list[Any] = []
     graph_pos: dict[int, int] = {}
@@ -222,19 +249,22 @@ def merge(events: list[Any], dump: FlightDump | None, event_type: Callable[..., 
             ev = traced[i]
             owned = claimed.get(id(ev), 0)
             same = same_kind(ev.op, str(entry.get("profiling_name", "")))
-            if same and (owned == 0 or ev.op in _MULTI):
+            # A DDP backward, a compiled graph or join() that began after the call started ran after it returned
+            # (a traced call never opens a phase): what it recorded is its own.
+            later = index.began_between(ev.t_start, created)
+            if same and not later and owned < _MULTI.get(ev.op, 1):
                 claimed[id(ev)] = owned + 1
                 if ev.extra.get("completion") == "flight_recorder":  # NCCL: the ring says when it completed
                     ended = done(entry)
                     ev.t_end = None if ended is None else max(ended, ev.t_start)
                 continue
-        desc = _describe(entry, dump, graph_pos)
+        desc = _describe(entry, dump, index, graph_pos)
         seq = int(entry.get("collective_seq_id") or 0)
         if floor and seq < floor.get(group, 0):
             continue
         ended = done(entry)
         t_done = int(entry.get("time_discovered_completed_ns") or 0) / 1e9
-        ranks = dump.groups.get(group) or []
+        ranks = dump.groups.get(group) or members.get(group) or []
         op = family(str(entry.get("profiling_name", "?")))
         # What every rank of the group holds alike: a scatter's inputs exist on its root only (its outputs match),
         # an all-to-all may split unevenly by design; anything else compares its inputs.

@@ -236,3 +236,42 @@ def test_compile_rewrites_survive_a_reinstall(fake_world, tmp_path):
         for key in [k for k in remaps if getattr(k, "__distcheck_original__", None) is original]:
             del remaps[key]
         remaps[original] = target
+
+
+def test_a_barrier_before_ddp_does_not_swallow_ddps_entries():
+    """A traced call that may issue several backend ops owns at most that many, and never what a DDP backward
+    that began after it recorded (a barrier right after init is common)."""
+    events = [traced(1, "barrier", 100.0)]
+    ring = [entry(0, 1, "gloo:barrier", 100.001), entry(1, 2, "gloo:all_reduce", 101.0, size=676),
+            entry(2, 3, "gloo:all_reduce", 102.0, size=676)]
+    phases = [{"kind": "backward", "file": "/p/train.py", "line": 31, "t0": 100.9, "t1": 101.1},
+              {"kind": "backward", "file": "/p/train.py", "line": 31, "t0": 101.9, "t1": 102.1}]
+    merged = fr.merge(events, dump(ring, phases), TraceEvent)
+    assert [(e.op, e.extra.get("origin")) for e in merged] == [("barrier", None), ("all_reduce", "ddp"),
+                                                               ("all_reduce", "ddp")]
+
+
+def test_an_object_call_without_entries_of_its_own_takes_none_of_ddps():
+    """gloo records no ring entry for send_object_list's point-to-point ops: DDP's later entries stay DDP's."""
+    events = [traced(1, "send_object_list", 100.0)]
+    ring = [entry(0, 1, "gloo:all_reduce", 101.0, size=676)]
+    phases = [{"kind": "backward", "file": "/p/train.py", "line": 31, "t0": 100.5, "t1": 101.5}]
+    merged = fr.merge(events, dump(ring, phases), TraceEvent)
+    assert merged[1].extra["origin"] == "ddp"
+
+
+def test_group_members_come_from_the_trace_when_the_dump_lost_them():
+    """A dump written after destroy_process_group() may name no ranks for a group; the traced calls on it do."""
+    doc = {"format": files.FORMAT, "entries": [entry(0, 1, "gloo:all_reduce", 101.0)], "phases": [], "graphs": {},
+           "groups": {}, "pg_status": {}, "seen": []}
+    merged = fr.merge([traced(1, "broadcast", 100.0)], _load(doc, 0), TraceEvent)
+    assert merged[1].pg == (0, 1)
+
+
+def test_the_innermost_open_phase_is_found_among_many():
+    phases = [{"kind": "backward", "t0": float(i), "t1": i + 0.5} for i in range(1000)]
+    phases.append({"kind": "ddp_forward", "t0": 10.1, "t1": 10.2})
+    index = fr._PhaseIndex(phases)
+    assert index.at(10.15)["kind"] == "ddp_forward" and index.at(10.3)["kind"] == "backward"
+    assert index.at(10.7) is None and index.at(999.2)["t0"] == 999.0
+    assert index.began_between(10.0, 10.15) and not index.began_between(10.2, 10.9)
