@@ -15,6 +15,9 @@ earliest divergence in either. A rank that finished its script having issued few
 its peers is a count mismatch: the finding names both counts, the first collective it never issued (op, sizes,
 who issued it and the user's line) and the fix. Where each rank is (last started, last completed, the collective
 it waits on, counts per group) comes from analysis/progress.py, the one model of a rank's progress.
+
+A trace cut short by a full report file system (:attr:`RankTrace.incomplete`) is compared as far as it goes: a
+position it does not reach says nothing about that rank, so it is never a count mismatch nor a sign of being stuck.
 """
 from __future__ import annotations
 
@@ -44,7 +47,7 @@ _OBJECT_OPS = frozenset({"all_gather_object", "gather_object", "broadcast_object
 
 STATE_OK = "ok"  # the script returned
 STATE_ERROR = "error"  # the script raised
-STATE_DIED = "died"  # exited without reporting (signal, os._exit, segfault)
+STATE_DIED = "died"  # ended without its exit record (signal, os._exit, segfault)
 STATE_HUNG = "hung"  # still running at the no-progress timeout; killed by distcheck
 STATE_STOPPED = "stopped"  # killed by distcheck: waited in a collective that provably could not complete
 STATE_UNKNOWN = "unknown"
@@ -165,6 +168,8 @@ def find_divergences(traces: dict[int, RankTrace], outcomes: dict[int, RankOutco
                 found = Divergence(members, seq.group, i + 1, "different", events, _odd_ranks(present),
                                    differing_fields(list(present.values())), sequence=key)
                 break
+            if absent and any(_cut(traces.get(r)) for r in absent):
+                break  # a trace cut short by a full disk: what that rank issued from here on is unknown
             if absent:
                 # A rank that finished cleanly without this collective will never issue it: it issued fewer
                 # collectives than its peers. A rank that raised, died or hung stopped early for its own reason
@@ -185,6 +190,18 @@ def find_divergences(traces: dict[int, RankTrace], outcomes: dict[int, RankOutco
     return sorted(first.values(), key=_when)
 
 
+def _cut(trace: RankTrace | None) -> bool:
+    """The trace stops before the rank's last collective (a full report file system)."""
+    return trace is not None and trace.incomplete is not None and trace.incomplete.from_id is not None
+
+
+def _cut_note(trace: RankTrace | None) -> str:
+    """What a position taken from a cut trace needs said: it may be far behind where the rank really got."""
+    if not _cut(trace):
+        return ""
+    return f" (its trace stops before its collective #{trace.incomplete.from_id}: {trace.incomplete.reason})"
+
+
 def _when(d: Divergence) -> float:
     return min((e.t_start for e in d.events.values() if e is not None), default=0.0)
 
@@ -195,6 +212,10 @@ def _where(e: TraceEvent) -> str:
 
 def _group_label(group: Sequence[int] | None) -> str:
     return "[" + ",".join(map(str, group or ())) + "]"
+
+
+# A rank that ended with neither its exit record nor a signal distcheck saw: it never got back from its script.
+UNFINISHED = "ended without finishing its script: os._exit or a signal"
 
 
 def _state_phrase(o: RankOutcome | None) -> str:
@@ -368,7 +389,7 @@ def find_p2p_mismatches(traces: dict[int, RankTrace], outcomes: dict[int, RankOu
                 break
         else:
             both_ok = all(outcomes.get(r, RankOutcome(r, STATE_UNKNOWN)).state == STATE_OK for r in pair)
-            if len(s_list) != len(r_list) and both_ok:
+            if len(s_list) != len(r_list) and both_ok and not any(_cut(traces.get(r)) for r in pair):
                 k = min(len(s_list), len(r_list)) + 1
                 extra, side = (s_list[k - 1], "send") if len(s_list) > len(r_list) else (r_list[k - 1], "receive")
                 e = extra[0]
@@ -484,15 +505,21 @@ def failure_finding(o: RankOutcome, traces: dict[int, RankTrace], outcomes: dict
             detail.update(file=err.file, line=err.line)
     elif o.signal:
         what = f"died from {o.signal}" + (f" (exit code {o.exit_code})" if o.exit_code is not None else "")
-    else:
-        what = f"exited with code {o.exit_code} without reporting an exception"
+    elif o.state == STATE_ERROR:  # its exit record says it raised, but the error line was lost (a full disk)
+        what = (f"raised an exception (exit code {o.exit_code}) whose traceback could not be written to the report "
+                "directory (see the rank's console output)")
+    else:  # no exit record and no signal: os._exit(), or a signal handler that exited
+        what = f"{UNFINISHED} (exit code {o.exit_code})"
     p = progress.get(o.rank)
     last = p.last_started if p is not None else None
     if o.error is None and last is not None:
         what += f" after {last.op} #{last.seq}{_ref_where(last)}"
         if last.line and "line" not in detail:
             detail.update(file=last.file, line=last.line)
-    positions = "; ".join(describe_position(r, progress.get(r), outcomes.get(r)) for r in others)
+    if len(ranks) == 1 and o.error is None:
+        what += _cut_note(traces.get(o.rank))
+    positions = "; ".join(describe_position(r, progress.get(r), outcomes.get(r)) + _cut_note(traces.get(r))
+                          for r in others)
     message = f"{format_ranks(ranks)} {what}" + (f"; {positions}" if positions else "")
     if len(ranks) > 1:
         detail["errors"] = {r: outcomes[r].error.message for r in ranks
@@ -514,7 +541,8 @@ def hang_finding(traces: dict[int, RankTrace], outcomes: dict[int, RankOutcome],
             site = (pending.file, pending.line)
             break
     message = (f"no progress for {timeout:g}s: "
-               + "; ".join(describe_position(r, progress.get(r), outcomes.get(r)) for r in ranks))
+               + "; ".join(describe_position(r, progress.get(r), outcomes.get(r)) + _cut_note(traces.get(r))
+                           for r in ranks))
     return make_hang_finding(hung, message, timeout=timeout, progress=progress, site=site, positions=positions)
 
 
@@ -545,7 +573,9 @@ def _failure_text(o: RankOutcome) -> str:
         return f"{o.error.exc_type}: {o.error.message}"
     if o.signal:
         return f"died from {o.signal} (exit code {o.exit_code})"
-    return f"exited with code {o.exit_code}"
+    if o.state == STATE_ERROR:
+        return f"raised (exit code {o.exit_code})"
+    return f"{UNFINISHED} (exit code {o.exit_code})"
 
 
 def analyze_run(traces: dict[int, RankTrace], outcomes: dict[int, RankOutcome], world_size: int,
@@ -591,7 +621,9 @@ def provably_stuck(traces: dict[int, RankTrace], finished: set[int]) -> str | No
     that a finished member never issued, or every member of a group has issued a different collective at the
     same position and none of them completed."""
     groups = _collectives_by_group(traces)
-    progress = progress_by_rank({r: t for r, t in traces.items() if r not in finished})
+    # A trace cut short by a full disk neither shows where its rank waits nor how far a finished rank got.
+    cut = {r for r, t in traces.items() if _cut(t)}
+    progress = progress_by_rank({r: t for r, t in traces.items() if r not in finished and r not in cut})
     for rank, p in sorted(progress.items()):
         for ref in p.open:
             e = ref.event
@@ -604,7 +636,7 @@ def provably_stuck(traces: dict[int, RankTrace], finished: set[int]) -> str | No
                 # The member's last position in the same sequence (an untraced collective's number counts every
                 # collective of the group, so compare numbers, not how many the member has).
                 issued = seq.per_rank.get(m, [])
-                if m in finished and (issued[-1].seq if issued else 0) < e.seq:
+                if m in finished and m not in cut and (issued[-1].seq if issued else 0) < e.seq:
                     return (f"rank {rank} waits in {e.op} #{e.seq} on group {_group_label(e.pg)}{_where(e)}, "
                             f"which rank {m} finished without issuing")
     for seq in groups.values():
@@ -614,7 +646,7 @@ def provably_stuck(traces: dict[int, RankTrace], finished: set[int]) -> str | No
             if len(present) < len(members):
                 break
             if len({signature(e) for e in present.values()}) > 1:
-                if all(not e.completed for e in present.values()):
+                if all(not e.completed for e in present.values()) and not cut & set(present):
                     return f"ranks {','.join(map(str, members))} issued different collectives #{i + 1} and wait"
                 break
     return None

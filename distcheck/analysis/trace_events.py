@@ -9,9 +9,15 @@ groups' sequences are counted here (:func:`sequence_key`). ``start``/``end`` JSO
 are read too (error ends are written that way). Pure: no process group. Tolerant of a truncated last line (a rank
 killed mid-write), unwritten record slots and unknown line kinds. Where a rank is in its collectives (last started,
 last completed, the one it waits on) is analysis/progress.py's, computed from these events.
+
+A trace cut short by a full (or failing) report file system is read as the clean prefix it is, and says so in
+:attr:`RankTrace.incomplete`: from the record file's header (the first collective not recorded, why, what other
+files lost writes) or from the first record whose sig line was lost, where positions could no longer be counted.
+The header also holds how the script ended when the exit line itself could not be written.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass, field
@@ -99,12 +105,30 @@ class RankError:
 
 
 @dataclass
+class Incomplete:
+    """What a rank could not write into the report directory (a full or failing file system)."""
+
+    from_id: int | None  # the first collective (its slot: the rank's n-th) not recorded; None: the trace is whole
+    errno: int | None  # the first write error, when known
+    unrecorded: int = 0  # collectives the rank issued after from_id (counted, not recorded)
+    lost: list[str] = field(default_factory=list)  # other files that lost writes (trace_records.LOST_NAMES)
+
+    @property
+    def reason(self) -> str:
+        return records.write_failure(self.errno)
+
+
+@dataclass
 class RankTrace:
     rank: int
     events: list[TraceEvent]
     errors: list[RankError]
     meta: dict[str, Any]
     finished: dict[str, Any] | None  # the {"ev": "exit"} line, when the script returned or raised
+    incomplete: Incomplete | None = None  # what the rank could not write (None: nothing lost)
+    # The record file has its header, which holds the exit even when the exit line was lost: a trace without
+    # either ended before its script did. False: no record file, or not even its first page could be written.
+    exit_recordable: bool = False
 
 
 def _pg_tuple(value: Any) -> tuple[int, ...]:
@@ -150,8 +174,9 @@ def _event(rank: int, desc: dict[str, Any], eid: int, seq: int, t: float) -> Tra
         root=_opt_int(desc.get("root")), extra={k: v for k, v in desc.items() if k not in _KNOWN})
 
 
-def parse_lines(lines: Iterable[str], rank: int, binary: bytes = b"") -> RankTrace:
-    """A rank's trace from its JSON lines and the bytes of its record file (``binary``, may be empty)."""
+def parse_lines(lines: Iterable[str], rank: int, binary: bytes | None = None) -> RankTrace:
+    """A rank's trace from its JSON lines and the bytes of its record file (``binary``; None: there is none, b"":
+    there is one, but not even its header was written)."""
     starts: dict[int, TraceEvent] = {}
     order: list[TraceEvent] = []
     errors: list[RankError] = []
@@ -194,17 +219,35 @@ def parse_lines(lines: Iterable[str], rank: int, binary: bytes = b"") -> RankTra
             raise
         except (KeyError, TypeError, ValueError):
             continue
+    incomplete: Incomplete | None = None
+    state = None
+    if binary is not None and meta and records.read_header(binary) is None:
+        incomplete = Incomplete(1, None)  # the rank ran, but not even the header could be written
     if binary:
         version = records.read_header(binary)
         if version is not None and version != files.FORMAT:
             raise files.FormatError(f"the trace records of rank {rank} have distcheck file format {version}, this "
                                     f"distcheck reads format {files.FORMAT}: read it with the distcheck version "
                                     "that wrote it")
+        state = records.read_state(binary)
+        if state is not None and (state.cut or state.lost):
+            incomplete = Incomplete(state.cut or None, state.errno or None, state.unrecorded, state.lost_names)
+        if state is not None and finished is None and state.exit:  # the exit line was lost, not the exit
+            finished = {"ev": "exit", "ok": state.exit == records.EXIT_RETURNED, "code": state.code,
+                        "from": "records"}
         positions: dict[Any, int] = {}  # sequence key -> events counted so far (records are in start order)
         for rec in records.iter_records(binary) if version is not None else ():
+            if incomplete is not None and incomplete.from_id is not None and rec.id >= incomplete.from_id:
+                break
             desc = sigs.get(rec.sig)
             if desc is None:
-                continue  # its sig line was lost (disk full): nothing to say about it, nor which group it counts in
+                # Its sig line was lost (a full disk): nothing to say about it, nor which group it counts in, so
+                # no later position can be counted either. The trace ends before it.
+                if incomplete is None:
+                    incomplete = Incomplete(rec.id, None)
+                incomplete.from_id = rec.id
+                incomplete.lost = sorted(set(incomplete.lost) | {records.LOST_NAMES[records.LOST_LINES]})
+                break
             try:
                 key = sequence_key(desc, rank)
                 seq = positions[key] = positions.get(key, 0) + 1
@@ -226,7 +269,7 @@ def parse_lines(lines: Iterable[str], rank: int, binary: bytes = b"") -> RankTra
             continue
     if binary and len(order) > 1:
         order.sort(key=lambda e: e.id)  # JSON start lines (if any) and records share one id counter
-    return RankTrace(rank, order, errors, meta, finished)
+    return RankTrace(rank, order, errors, meta, finished, incomplete, exit_recordable=state is not None)
 
 
 def rank_of_path(path: str | os.PathLike) -> int:
@@ -246,14 +289,24 @@ def load_rank_records(path: str | os.PathLike, rank: int | None = None, merge: b
     except FileNotFoundError:
         return RankTrace(rank, [], [], {}, None)
     try:
-        binary = files.rank_file(path.parent, "trace_events", rank).read_bytes()
+        binary: bytes | None = files.rank_file(path.parent, "trace_events", rank).read_bytes()
     except OSError:
-        binary = b""
+        binary = None
     trace = parse_lines(text.splitlines(), rank, binary)
     if merge:
-        trace.events = flight_recorder.merge(trace.events, flight_recorder.load_dump(path.parent, rank), TraceEvent,
-                                             since=float(trace.meta.get("t", 0.0)))
+        trace.events = flight_recorder.merge(trace.events, _recorded_part(trace, flight_recorder.load_dump(
+            path.parent, rank)), TraceEvent, since=float(trace.meta.get("t", 0.0)))
     return trace
+
+
+def _recorded_part(trace: RankTrace, dump: flight_recorder.FlightDump | None) -> flight_recorder.FlightDump | None:
+    """The ring entries of the time the trace still recorded: after its cut, the traced calls the ring holds would
+    look untraced (issued by torch itself) and differ from the peers' traces for no reason of the script's."""
+    if dump is None or trace.incomplete is None or trace.incomplete.from_id is None:
+        return dump
+    until = max((e.t_end or e.t_start for e in trace.events), default=0.0)
+    entries = [e for e in dump.entries if int(e.get("time_created_ns") or 0) / 1e9 <= until]
+    return dataclasses.replace(dump, entries=entries)
 
 
 def load_rank_trace(path: str | os.PathLike, rank: int | None = None) -> list[TraceEvent]:
@@ -270,6 +323,6 @@ def load_traces(report_dir: str | os.PathLike) -> dict[int, RankTrace]:
     dumps = {rank: flight_recorder.load_dump(report_dir, rank) for rank in traces}
     floor = flight_recorder.common_floor(dumps)
     for rank, trace in traces.items():
-        trace.events = flight_recorder.merge(trace.events, dumps[rank], TraceEvent,
+        trace.events = flight_recorder.merge(trace.events, _recorded_part(trace, dumps[rank]), TraceEvent,
                                              since=float(trace.meta.get("t", 0.0)), floor=floor)
     return traces

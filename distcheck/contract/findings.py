@@ -42,9 +42,10 @@ class Finding:
 @dataclass
 class Note:
     """A report.json "warnings" entry: same shape as a Finding, but what it reports is not a bug in the user's
-    code (torch's own teardown abort after the script finished, ...). Notes never change ``ok`` or the exit code."""
+    code (torch's own teardown abort after the script finished, a trace cut short by a full report file system, ...).
+    Notes never change ``ok`` or the exit code."""
 
-    kind: str  # e.g. "teardown_abort"
+    kind: str  # "teardown_abort", "trace_incomplete", "files_incomplete" (supervise/run_report.py)
     ranks: list[int]
     message: str
     detail: dict[str, Any] = field(default_factory=dict)

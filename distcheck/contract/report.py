@@ -2,6 +2,8 @@
 
 A report directory holds report.json (machines), report.txt (people; also printed to stdout by rank 0 or the
 supervisor) and artifacts (per-rank traces, stack dumps) listed in report.json's "artifacts" by relative path.
+When the report cannot be written (the directory is full, gone or replaced), neither file is left behind, the
+report goes to stderr after a one-line reason, and the printed text never names a report file that is not there.
 """
 from __future__ import annotations
 
@@ -40,6 +42,8 @@ class Report:
     data: dict[str, Any] = field(default_factory=dict)
     sections: dict[str, str] = field(default_factory=dict)
     warnings: list[Note] = field(default_factory=list)  # never change ok or the exit code
+    # Why write_report could not write it (None: written, or not tried): the text then names no report file.
+    unwritten: str | None = field(default=None, compare=False)
 
     @property
     def ok(self) -> bool:
@@ -113,7 +117,9 @@ def render_text(report: Report, report_dir: str | os.PathLike | None = None) -> 
         lines.extend("  " + line for line in body.rstrip("\n").splitlines())
     if report.artifacts:
         lines.append("artifacts: " + ", ".join(sorted(report.artifacts.values())))
-    if report_dir is not None:
+    if report.unwritten is not None:
+        lines.append(f"report: not written ({report.unwritten}); report.json went to stderr")
+    elif report_dir is not None:
         lines.append(f"report: {Path(report_dir) / 'report.json'}")
     return "\n".join(lines) + "\n"
 
@@ -171,16 +177,32 @@ def write_report(report: Report, report_dir: str | os.PathLike) -> Path | None:
     """Write report.json and report.txt into report_dir; returns the report.json path.
 
     The one writer of report files. When the directory stopped being writable during the run (deleted, full,
-    replaced), the report is not lost: report.json goes to stderr with a line saying why, and None is returned.
+    replaced), the report is not lost: report.json goes to stderr after a line saying why, neither file is left
+    behind (report.txt alone would point at a report.json that is not there), ``report.unwritten`` says why for
+    :func:`render_text`, and None is returned.
     """
     report_dir = Path(report_dir)
+    report.unwritten = None
     report.artifacts.setdefault("report.txt", "report.txt")
+    written: list[Path] = []
     try:
-        atomic_write(report_dir / "report.txt", render_text(report, report_dir))
-        atomic_write(report_dir / "report.json", json.dumps(report.to_json(), indent=2) + "\n")
+        for name, text in (("report.txt", lambda: render_text(report, report_dir)),
+                           ("report.json", lambda: json.dumps(report.to_json(), indent=2) + "\n")):
+            atomic_write(report_dir / name, text())
+            written.append(report_dir / name)
     except OSError as exc:
-        sys.stderr.write(f"distcheck: error: could not write the report into {report_dir} "
-                         f"({exc.strerror or exc}); report.json follows on stderr\n")
+        for path in written:
+            try:
+                path.unlink()
+            except OSError:
+                pass
+        reason = exc.strerror or str(exc)
+        report.unwritten = reason
+        for name in ("report.txt", "report.json"):
+            if report.artifacts.get(name) == name:
+                del report.artifacts[name]
+        sys.stderr.write(f"distcheck: error: could not write the report into {report_dir} ({reason}); "
+                         "report.json follows on stderr\n")
         sys.stderr.write(json.dumps(report.to_json(), indent=2) + "\n")
         sys.stderr.flush()
         return None

@@ -20,9 +20,23 @@ completion only ``wait_tensor`` sees). A collective's position in its group's se
 it, in slot order, from the sigs (analysis/trace_events.py), which saves the hot path a counter. The file is grown a
 segment at a time and its unused tail is zeros (kind 0), which readers skip; a clean exit truncates it to what was
 written.
+
+Every segment's blocks are allocated (``posix_fallocate``) before the map covers them: a store into a page of a
+sparse file whose file system is full is a SIGBUS that kills the rank, while a failed allocation is an ``OSError``
+the tracer can take. When the file system refuses more blocks, recording stops there for good, so the trace stays
+a clean prefix, and the header slot (allocated with the first segment) keeps what the rank could not write
+elsewhere, stored in place:
+
+    magic:8s  format:u32  cut:u32  unrecorded:u32  errno:u8  lost:u8  exit:u8  code:u8
+
+``cut``: the first collective (slot) not recorded, 0 while the trace is whole; ``unrecorded``: collectives issued
+since (the watch loop's progress once records stop growing); ``errno``: the first write error; ``lost``: which other
+per-rank files lost writes (LOST_* bits); ``exit``/``code``: how the script ended (EXIT_*), stored with the exit line,
+which may itself be lost on a full disk. Zeros in all of these (older files too) mean "nothing lost, not exited yet".
 """
 from __future__ import annotations
 
+import errno
 import os
 import struct
 from pathlib import Path
@@ -39,11 +53,29 @@ FLAG = struct.Struct("<B")
 RECORD = struct.Struct("<BB2xIdd")  # a whole slot, for readers
 assert RECORD.size == SIZE
 MAGIC = b"DCTRACE\0"
-HEADER = struct.Struct("<8sI12x")  # magic, format; one record slot
+HEADER = struct.Struct("<8sIIIBBBB")  # magic, format, then the state below; one record slot
 assert HEADER.size == SIZE
+STATE = struct.Struct("<IIBBBB")  # cut, unrecorded, errno, lost, exit, code: at STATE_OFFSET
+STATE_OFFSET = 12
+CUT = struct.Struct("<I")
+CUT_OFFSET = 12
+UNRECORDED = struct.Struct("<I")  # the counter a stopped tracer bumps per collective (rank/_tracefast.c too)
+UNRECORDED_OFFSET = 16  # its end, SIZE - 4, is as far as the watch loop reads the header
+BYTE = struct.Struct("<B")
+ERRNO_OFFSET, LOST_OFFSET = 20, 21
+EXIT = struct.Struct("<BB")  # exit, code
+EXIT_OFFSET = 22
 START = 1
 ISSUED = 1  # flags bit
 SEGMENT_RECORDS = 1 << 17  # 3 MiB of records per growth step
+# The least the tracer tries to allocate when a full file system refuses a whole segment: one page of records.
+MIN_SEGMENT_RECORDS = 4096 // SIZE
+# Which other per-rank files lost writes (the header's ``lost`` bits), and how a report names them.
+LOST_LINES, LOST_RECORDS, LOST_FINDINGS, LOST_AUTOCHECK = 1, 2, 4, 8
+LOST_NAMES = {LOST_LINES: "trace lines (call descriptions, errors, the exit line)",
+              LOST_RECORDS: "records (distcheck.record)", LOST_FINDINGS: "findings of API calls",
+              LOST_AUTOCHECK: "automatic-check state"}
+EXIT_RETURNED, EXIT_FAILED = 1, 2  # the header's ``exit``: the script returned / raised (or exited non-zero)
 
 
 def start_word(sig: int, flags: int = 0) -> int:
@@ -60,15 +92,49 @@ class Record(NamedTuple):
 
 
 def header(format_version: int) -> bytes:
-    return HEADER.pack(MAGIC, format_version)
+    return HEADER.pack(MAGIC, format_version, 0, 0, 0, 0, 0, 0)
 
 
 def read_header(data: bytes) -> int | None:
     """The format version in a trace's header, or None when the file is too short or not a distcheck trace."""
     if len(data) < SIZE:
         return None
-    magic, version = HEADER.unpack_from(data, 0)
+    magic, version = HEADER.unpack_from(data, 0)[:2]
     return version if magic == MAGIC else None
+
+
+class HeaderState(NamedTuple):
+    """What the header slot says beyond the format (see the module's docstring)."""
+
+    cut: int  # the first collective (slot) not recorded; 0: the trace is whole
+    unrecorded: int  # collectives issued after the cut
+    errno: int  # the first write error (0: none)
+    lost: int  # LOST_* bits
+    exit: int  # 0, EXIT_RETURNED or EXIT_FAILED
+    code: int  # the exit code, modulo 256
+
+    @property
+    def lost_names(self) -> list[str]:
+        return [name for bit, name in LOST_NAMES.items() if self.lost & bit]
+
+
+def read_state(data: bytes) -> HeaderState | None:
+    """The header's state, or None when ``data`` has no distcheck header."""
+    if read_header(data) is None:
+        return None
+    return HeaderState(*STATE.unpack_from(data, STATE_OFFSET))
+
+
+def write_failure(errno_value: int | None) -> str:
+    """Why a rank's file could not be written, for a report: ``the report directory's file system was full``."""
+    if errno_value in (errno.ENOSPC, None, 0):
+        return "the report directory's file system was full" if errno_value else \
+            "the report directory's file system refused the write"
+    if errno_value == errno.EDQUOT:
+        return "the report directory's disk quota was exceeded"
+    if errno_value == errno.EIO:
+        return "the report directory's file system failed (I/O error)"
+    return f"writing into the report directory failed ({os.strerror(errno_value)})"
 
 
 def iter_records(data: bytes) -> Iterator[Record]:
@@ -91,18 +157,21 @@ def written(path: str | os.PathLike) -> int:
 
 def progress(path: str | os.PathLike) -> int:
     """A counter that grows whenever a collective starts or the latest one completes: the watch loop's progress
-    token (a rank that finished a long collective and now computes has progressed). -1: no file."""
-    used, last_ended = _scan(path)
-    return -1 if used < 0 else 2 * used + last_ended
+    token (a rank that finished a long collective and now computes has progressed). Once a full file system stopped
+    the records, the header's count of unrecorded collectives keeps it growing. -1: no file."""
+    used, last_ended, unrecorded = _scan(path)
+    return -1 if used < 0 else 2 * used + last_ended + unrecorded
 
 
-def _scan(path: str | os.PathLike) -> tuple[int, int]:
-    """(slots in use, 1 when the last one's t_end is set)."""
+def _scan(path: str | os.PathLike) -> tuple[int, int, int]:
+    """(slots in use, 1 when the last one's t_end is set, collectives issued after records stopped)."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
-        return -1, 0
+        return -1, 0, 0
     try:
+        head = os.pread(fd, UNRECORDED_OFFSET + UNRECORDED.size, 0)
+        unrecorded = UNRECORDED.unpack_from(head, UNRECORDED_OFFSET)[0] if len(head) == SIZE - 4 else 0
         slots = os.fstat(fd).st_size // SIZE
         lo, hi = 1, slots  # the first zero slot is in [lo, hi]
         while lo < hi:
@@ -113,7 +182,7 @@ def _scan(path: str | os.PathLike) -> tuple[int, int]:
                 hi = mid
         used = lo - 1
         ended = used > 0 and os.pread(fd, END_TIME.size, used * SIZE + END_OFFSET).strip(b"\0") != b""
-        return used, int(ended)
+        return used, int(ended), unrecorded
     finally:
         os.close(fd)
 

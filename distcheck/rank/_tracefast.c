@@ -10,7 +10,9 @@ store the start word and time into the memory map. It returns the slot (negative
 GPU), the key when the cache misses (the Python path describes the call and caches it under that key), the
 ``nested`` marker when a traced call is already on the stack, or None whenever anything is not the common case (a
 file not classified yet, a list argument, a full map, an error): the Python path then handles the call from
-scratch, so every rule stays written once, in tracer.py.
+scratch, so every rule stays written once, in tracer.py. Once ``Log.stop()`` was called (the report directory's file
+system refused more blocks for the map), ``begin`` only counts the call in the header and returns ``nested``, so an
+unrecorded collective costs less than a recorded one.
 
 The key built here must equal the Python path's key, element by element (the two share one cache):
 (id(code), f_lasti, for each positional argument: shape, dtype[, is_cuda] of an exact Tensor, else the value; for
@@ -33,6 +35,7 @@ tests/unit/test_tracer.py checks that both paths find each other's entries.
 #define RECORD_SIZE 24
 #define START_TIME_OFFSET 8
 #define END_OFFSET 16
+#define UNRECORDED_OFFSET 16 /* in the header slot: a u32 count of collectives issued after recording stopped */
 
 static PyObject *str_shape, *str_dtype, *str_is_cuda, *getframe, *one;
 
@@ -56,6 +59,7 @@ typedef struct {
     PyObject *internal;  /* dict: file name -> True when not the user's code (filled by the Python path) */
     PyObject *tensor;    /* torch.Tensor */
     int gpu_build;       /* key tensors' is_cuda too (a CUDA or ROCm build of torch) */
+    int stopped;         /* recording stopped (a full file system): only count calls */
     unsigned long long next_slot;
 } LogObject;
 
@@ -78,6 +82,7 @@ static int Log_init(LogObject *self, PyObject *args, PyObject *Py_UNUSED(kwds)) 
     Py_XSETREF(self->internal, internal);
     Py_XSETREF(self->tensor, tensor);
     self->gpu_build = gpu_build;
+    self->stopped = 0;
     self->next_slot = 1; /* slot 0 is the header */
     return 0;
 }
@@ -117,9 +122,32 @@ static PyObject *Log_end(LogObject *self, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
+/* stop(): recording stopped for good (tracer.py could not allocate more of the file); begin only counts calls. */
+static PyObject *Log_stop(LogObject *self, PyObject *Py_UNUSED(ignored)) {
+    self->stopped = 1;
+    Py_RETURN_NONE;
+}
+
+/* One more collective issued after recording stopped: the header's counter, the watch loop's progress. */
+static void count_unrecorded(LogObject *log) {
+    Py_buffer view;
+    if (PyObject_GetBuffer(log->mm, &view, PyBUF_WRITABLE) < 0) {
+        PyErr_Clear();
+        return;
+    }
+    if (view.len >= UNRECORDED_OFFSET + 4) {
+        uint32_t n;
+        memcpy(&n, (char *)view.buf + UNRECORDED_OFFSET, 4);
+        n++;
+        memcpy((char *)view.buf + UNRECORDED_OFFSET, &n, 4);
+    }
+    PyBuffer_Release(&view);
+}
+
 static PyMethodDef Log_methods[] = {
     {"claim", (PyCFunction)Log_claim, METH_NOARGS, "The next free record slot."},
     {"end", (PyCFunction)Log_end, METH_O, "Store the end time (now) into a slot's record."},
+    {"stop", (PyCFunction)Log_stop, METH_NOARGS, "Stop recording: begin() then only counts calls."},
     {NULL}};
 
 TYPE(LogType, "Log", LogObject, Log_init, Log_dealloc, Log_methods);
@@ -262,6 +290,10 @@ static PyObject *Recorder_begin(RecorderObject *self, PyObject *const *argv, Py_
         PyErr_SetString(PyExc_TypeError, "begin(args: tuple, kwargs: dict)");
         return NULL;
     }
+    if (self->log->stopped) { /* nothing more reaches the file: the op runs untraced, counted */
+        count_unrecorded(self->log);
+        return Py_NewRef(self->nested);
+    }
     /* sys._getframe(1) from here is the wrapper's caller, and it materializes that frame only (PyEval_GetFrame
        would also make a frame object for the wrapper, on every call). */
     PyObject *frame = PyObject_CallOneArg(getframe, one);
@@ -378,7 +410,8 @@ PyMODINIT_FUNC PyInit__tracefast(void) {
         PyModule_AddObject(m, "Recorder", (PyObject *)&RecorderType) < 0 ||
         PyModule_AddIntConstant(m, "RECORD_SIZE", RECORD_SIZE) < 0 ||
         PyModule_AddIntConstant(m, "START_TIME_OFFSET", START_TIME_OFFSET) < 0 ||
-        PyModule_AddIntConstant(m, "END_OFFSET", END_OFFSET) < 0) {
+        PyModule_AddIntConstant(m, "END_OFFSET", END_OFFSET) < 0 ||
+        PyModule_AddIntConstant(m, "UNRECORDED_OFFSET", UNRECORDED_OFFSET) < 0) {
         Py_DECREF(m);
         return NULL;
     }

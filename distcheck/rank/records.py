@@ -13,7 +13,9 @@ Outside ``distcheck run``/``compare`` every call returns after one cached check 
 DISTCHECK_REPORT_DIR, which distcheck sets in each rank). Under distcheck each rank appends the raw bytes of the
 values to ``<report_dir>/records-rank<R>.bin`` and one JSON line per record to ``records-rank<R>.jsonl``, both with
 unbuffered ``os.write`` on O_APPEND descriptors: the data goes first, the index line last, so a rank that crashes
-or is killed keeps every record whose index line was written and never indexes half-written data.
+or is killed keeps every record whose index line was written and never indexes half-written data. A write the file
+system refuses (full, quota, I/O error) never reaches the script: recording stops there for good (the records stay
+a prefix), the rank says so once on stderr, and its trace header keeps it for the report.
 
 Keyword-only extras of :func:`record` (not part of the public ``distcheck.record`` signature):
 
@@ -35,7 +37,9 @@ lines carry ``"auto": true``; the analysis drops them when the script records an
 """
 from __future__ import annotations
 
+import errno
 import json
+import logging
 import os
 from typing import Any
 
@@ -51,6 +55,8 @@ AUTO_LOSS, AUTO_PARAMS = files.AUTO_LOSS, files.AUTO_PARAMS
 # Wrapper prefixes that differ between world sizes (DDP only when distributed, torch.compile, FSDP1, activation
 # checkpointing): stripped from parameter names so the 1-rank and N-rank module records line up.
 _WRAPPER_PARTS = ("module", "_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module")
+
+log = logging.getLogger("distcheck")
 
 _decided = False
 _recorder: _Recorder | None = None
@@ -134,6 +140,7 @@ class _Recorder:
         self._offset = os.fstat(self._data_fd).st_size
         self._seq = 0
         self._steps: dict[str, int] = {}
+        self._failed = False  # a write failed: nothing more is recorded
 
     def close(self) -> None:
         for fd in (self._data_fd, self._index_fd):
@@ -165,6 +172,31 @@ class _Recorder:
     def add(self, name: str, value: Any, step: int | None, rtol: float | None, atol: float | None,
             replicated: bool | None, auto: bool = False,
             site: tuple[str | None, int | None] | None = None) -> None:
+        if self._failed:  # a prefix, not a sieve: after a lost record nothing later is indexed
+            return
+        start = self._offset
+        try:
+            self._add(name, value, step, rtol, atol, replicated, auto, site)
+        except OSError as exc:
+            self._fail(name, start, exc)
+
+    def _fail(self, name: str, start: int, exc: OSError) -> None:
+        """A write failed (a full disk): give back the record's half-written data and stop recording."""
+        from distcheck.contract.trace_records import LOST_RECORDS, write_failure
+        from distcheck.rank.tracer import note_lost
+
+        self._failed = True
+        try:
+            os.ftruncate(self._data_fd, start)
+        except OSError:
+            pass
+        self._offset = start
+        note_lost(LOST_RECORDS, exc)
+        log.warning("%s (%s): distcheck.record(%r) and every later record are not recorded; the script goes on",
+                    write_failure(exc.errno), exc.strerror or exc, name)
+
+    def _add(self, name: str, value: Any, step: int | None, rtol: float | None, atol: float | None,
+             replicated: bool | None, auto: bool, site: tuple[str | None, int | None] | None) -> None:
         import torch
 
         if step is None:
@@ -205,5 +237,9 @@ class _Recorder:
             here = caller_site()
             site = (here.file, here.line)
         entry["file"], entry["line"] = site
+        line = (json.dumps(entry) + "\n").encode()
+        n = os.write(self._index_fd, line)
+        if n < len(line):  # half an index line: the disk filled under it; take it back
+            os.ftruncate(self._index_fd, os.fstat(self._index_fd).st_size - n)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         self._seq += 1
-        os.write(self._index_fd, (json.dumps(entry) + "\n").encode())

@@ -28,7 +28,9 @@ Each call records a ``start`` before the call and an ``end`` when the op complet
 
 Each collective is one 24-byte record stored into a shared memory map of ``<report_dir>/trace-rank<R>.bin``
 (contract/trace_records.py): its start is stored before the call, its end time into the same record when the op
-completes; plain memory writes, no system call, and the kernel keeps the pages of a SIGKILLed rank. What each
+completes; plain memory writes, no system call, and the kernel keeps the pages of a SIGKILLed rank. The map only
+ever covers blocks allocated beforehand, so a full report file system stops the recording (see _EventLog), never
+the rank with a SIGBUS. What each
 distinct call looks like (op, group, shapes, dtypes, the user's call site) is written once, as a ``sig`` JSON line in
 ``trace-rank<R>.jsonl`` next to the meta, error and exit lines. ``bench/bench_trace.py`` measures the cost per
 collective on a no-op process group (README, "Performance").
@@ -41,6 +43,7 @@ here. ``DISTCHECK_TRACE_HOT_PATH=python`` leaves the C path out; the meta line n
 from __future__ import annotations
 
 import collections
+import errno
 import functools
 import inspect
 import itertools
@@ -71,8 +74,9 @@ ENV_HOT_PATH = "DISTCHECK_TRACE_HOT_PATH"  # "python": leave the C path out (to 
 if os.environ.get(ENV_HOT_PATH, "").strip().lower() == "python":
     _tracefast = None
 # A C path built from an older layout (a stale build next to a newer tracer) would store records at the wrong place.
-if _tracefast is not None and (_tracefast.RECORD_SIZE, _tracefast.START_TIME_OFFSET, _tracefast.END_OFFSET) != (
-        records.SIZE, records.START_TIME_OFFSET, records.END_OFFSET):
+if _tracefast is not None and (_tracefast.RECORD_SIZE, _tracefast.START_TIME_OFFSET, _tracefast.END_OFFSET,
+                               getattr(_tracefast, "UNRECORDED_OFFSET", None)) != (
+        records.SIZE, records.START_TIME_OFFSET, records.END_OFFSET, records.UNRECORDED_OFFSET):
     _tracefast = None
 
 log = logging.getLogger("distcheck")
@@ -98,20 +102,40 @@ _CACHE_LIMIT = 4096  # distinct call signatures kept; dynamic shapes must not gr
 
 class _JsonLines:
     """``trace-rank<R>.jsonl``: what does not repeat (meta, sig, error, exit lines), one O_APPEND write each, so
-    lines from several threads never interleave and a killed rank keeps every line it wrote."""
+    lines from several threads never interleave and a killed rank keeps every line it wrote.
+
+    A write the file system refuses (full, quota, I/O error) is dropped and told to ``on_lost`` (the record file's
+    header keeps it): a full disk must not break the user's training. Half a line written when the disk filled is
+    taken back, so the next line that fits stays readable."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_TRUNC, 0o644)
+        self.on_lost: Callable[[int], None] | None = None
+        self._lock = threading.Lock()  # only around a write: rare lines, never per collective
 
     def write(self, record: dict[str, Any]) -> None:
         fd = self.fd
         if fd < 0:
             return
-        try:
-            os.write(fd, (json.dumps(record, separators=(",", ":"), default=str) + "\n").encode())
-        except OSError:
-            pass  # a full disk must not break the user's training
+        data = (json.dumps(record, separators=(",", ":"), default=str) + "\n").encode()
+        with self._lock:
+            try:
+                n = os.write(fd, data)
+            except OSError as exc:
+                self._lost(exc.errno)
+                return
+            if n < len(data):  # the disk filled mid-line: cut the half line (no other thread appends meanwhile)
+                try:
+                    os.ftruncate(fd, max(0, os.fstat(fd).st_size - n))
+                except OSError:
+                    pass
+                self._lost(errno.ENOSPC)
+
+    def _lost(self, err: int | None) -> None:
+        on_lost = self.on_lost
+        if on_lost is not None:
+            on_lost(err or 0)
 
     def close(self) -> None:
         fd, self.fd = self.fd, -1
@@ -119,29 +143,143 @@ class _JsonLines:
             os.close(fd)
 
 
+# What the trace leaves free of its file system (_EventLog._allocate): a tenth of it, at most 64 MiB.
+RESERVE_FRACTION = 0.1
+RESERVE_MAX = 64 << 20
+
+
+class _NotRecorded(Exception):
+    """Recording stopped (the file system refused more blocks): the wrapper calls the op untraced."""
+
+
 class _EventLog:
     """``trace-rank<R>.bin``: one fixed-size record per collective, stored into a shared memory map (the hot path
-    stores into ``mm`` itself; these methods are for the rest)."""
+    stores into ``mm`` itself; these methods are for the rest).
+
+    The map never covers a page the file system has not allocated: every segment is ``posix_fallocate``d first, so
+    a full disk is an ``OSError`` here, never a SIGBUS on the hot path's store. When no more blocks can be had (down
+    to one page), recording stops for good: the header says from which collective on (``cut``) and why, the C path
+    is told to skip recording (``stop``), and collectives issued from then on only bump the header's ``unrecorded``
+    counter, which keeps the watch loop's progress moving (contract/trace_records.py)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-        self.cap = records.SEGMENT_RECORDS * records.SIZE
-        os.ftruncate(self._fd, self.cap)
-        self.mm = mmap.mmap(self._fd, self.cap)
-        self.mm[:records.SIZE] = records.header(files.FORMAT)
         # The next free slot; atomic under the GIL, so threads never share one. The C path swaps in its own
-        # counter (Tracer.__init__), which both paths then claim from.
+        # counter (attach), which both paths then claim from.
         self.claim: Callable[[], int] = itertools.count(1).__next__
         self._lock = threading.Lock()
         self._closed = False
+        self.stopped = False  # the file system refused more blocks: nothing is recorded any more
+        self._stop_fast: Callable[[], None] | None = None  # the C path's Log.stop
+        self.cap = self._allocate(0, records.SEGMENT_RECORDS * records.SIZE)  # bytes allocated and mapped
+        if self.cap:
+            self.mm = mmap.mmap(self._fd, self.cap)
+        else:  # not even a page: the hot path still needs a map; nothing of it reaches the file
+            self.mm = mmap.mmap(-1, records.SIZE)
+        self.mm[:records.SIZE] = records.header(files.FORMAT)
+        if not self.cap:
+            self._stop(1, self._error)
+
+    def attach(self, fast: Any) -> None:
+        """Share the slot counter with the C path's Log and let it know when recording stops."""
+        self.claim = fast.claim
+        self._stop_fast = fast.stop
+        if self.stopped:
+            fast.stop()
+
+    def _allocate(self, offset: int, want: int) -> int:
+        """Allocate up to ``want`` bytes of the file from ``offset``: a whole segment, else the most a nearly full
+        file system still gives (halving down to one page of records). The bytes allocated; 0 with ``_error``.
+
+        The trace never takes the file system's last bytes: it leaves RESERVE_FRACTION of it (at most
+        RESERVE_MAX) to everything else (the other ranks' start-up files, the automatic-check state, stack dumps,
+        the report itself), and takes at most half of what is left above that at a time, so ranks share it."""
+        least = records.MIN_SEGMENT_RECORDS * records.SIZE
+        self._error: OSError | None = None
+        room = want  # unknown (no statvfs, or a file system that reports no size): fallocate's answer decides
+        try:
+            fs = os.fstatvfs(self._fd)
+            if fs.f_blocks:
+                room = fs.f_bavail * fs.f_frsize - min(RESERVE_MAX,
+                                                       int(fs.f_blocks * fs.f_frsize * RESERVE_FRACTION))
+        except OSError:
+            pass
+        if room < least:
+            self._error = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            return 0
+        size = want if room >= 2 * want else max(least, room // 2 // records.SIZE * records.SIZE)
+        while True:
+            try:
+                _fallocate(self._fd, offset, size)
+                return size
+            except OSError as exc:
+                self._error = exc
+                if exc.errno not in (errno.ENOSPC, errno.EDQUOT) or size <= least:
+                    return 0
+                size = max(least, size // 2 // records.SIZE * records.SIZE)
 
     def grow(self, offset: int) -> None:
-        """Make room for a record at ``offset`` (the map is grown a segment at a time, so this is rare)."""
+        """Make room for a record at ``offset`` (the map is grown a segment at a time, so this is rare); raise
+        _NotRecorded when recording has stopped (then the collective is only counted)."""
         with self._lock:
-            while offset >= self.cap and not self._closed:
-                self.cap += records.SEGMENT_RECORDS * records.SIZE
-                self.mm.resize(self.cap)
+            while offset + records.SIZE > self.cap and not self._closed and not self.stopped:
+                got = self._allocate(self.cap, records.SEGMENT_RECORDS * records.SIZE)
+                if got:
+                    try:
+                        self.mm.resize(self.cap + got)
+                    except (OSError, ValueError, BufferError, SystemError) as exc:
+                        self._error = exc if isinstance(exc, OSError) else None
+                        got = 0
+                if not got:
+                    self._stop(offset // records.SIZE, self._error)
+                    break
+                self.cap += got
+            if offset + records.SIZE > self.cap:
+                if self.stopped:
+                    self._count_unrecorded()
+                raise _NotRecorded()
+
+    def _stop(self, slot: int, exc: BaseException | None) -> None:
+        """Recording stops at ``slot`` (under the lock, or before anyone else has the log): said once, kept in
+        the header."""
+        self.stopped = True
+        if self._stop_fast is not None:
+            self._stop_fast()
+        err = getattr(exc, "errno", None) or 0
+        try:
+            records.CUT.pack_into(self.mm, records.CUT_OFFSET, slot)
+            if not self.mm[records.ERRNO_OFFSET]:
+                records.BYTE.pack_into(self.mm, records.ERRNO_OFFSET, err & 0xFF)
+        except (ValueError, struct.error):
+            pass
+        log.warning("%s (%s): collectives from #%d on are not recorded; the script goes on untraced",
+                    records.write_failure(err), getattr(exc, "strerror", None) or exc or "no space", slot)
+
+    def _count_unrecorded(self) -> None:
+        try:
+            n = records.UNRECORDED.unpack_from(self.mm, records.UNRECORDED_OFFSET)[0]
+            records.UNRECORDED.pack_into(self.mm, records.UNRECORDED_OFFSET, (n + 1) & 0xFFFFFFFF)
+        except (ValueError, struct.error):
+            pass
+
+    def lost(self, bit: int, err: int) -> None:
+        """Another per-rank file lost a write (records.LOST_* ``bit``): kept in the header for the report."""
+        try:
+            if not self.mm[records.LOST_OFFSET] & bit:
+                records.BYTE.pack_into(self.mm, records.LOST_OFFSET, self.mm[records.LOST_OFFSET] | bit)
+            if not self.mm[records.ERRNO_OFFSET]:
+                records.BYTE.pack_into(self.mm, records.ERRNO_OFFSET, err & 0xFF)
+        except (ValueError, struct.error):
+            pass
+
+    def exited(self, ok: bool, code: int) -> None:
+        """How the script ended, also where a full disk cannot lose it (the exit line may be lost)."""
+        try:
+            records.EXIT.pack_into(self.mm, records.EXIT_OFFSET,
+                                   records.EXIT_RETURNED if ok else records.EXIT_FAILED, int(code) & 0xFF)
+        except (ValueError, struct.error, TypeError):
+            pass
 
     def end(self, eid: int, t: float, issued: bool = False) -> None:
         """Mark collective ``eid`` (its slot) completed at ``t``, or only issued then."""
@@ -150,7 +288,7 @@ class _EventLog:
             if issued:  # before the time: a reader takes the flag only once the time is there
                 records.FLAG.pack_into(self.mm, offset + records.FLAGS_OFFSET, records.ISSUED)
             records.END_TIME.pack_into(self.mm, offset + records.END_OFFSET, t)
-        except (ValueError, OSError):  # closed under a late completion: tracing must not break training
+        except (ValueError, OSError, struct.error):  # closed under a late completion: tracing must not break training
             pass
 
     def close(self) -> None:
@@ -169,6 +307,27 @@ class _EventLog:
             except OSError:
                 pass
             os.close(self._fd)
+
+
+def _fallocate(fd: int, offset: int, length: int) -> None:
+    """Allocate the file's blocks (a file system without fallocate gets them written as zeros instead)."""
+    try:
+        os.posix_fallocate(fd, offset, length)
+    except OSError as exc:
+        if exc.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+            raise
+        zeros = bytes(min(length, 1 << 20))
+        done = 0
+        while done < length:
+            done += os.pwrite(fd, zeros[:length - done], offset + done)
+
+
+def note_lost(bit: int, exc: OSError) -> None:
+    """A per-rank file other than the trace lost a write (records, findings, automatic-check state; ``bit``: a
+    trace_records.LOST_* value): kept in this rank's trace header, so the report can say what is missing."""
+    tracer = _tracer
+    if tracer is not None:
+        tracer.events.lost(bit, exc.errno or 0)
 
 
 class _CudaCompletions:
@@ -311,13 +470,14 @@ class Tracer:
         self.path = trace_path(report_dir, rank)
         self.writer = _JsonLines(self.path)
         self.events = _EventLog(files.rank_file(report_dir, "trace_events", rank))
+        self.writer.on_lost = functools.partial(self.events.lost, records.LOST_LINES)
         # Without a CUDA (or ROCm) build no tensor is on the GPU: keys leave the device out (~60 ns a tensor).
         self._gpu_build = torch.version.cuda is not None or getattr(torch.version, "hip", None) is not None
         self._internal: dict[str, bool] = {}  # file name -> not the user's code (usersite's one rule, cached)
         self._fast = None if _tracefast is None else _tracefast.Log(self.events.mm, self._internal, torch.Tensor,
                                                                     self._gpu_build)
         if self._fast is not None:
-            self.events.claim = self._fast.claim
+            self.events.attach(self._fast)
         self.writer.write({"ev": "meta", files.FORMAT_KEY: files.FORMAT, "rank": rank, "pid": os.getpid(),
                            "ppid": agent_pid(), "t": time.time(), "argv": list(sys.argv),
                            "torch": torch.__version__, "hot_path": "python" if self._fast is None else "c"})
@@ -719,6 +879,7 @@ class Tracer:
         if record.get("ev") == "exit":  # the script is over: record the ends of GPU collectives still in flight
             self.completions.drain(timeout=1.0)
             flight_recorder.final_dump("exit")  # before the exit line: a reader that sees the exit finds the ring
+            self.events.exited(bool(record.get("ok")), record.get("code") or 0)  # kept even when the line is lost
         record.setdefault("t", time.time())
         self.writer.write(record)
 

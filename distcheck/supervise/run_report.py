@@ -82,7 +82,38 @@ def build_report(report_dir: Path, command: str, world_size: int, traces: dict[i
                      for r, o in sorted(outcomes.items())}
     return Report(command=command, world_size=world_size, findings=findings, checks=checks, artifacts=artifacts,
                   data={"ranks": outcomes_json, "collectives": {str(r): p.started for r, p in progress.items()}},
-                  warnings=list(warnings or []))
+                  warnings=list(warnings or []) + incomplete_notes(traces))
+
+
+def incomplete_notes(traces: dict[int, RankTrace]) -> list[Note]:
+    """One warning per rank whose files a full (or failing) report file system cut short: from which collective on
+    its trace holds nothing, and which other files lost writes. A warning, not a finding: the script did nothing
+    wrong, and what was recorded was checked as usual (a cut trace is compared as far as it goes)."""
+    notes: list[Note] = []
+    for r, trace in sorted(traces.items()):
+        gap = trace.incomplete
+        if gap is None:
+            continue
+        detail: dict[str, Any] = {"from_collective": gap.from_id, "errno": gap.errno, "reason": gap.reason,
+                                  "unrecorded": gap.unrecorded, "lost": list(gap.lost)}
+        last = next((e for e in reversed(trace.events) if not e.extra.get("untraced")), None)
+        if last is not None:
+            detail["last_recorded"] = last.to_json()
+        if gap.from_id is not None:
+            kind = "trace_incomplete"
+            message = f"trace of rank {r} is incomplete from collective #{gap.from_id} on: {gap.reason}"
+            if gap.unrecorded:
+                message += f" ({gap.unrecorded} later collective{'s' if gap.unrecorded != 1 else ''} not recorded)"
+            message += "; collectives from there on were not compared"
+            lost = [name for name in gap.lost if not name.startswith("trace lines")]
+        else:
+            kind = "files_incomplete"
+            message = f"rank {r} could not write everything into the report directory ({gap.reason})"
+            lost = list(gap.lost)
+        if lost:
+            message += f"; {'also ' if gap.from_id is not None else ''}lost: {', '.join(lost)}"
+        notes.append(Note(kind, [r], message, detail))
+    return notes
 
 
 def add_stderr_tails(report_dir: Path, findings: list[Finding], traces: dict[int, RankTrace] | None = None) -> None:
@@ -182,12 +213,21 @@ def outcomes_from_exits(exits: dict, traces: dict[int, RankTrace],
         if own is not None and not (own.state == STATE_OK and ex.returncode not in (0, None)):
             own.exit_code = ex.returncode
             outcomes[r] = own
-        elif ex.returncode == 0:
+        elif ex.returncode == 0 and not ended_unfinished(trace):
             outcomes[r] = RankOutcome(r, STATE_OK, exit_code=0)
         else:
             err = trace.errors[-1] if trace is not None and trace.errors else None
             outcomes[r] = RankOutcome(r, STATE_ERROR if err else STATE_DIED, ex.returncode, ex.signal, err)
     return outcomes, notes
+
+
+def ended_unfinished(trace: RankTrace | None) -> bool:
+    """The rank started its script (its meta line) but ended without its exit record, which the tracer writes when
+    the script returns or raises: os._exit() or a signal ended it, whatever its exit code says. Where even the
+    record file's header could not be written (a full disk from the start), that cannot be told: not unfinished."""
+    if trace is None or not trace.meta or trace.finished is not None:
+        return False
+    return trace.exit_recordable or trace.incomplete is None
 
 
 def _all_ended(progress: RankProgress) -> bool:

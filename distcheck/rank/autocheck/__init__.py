@@ -129,8 +129,13 @@ class AutoCheck:
 
         try:
             atomic_write(state_path(self.out_dir, self.rank), json.dumps(self.state()) + "\n")
-        except OSError as exc:
-            log.warning("distcheck: cannot write %s: %s", state_path(self.out_dir, self.rank), exc)
+        except OSError as exc:  # a full disk: the report says what is missing (the trace header keeps it)
+            from distcheck.contract.trace_records import LOST_AUTOCHECK
+            from distcheck.rank.tracer import note_lost
+
+            note_lost(LOST_AUTOCHECK, exc)
+            log.warning("distcheck: cannot write %s: %s", state_path(self.out_dir, self.rank).name,
+                        exc.strerror or exc)
 
     def finish(self) -> None:
         self.nan.finish(self.steps_done, self.counter)
