@@ -158,6 +158,10 @@ def find_divergences(traces: dict[int, RankTrace], outcomes: dict[int, RankOutco
     for key, seq in _collectives_by_group(traces).items():
         per_rank = seq.per_rank
         members = tuple(seq.members) or tuple(sorted(per_rank))
+        if key.startswith("untraced:"):
+            # A rank whose ring was never dumped (killed, aborted, stuck holding the GIL) did not issue nothing:
+            # what it issued is unknown. Only ranks with a dump are compared.
+            members = tuple(r for r in members if traces.get(r) is not None and traces[r].flight_dumped)
         longest = max((len(v) for v in per_rank.values()), default=0)
         found: Divergence | None = None
         for i in range(longest):

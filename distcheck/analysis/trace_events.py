@@ -129,6 +129,9 @@ class RankTrace:
     # The record file has its header, which holds the exit even when the exit line was lost: a trace without
     # either ended before its script did. False: no record file, or not even its first page could be written.
     exit_recordable: bool = False
+    # Whether its Flight Recorder ring was dumped (analysis/flight_recorder.py): without one, what Python never
+    # called is unknown for this rank, not absent, and its untraced sequences are not compared.
+    flight_dumped: bool = False
 
 
 def _pg_tuple(value: Any) -> tuple[int, ...]:
@@ -323,6 +326,7 @@ def load_traces(report_dir: str | os.PathLike) -> dict[int, RankTrace]:
     dumps = {rank: flight_recorder.load_dump(report_dir, rank) for rank in traces}
     floor = flight_recorder.common_floor(dumps)
     for rank, trace in traces.items():
+        trace.flight_dumped = dumps[rank] is not None
         trace.events = flight_recorder.merge(trace.events, _recorded_part(trace, dumps[rank]), TraceEvent,
                                              since=float(trace.meta.get("t", 0.0)), floor=floor)
     return traces

@@ -337,9 +337,13 @@ class _CudaCompletions:
 
     POLL_S = 0.002
 
-    def __init__(self, write_end: Callable[[int, float], None], new_event: Callable[[], Any]) -> None:
+    def __init__(self, write_end: Callable[[int, float], None], new_event: Callable[[], Any],
+                 sig_of: Callable[[int], int] | None = None) -> None:
         self._write_end = write_end
         self._new_event = new_event
+        # Sigs whose end NCCL's own ring records (Tracer._new_sig): their records stay open, no event of ours.
+        self.ring_sigs: set[int] = set()
+        self._sig_of = sig_of
         self._free: list[Any] = []  # events are reused: creating one per collective would cost more than the op
         self._pending: collections.deque[tuple[int, Any]] = collections.deque()
         self._wake = threading.Event()
@@ -347,6 +351,8 @@ class _CudaCompletions:
         self._stopped = False
 
     def add(self, eid: int) -> None:
+        if self.ring_sigs and self._sig_of is not None and self._sig_of(eid) in self.ring_sigs:
+            return  # left open: the analysis stores the ring's end into it (analysis/flight_recorder.py)
         event = self._free.pop() if self._free else self._new_event()
         event.record()
         self._pending.append((eid, event))
@@ -487,7 +493,11 @@ class Tracer:
         self._backends: dict[str | None, str] = {}  # group name -> "nccl", "gloo", ...
         self._traced_code: Any = None  # the code object every wrapper shares (see _user_frame)
         self._patched: list[tuple[Any, str, Any]] = []
-        self.completions = _CudaCompletions(self._write_end, lambda: torch.cuda.Event())
+        self.completions = _CudaCompletions(self._write_end, lambda: torch.cuda.Event(), self._sig_of)
+
+    def _sig_of(self, eid: int) -> int:
+        """The sig a record names (its start word's high half)."""
+        return records.START_RECORD.unpack_from(self.events.mm, eid * records.SIZE)[0] >> 32
 
     def _write_end(self, eid: int, t: float) -> None:
         self.events.end(eid, t)
@@ -648,13 +658,13 @@ class Tracer:
         else:
             event.update(site=None, file=None, line=None)
         cuda = event.pop("cuda", False)
-        if cuda and self._backends.get(event.get("pg_name")) == "nccl" and flight_recorder.ring_kept():
+        sig = next(self._sig_ids)
+        if cuda and "nccl" in self._backends.get(event.get("pg_name"), "") and flight_recorder.ring_kept():
             # NCCL's own Flight Recorder ring records when each op completed (its watchdog queries the events
             # ProcessGroupNCCL records anyway); an event of ours cost 10 to 50 µs per collective on an H100
-            # (README, "GPU"). The analysis takes the end from the ring (analysis/flight_recorder.py).
-            cuda = False
+            # (README, "GPU"). The record stays open; the analysis stores the ring's end into it.
+            self.completions.ring_sigs.add(sig)
             event["completion"] = "flight_recorder"
-        sig = next(self._sig_ids)
         self.writer.write({"ev": "sig", "sig": sig, **event})
         # A functional collective's end is when it was issued: its completion is only seen by wait_tensor.
         return records.start_word(sig, records.ISSUED if funcol else 0), cuda

@@ -4,7 +4,7 @@ issued, who issued it, the user's line and the fix; the peer's lost connection i
 from __future__ import annotations
 
 from distcheck.analysis.trace_align import (STATE_DIED, STATE_ERROR, STATE_HUNG, STATE_OK, STATE_STOPPED,
-                                            RankOutcome, analyze_run)
+                                            RankOutcome, analyze_run, find_divergences)
 from distcheck.analysis.trace_events import RankError, RankTrace, TraceEvent
 
 GLOO_CLOSED = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer "
@@ -33,12 +33,12 @@ def ddp_steps(rank: int, steps: int, *, last_done: bool = True) -> list[TraceEve
 
 
 def finished(rank: int, events: list[TraceEvent]) -> RankTrace:
-    return RankTrace(rank, events, [], {}, {"ev": "exit", "ok": True})
+    return RankTrace(rank, events, [], {}, {"ev": "exit", "ok": True}, flight_dumped=True)
 
 
 def failed_with_lost_peer(rank: int, events: list[TraceEvent]) -> tuple[RankTrace, RankOutcome]:
     err = RankError(rank, "RuntimeError", GLOO_CLOSED, "Traceback ...", "train.py:27", "/w/train.py", 27, 200.0)
-    trace = RankTrace(rank, events, [err], {}, {"ev": "exit", "ok": False, "code": 1})
+    trace = RankTrace(rank, events, [err], {}, {"ev": "exit", "ok": False, "code": 1}, flight_dumped=True)
     return trace, RankOutcome(rank, STATE_ERROR, 1, error=err)
 
 
@@ -95,9 +95,18 @@ def test_equal_counts_are_silent():
 
 def test_a_rank_that_did_not_finish_is_not_short_by_itself():
     """Died or still running: it stopped early for its own reason, which its own finding says."""
-    traces = {0: RankTrace(0, ddp_steps(0, 4, last_done=False), [], {}, None), 1: RankTrace(1, ddp_steps(1, 3), [],
+    traces = {0: RankTrace(0, ddp_steps(0, 4, last_done=False), [], {}, None, flight_dumped=True), 1: RankTrace(1, ddp_steps(1, 3), [],
                                                                                           {}, None)}
     died = analyze_run(traces, {0: RankOutcome(0, STATE_STOPPED), 1: RankOutcome(1, STATE_DIED, -9, "SIGKILL")}, 2)
     assert [f.kind for f in died] == ["rank_failure"] and died[0].ranks == [1]
     hung = analyze_run(traces, {r: RankOutcome(r, STATE_HUNG) for r in (0, 1)}, 2, timeout=5)
     assert [f.kind for f in hung] == ["hang"]
+
+
+def test_a_rank_without_a_ring_dump_is_not_counted_as_having_issued_nothing():
+    """A rank killed or stuck holding the GIL never dumped its ring: its untraced collectives are unknown, not
+    absent (it must not be blamed for 0 DDP all-reduces)."""
+    traces = {0: finished(0, ddp_steps(0, 3)), 1: RankTrace(1, [e for e in ddp_steps(1, 3) if not e.extra.get("untraced")],
+                                                          [], {}, {"ev": "exit", "ok": True}, flight_dumped=False)}
+    outcomes = {r: RankOutcome(r, STATE_OK, 0) for r in traces}
+    assert find_divergences(traces, outcomes) == []

@@ -275,3 +275,18 @@ def test_the_innermost_open_phase_is_found_among_many():
     assert index.at(10.15)["kind"] == "ddp_forward" and index.at(10.3)["kind"] == "backward"
     assert index.at(10.7) is None and index.at(999.2)["t0"] == 999.0
     assert index.began_between(10.0, 10.15) and not index.began_between(10.2, 10.9)
+
+
+def test_a_synchronous_nccl_collective_is_left_open_for_the_ring():
+    """No CUDA event of distcheck's for a sig whose end NCCL's ring records (+53 us per collective on an H100):
+    the record stays open until the analysis stores the ring's end into it."""
+    created: list[int] = []
+
+    def new_event():
+        created.append(1)
+        raise AssertionError("no event may be made for a ring-completed collective")
+
+    completions = trace._CudaCompletions(lambda eid, t: None, new_event, sig_of=lambda eid: 7 if eid == 1 else 8)
+    completions.ring_sigs.add(7)
+    completions.add(1)
+    assert created == [] and completions.poll() == 0
