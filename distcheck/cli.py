@@ -16,6 +16,7 @@ import sys
 from typing import NoReturn, Sequence
 
 from distcheck.errors import UsageError
+from distcheck.supervise.signals import StopNow
 
 # The registry of commands, in the order of the contract (DESIGN.md). A command is listed when its module exists.
 COMMANDS = {
@@ -82,14 +83,14 @@ def join_negative_values(argv: list[str]) -> list[str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     typed = list(sys.argv[1:] if argv is None else argv)
-    argv = join_negative_values(typed)
-    parser = build_parser(next((a for a in argv if not a.startswith("-")), None))
-    args = parser.parse_args(argv)
-    if not getattr(args, "command", None):
-        parser.print_help(sys.stderr)
-        return EXIT_USAGE
-    args.argv = typed  # report.json's "command": as the user typed it
     try:
+        argv = join_negative_values(typed)
+        parser = build_parser(next((a for a in argv if not a.startswith("-")), None))
+        args = parser.parse_args(argv)
+        if not getattr(args, "command", None):
+            parser.print_help(sys.stderr)
+            return EXIT_USAGE
+        args.argv = typed  # report.json's "command": as the user typed it
         return int(args._module.main(args))
     except UsageError as exc:
         sys.stderr.write(f"distcheck: error: {exc}\n")
@@ -97,6 +98,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         sys.stderr.write("distcheck: interrupted\n")
         return 130
+    except StopNow as exc:
+        # A second stop signal before the command could catch it itself (while parsing, importing, starting).
+        sys.stderr.write(f"distcheck: {exc}: no report was written\n")
+        return 1
 
 
 def command_line(argv: Sequence[str]) -> str:

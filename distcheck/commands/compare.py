@@ -98,20 +98,19 @@ def main(args: argparse.Namespace) -> int:
         raise UsageError("compare launches its own ranks (1, then N): run it with python -m distcheck compare, "
                          "not under torchrun")
     check_capacity(opts.nprocs, args.oversubscribe)
-    from distcheck.contract.report import render_text
+    from distcheck.commands.run import publish
     from distcheck.supervise.compare_runs import compare
     from distcheck.supervise.signals import StopNow, StopSignals
 
     try:
-        with StopSignals() as interrupt:
+        with StopSignals() as interrupt:  # installed by __main__ first thing; here when called otherwise
             report, report_dir = compare(opts, interrupt)
+            code = publish(report, report_dir, interrupt)
     except StopNow as stop:
         sys.stderr.write(f"distcheck: {stop}: the ranks were killed; no report was written\n")
         return 1
-    sys.stdout.write(render_text(report, report_dir))
-    sys.stdout.flush()
     nothing = next((c for c in report.checks if c.name == "records" and not c.ok), None)
     if nothing is not None:  # both runs completed and neither recorded anything: nothing was compared
         sys.stderr.write(f"distcheck: error: nothing to compare: {nothing.note}\n")
         return 2
-    return report.exit_code
+    return code

@@ -16,8 +16,9 @@ itself, even when ranks crash or hang. Under torchrun each rank runs distcheck/r
 report directory (one node, or a shared file system) and rank 0 writes the report once every rank has finished,
 failed, or stopped progressing (distcheck/supervise/torchrun_monitor.py).
 Exit codes: 0 no findings, 1 findings (also when SIGTERM/SIGINT/SIGHUP stopped the run: the report then says so,
-with every rank's stack; a second signal stops at once without a report), 2 bad input (missing script, not a
-Python file, bad options).
+with every rank's stack; a signal after every rank had finished stops nothing and is a warning; a second signal
+stops at once without a report: distcheck/supervise/signals.py), 2 bad input (missing script, not a Python file,
+bad options).
 """
 from __future__ import annotations
 
@@ -106,17 +107,53 @@ def main(args: argparse.Namespace) -> int:
         from distcheck.rank.entry import run_in_rank
 
         return run_in_rank(opts)
-    from distcheck.contract.report import render_text
     from distcheck.supervise.signals import StopNow, StopSignals
-    from distcheck.supervise.supervised_run import supervised_run
 
     try:
-        with StopSignals() as interrupt:
-            report, report_dir = supervised_run(opts, opts.nproc or 1, interrupt)
+        with StopSignals() as interrupt:  # installed by __main__ first thing; here when called otherwise
+            if interrupt.is_set():  # stopped while starting, before any rank was launched
+                report, report_dir = stopped_before_launch(opts, opts.nproc or 1, interrupt)
+            else:
+                from distcheck.supervise.supervised_run import supervised_run
+
+                report, report_dir = supervised_run(opts, opts.nproc or 1, interrupt)
+            return publish(report, report_dir, interrupt)
     except StopNow as stop:
         sys.stderr.write(f"distcheck: {stop}: the ranks were killed; no report was written (per-rank traces stay "
                          f"in the report directory)\n")
         return 1
+
+
+def stopped_before_launch(opts: RunOptions, nproc: int, interrupt) -> tuple:
+    """The report of a run stopped from outside before any rank was launched: a stop during start-up."""
+    from distcheck.contract import files
+    from distcheck.contract.findings import CheckResult
+    from distcheck.contract.report import Report, prepare_report_dir, write_report
+    from distcheck.supervise.signals import stop_finding
+
+    report_dir = prepare_report_dir(opts.report_dir).resolve()
+    files.remove_rank_files(report_dir, range(nproc))  # a reused report dir must not show an earlier run
+    finding = stop_finding(interrupt.cause, interrupt.after, range(nproc),
+                           "no rank was started, so none of the script ran")
+    report = Report(command=opts.command, world_size=nproc, findings=[finding],
+                    checks=[CheckResult("ranks_completed", False, 0.0,
+                                        note=f"stopped from outside by {interrupt.cause} during start-up")])
+    write_report(report, report_dir)
+    return report, report_dir
+
+
+def publish(report, report_dir: Path, interrupt) -> int:
+    """Print the report; a stop signal that stopped nothing (it came after every rank had finished, even while the
+    report was printed) is a warning in it (supervise/signals.settle), written again."""
+    from distcheck.contract.report import render_text, write_report
+    from distcheck.supervise.signals import settle
+
+    if settle(report, interrupt) and report.unwritten is None:
+        write_report(report, report_dir)
     sys.stdout.write(render_text(report, report_dir))
     sys.stdout.flush()
+    # It came while the report was printed: the files say so (unless they could not be written at all: then the
+    # report already went to stderr).
+    if settle(report, interrupt) and report.unwritten is None:
+        write_report(report, report_dir)
     return report.exit_code

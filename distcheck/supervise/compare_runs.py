@@ -18,7 +18,7 @@ from pathlib import Path
 from distcheck.contract.findings import CheckResult, Finding
 from distcheck.contract.report import Report, prepare_report_dir, write_report
 from distcheck.options import CompareOptions
-from distcheck.supervise.signals import Interrupt
+from distcheck.supervise.signals import Interrupt, stop_finding
 from distcheck.supervise.supervised_run import supervised_run
 
 REFERENCE_DIR = "reference"
@@ -62,6 +62,9 @@ def _second_look(opts: CompareOptions, report_dir: Path, nproc: int, auto_steps:
     captured: dict[int, dict[int, dict]] = {}
     started = time.monotonic()
     for n, sub in ((1, f"{REFERENCE_DIR}-module"), (nproc, f"nproc{nproc}-module")):
+        if interrupt is not None and interrupt.is_set():  # stopped from outside: no more runs
+            captured.setdefault(n, {})
+            continue
         run_dir = report_dir / sub
         run_dir.mkdir(parents=True, exist_ok=True)
         for path in files.rank_files(run_dir, "module_capture").values():
@@ -118,6 +121,9 @@ def compare(opts: CompareOptions, interrupt: Interrupt | None = None) -> tuple[R
         label = run_label(nproc, is_ref)
         if interrupt is not None and interrupt.is_set():
             checks.append(CheckResult(label, False, 0.0, note=f"not run: stopped from outside by {interrupt.cause}"))
+            if not any(f.detail.get("stopped_by") for f in findings):  # the signal stopped this run: say so once
+                findings.extend(_prefixed([stop_finding(interrupt.cause, interrupt.after, range(nproc),
+                                                        "it was never started")], label, nproc))
             completed[sub] = False
             loaded[sub] = {}
             continue

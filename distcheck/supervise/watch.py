@@ -30,12 +30,13 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from distcheck.contract import files
-from distcheck.contract.findings import Finding
-from distcheck.supervise.signals import Interrupt
+from distcheck.contract.findings import Finding, format_ranks
+from distcheck.supervise.signals import Interrupt, stop_finding
 
 log = logging.getLogger("distcheck")
 
 STOP_GRACE = 2.0  # seconds of idleness before asking whether the ranks can progress at all
+ENDING_GRACE = 1.0  # seconds a rank that wrote its exit line gets to end by itself when a stop signal comes
 STARTUP_TIMEOUT = 120.0  # the least time a rank gets to import torch and open its trace
 DONE, HUNG, STOPPED, INTERRUPTED, CANCELLED = "done", "hung", "stopped", "interrupted", "cancelled"
 
@@ -162,8 +163,26 @@ class WatchLoop:
                     log.warning("stopping the run: %s", reason)
                     return WatchResult(STOPPED, reason, seconds=time.monotonic() - started)
         if self.interrupt is not None and self.interrupt.cause:
-            return self._hang(time.monotonic() - started, started, cause=self.interrupt.cause)
+            return self._stopped(started, seen)
         return WatchResult(CANCELLED, seconds=time.monotonic() - started)
+
+    def _stopped(self, started: float, seen: set[int]) -> WatchResult:
+        """A stop signal from outside (supervise/signals.py has the rule). One that comes after every rank has
+        finished stops nothing: DONE, and the report notes the signal. Ranks that already wrote their exit line
+        are ending by themselves, so they get a moment (ENDING_GRACE) before anything is dumped or ended."""
+        cause = self.interrupt.cause if self.interrupt is not None else None
+        deadline = time.monotonic() + ENDING_GRACE
+        while True:
+            done = set(self.finished())
+            running = self.live()
+            seen.update(done, running)
+            if self._over(done, seen, running):
+                log.warning("%s came after every rank had finished: it stops nothing", cause)
+                return WatchResult(DONE, seconds=time.monotonic() - started)
+            if time.monotonic() >= deadline or not all(script_ended(self.report_dir, r) for r in running):
+                break
+            time.sleep(0.02)
+        return self._hang(time.monotonic() - started, started, cause=cause)
 
     def _hang(self, idle: float, started: float, cause: str | None = None) -> WatchResult:
         """Dump every live rank: for a hang (no progress for ``timeout``), or a stop signal (``cause``)."""
@@ -176,9 +195,130 @@ class WatchLoop:
         else:
             log.warning("no progress for %.0fs: declaring the run hung (%d ranks still running)", idle, len(live))
         findings: list[Finding] = []
-        if self.dump is not None:
+        start_up = cause is not None and self._starting_up()
+        if start_up and not any(self._has_trace(r) for r in live):
+            # No rank runs the script yet (they import torch and distcheck): nothing of the user's to dump or name.
+            findings = [stop_finding(cause, self._after(idle), self._ranks(live), starting_text(self._ranks(live)))]
+        elif self.dump is not None:
             findings = diagnose_hang(live, self.report_dir, native=self.dump.native, timeout=self.timeout,
                                      world_size=self.dump.world_size, out_dir=self.dump.out_dir,
-                                     stopped_by=cause, after=idle if cause else None)
+                                     stopped_by=cause, after=self._after(idle) if cause else None)
+            if start_up:
+                findings = [as_start_up(f, cause, self._after(idle), self._ranks(live)) for f in findings]
+        elif start_up:
+            findings = [stop_finding(cause, self._after(idle), self._ranks(live), "the ranks were starting")]
+        for f in findings:
+            if cause:
+                f.detail.setdefault("phase", "running")
+        if cause and live and not self.live() and self._over(set(self.finished()), set(live), {}):
+            # Every rank finished on its own while it was being dumped: the signal stopped nothing after all.
+            log.warning("every rank finished while being dumped: %s stops nothing", cause)
+            return WatchResult(DONE, seconds=time.monotonic() - started)
         return WatchResult(INTERRUPTED if cause else HUNG, stop_reason=cause, hang_findings=findings,
                            seconds=time.monotonic() - started, declared_at=declared, diagnosed_at=time.monotonic())
+
+    def _after(self, idle: float) -> float:
+        """Seconds from the start (the handlers' installation, as early as the process allows) to the signal."""
+        return self.interrupt.after if self.interrupt is not None and self.interrupt.at is not None else idle
+
+    def _ranks(self, live: dict[int, int]) -> list[int]:
+        if self.progress.ranks is not None:
+            return list(self.progress.ranks)
+        return sorted(live)
+
+    def _has_trace(self, rank: int) -> bool:
+        return files.trace_progress(self.report_dir, rank) >= 0
+
+    def _starting_up(self) -> bool:
+        """Start-up: no rank has completed a collective yet (each imports, builds, joins the process group), by
+        its records and by torch's ring (DDP's buckets), read without loading whole traces."""
+        from distcheck.contract import trace_records
+
+        for rank in files.rank_files(self.report_dir, "trace"):
+            if files.flight_progress(self.report_dir, rank) > 0:
+                return False
+            try:
+                with open(files.rank_file(self.report_dir, "trace_events", rank), "rb") as fh:
+                    # the first collectives' records (whole ones): one of them completed, typically
+                    head = fh.read(trace_records.SIZE * 40000)
+                    if any(r.t_end is not None for r in trace_records.iter_records(head)):
+                        return False
+                    if fh.read(1):  # more than that, none completed: read it all
+                        fh.seek(0)
+                        if any(r.t_end is not None for r in trace_records.iter_records(fh.read())):
+                            return False
+            except OSError:
+                continue
+        return True
+
+
+def script_ended(report_dir: str | os.PathLike, rank: int) -> bool:
+    """Whether the rank wrote its exit line: its script is over and it is ending by itself (the last line of its
+    trace, read from the end of the file)."""
+    try:
+        with open(files.rank_file(report_dir, "trace", rank), "rb") as fh:
+            size = fh.seek(0, os.SEEK_END)
+            fh.seek(max(0, size - 4096))
+            lines = fh.read().splitlines()
+    except OSError:
+        return False
+    for line in reversed(lines):
+        if line.strip():
+            return line.lstrip().startswith(b'{"ev":"exit"') or line.lstrip().startswith(b'{"ev": "exit"')
+    return False
+
+
+def starting_text(ranks: list[int]) -> str:
+    return (f"{format_ranks(ranks) if ranks else 'the ranks'} {'was' if len(ranks) == 1 else 'were'} still "
+            f"starting (importing torch and distcheck), so none of the script ran")
+
+
+def _is_import_frame(frame: dict) -> bool:
+    return str(frame.get("file", "")).startswith("<frozen importlib") or frame.get("name") in (
+        "_find_and_load", "_handle_fromlist", "_call_with_frames_removed")
+
+
+def _where_starting(stack: dict | None, progress: dict | None) -> str:
+    """Where a rank that has not completed a collective is, without naming the line of an import: "importing
+    modules", the first collective it waits in, the innermost line of the script, or still starting."""
+    from distcheck.analysis.frame_owner import is_user
+
+    threads = (stack or {}).get("threads") or []
+    main = next((t for t in threads if t.get("main")), threads[0] if threads else None)
+    frames = (main or {}).get("frames") or []
+    if any(_is_import_frame(f) for f in frames):
+        return "importing modules"
+    waits = (progress or {}).get("first_open")
+    if waits:  # it issued its first collective and waits for its peers there
+        seq = f" #{waits['seq']}" if waits.get("seq") is not None else ""
+        return f"waiting in {waits.get('op', '?')}{seq} ({waits.get('site') or '?'})"
+    user = next((f for f in frames if not f.get("native") and is_user(str(f.get("file", "")))), None)
+    if user is None:
+        return "still starting, before its script ran" if stack else "still starting"
+    site = f"{os.path.basename(str(user.get('file', '')))}:{user.get('line', '?')}"
+    name = user.get("name") or "?"
+    return f"at {site}" if name == "<module>" else f"in {name} ({site})"
+
+
+def as_start_up(finding: Finding, cause: str, after: float, ranks: list[int]) -> Finding:
+    """A stop signal's hang finding, from before any collective completed, told as a stop during start-up: where
+    each rank was (importing modules, or its line where it was not in an import), with no rank singled out and no
+    line blamed. The stacks stay in the detail and stacks.txt."""
+    stacks = finding.detail.get("stacks") or {}
+    progress = finding.detail.get("last_collectives") or {}
+    where: dict[str, list[int]] = {}
+    for rank in ranks:
+        stack, mine = stacks.get(str(rank)), progress.get(str(rank))
+        text = (_where_starting(stack, mine) if stack or mine
+                else "still starting (importing torch and distcheck)")
+        where.setdefault(text, []).append(rank)
+    parts = [f"{format_ranks(rs)} {'was' if len(rs) == 1 else 'were'} {text}" for text, rs in where.items()]
+    finding.message = (f"the run was stopped from outside by {cause} during start-up, after {after:.1f}s, before "
+                       f"any collective completed: {'; '.join(parts)}")
+    finding.ranks = list(ranks)
+    for key in ("file", "line"):
+        finding.detail.pop(key, None)
+    finding.detail["odd_ranks"] = []
+    finding.detail["phase"] = "start-up"
+    finding.detail["stopped_by"] = cause
+    return finding

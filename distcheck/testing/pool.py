@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from distcheck.supervise.zygote import start_process
+from distcheck.testing.leftovers import ENV_TAG
 
 log = logging.getLogger("distcheck")
 
@@ -37,6 +38,7 @@ class RankOutcome:
     rank: int
     status: str  # "passed", "failed", "skipped", "died", "hung"
     text: str = ""
+    leftovers: list = field(default_factory=list)  # what the test left on this rank (testing/leftovers.py)
 
 
 @dataclass
@@ -92,6 +94,7 @@ class Pool:
                 "MASTER_PORT": str(self._store.port), "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1"),
                 "DISTCHECK_POOL_BACKEND": self.backend, "DISTCHECK_POOL_AUTH": authkey.hex(),
                 "DISTCHECK_POOL_ADDR": f"{host}:{port}", "DISTCHECK_POOL_DIR": self.workdir,
+                ENV_TAG: f"{authkey.hex()[:16]}-{rank}",  # found by it: whatever a test starts on this rank
                 "PYTHONPATH": os.pathsep.join(p for p in sys_path if p),
             })
             if self.devices:
@@ -165,9 +168,26 @@ class Pool:
         for rank in range(self.world_size):
             if rank not in outcomes:
                 outcomes[rank] = RankOutcome(rank, "hung", "")
+        if not hung and job.trace_dir and all(o.status == "passed" for o in outcomes.values()):
+            self._out_of_step(job.trace_dir, outcomes)
         if hung or any(o.status != "passed" and o.status != "skipped" for o in outcomes.values()):
             self.healthy = False
         return [outcomes[r] for r in range(self.world_size)], hung, result.stop_reason
+
+    @staticmethod
+    def _out_of_step(trace_dir: str, outcomes: dict[int, RankOutcome]) -> None:
+        """Every rank passed, but some issued more collectives on a group than its peers: the next test's
+        collectives would pair with these. The ranks that issued them fail the test (testing/leftovers.py)."""
+        from distcheck.testing.leftovers import out_of_step, rank_text
+
+        try:
+            extra = out_of_step(trace_dir)
+        except Exception as exc:  # noqa: BLE001 - unreadable traces: the ranks' own outcomes stand
+            log.debug("cannot compare the ranks' collective counts: %s", exc)
+            return
+        for rank, items in extra.items():
+            if rank in outcomes:
+                outcomes[rank] = RankOutcome(rank, "failed", rank_text(items), items)
 
     def _stderr_size(self, rank: int) -> int:
         from distcheck.contract import files

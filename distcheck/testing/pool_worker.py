@@ -13,6 +13,7 @@ from datetime import timedelta
 from multiprocessing.connection import Client
 from pathlib import Path
 
+from distcheck.testing import leftovers
 from distcheck.testing.pool import RankOutcome, TestJob
 
 
@@ -126,6 +127,30 @@ def _outcome(rank: int, exc: BaseException) -> RankOutcome:
     return RankOutcome(rank, "failed", "".join(tb.format()))
 
 
+def _with_leftovers(result: RankOutcome, watch, job: TestJob, backend: str) -> RankOutcome:
+    """The test fails when it left a thread, a child process or a pending collective on this rank (the processes
+    are ended here); its pool is then retired. A rank whose test failed anyway is not asked about its collectives:
+    those left pending are the failure's consequence."""
+    # NCCL's synchronous collectives end in its own ring, which only the report's join reads: gloo's trace says it all.
+    pending = (leftovers.pending_collectives(job.trace_dir, result.rank)
+               if job.trace_dir and backend != "nccl" and result.status == "passed" else None)
+    try:
+        found = watch.find(pending)
+    except Exception as exc:  # noqa: BLE001 - the check must never hide the test's own outcome
+        sys.stderr.write(f"[distcheck rank {result.rank}] could not check what the test left: {exc}\n")
+        return result
+    if watch.left_pids:
+        leftovers.end_processes(watch.left_pids)
+        for item in found:
+            if item.kind == leftovers.PROCESS:
+                item.detail += ", ended now"
+    if not found:
+        return result
+    text = leftovers.rank_text(found)
+    return RankOutcome(result.rank, "failed", f"{result.text.rstrip()}\n{text}" if result.text.strip() else text,
+                       found)
+
+
 def main() -> int:
     import torch
     import torch.distributed as dist
@@ -169,9 +194,11 @@ def main() -> int:
         tracer = trace.install(job.trace_dir, rank) if job.trace_dir else None
         # The same zero-code checks as `distcheck run` (models found by themselves, NaN/Inf, uninitialized values).
         checker = autocheck.install(job.trace_dir, rank, emit=True) if job.trace_dir else None
+        watch = leftovers.Watch()  # threads, processes and collectives the test leaves behind
         try:
             fn = _load(job)
             kwargs = {k: (ctx if getattr(v, "_distcheck_placeholder", False) else v) for k, v in job.kwargs.items()}
+            watch.start()
             fn(**kwargs)
             result = RankOutcome(rank, "passed")
         except BaseException as exc:  # noqa: BLE001 - every failure is reported, labelled with its rank
@@ -179,6 +206,8 @@ def main() -> int:
             translated = explain(exc) if result.status == "failed" and isinstance(exc, Exception) else None
             if translated is not None:  # torch's text stays above; what it means, in the model's terms, below
                 result = RankOutcome(rank, "failed", f"{result.text.rstrip()}\n[distcheck] {translated['message']}")
+        finally:
+            watch.stop()
         if checker is not None:
             # A test whose asserts pass but whose model holds NaN or uncovered parameters fails, with the findings.
             try:
@@ -192,6 +221,8 @@ def main() -> int:
                 result = RankOutcome(rank, "failed", f"{result.text.rstrip()}\n{text}" if result.text else text)
         if tracer is not None:
             tracer.note({"ev": "exit", "ok": result.status == "passed", "code": 0 if result.status == "passed" else 1})
+        result = _with_leftovers(result, watch, job, backend)
+        if tracer is not None:
             trace.uninstall()
         try:
             state.restore()

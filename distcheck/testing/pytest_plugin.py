@@ -232,6 +232,11 @@ def _diagnose(pool, job, outcomes, hung: bool, nprocs: int, timeout: float, stop
             parts.append(f"distributed test hung: rank(s) {','.join(map(str, stuck))} did not finish within "
                          f"{timeout:g}s (world size {nprocs}); py-spy diagnosis unavailable ({exc})")
             stacks = pool.dump_stacks()
+    left = {o.rank: o.leftovers for o in outcomes if getattr(o, "leftovers", None)}
+    if left:  # what the test left behind, once for all the ranks that left it (testing/leftovers.py)
+        from distcheck.testing.leftovers import headline
+
+        parts.append(headline(left))
     for o in outcomes:
         if o.status in ("failed", "died"):
             parts.append(f"---------- [rank {o.rank}] ----------\n{o.text.rstrip()}")
