@@ -107,7 +107,8 @@ def main(args: argparse.Namespace) -> int:
         report = Report(command=command_line(getattr(args, "argv", ["stacks", *args.pids])), world_size=ws,
                         findings=findings, checks=[CheckResult("stacks", not findings, seconds)],
                         artifacts=artifacts, data={"dump_errors": [e.to_json() for e in errors]})
-        write_report(report, report_dir)
-        if not args.json:
-            sys.stdout.write(f"report: {Path(report_dir) / 'report.json'}\n")
+        written = write_report(report, report_dir)
+        if not args.json:  # a report that could not be written went to stderr with its reason: never name it
+            sys.stdout.write(f"report: {written}\n" if written is not None else
+                             f"report: not written ({report.unwritten}); report.json went to stderr\n")
     return 1 if findings else 0

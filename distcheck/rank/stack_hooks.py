@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import faulthandler
 import json
+import logging
 import os
 import signal
 import socket
@@ -22,6 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from distcheck.contract import files
+
+log = logging.getLogger("distcheck")
 
 STACK_SIGNAL_ENV = "DISTCHECK_STACK_SIGNAL"  # signal name for the faulthandler fallback (default SIGUSR2)
 PR_SET_PTRACER = 0x59616D61
@@ -122,12 +125,20 @@ def install_rank_hooks(report_dir: str | os.PathLike, rank: int | None = None,
         # After the dump the signal's default action ends the rank, SIGINT too: a KeyboardInterrupt would wait
         # for a rank blocked in a collective to return to Python, which it never does.
         for name in files.STOP_SIGNAL_NAMES:
-            stop_file = open(files.rank_file(report_dir, f"stop_{name}", rank), "w", encoding="utf-8")
+            try:
+                stop_file = open(files.rank_file(report_dir, f"stop_{name}", rank), "w", encoding="utf-8")
+            except OSError as exc:  # a full or failing report disk costs this dump, never the rank
+                log.debug("no stop-signal dump file for %s: %s", name, exc)
+                continue
             _stop_files.append(stop_file)
             signal.signal(getattr(signal, name), signal.SIG_DFL)
             faulthandler.register(getattr(signal, name), file=stop_file, all_threads=True, chain=True)
     info = HookInfo(pid, rank, int(sig), str(path), reason, socket.gethostname())
-    hook_path(report_dir, pid).write_text(json.dumps(info.to_json()))
+    try:
+        hook_path(report_dir, pid).write_text(json.dumps(info.to_json()))
+    except OSError as exc:  # the watcher then dumps with py-spy alone; the rank runs on
+        log.warning("distcheck: could not write %s (%s): the faulthandler fallback is off for this rank",
+                    hook_path(report_dir, pid).name, exc)
     return info
 
 

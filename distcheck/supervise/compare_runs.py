@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from distcheck.contract.findings import CheckResult, Finding
+from distcheck.contract.findings import CheckResult, Finding, Note
 from distcheck.contract.report import Report, prepare_report_dir, write_report
 from distcheck.options import CompareOptions
 from distcheck.supervise.signals import Interrupt, stop_finding
@@ -112,6 +112,7 @@ def compare(opts: CompareOptions, interrupt: Interrupt | None = None) -> tuple[R
     # on rank 0 only out of step in the parameters' full_tensor() collectives.
     auto_steps = opts.steps if opts.steps is not None else DEFAULT_AUTO_STEPS
     findings: list[Finding] = []
+    warnings: list[Note] = []
     checks: list[CheckResult] = []
     artifacts: dict[str, str] = {}
     runs: dict[str, dict] = {}
@@ -138,6 +139,10 @@ def compare(opts: CompareOptions, interrupt: Interrupt | None = None) -> tuple[R
         sub_report, _ = supervised_run(sub_opts, nproc, interrupt)
         seconds = time.monotonic() - started
         findings.extend(_prefixed(sub_report.findings, label, nproc))
+        # A run's warnings (a trace cut short by a full disk, a teardown abort) belong in the compare report too:
+        # records lost with the disk otherwise read as "present in only one run" with no reason given.
+        warnings.extend(Note(w.kind, w.ranks, f"{label}: {w.message}", {**w.detail, "run": label})
+                        for w in sub_report.warnings)
         completed[sub] = _completed(sub_report)
         checks.append(CheckResult(label, sub_report.ok, seconds,
                                   note="" if completed[sub] else "did not complete: see its findings"))
@@ -191,6 +196,6 @@ def compare(opts: CompareOptions, interrupt: Interrupt | None = None) -> tuple[R
                                                "tolerances": {"rtol": opts.rtol, "atol": opts.atol},
                                                "steps": opts.steps, "recorded_automatically": automatic,
                                                "explicit_records": has_explicit(*loaded.values())},
-                    sections=tables)
+                    sections=tables, warnings=warnings)
     write_report(report, report_dir)
     return report, report_dir

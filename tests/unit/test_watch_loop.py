@@ -121,3 +121,18 @@ def test_a_vanished_report_dir_ends_the_startup_allowance(tmp_path):
 
     prog = Progress(tmp_path / "gone", [0, 1])
     assert not prog.starting(prog.sizes())
+
+
+def test_a_full_disk_at_start_up_costs_the_hook_file_not_the_rank(tmp_path, monkeypatch):
+    """A report disk that is full when a rank starts must not kill it: the stack-hook file is only a hint for the
+    watcher (py-spy still dumps the rank)."""
+    real = Path.write_text
+
+    def full(self, *args, **kwargs):
+        if self.name.startswith("stackhook-pid"):
+            raise OSError(28, "No space left on device")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", full)
+    info = install_rank_hooks(tmp_path, rank=0)
+    assert info.pid == os.getpid() and not list(tmp_path.glob("stackhook-pid*"))
