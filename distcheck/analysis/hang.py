@@ -6,6 +6,12 @@ The message names the rank or ranks that are somewhere other than the rest, e.g.
 Who is "somewhere else": the ranks outside the largest stack group. When groups tie (always possible with 2
 ranks), the group blocked in a collective over the widest process group is the one waiting, because every member
 of that group should be in the same collective and the others are not; the remaining ranks are the odd ones.
+
+A rank blocked on a process it started (its DataLoader's workers, a subprocess, multiprocessing) is placed where
+that process is, when the process was dumped too (``processes``): ``rank 1's DataLoader worker 0 (pid 4242) is in
+read_record (train.py:22), which rank 1 waits for at train.py:40``, and the finding's line is the worker's. A
+process of a rank that is inside init_process_group means the script starts its own ranks: the message says how
+to run it instead.
 """
 from __future__ import annotations
 
@@ -18,7 +24,7 @@ from distcheck.analysis.ops import PEER_OPS
 # readers of stacks.json (commands/report.py) and older callers.
 from distcheck.analysis.progress import CollectiveRef, RankProgress, rank_progress as progress_from_events
 from distcheck.analysis.stack_groups import (
-    Frame, RankStack, StackGroup, group_stacks, innermost_user_frame, stack_collective,
+    Frame, RankStack, StackGroup, group_stacks, innermost_user_frame, process_group_call, stack_collective, waits_on,
 )
 from distcheck.contract.findings import Finding, format_ranks
 
@@ -42,15 +48,14 @@ class Location:
     unknown_reason: str = ""
     absent: list[int] = field(default_factory=list)  # members of a subgroup collective that are elsewhere
     via: str | None = None  # who issued a collective Python never called ("DDP gradient bucket all-reduce")
+    process: dict[str, Any] | None = None  # the process the rank waits for: role, pid, func, file, line
 
     @property
     def in_collective(self) -> bool:
         return self.collective is not None
 
     def site(self) -> str:
-        if not self.file:
-            return "?"
-        return f"{os.path.basename(self.file)}:{self.line}" if self.line else os.path.basename(self.file)
+        return _site(self.file, self.line)
 
     def text(self, world_size: int) -> str:
         if self.unknown_reason and not self.file and not self.collective:
@@ -66,10 +71,78 @@ class Location:
             return f"{self.collective}{seq}{group} ({where}){gil}{absent}"
         return f"{self.func or '?'} ({self.site()}){gil}"
 
+    def clause(self, world_size: int) -> str:
+        """``rank 1 is in load_shard (train.py:23)``, or where a rank waits for a process it started: ``rank 1's
+        DataLoader worker 0 (pid 4242) is in read_record (train.py:22), which rank 1 waits for at train.py:40``."""
+        who = format_ranks(self.ranks)
+        if self.process is None:
+            return f"{who} {'is' if len(self.ranks) == 1 else 'are'} in {self.text(world_size)}"
+        p = self.process
+        site = _site(p["file"], p["line"])
+        where = f"{p['func']} ({site})" if p.get("func") else site
+        if len(self.ranks) > 1:  # ranks with the same stack: one representative's process is named
+            return (f"the {p['role']} of each of {who} (rank {self.ranks[0]}'s: pid {p['pid']}) is in {where}, "
+                    f"which they wait for at {self.site()}")
+        return (f"rank {self.ranks[0]}'s {p['role']} (pid {p['pid']}) is in {where}, which {who} waits for at "
+                f"{self.site()}")
+
+    @property
+    def primary_site(self) -> tuple[str, int]:
+        """The line the finding points at: the process's, when the rank waits for one."""
+        if self.process is not None and self.process.get("file"):
+            return self.process["file"], self.process["line"]
+        return self.file, self.line
+
     def to_json(self) -> dict[str, Any]:
-        return {"ranks": self.ranks, "collective": self.collective, "seq": self.seq, "pg": self.pg,
-                "file": self.file, "line": self.line, "func": self.func, "owns_gil": self.owns_gil,
-                "absent": self.absent, "via": self.via}
+        out = {"ranks": self.ranks, "collective": self.collective, "seq": self.seq, "pg": self.pg,
+               "file": self.file, "line": self.line, "func": self.func, "owns_gil": self.owns_gil,
+               "absent": self.absent, "via": self.via}
+        if self.process is not None:
+            out["process"] = dict(self.process)
+        return out
+
+
+def _site(file: str, line: int) -> str:
+    if not file:
+        return "?"
+    return f"{os.path.basename(file)}:{line}" if line else os.path.basename(file)
+
+
+def place_on_process(loc: Location, stack: RankStack | None, processes: Sequence[RankStack]) -> None:
+    """A rank (not in a collective) whose main thread waits for a process it started is placed where that process
+    is: the one among ``processes`` (its rank's) in the user's code, a DataLoader worker first when the rank
+    waits for its DataLoader."""
+    if loc.collective is not None or stack is None:
+        return
+    what = waits_on(stack.main_thread())
+    if what is None:
+        return
+    mine = [p for p in processes if p.rank == loc.ranks[0]]
+    if what == "DataLoader":
+        mine.sort(key=lambda p: not p.role.startswith("DataLoader worker"))
+    best = None
+    for p in mine:
+        frame = innermost_user_frame(p.main_thread())
+        if frame is not None:
+            best = (p, frame)
+            break
+    if best is None:
+        return
+    p, frame = best
+    loc.process = {"role": p.role, "pid": p.pid, "func": frame.name, "file": frame.file, "line": frame.line}
+
+
+def self_launch_hint(processes: Sequence[RankStack]) -> str:
+    """The fix, when a process a rank started is inside init_process_group: the script launches its own ranks."""
+    for p in sorted(processes, key=lambda p: (p.rank, p.pid)):
+        main = p.main_thread()
+        if process_group_call(main):
+            frame = innermost_user_frame(main)
+            at = f" at {frame.where}" if frame is not None else ""
+            return (f"; {p.label} is in init_process_group{at}: the script starts its own ranks, but distcheck "
+                    "started them already: run it with plain python, or drop mp.spawn (or the processes that "
+                    "call init_process_group) and use --nproc")
+    return ""
 
 
 def locate(ranks: list[int], stack: RankStack | None, progress: RankProgress | None, error: str = "") -> Location:
@@ -114,6 +187,7 @@ class HangDiagnosis:
     all_ranks: list[int]
     primary: Location | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    processes: list[RankStack] = field(default_factory=list)  # the dumped processes the ranks started
 
     @property
     def odd_ranks(self) -> list[int]:
@@ -121,11 +195,11 @@ class HangDiagnosis:
 
     def to_finding(self, stacks: Sequence[RankStack], progress: dict[int, RankProgress],
                    errors: Sequence[str] = ()) -> Finding:
-        site = (self.primary.file, self.primary.line) if self.primary is not None and self.primary.file else None
+        site = self.primary.primary_site if self.primary is not None and self.primary.file else None
         return hang_finding(self.odd_ranks or self.all_ranks, self.message, timeout=self.extra.get("timeout"),
                             stacks=stacks, progress=progress, site=site, odd_ranks=self.odd_ranks,
                             waiting_ranks=self.waiting.ranks if self.waiting else [], locations=self.locations,
-                            groups=self.groups, errors=errors,
+                            groups=self.groups, errors=errors, processes=self.processes,
                             **{k: v for k, v in self.extra.items() if k != "timeout"})
 
 
@@ -133,12 +207,14 @@ def hang_finding(ranks: Sequence[int], message: str, *, timeout: float | None = 
                  stacks: Sequence[RankStack] = (), progress: dict[int, RankProgress] | None = None,
                  site: tuple[str | None, int | None] | None = None, odd_ranks: Sequence[int] = (),
                  waiting_ranks: Sequence[int] = (), locations: Sequence[Location] = (),
-                 groups: Sequence[StackGroup] = (), errors: Sequence[str] = (), **extra: Any) -> Finding:
+                 groups: Sequence[StackGroup] = (), errors: Sequence[str] = (),
+                 processes: Sequence[RankStack] = (), **extra: Any) -> Finding:
     """Every ``hang`` finding distcheck makes, whoever declares it (a watch loop with stacks, the trace analysis
     alone, a check whose peers never arrived): one detail shape, so readers of report.json need one code path.
 
     ``detail``: timeout, odd_ranks, waiting_ranks, locations, groups, methods and stacks (py-spy-style JSON per
-    rank, ``{}`` when none could be dumped), last_collectives, errors; file/line when a user line is known; then
+    rank, ``{}`` when none could be dumped), last_collectives, errors; processes (the processes the ranks started
+    that were dumped: rank, pid, role, stack) when there are any; file/line when a user line is known; then
     whatever the caller adds (artifacts, positions, the check that was waiting).
     """
     detail: dict[str, Any] = {}
@@ -155,6 +231,9 @@ def hang_finding(ranks: Sequence[int], message: str, *, timeout: float | None = 
         "last_collectives": {str(r): p.to_json() for r, p in sorted((progress or {}).items())},
         "errors": list(errors),
     })
+    if processes:
+        detail["processes"] = [{"rank": p.rank, "pid": p.pid, "role": p.role, "method": p.method,
+                                "stack": p.to_json()} for p in sorted(processes, key=lambda p: (p.rank, p.pid))]
     detail.update(extra)
     return Finding("hang", list(ranks), message, detail)
 
@@ -165,10 +244,12 @@ def _verb(loc: Location, one: str, many: str) -> str:
 
 def diagnose(stacks: Sequence[RankStack], progress: dict[int, RankProgress] | None = None,
              world_size: int | None = None, timeout: float | None = None,
-             errors_by_rank: dict[int, str] | None = None, prefix: str | None = None) -> HangDiagnosis:
+             errors_by_rank: dict[int, str] | None = None, prefix: str | None = None,
+             processes: Sequence[RankStack] = ()) -> HangDiagnosis:
     """Group the ranks by where they are and name the ranks that are somewhere other than the rest.
 
-    The message starts with ``prefix``, by default "no progress for <timeout>s: ".
+    The message starts with ``prefix``, by default "no progress for <timeout>s: ". ``processes``: the dumped
+    processes the ranks started (``RankStack.role`` set), which a rank blocked on one of them is placed on.
     """
     progress = dict(progress or {})
     errors_by_rank = dict(errors_by_rank or {})
@@ -194,6 +275,7 @@ def diagnose(stacks: Sequence[RankStack], progress: dict[int, RankProgress] | No
     for loc in known:
         if loc.collective and loc.pg:
             loc.absent = [r for r in loc.pg if r not in loc.ranks]
+        place_on_process(loc, by_rank.get(loc.ranks[0]), processes)
     waiting = _pick_waiting(known, world)
     if prefix is None:
         prefix = f"no progress for {timeout:g}s: " if timeout else ""
@@ -203,15 +285,16 @@ def diagnose(stacks: Sequence[RankStack], progress: dict[int, RankProgress] | No
         n = len(waiting.ranks)
         who = f"all {n} ranks" if n > 1 else format_ranks(waiting.ranks)
         verb = ("wait in" if n > 1 else "waits in") if waiting.in_collective else ("are in" if n > 1 else "is in")
-        message = f"{prefix}{who} {verb} {waiting.text(world)}"
+        message = (f"{prefix}{waiting.clause(world)}" if waiting.process is not None
+                   else f"{prefix}{who} {verb} {waiting.text(world)}")
         primary = waiting
     elif waiting is not None:
-        parts = [f"{format_ranks(loc.ranks)} {_verb(loc, 'is', 'are')} in {loc.text(world)}" for loc in odd]
+        parts = [loc.clause(world) for loc in odd]
         wverb = (_verb(waiting, "waits", "wait") + " in") if waiting.in_collective else _verb(waiting, "is in", "are in")
         message = f"{prefix}{'; '.join(parts)} while {format_ranks(waiting.ranks)} {wverb} {waiting.text(world)}"
         primary = odd[0]
     else:
-        parts = [f"{format_ranks(loc.ranks)} {_verb(loc, 'is', 'are')} in {loc.text(world)}" for loc in known]
+        parts = [loc.clause(world) for loc in known]
         if parts:
             message = prefix + "; ".join(parts)
         elif by_rank:  # stacks exist but show neither user code nor a collective: say that, not "not dumped"
@@ -234,8 +317,12 @@ def diagnose(stacks: Sequence[RankStack], progress: dict[int, RankProgress] | No
         message += f"; {format_ranks(undumped)} not dumped" + (f" ({'; '.join(reasons)})" if reasons else "")
     if missing:
         message += f"; {format_ranks(missing)} not found"
-    return HangDiagnosis(message, odd, waiting, locations, groups, all_ranks, primary,
-                         {"unknown_ranks": unknown, "missing_ranks": missing, "timeout": timeout})
+    hint = self_launch_hint(processes)
+    message += hint
+    extra: dict[str, Any] = {"unknown_ranks": unknown, "missing_ranks": missing, "timeout": timeout}
+    if hint:
+        extra["self_launch"] = True
+    return HangDiagnosis(message, odd, waiting, locations, groups, all_ranks, primary, extra, list(processes))
 
 
 def _pick_waiting(known: list[Location], world: int) -> Location | None:

@@ -39,6 +39,7 @@ class Frame:
     file: str  # absolute path for Python frames; library or C file name for native frames
     line: int
     native: bool = False
+    locals: dict[str, str] | None = None  # the few locals that name a process (KEPT_LOCALS), from py-spy --locals
 
     @property
     def basename(self) -> str:
@@ -50,12 +51,15 @@ class Frame:
         return f"{self.basename}:{self.line}" if self.line else self.basename
 
     def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "file": self.file, "line": self.line, "native": self.native}
+        out: dict[str, Any] = {"name": self.name, "file": self.file, "line": self.line, "native": self.native}
+        if self.locals:
+            out["locals"] = dict(self.locals)
+        return out
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Frame:
         return cls(str(data.get("name", "?")), str(data.get("file", "")), int(data.get("line") or 0),
-                   bool(data.get("native", False)))
+                   bool(data.get("native", False)), data.get("locals") or None)
 
 
 @dataclass
@@ -90,6 +94,7 @@ class RankStack:
     rank_source: str = "RANK"  # where the rank number came from: RANK, LOCAL_RANK or argument order
     world_size: int | None = None
     note: str = ""  # e.g. why a fallback method was used
+    role: str = ""  # a process the rank started, not the rank: "DataLoader worker 0", "child process"
 
     def main_thread(self) -> ThreadStack | None:
         for t in self.threads:
@@ -97,10 +102,18 @@ class RankStack:
                 return t
         return self.threads[0] if self.threads else None
 
+    @property
+    def label(self) -> str:
+        """``rank 1``, or for a process a rank started ``rank 1's DataLoader worker 0 (pid 4242)``."""
+        return f"rank {self.rank}'s {self.role} (pid {self.pid})" if self.role else f"rank {self.rank}"
+
     def to_json(self) -> dict[str, Any]:
-        return {"rank": self.rank, "pid": self.pid, "host": self.host, "method": self.method,
-                "rank_source": self.rank_source, "world_size": self.world_size, "note": self.note,
-                "threads": [t.to_json() for t in self.threads]}
+        out = {"rank": self.rank, "pid": self.pid, "host": self.host, "method": self.method,
+               "rank_source": self.rank_source, "world_size": self.world_size, "note": self.note,
+               "threads": [t.to_json() for t in self.threads]}
+        if self.role:
+            out["role"] = self.role
+        return out
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> RankStack:
@@ -108,7 +121,7 @@ class RankStack:
         return cls(int(data["rank"]), int(data.get("pid", 0)), str(data.get("host", "")),
                    str(data.get("method", "")), [ThreadStack.from_json(t) for t in data.get("threads", [])],
                    str(data.get("rank_source", "RANK")), int(ws) if ws is not None else None,
-                   str(data.get("note", "")))
+                   str(data.get("note", "")), str(data.get("role", "")))
 
 
 # --- parsing -------------------------------------------------------------------------------------------------
@@ -118,6 +131,10 @@ def _is_native_file(filename: str) -> bool:
     return not filename.endswith(".py") and not filename.startswith("<")
 
 
+# The locals kept from ``py-spy dump --locals`` (a process's stack only): the ones that say which process it is.
+KEPT_LOCALS = {"_worker_loop": ("worker_id",), "_wrap": ("i",)}
+
+
 def parse_pyspy_json(data: list[dict[str, Any]], pid: int) -> list[ThreadStack]:
     """Threads from ``py-spy dump --json`` output (already json-decoded). The main thread has os tid == pid."""
     threads: list[ThreadStack] = []
@@ -125,8 +142,13 @@ def parse_pyspy_json(data: list[dict[str, Any]], pid: int) -> list[ThreadStack]:
         frames = []
         for f in entry.get("frames", []):
             filename = f.get("filename") or f.get("short_filename") or ""
-            frames.append(Frame(str(f.get("name", "?")), filename, int(f.get("line") or 0),
-                                _is_native_file(filename)))
+            name = str(f.get("name", "?"))
+            kept = None
+            wanted = KEPT_LOCALS.get(name.rsplit(".", 1)[-1], ())
+            if f.get("locals") and wanted:
+                kept = {str(v.get("name")): str(v.get("repr")) for v in f["locals"]
+                        if v.get("name") in wanted and v.get("repr") is not None} or None
+            frames.append(Frame(name, filename, int(f.get("line") or 0), _is_native_file(filename), kept))
         tid = entry.get("os_thread_id") or entry.get("thread_id")
         is_main = tid == pid or entry.get("thread_name") == "MainThread"
         threads.append(ThreadStack(str(tid), entry.get("thread_name"), frames, is_main,
@@ -292,6 +314,97 @@ def innermost_user_frame(thread: ThreadStack | None) -> Frame | None:
     return user_frame_via(thread)[0]
 
 
+# --- processes a rank started ---------------------------------------------------------------------------------
+
+
+def _in(frame: Frame, suffix: str) -> bool:
+    return frame.file.replace(os.sep, "/").endswith(suffix)
+
+
+def _short(name: str) -> str:
+    """A function's own name: py-spy qualifies methods (``Popen.wait``, ``BaseProcess._bootstrap``)."""
+    return name.rsplit(".", 1)[-1]
+
+
+def own_frames(frames: list[Frame]) -> list[Frame]:
+    """A forked process's stack without what it inherited: multiprocessing's ``_bootstrap`` is where a forked
+    child starts (the frames outside it are its parent's, at the moment of the fork: a DataLoader worker's would
+    show the rank's ``for x in loader`` line)."""
+    for i, f in enumerate(frames):
+        if _short(f.name) == "_bootstrap" and _in(f, "multiprocessing/process.py"):
+            return frames[:i + 1]
+    return frames
+
+
+def process_role(stack: RankStack) -> str:
+    """What a process a rank started is, from its main thread: ``DataLoader worker 0``, ``spawned process 1``
+    (torch.multiprocessing), or ``child process``."""
+    main = stack.main_thread()
+    for f in main.frames if main else []:
+        if _short(f.name) == "_worker_loop" and _in(f, "torch/utils/data/_utils/worker.py"):
+            wid = (f.locals or {}).get("worker_id")
+            return f"DataLoader worker {wid}" if wid is not None else "DataLoader worker"
+        if _short(f.name) == "_wrap" and _in(f, "torch/multiprocessing/spawn.py"):
+            index = (f.locals or {}).get("i")
+            return f"spawned process {index}" if index is not None else "spawned process"
+    return "child process"
+
+
+# A rank whose main thread is in one of these waits for a process it started (file suffix, function names; None:
+# any function of that file).
+_WAITS_ON = (
+    ("torch/utils/data/dataloader.py", None, "DataLoader"),
+    ("subprocess.py", {"wait", "_wait", "communicate", "_communicate", "run", "call", "check_call",
+                       "check_output", "_try_wait"}, "process"),
+    ("multiprocessing/process.py", {"join"}, "process"),
+    ("multiprocessing/popen_fork.py", {"wait", "poll"}, "process"),
+    ("multiprocessing/pool.py", None, "process"),
+    ("concurrent/futures/process.py", None, "process"),
+    ("torch/multiprocessing/spawn.py", None, "process"),
+)
+
+
+def waits_on(thread: ThreadStack | None) -> str | None:
+    """``"DataLoader"`` when the thread waits for its DataLoader's workers, ``"process"`` when it waits for a
+    process it started (subprocess, multiprocessing, torch.multiprocessing), else None."""
+    if thread is None:
+        return None
+    for f in thread.frames:
+        if f.native:
+            continue
+        name = _short(f.name)
+        for suffix, names, what in _WAITS_ON:
+            if _in(f, suffix) and (names is None or name in names):
+                return what
+        if owner(f.file) == USER:
+            return None  # the user's own code is further in than any such wait
+    return None
+
+
+def process_group_call(thread: ThreadStack | None) -> bool:
+    """Whether the thread is inside torch.distributed's init_process_group (or its rendezvous)."""
+    if thread is None:
+        return False
+    return any(_short(f.name) == "init_process_group" or _in(f, "torch/distributed/rendezvous.py")
+               for f in thread.frames if not f.native)
+
+
+def render_processes(processes: list[RankStack], others: list[str] | None = None) -> str:
+    """The processes the ranks started, for stacks.txt: each one's own frames (collapsed), then those that are
+    not Python (not dumped)."""
+    if not processes and not others:
+        return ""
+    lines = ["", "processes the ranks started (most recent call first):"]
+    for ps in sorted(processes, key=lambda s: (s.rank, s.pid)):
+        main = ps.main_thread()
+        lines.append(f"  {ps.label} via {ps.method}:")
+        for shown in collapse(own_frames(main.frames)) if main else []:
+            lines.append(f"     {shown.text()}")
+    for line in others or []:
+        lines.append(f"  {line}")
+    return "\n".join(lines) + "\n"
+
+
 def stack_collective(thread: ThreadStack | None) -> str | None:
     """The torch.distributed call a stack is blocked in (outermost matching torch frame), or None."""
     if thread is None:
@@ -380,8 +493,10 @@ def render_groups(groups: list[StackGroup], stacks: list[RankStack], errors: lis
 def render_all_threads(stacks: list[RankStack]) -> str:
     """Every thread of every rank, uncollapsed, for the end of stacks.txt."""
     lines = []
-    for rs in sorted(stacks, key=lambda s: s.rank):
-        lines.append(f"--- rank {rs.rank} (pid {rs.pid}, {rs.host}, {rs.method}) ---")
+    for rs in sorted(stacks, key=lambda s: (s.rank, bool(s.role), s.pid)):
+        head = (f"{rs.label}, {rs.host}, {rs.method}" if rs.role
+                else f"rank {rs.rank} (pid {rs.pid}, {rs.host}, {rs.method})")
+        lines.append(f"--- {head} ---")
         for t in rs.threads:
             flags = [x for x, on in (("main", t.main), ("active", t.active), ("holds GIL", t.owns_gil)) if on]
             lines.append(f"Thread {t.thread_id} {t.name or ''} {'(' + ', '.join(flags) + ')' if flags else ''}".rstrip())

@@ -23,9 +23,15 @@ def rank_bootstrap(report_dir: str | os.PathLike, timeout: float, native: bool =
     from distcheck.rank import group_keepalive
     from distcheck.rank.stack_hooks import install_rank_hooks
     from distcheck.rank.stderr_tee import tee_stderr
+    from distcheck.supervise.procs import ensure_run_id, set_child_subreaper
 
     Path(report_dir).mkdir(parents=True, exist_ok=True)
     rank = int(os.environ.get("RANK", "0"))
+    # Every process this rank starts from now on stays findable: below it in the process tree (a subreaper keeps
+    # orphaned grandchildren there) and tagged with the run id in its environment (what it execs). So a hang dump
+    # reaches a stuck DataLoader worker, and nothing the rank started outlives the run (supervise/procs.RunTree).
+    set_child_subreaper()
+    ensure_run_id(supervised=not watcher)
     node_watcher = None
     if watcher and int(os.environ.get("LOCAL_RANK", "0")) == 0:
         from distcheck.supervise.node_watcher import start_node_watcher

@@ -38,9 +38,16 @@ def run_in_rank(opts: RunOptions) -> int:
     from distcheck.rank import tracer as trace
     from distcheck.rank.runtime import RankInfo, setup_logging
 
-    from distcheck.rank.store_host import host_if_asked
+    from distcheck.rank.store_host import ENV_STORE_FDS, host_if_asked
 
+    hosting = ENV_STORE_FDS in os.environ
     host_if_asked()  # first: it forks, and nothing may have started a thread yet
+    if hosting:  # the store host outlives this rank (until the launcher's run ends): not one of the script's
+        from distcheck.rank.runtime import keep_process
+        from distcheck.supervise.procs import children_map
+
+        for pid in children_map().get(os.getpid(), []):
+            keep_process(pid)
     info = RankInfo.from_env()
     setup_logging(info)
     supervised = os.environ.get(ENV_SUPERVISED) == "1"
@@ -64,6 +71,7 @@ def run_in_rank(opts: RunOptions) -> int:
     if not supervised and info.rank == 0:
         done_marker.unlink(missing_ok=True)
         files.clear_shared(report_dir)
+    refuse_self_launch(opts.script)
     finalizer = None
     main_done = threading.Event()
     if not supervised:
@@ -99,6 +107,52 @@ def run_in_rank(opts: RunOptions) -> int:
         end(code or 1, returned=False)
     end(0, returned=True)
     return 0  # not reached
+
+
+class SelfLaunchError(RuntimeError):
+    """A script under ``distcheck run`` that starts its own ranks (torch.multiprocessing.spawn)."""
+
+
+def refuse_self_launch(script: Path) -> None:
+    """Make ``torch.multiprocessing.spawn`` / ``start_processes`` raise one line that says what to do instead.
+
+        python -m distcheck run --nproc 2 -- train_spawn.py    # train_spawn.py calls mp.spawn(main, nprocs=2)
+
+    distcheck already started this rank; a script that spawns its own ranks from it starts a second job of
+    ranks × nprocs processes that inherit this rank's rendezvous variables (RANK, MASTER_PORT,
+    TORCHELASTIC_USE_AGENT_STORE), retry a store that is not theirs for up to 30 minutes, and leave every rank
+    waiting in ``spawn``: a hang that names ``<module>``. Refused at the call instead, before any process starts:
+    "train_spawn.py starts its own ranks with torch.multiprocessing.spawn(nprocs=2), but distcheck already started
+    them: run it with plain python, or drop mp.spawn and use --nproc 2" (at the user's mp.spawn line). A script
+    that starts its own process group some other way is named at the hang (analysis/hang.self_launch_hint).
+    """
+    try:
+        import torch.multiprocessing as tmp
+    except Exception:  # no torch: no torch.multiprocessing to refuse
+        return
+    spawn_module = sys.modules.get("torch.multiprocessing.spawn")
+
+    def refusing(name: str):
+        def refuse(*args, **kwargs):
+            nprocs = kwargs.get("nprocs", args[2] if len(args) > 2 else 1)
+            # One line, short enough to be quoted whole in the rank_failure finding (200 characters).
+            raise SelfLaunchError(
+                f"{script.name} starts its own ranks with torch.multiprocessing.{name}(nprocs={nprocs}), but "
+                f"distcheck already started them: run it with plain python, or drop mp.spawn and use "
+                f"--nproc {nprocs}")
+
+        refuse.__name__ = refuse.__qualname__ = name
+        refuse.distcheck_refuses = True  # type: ignore[attr-defined]
+        return refuse
+
+    for name in ("spawn", "start_processes"):
+        original = getattr(tmp, name, None)
+        if original is None or getattr(original, "distcheck_refuses", False):
+            continue
+        patched = refusing(name)
+        setattr(tmp, name, patched)
+        if spawn_module is not None and getattr(spawn_module, name, None) is original:
+            setattr(spawn_module, name, patched)
 
 
 def _torchrun_default_dir() -> Path:

@@ -276,9 +276,41 @@ def end_rank(code: int) -> None:
 
 
 def hard_exit(code: int) -> None:
-    """After a failure the process group may hold threads blocked on dead peers: exit without joining them."""
+    """After a failure the process group may hold threads blocked on dead peers: exit without joining them. What
+    the rank started (helpers, DataLoader workers) ends first: nothing outlives its rank (end_processes)."""
     import sys
 
     sys.stdout.flush()
     sys.stderr.flush()
+    end_processes()
     os._exit(code)
+
+
+_keep: set[int] = set()  # distcheck's own children of this rank that must outlive it (rank 0's store host)
+
+
+def keep_process(pid: int) -> None:
+    """A child of this rank that end_processes leaves alone (it ends by itself, after the rank)."""
+    _keep.add(pid)
+
+
+def end_processes(grace: float = 1.0) -> None:
+    """End every process this rank started, and their children, except distcheck's own: a helper a correct script
+    leaves running (or a DataLoader worker, a script's own subprocess) would otherwise outlive the run and hold its
+    output open, so ``distcheck ... | tail`` or a CI step capturing the output would wait for it. The rank is a
+    child subreaper (rank/bootstrap.py), so its orphaned grandchildren are found too."""
+    import signal
+
+    try:
+        # torch's DataLoader turns a worker's death by a signal into an error raised in the main thread (its
+        # SIGCHLD handler): these deaths are ours, at the end.
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    except (ValueError, OSError):  # not the main thread: the main thread is stuck in the script anyway
+        pass
+    try:
+        from distcheck.rank.stderr_tee import copier_pid
+        from distcheck.supervise.procs import end_descendants
+
+        end_descendants(_keep | {p for p in (copier_pid(),) if p}, grace=grace)
+    except Exception as exc:  # the exit must happen whatever the sweep meets
+        log.debug("could not end this rank's processes: %s", exc)

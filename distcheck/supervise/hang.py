@@ -6,6 +6,12 @@ and return the one ``hang`` finding (analysis/hang.py composes it).
 Called by the watch loop (supervise/watch.py) of every supervisor, and by the pytest plugin when a test cannot
 progress. It never raises: when the dump itself fails, the finding says so, with each rank's last collective
 from its trace, in the same shape.
+
+The processes the ranks started (DataLoader workers, a script's own subprocesses, and their children: the ranks'
+process trees, supervise/procs.rank_processes) are dumped in the same parallel pass when they run Python, each
+attributed to its rank and named by what it is ("rank 1's DataLoader worker 0 (pid 4242)"), so that a rank
+blocked on its worker points at the worker's line (analysis/hang.py). distcheck's own (the stderr copies, rank 0's
+store host) are left out.
 """
 from __future__ import annotations
 
@@ -13,11 +19,13 @@ import logging
 import os
 import time
 
+from distcheck.analysis.frame_owner import DISTCHECK, owner
 from distcheck.analysis.hang import diagnose, hang_finding
 from distcheck.analysis.progress import RankProgress, progress_by_rank
+from distcheck.analysis.stack_groups import RankStack
 from distcheck.contract import files
 from distcheck.contract.findings import Finding, format_ranks
-from distcheck.supervise.stacks import DEFAULT_DUMP_TIMEOUT, Target, dump_all, write_stack_artifacts
+from distcheck.supervise.stacks import DEFAULT_DUMP_TIMEOUT, DumpResult, Target, dump_all, write_stack_artifacts
 
 log = logging.getLogger("distcheck")
 
@@ -96,27 +104,85 @@ def diagnose_hang(rank_pids: dict[int, int], report_dir: str | os.PathLike, nati
     return found
 
 
+MAX_PROCESSES_PER_RANK = 8  # dumped per rank; more (a DataLoader with 32 workers) are listed, not dumped
+
+
+def process_targets(rank_pids: dict[int, int], world_size: int | None,
+                    report_dir: str | os.PathLike) -> tuple[list[Target], list[str]]:
+    """Targets for the Python processes the ranks started (and their children), and one line for each process
+    that is not dumped (not Python, or beyond MAX_PROCESSES_PER_RANK)."""
+    from distcheck.supervise.procs import is_python, proc_name, rank_processes
+
+    try:
+        found = rank_processes(rank_pids)
+    except OSError as exc:  # /proc unreadable: the ranks are still dumped
+        log.debug("cannot list the ranks' processes: %s", exc)
+        return [], []
+    targets: list[Target] = []
+    others: list[str] = []
+    per_rank: dict[int, int] = {}
+    for pid, rank in sorted(found.items(), key=lambda item: (item[1], item[0])):
+        name = proc_name(pid)
+        if is_python(pid) is False:
+            others.append(f"rank {rank}'s child process (pid {pid}, {name}): not Python, not dumped")
+            continue
+        per_rank[rank] = per_rank.get(rank, 0) + 1
+        if per_rank[rank] > MAX_PROCESSES_PER_RANK:
+            others.append(f"rank {rank}'s child process (pid {pid}, {name}): not dumped (more than "
+                          f"{MAX_PROCESSES_PER_RANK} for this rank)")
+            continue
+        targets.append(Target(pid, rank, "RANK", world_size, str(report_dir), name, role="child process"))
+    return targets, others
+
+
+def _distchecks_own(stack: RankStack) -> bool:
+    """A process of distcheck's own among the ranks' children (rank 0's store host: a fork, so no role variable)."""
+    main = stack.main_thread()
+    return main is not None and any(not f.native and owner(f.file) == DISTCHECK for f in main.frames)
+
+
 def _diagnose_hang(rank_pids: dict[int, int], report_dir: str | os.PathLike, native: bool, timeout: float | None,
                    world_size: int | None, dump_timeout: float, stem: str,
                    out_dir: str | os.PathLike | None, prefix: str) -> list[Finding]:
     t0 = time.monotonic()
     targets = [Target(pid, rank, "launcher", world_size, str(report_dir)) for rank, pid in sorted(rank_pids.items())]
+    children, others = process_targets(rank_pids, world_size, report_dir)
     # The rings first (what DDP's Reducer or a compiled graph is blocked in), answered while py-spy dumps.
     asked = request_flight_dumps(report_dir)
-    result = dump_all(targets, native=native, timeout=dump_timeout, report_dirs=[report_dir])
+    dumped = dump_all(targets + children, native=native, timeout=dump_timeout, report_dirs=[report_dir])
     await_flight_dumps(report_dir, sorted(rank_pids), asked)
+    result, processes = _split(dumped, {t.pid for t in children}, others)
     try:
         progress = load_progress(report_dir)
     except Exception as exc:  # a broken trace must not cost us the stacks
         log.warning("could not read traces in %s: %s", report_dir, exc)
         progress = {}
     errors_by_rank = {e.rank: e.message for e in result.errors if e.rank is not None}
-    diag = diagnose(result.stacks, progress, world_size or len(rank_pids) or None, timeout, errors_by_rank, prefix)
+    diag = diagnose(result.stacks, progress, world_size or len(rank_pids) or None, timeout, errors_by_rank, prefix,
+                    processes=processes)
     finding = diag.to_finding(result.stacks, progress, [e.message for e in result.errors])
     title = f"distcheck watchdog: {prefix.rstrip(': ')}" if prefix else "distcheck watchdog"
     artifacts = write_stack_artifacts(out_dir or report_dir, result.stacks, result.errors, native, progress, title,
-                                      stem, diag.groups, diag.message)
+                                      stem, diag.groups, diag.message, processes, others)
     finding.detail["artifacts"] = artifacts
     finding.detail["dump_seconds"] = round(result.seconds, 3)
     finding.detail["diagnose_seconds"] = round(time.monotonic() - t0, 3)
     return [finding]
+
+
+def _split(dumped: DumpResult, process_pids: set[int], others: list[str]) -> tuple[DumpResult, list[RankStack]]:
+    """The ranks' dump (stacks and errors) apart from their processes' (stacks, minus distcheck's own); a process
+    that could not be dumped becomes a line in ``others`` (one that exited meanwhile: nothing)."""
+    ranks = DumpResult(seconds=dumped.seconds)
+    processes: list[RankStack] = []
+    for stack in dumped.stacks:
+        if stack.pid not in process_pids:
+            ranks.stacks.append(stack)
+        elif not _distchecks_own(stack):
+            processes.append(stack)
+    for error in dumped.errors:
+        if error.pid not in process_pids:
+            ranks.errors.append(error)
+        elif error.kind not in ("exited", "no_such_process", "not_python"):
+            others.append(f"rank {error.rank}'s child process (pid {error.pid}): {error.message}")
+    return ranks, processes

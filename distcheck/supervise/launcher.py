@@ -16,6 +16,13 @@ Watching is the one watch loop's (supervise/watch.py): on a hang, or a stop sign
 rank's stack while the ranks are still alive (``dump``), then the ranks are ended here with the one kill routine
 (supervise/procs.terminate). ``should_stop`` lets the caller end a run early that can provably not progress (a
 rank waits in a collective a finished peer never issued).
+
+Nothing of the run outlives it: every rank gets the run's id (DISTCHECK_RUN_ID), which whatever it execs inherits,
+the watch loop remembers each live rank's process tree, and this process adopts the ranks' orphans (a child
+subreaper); once the ranks have ended, everything found these ways is ended too (supervise/procs.RunTree): a
+helper a correct script left running, a stuck DataLoader worker, a script's own spawned processes. The ranks'
+stderr copies (rank/stderr_tee.py) go last, once they have drained, so that nothing holds this process's output
+open after it exits.
 """
 from __future__ import annotations
 
@@ -29,7 +36,9 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from distcheck.contract.findings import Finding
-from distcheck.supervise.procs import terminate
+from distcheck.supervise.procs import (
+    LAUNCHER_ENV, RUN_ID_ENV, RunTree, launcher_id, new_run_id, set_child_subreaper, start_ticks, terminate,
+)
 from distcheck.supervise.signals import Interrupt, StopNow
 from distcheck.supervise.watch import HUNG, INTERRUPTED, STOP_GRACE, STOPPED, HangDump, WatchLoop
 from distcheck.supervise.zygote import start_process
@@ -94,14 +103,24 @@ class Supervisor:
         self.startup_timeout = startup_timeout
         self.procs: dict[int, subprocess.Popen] = {}
         self._lifeline: int | None = None  # write end of the store host's lifeline pipe (see rank/store_host.py)
+        self.run_id = new_run_id()
+        self.tree: RunTree | None = None  # every other process of the run, once the ranks are started
 
     def pids(self) -> dict[int, int]:
         """rank -> pid of every rank still running (for stack dumps)."""
         return {r: p.pid for r, p in self.procs.items() if p.poll() is None}
 
+    def _watched(self) -> dict[int, int]:
+        """pids() for the watch loop, which also remembers each live rank's process tree as it goes."""
+        pids = self.pids()
+        if self.tree is not None:
+            self.tree.observe(pids)
+        return pids
+
     def _rank_env(self, rank: int, port: int) -> dict[str, str]:
         env = dict(self.env)
         env.update({
+            RUN_ID_ENV: self.run_id, LAUNCHER_ENV: launcher_id(os.getpid()),
             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "True",
             "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(self.nproc),
             "LOCAL_WORLD_SIZE": str(self.nproc), "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1",
@@ -122,10 +141,15 @@ class Supervisor:
         port = listener.getsockname()[1]
         killed: dict[int, str] = {}
         result = None
+        # Orphans of the ranks' processes come to this process rather than to init (a rank that dies leaves its
+        # DataLoader workers and helpers behind): the sweep below finds them as its own children.
+        set_child_subreaper()
+        stopping = False
         try:
             self._launch(port, listener.fileno())
             listener.close()  # rank 0's store host has its own copy
-            loop = WatchLoop(self.report_dir, self.timeout, live=self.pids, expected=self.nproc,
+            self.tree = self._run_tree()
+            loop = WatchLoop(self.report_dir, self.timeout, live=self._watched, expected=self.nproc,
                              finished=lambda: {r for r, p in self.procs.items() if p.poll() is not None},
                              should_stop=self._should_stop, dump=self.dump, startup_timeout=self.startup_timeout,
                              stop_grace=self.stop_grace, poll=self.poll, interrupt=self.interrupt)
@@ -136,6 +160,7 @@ class Supervisor:
                 killed.update({r: why for r in alive})
                 self._end(alive)
         except StopNow:
+            stopping = True
             self._end(sorted(self.pids()), grace=0.0)  # a second signal: at once
             raise
         finally:
@@ -147,6 +172,8 @@ class Supervisor:
                 self._lifeline = None
             if listener.fileno() >= 0:
                 listener.close()
+            # However the run ended: what the ranks started, and their stderr copies once drained.
+            (self.tree or self._run_tree()).end(grace=0.0 if stopping else 1.0)
         exits = {}
         for r, p in self.procs.items():
             code = p.returncode
@@ -157,6 +184,15 @@ class Supervisor:
             reason = f"stopped from outside by {reason}"
         return SupervisorResult(exits, result is not None and result.state == HUNG, reason,
                                 result.hang_findings if result is not None else [], time.monotonic() - started)
+
+    def _run_tree(self) -> RunTree:
+        from distcheck.supervise.zygote import Zygote
+
+        ranks = [p.pid for p in self.procs.values()]
+        zygote = Zygote._shared.proc if Zygote._shared is not None else None
+        keep = ranks + ([zygote.pid] if zygote is not None else [])
+        since = [t for t in map(start_ticks, ranks) if t is not None]
+        return RunTree(self.run_id, keep, adopt_since=min(since) if since else None)
 
     def _should_stop(self, finished: set[int]) -> str | None:
         if self.should_stop is None:

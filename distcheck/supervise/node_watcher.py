@@ -8,7 +8,10 @@ holds the GIL in native code. So local rank 0 starts this small process (distche
 the node's ranks from the ``stackhook-pid*.json`` files they write, runs the one watch loop over their traces,
 and on a hang dumps them, writes the report and ends them (torchrun then ends the other nodes). The ranks name
 their parent (torchrun's agent) as ptracer, and the watcher is a descendant of it, so the dump works under Yama
-ptrace_scope=1. It ends by itself once the node's ranks have ended.
+ptrace_scope=1. It ends by itself once the node's ranks have ended, and ends what they left on this node first:
+the processes they started that still run (a helper in a session of its own, a stuck DataLoader worker), found
+by the ranks' process trees as it watched them and by the run's id in their environment (supervise/procs.RunTree),
+so that nothing of the job holds its console open after torchrun exits.
 """
 from __future__ import annotations
 
@@ -26,7 +29,7 @@ from typing import Sequence
 
 from distcheck.contract import files
 from distcheck.contract.findings import format_ranks
-from distcheck.supervise.procs import alive, read_environ, terminate
+from distcheck.supervise.procs import NODE_WATCHER, ROLE_ENV, RUN_ID_ENV, RunTree, alive, read_environ, terminate
 from distcheck.supervise.watch import HUNG, HangDump, WatchLoop
 
 log = logging.getLogger("distcheck")
@@ -73,11 +76,24 @@ def start_node_watcher(report_dir: str | os.PathLike, timeout: float, native: bo
         cmd += ["--local-world-size", str(local_world_size)]
     cmd += ["--log", str(Path(report_dir) / f"watcher-{socket.gethostname()}.log")]
     # stdout/stderr: the rank's, i.e. the job's console, where the report is printed; the log goes to a file.
-    return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, start_new_session=True, close_fds=True)
+    # Its role keeps the ranks' own sweeps (runtime.end_processes) from ending it with the script's processes.
+    return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, start_new_session=True, close_fds=True,
+                            env={**os.environ, ROLE_ENV: NODE_WATCHER})
 
 
 def watch(report_dir: str, timeout: float, native: bool = False, parent: int = 0, world_size: int | None = None,
           local_world_size: int | None = None) -> int:
+    tree = RunTree(os.environ.get(RUN_ID_ENV))
+    try:
+        return _watch(report_dir, timeout, native, parent, world_size, local_world_size, tree)
+    finally:
+        ended = tree.end()  # whatever the ranks left on this node, then their stderr copies once drained
+        if ended:
+            log.info("ended %d processes the ranks left running: %s", len(ended), ended)
+
+
+def _watch(report_dir: str, timeout: float, native: bool, parent: int, world_size: int | None,
+           local_world_size: int | None, tree: RunTree) -> int:
     host = socket.gethostname()
     multi_node = bool(world_size and local_world_size and world_size > local_world_size)
     out_dir = Path(report_dir) / f"node-{host}" if multi_node else Path(report_dir)
@@ -88,6 +104,7 @@ def watch(report_dir: str, timeout: float, native: bool = False, parent: int = 0
 
     def live() -> dict[int, int]:
         ranks = local_ranks(report_dir, host)
+        tree.observe(ranks)
         seen.update(ranks)
         if ranks != last[0]:
             log.info("ranks running on this node: %s", ranks)

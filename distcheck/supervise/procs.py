@@ -1,9 +1,13 @@
-"""The processes distcheck supervises, seen from outside: liveness, environment, descendants, and the one kill
-routine every supervisor uses (the launcher, the node watcher, the torchrun monitor and the pytest pool).
+"""The processes distcheck supervises, seen from outside: liveness, environment, descendants, the one kill
+routine every supervisor uses (the launcher, the node watcher, the torchrun monitor and the pytest pool), and a
+run's whole process tree (``RunTree``): every process a rank starts, and their children, so that none outlives the
+run and a hang dump can reach each one.
 
     python -m distcheck stacks 12345        # resolves a torchrun agent's pid to its rank processes with these
+    python -m distcheck run --nproc 2 -- train.py   # the launcher tracks and ends each rank's tree with RunTree
 
-Only pids distcheck started (or that the user named) are ever signalled.
+Only pids distcheck started, that descend from a rank, or that carry the run's tag (``RUN_ID_ENV``), or that the
+user named are ever signalled: never a process found by its name.
 """
 from __future__ import annotations
 
@@ -12,6 +16,20 @@ import signal
 import time
 from pathlib import Path
 from typing import Iterable
+
+# Set on every rank of a run (by the launcher, or by the rank itself under torchrun), so every process a rank
+# execs inherits it: /proc/PID/environ then names the run even after the process left the rank's session or was
+# orphaned. (A process a rank only forks, such as a DataLoader worker, shows the environment its rank was exec'd
+# with: tagged for a fresh rank, not for one forked by a zygote; the tree walk finds those.)
+RUN_ID_ENV = "DISTCHECK_RUN_ID"
+# "pid:start ticks" of what launched the ranks (distcheck's launcher, or torchrun's agent): a rank's stderr copy
+# ends the rank's processes itself when both the rank and it are gone (rank/stderr_tee.Orphaned: a SIGKILLed
+# launcher runs no sweep).
+LAUNCHER_ENV = "DISTCHECK_LAUNCHER"
+# distcheck's own processes among a rank's descendants (they carry the tag too): never ended as leftovers before
+# they are done, never dumped as the user's. A stderr copy ends by itself once every writer of its pipe is gone.
+ROLE_ENV = "DISTCHECK_ROLE"
+STDERR_COPY, NODE_WATCHER = "stderr-copy", "node-watcher"
 
 
 def read_environ(pid: int) -> dict[str, str]:
@@ -142,3 +160,204 @@ def agent_pid() -> int:
         return int(os.environ[AGENT_PID_ENV])
     except (KeyError, ValueError):
         return os.getppid()
+
+
+# --- a run's process tree -------------------------------------------------------------------------------------
+
+
+def new_run_id() -> str:
+    import uuid
+
+    return uuid.uuid4().hex
+
+
+def start_ticks(pid: int) -> int | None:
+    """When the process started (clock ticks after boot): with its pid, it names one process, never a later one
+    that reuses the pid."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def torchrun_run_id() -> str:
+    """The run id of the torchrun job this rank belongs to, the same on every local rank: its agent's pid and start
+    time (torchrun's own TORCHELASTIC_RUN_ID is "none" unless the user sets --rdzv-id)."""
+    agent = agent_pid()
+    return f"torchrun-{agent}-{start_ticks(agent)}"
+
+
+def launcher_id(pid: int) -> str:
+    return f"{pid}:{start_ticks(pid)}"
+
+
+def ensure_run_id(supervised: bool) -> str:
+    """This rank's run id: its launcher's (``run --nproc``), else the torchrun job's, exported so that every process
+    the rank execs from now on carries it (and its launcher's identity, LAUNCHER_ENV). Under torchrun an id in
+    the environment is an outer run's (a job started from inside another's rank): never this job's, whose sweeps
+    must not reach the outer run's processes."""
+    if supervised and os.environ.get(RUN_ID_ENV) and os.environ.get(LAUNCHER_ENV):
+        return os.environ[RUN_ID_ENV]
+    os.environ[RUN_ID_ENV] = run_id = torchrun_run_id()
+    os.environ[LAUNCHER_ENV] = launcher_id(agent_pid())
+    return run_id
+
+
+def set_child_subreaper() -> bool:
+    """Adopt this process's orphaned descendants (Linux PR_SET_CHILD_SUBREAPER): a grandchild whose parent exits (a
+    daemonizing helper, a DataLoader worker's own child) stays in this process's tree instead of moving to init, so
+    the tree walk still finds it while this process lives."""
+    try:
+        import ctypes
+
+        return ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER
+    except Exception:
+        return False
+
+
+def _environ_entries(pid: int) -> list[bytes]:
+    try:
+        return Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return []
+
+
+def role_of(pid: int) -> str | None:
+    """distcheck's role for one of its own processes (ROLE_ENV), None for everything else."""
+    prefix = f"{ROLE_ENV}=".encode()
+    for item in _environ_entries(pid):
+        if item.startswith(prefix):
+            return item[len(prefix):].decode(errors="replace")
+    return None
+
+
+def tagged(run_id: str) -> dict[int, str | None]:
+    """``{pid: role}`` of every live process whose environment carries this run id."""
+    needle = f"{RUN_ID_ENV}={run_id}".encode()
+    prefix = f"{ROLE_ENV}=".encode()
+    found: dict[int, str | None] = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        pid = int(entry.name)
+        items = _environ_entries(pid)
+        if needle in items and alive(pid):
+            found[pid] = next((i[len(prefix):].decode(errors="replace") for i in items if i.startswith(prefix)), None)
+    return found
+
+
+def descendants(roots: dict[int, int], children: dict[int, list[int]] | None = None) -> dict[int, int]:
+    """``{pid: root key}`` of every live descendant of each root pid (``roots``: pid -> key, e.g. its rank)."""
+    children = children_map() if children is None else children
+    found: dict[int, int] = {}
+    for root, key in roots.items():
+        stack = list(children.get(root, []))
+        while stack:
+            pid = stack.pop()
+            if pid in found or pid in roots:
+                continue
+            found[pid] = key
+            stack.extend(children.get(pid, []))
+    return {pid: key for pid, key in found.items() if alive(pid)}
+
+
+def rank_processes(rank_pids: dict[int, int]) -> dict[int, int]:
+    """``{pid: rank}`` of the processes the ranks started (and their children) that are the user's: distcheck's
+    own (a stderr copy, the node watcher) are left out."""
+    found = descendants({pid: rank for rank, pid in rank_pids.items()})
+    return {pid: rank for pid, rank in found.items() if role_of(pid) is None}
+
+
+def reap(pids: Iterable[int]) -> None:
+    """Collect the exit status of those of ``pids`` that are this process's children and have ended (orphans a
+    subreaper adopted), so that no zombie is left; a pid that is not our child is skipped."""
+    for pid in pids:
+        try:
+            os.waitpid(pid, os.WNOHANG)
+        except (ChildProcessError, OSError):
+            pass
+
+
+class RunTree:
+    """Every process of one run other than its ranks: what the ranks start (DataLoader workers, helpers, a script's
+    own ``mp.spawn`` workers) and their children, and distcheck's per-rank processes (stderr copies).
+
+    Found three ways, because no single one sees every process: the tree below each live rank (``observe``, called
+    from the watch loop; every rank is a child subreaper, so its orphaned grandchildren stay below it); the run's
+    tag in /proc/PID/environ (what a rank execs carries it, also once orphaned or in a session of its own); and,
+    for a launcher that is a subreaper, the orphans it adopted since the run started. ``end`` ends them all.
+    """
+
+    def __init__(self, run_id: str | None, keep: Iterable[int] = (), adopt_since: int | None = None) -> None:
+        self.run_id = run_id
+        self.keep = set(keep) | {os.getpid()}  # never these: the ranks, the launcher, its zygote
+        self.adopt_since = adopt_since  # start ticks: this process's children started since are the run's orphans
+        self.known: dict[int, tuple[int, int | None]] = {}  # pid -> (rank, start ticks)
+        self._last = float("-inf")
+
+    def observe(self, rank_pids: dict[int, int], every: float = 1.0) -> None:
+        """Remember the descendants of the live ranks (at most once per ``every`` seconds: a /proc scan costs a few
+        ms): a rank that dies takes its tree's shape along, and its orphans go to init."""
+        now = time.monotonic()
+        if now - self._last < every:
+            return
+        self._last = now
+        for pid, rank in descendants({pid: rank for rank, pid in rank_pids.items()}).items():
+            if pid not in self.known:
+                self.known[pid] = (rank, start_ticks(pid))
+
+    def leftovers(self) -> dict[int, str | None]:
+        """``{pid: role}`` of every live process of the run (role: ROLE_ENV, None for the user's)."""
+        found: dict[int, str | None] = {}
+        for pid, (_, ticks) in list(self.known.items()):
+            if alive(pid) and start_ticks(pid) == ticks:
+                found[pid] = role_of(pid)
+        if self.run_id:
+            found.update(tagged(self.run_id))
+        if self.adopt_since is not None:
+            for pid in children_map().get(os.getpid(), []):
+                ticks = start_ticks(pid)
+                if pid not in self.keep and ticks is not None and ticks >= self.adopt_since and alive(pid):
+                    found.setdefault(pid, role_of(pid))
+        for pid in self.keep:
+            found.pop(pid, None)
+        return found
+
+    def end(self, grace: float = 1.0, drain: float = 5.0) -> list[int]:
+        """End every process of the run: the user's first (SIGTERM, SIGKILL after ``grace``; again for what they
+        started meanwhile), then distcheck's stderr copies, which end by themselves once no writer of their pipe is
+        left and get ``drain`` seconds to copy what is still in it. Returns the pids that had to be ended."""
+        ended: list[int] = []
+        for attempt in range(3):
+            left = self.leftovers()
+            users = [pid for pid, role in left.items() if role != STDERR_COPY]
+            if not users:
+                break
+            terminate(users, grace=grace if attempt == 0 else 0.2)
+            ended.extend(users)
+            reap(users)
+        copies = [pid for pid, role in self.leftovers().items() if role == STDERR_COPY]
+        deadline = time.monotonic() + drain
+        while time.monotonic() < deadline and any(alive(p) for p in copies):
+            time.sleep(0.02)
+        stuck = [pid for pid in copies if alive(pid)]
+        if stuck:
+            terminate(stuck, grace=0.0)
+            ended.extend(stuck)
+        reap(copies)
+        if self.adopt_since is not None:  # orphans that ended by themselves (rank 0's store host): no zombies
+            reap(pid for pid in children_map().get(os.getpid(), [])
+                 if pid not in self.keep and (start_ticks(pid) or -1) >= self.adopt_since)
+        return ended
+
+
+def end_descendants(keep: Iterable[int] = (), grace: float = 1.0) -> list[int]:
+    """In a rank that is ending: end the processes it started and their children (the rank is a subreaper, so its
+    whole tree is below it), except distcheck's own (``keep``, and any with a ROLE_ENV). Returns their pids."""
+    mine = descendants({os.getpid(): 0})
+    keep = set(keep)
+    users = [pid for pid in mine if pid not in keep and role_of(pid) is None]
+    if users:
+        terminate(users, grace=grace)
+        reap(users)
+    return users

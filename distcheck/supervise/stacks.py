@@ -7,6 +7,8 @@ like any other: py-spy reads the interpreter's memory from outside (ptrace), and
 C-level signal handler that needs no GIL.
 
 ptrace permission and the faulthandler fallback are set up inside each rank: see distcheck/rank/stack_hooks.py.
+On a hang the processes the ranks started are dumped alongside them (``Target.role``; supervise/hang.py finds
+them): py-spy with ``--locals`` there, which names a DataLoader worker's index.
 """
 from __future__ import annotations
 
@@ -25,8 +27,8 @@ from typing import Any, Iterable, Sequence
 
 from distcheck.analysis.progress import RankProgress
 from distcheck.analysis.stack_groups import (
-    FAULTHANDLER_MARKER, RankStack, StackGroup, group_stacks, parse_faulthandler, parse_pyspy_json, render_all_threads,
-    render_groups,
+    FAULTHANDLER_MARKER, RankStack, StackGroup, group_stacks, own_frames, parse_faulthandler, parse_pyspy_json,
+    process_role, render_all_threads, render_groups, render_processes,
 )
 
 from distcheck.contract import files
@@ -51,6 +53,7 @@ class Target:
     world_size: int | None = None
     report_dir: str | None = None  # DISTCHECK_REPORT_DIR of the process: where its faulthandler hook lives
     name: str = ""
+    role: str = ""  # a process rank ``rank`` started ("child process" until its stack says more), not a rank
 
 
 @dataclass
@@ -169,7 +172,9 @@ def classify_pyspy_failure(pid: int, stderr: str) -> DumpError:
 
 def pyspy_dump(target: Target, pyspy: str, native: bool = False, timeout: float = DEFAULT_DUMP_TIMEOUT,
                host: str | None = None) -> RankStack | DumpError:
-    cmd = [pyspy, "dump", "--pid", str(target.pid), "--json"] + (["--native"] if native else [])
+    # A process a rank started: --locals says which DataLoader worker it is (worker_id in _worker_loop).
+    cmd = ([pyspy, "dump", "--pid", str(target.pid), "--json"] + (["--native"] if native else [])
+           + (["--locals"] if target.role else []))
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -186,9 +191,14 @@ def pyspy_dump(target: Target, pyspy: str, native: bool = False, timeout: float 
         data = json.loads(proc.stdout)
     except ValueError:
         return DumpError(target.pid, "failed", f"pid {target.pid}: py-spy printed no JSON", target.rank)
-    return RankStack(target.rank, target.pid, host or socket.gethostname(),
-                     "py-spy --native" if native else "py-spy", parse_pyspy_json(data, target.pid),
-                     target.rank_source, target.world_size)
+    stack = RankStack(target.rank, target.pid, host or socket.gethostname(),
+                      "py-spy --native" if native else "py-spy", parse_pyspy_json(data, target.pid),
+                      target.rank_source, target.world_size)
+    if target.role:
+        for thread in stack.threads:  # a forked process's frames outside its own start are its parent's
+            thread.frames = own_frames(thread.frames)
+        stack.role = process_role(stack)
+    return stack
 
 
 # --- faulthandler fallback and in-rank hooks -------------------------------------------------------------------
@@ -251,6 +261,8 @@ def dump_one(target: Target, native: bool = False, timeout: float = DEFAULT_DUMP
              report_dirs: Sequence[str | os.PathLike | None] = (), pyspy: str | None = None) -> RankStack | DumpError:
     """py-spy first; faulthandler when py-spy is missing or denied and the process installed the hook."""
     first: DumpError | None = None
+    if target.role and not pyspy:  # no faulthandler hook in a process a rank started
+        return DumpError(target.pid, "no_pyspy", "py-spy is not installed", target.rank)
     if pyspy:
         out = pyspy_dump(target, pyspy, native, timeout)
         if isinstance(out, RankStack):
@@ -294,11 +306,14 @@ STACKS_FORMAT = "distcheck-stacks/1"
 
 def stacks_document(stacks: Sequence[RankStack], errors: Sequence[DumpError], native: bool,
                     progress: dict[int, RankProgress] | None = None, hosts: Sequence[str] | None = None,
-                    groups: Sequence[StackGroup] | None = None, summary: str = "") -> dict[str, Any]:
-    """The JSON form (stacks.json): one document per node; ``distcheck report`` merges several."""
+                    groups: Sequence[StackGroup] | None = None, summary: str = "",
+                    processes: Sequence[RankStack] = ()) -> dict[str, Any]:
+    """The JSON form (stacks.json): one document per node; ``distcheck report`` merges several. ``processes``:
+    the dumped processes the ranks started (each with its rank and role)."""
     groups = list(groups) if groups is not None else group_stacks(stacks)
     ws = [s.world_size for s in stacks if s.world_size]
-    return {
+    extra = {"processes": [p.to_json() for p in sorted(processes, key=lambda p: (p.rank, p.pid))]} if processes else {}
+    return {**extra, 
         "tool": "distcheck",
         "format": STACKS_FORMAT,
         "hosts": sorted(set(hosts or [s.host for s in stacks] or [socket.gethostname()])),
@@ -328,33 +343,39 @@ def progress_line(rank: int, p: RankProgress) -> str:
 
 def render_stacks_text(stacks: Sequence[RankStack], errors: Sequence[DumpError], title: str = "",
                        progress: dict[int, RankProgress] | None = None, groups: Sequence[StackGroup] | None = None,
-                       summary: str = "") -> str:
+                       summary: str = "", processes: Sequence[RankStack] = (),
+                       other_processes: Sequence[str] = ()) -> str:
     groups = list(groups) if groups is not None else group_stacks(stacks)
     if summary:
         title = f"{title}\ndiagnosis: {summary}" if title else f"diagnosis: {summary}"
     text = render_groups(groups, list(stacks), [e.message for e in errors], title)
+    text += render_processes(list(processes), list(other_processes))
     if progress:
         lines = ["", "last collectives (from the trace):"]
         lines += [f"  {progress_line(r, p)}" for r, p in sorted(progress.items())]
         text += "\n".join(lines) + "\n"
-    return text + "\nall threads, uncollapsed:\n" + render_all_threads(list(stacks))
+    return text + "\nall threads, uncollapsed:\n" + render_all_threads([*stacks, *processes])
 
 
 def write_stack_artifacts(report_dir: str | os.PathLike, stacks: Sequence[RankStack], errors: Sequence[DumpError],
                           native: bool = False, progress: dict[int, RankProgress] | None = None,
                           title: str = "", stem: str = "stacks", groups: Sequence[StackGroup] | None = None,
-                          summary: str = "") -> dict[str, str]:
+                          summary: str = "", processes: Sequence[RankStack] = (),
+                          other_processes: Sequence[str] = ()) -> dict[str, str]:
     """Write ``<stem>.txt`` and ``<stem>.json``; returns report.json artifact entries (relative paths).
 
     ``groups``/``summary`` come from the hang diagnosis, so the highlighted groups are the ranks it singled out.
+    ``processes``: the processes the ranks started, dumped with them; ``other_processes``: one line for each that
+    is not Python.
     """
     from distcheck.contract.report import atomic_write
 
     report_dir = Path(report_dir)
-    atomic_write(report_dir / f"{stem}.txt", render_stacks_text(stacks, errors, title, progress, groups, summary))
+    atomic_write(report_dir / f"{stem}.txt", render_stacks_text(stacks, errors, title, progress, groups, summary,
+                                                                processes, other_processes))
     atomic_write(report_dir / f"{stem}.json",
-                 json.dumps(stacks_document(stacks, errors, native, progress, None, groups, summary), indent=1)
-                 + "\n")
+                 json.dumps(stacks_document(stacks, errors, native, progress, None, groups, summary, processes),
+                            indent=1) + "\n")
     return {f"{stem}.txt": f"{stem}.txt", f"{stem}.json": f"{stem}.json"}
 
 

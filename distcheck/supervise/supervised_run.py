@@ -5,9 +5,10 @@
 
 Every rank runs ``python -m distcheck run ... -- SCRIPT`` with DISTCHECK_SUPERVISED=1 (rank/entry.py): traced,
 zero-code checked, writing its per-rank files. This process is their parent: it hosts the rendezvous store,
-dumps their stacks on a hang (py-spy may attach to children even under Yama ptrace_scope=1), ends them, and
-builds the report from what they wrote (supervise/run_report.py), so a rank that crashes or hangs never takes
-the report with it.
+dumps their stacks on a hang (py-spy may attach to children even under Yama ptrace_scope=1), ends them and
+whatever they started (supervise/launcher.py), and builds the report from what they wrote
+(supervise/run_report.py), so a rank that crashes or hangs never takes the report with it. The report is built
+once the ranks' stderr copies have drained, so its stderr tails hold what the ranks wrote last.
 """
 from __future__ import annotations
 
