@@ -23,6 +23,29 @@ BIN = Path(sys.executable).parent
 FRESH = {"DISTCHECK_ZYGOTE": "0"}
 
 
+# Set on a launch by tests that check nothing is left behind: every process the launch starts inherits it, so a
+# process still alive with it afterwards was left by the run (found in /proc/*/environ, never by name).
+TAG = "DISTCHECK_TEST_TAG"
+
+
+def tagged(tag: str) -> list[int]:
+    """Live processes (zombies excluded) whose environment carries ``TAG=tag``."""
+    needle = f"{TAG}={tag}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if needle not in (entry / "environ").read_bytes().split(b"\0"):
+                continue
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if state not in ("Z", "X"):
+            found.append(int(entry.name))
+    return found
+
+
 @dataclass
 class Result:
     returncode: int

@@ -34,6 +34,7 @@ import json
 import logging
 import os
 import re
+import sys
 import threading
 import time
 from pathlib import Path
@@ -200,12 +201,26 @@ def _recompiled(compiled: Any) -> Any:
     return compiled
 
 
+_OUTPUT_GRAPH = "torch._dynamo.output_graph"
+
+
 def install_compile_hook() -> None:
     """Wrap what Dynamo returns for each graph with collectives so each run of it is a phase; the graph and the
-    backend are left as they are (the backend gets the same graph, its result is called with the same args)."""
-    try:
-        from torch._dynamo.output_graph import OutputGraph
-    except Exception:  # no Dynamo in this build: nothing is compiled
+    backend are left as they are (the backend gets the same graph, its result is called with the same args).
+    Importing Dynamo costs a rank 1.2 s (more under load, long enough for a short ``--timeout`` to call the start-up
+    a hang): a script that compiles imports it anyway, so the hook goes in when it does (patches.py's import hook)."""
+    if _OUTPUT_GRAPH in sys.modules:
+        _hook_output_graph(sys.modules[_OUTPUT_GRAPH])
+        return
+    from distcheck.rank.autocheck.patches import _PatchOnImport
+
+    if not any(isinstance(f, _PatchOnImport) and _OUTPUT_GRAPH in f.targets for f in sys.meta_path):
+        sys.meta_path.insert(0, _PatchOnImport({_OUTPUT_GRAPH: _hook_output_graph}))
+
+
+def _hook_output_graph(module: Any) -> None:
+    OutputGraph = getattr(module, "OutputGraph", None)
+    if OutputGraph is None:  # a Dynamo without this class: compiled collectives are named less precisely
         return
     original = OutputGraph.call_user_compiler
     if getattr(original, "__distcheck_original__", None) is not None:

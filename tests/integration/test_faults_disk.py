@@ -23,9 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from launch_helpers import FRESH, env_for_ranks, load_report
+from launch_helpers import FRESH, TAG, env_for_ranks, load_report, tagged
 
-TAG = "DISTCHECK_TEST_TAG"
 
 # A correct script: every rank issues the same all_reduces, far more than a 128 KiB file system can trace (24 bytes
 # a collective), and checks their result at the end.
@@ -62,20 +61,13 @@ dist.destroy_process_group()
 
 def tagged_processes(tag: str) -> list[str]:
     """``pid: command line`` of every live process whose environment carries ``TAG=tag`` (zombies excluded)."""
-    needle = f"{TAG}={tag}".encode()
     found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
+    for pid in tagged(tag):
         try:
-            if needle not in (entry / "environ").read_bytes().split(b"\0"):
-                continue
-            if (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
-                continue
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except (OSError, IndexError):
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:  # ended since the scan
             continue
-        found.append(f"{entry.name}: {cmdline[:160]}")
+        found.append(f"{pid}: {cmdline[:160]}")
     return found
 
 

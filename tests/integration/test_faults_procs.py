@@ -23,27 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from launch_helpers import BIN, FRESH, env_for_ranks, load_report
-
-TAG = "DISTCHECK_TEST_TAG"
-
-
-def tagged(tag: str) -> list[int]:
-    """Live processes (zombies have ended) whose environment holds this launch's tag."""
-    needle = f"{TAG}={tag}".encode()
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            env = (entry / "environ").read_bytes().split(b"\0")
-            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except (OSError, IndexError):
-            continue
-        if needle in env and state not in ("Z", "X"):
-            found.append(int(entry.name))
-    return found
-
+from launch_helpers import BIN, FRESH, TAG, env_for_ranks, load_report, tagged
 
 def describe(pids: list[int]) -> str:
     out = []

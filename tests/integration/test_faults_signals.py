@@ -20,9 +20,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from launch_helpers import FRESH, env_for_ranks, load_report
-
-TAG = "DISTCHECK_TEST_TAG"
+from launch_helpers import FRESH, TAG, env_for_ranks, load_report, tagged
 
 CORRECT = """
 import torch
@@ -34,24 +32,6 @@ for _ in range({n}):
     dist.all_reduce(t)
 dist.destroy_process_group()
 """
-
-
-def tagged(tag: str) -> list[int]:
-    """Live processes (zombies excluded) whose environment carries ``TAG=tag``."""
-    needle = f"{TAG}={tag}".encode()
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            if needle not in (entry / "environ").read_bytes().split(b"\0"):
-                continue
-            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except (OSError, IndexError):
-            continue
-        if state not in ("Z", "X"):
-            found.append(int(entry.name))
-    return found
 
 
 def caught(pid: int, sig: int) -> bool:

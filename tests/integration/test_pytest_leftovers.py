@@ -4,32 +4,10 @@ is innocent, starts on fresh ranks and passes. Each test asserts the outcomes, t
 no process is left once pytest has ended, found by an environment tag every process of the run inherits."""
 from __future__ import annotations
 
-import os
 import time
 import uuid
-from pathlib import Path
 
-from launch_helpers import run_pytest
-
-TAG = "DISTCHECK_TEST_TAG"
-
-
-def tagged(tag: str) -> list[int]:
-    """Live processes (zombies excluded) whose environment carries ``TAG=tag``."""
-    needle = f"{TAG}={tag}".encode()
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            if needle not in (entry / "environ").read_bytes().split(b"\0"):
-                continue
-            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except (OSError, IndexError):
-            continue
-        if state not in ("Z", "X"):
-            found.append(int(entry.name))
-    return found
+from launch_helpers import TAG, run_pytest, tagged
 
 INNOCENT = '''
 @pytest.mark.distributed(nprocs=2, timeout=20)
