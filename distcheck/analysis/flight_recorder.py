@@ -232,6 +232,13 @@ def merge(events: list[Any], dump: FlightDump | None, event_type: Callable[..., 
         if entry.get("state") == "completed" or (seq and seq <= status_done.get(
                 f"{entry.get('ring', 'c10d')}:{entry.get('pg_id')}", -1)):
             return _created(entry)
+        # gloo's completed counter lags (it skipped the DDP broadcasts and bucket all-reduces a rank had long
+        # finished). A phase that has ended waited for what it issued: DDP's forward and construction run their
+        # broadcasts synchronously, its backward returns once every bucket's all-reduce is done, join()'s exit and
+        # a compiled graph wait for theirs.
+        phase = index.at(_created(entry))
+        if phase is not None and phase.get("t1") is not None:
+            return float(phase["t1"])
         return None
 
     for entry in sorted(dump.entries, key=lambda e: (int(e.get("time_created_ns") or 0),

@@ -290,3 +290,13 @@ def test_a_synchronous_nccl_collective_is_left_open_for_the_ring():
     completions.ring_sigs.add(7)
     completions.add(1)
     assert created == [] and completions.poll() == 0
+
+
+def test_an_entry_of_a_phase_that_ended_is_completed_though_glooss_counter_lags():
+    """gloo's completed counter lagged behind DDP ops a rank had long finished: a rank stuck in its data loader
+    was said to wait in a DDP broadcast. A phase that ended waited for what it issued; an open one did not."""
+    ring = [entry(0, 5, "gloo:broadcast", 101.0), entry(1, 6, "gloo:all_reduce", 102.0)]
+    phases = [{"kind": "ddp_forward", "file": "/p/train.py", "line": 30, "t0": 100.9, "t1": 101.1},
+              {"kind": "backward", "file": "/p/train.py", "line": 31, "t0": 101.9, "t1": None}]
+    merged = fr.merge([], dump(ring, phases, done=4), TraceEvent)
+    assert [(e.seq, e.t_end) for e in merged] == [(5, 101.1), (6, None)]
