@@ -138,7 +138,10 @@ def stop_finding(report: dict) -> dict:
 def test_sigterm_0_1s_after_the_start_is_a_stop_during_start_up(tmp_path, env):
     """The handlers are installed before anything heavy is imported: the signal gives a report, not exit -15.
     Ranks forked from the session's zygote may already run the script; fresh ones still import torch."""
-    launch = Launcher(tmp_path, CORRECT.format(n=3), env=env)
+    # The ranks wait before their first collective: forked ones reach the script in milliseconds, and three
+    # all_reduces would then end inside the dump, where the signal rightly stops nothing (CI saw it once).
+    launch = Launcher(tmp_path, CORRECT.replace("t = torch.ones(4)", "t = torch.ones(4)\nimport time\n"
+                                                "time.sleep(20)").format(n=3), env=env)
     try:
         # 0.1 s after the start; on a machine so loaded that the interpreter itself is not up by then, the moment
         # the handler exists (the first thing `python -m distcheck run` does).
