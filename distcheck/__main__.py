@@ -10,7 +10,9 @@ if __name__ == "__main__":
     install_early(sys.argv[1:])
     # Under torchrun with a shared zygote named (DISTCHECK_ZYGOTE=SOCKET): the rank is forked from it and this
     # process stands in for it (distcheck/supervise/zygote.py, stand_in). Checked before anything heavy is imported.
-    if os.environ.get("DISTCHECK_ZYGOTE", "0") not in ("", "0", "1") and "TORCHELASTIC_RUN_ID" in os.environ:
+    from distcheck.contract import env
+
+    if os.environ.get(env.ZYGOTE, "0") not in ("", "0", "1") and "TORCHELASTIC_RUN_ID" in os.environ:
         from distcheck.supervise.zygote import stand_in
 
         code = stand_in(sys.argv[1:])

@@ -11,10 +11,11 @@ import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from distcheck.contract import env
 from distcheck.errors import UsageError
 
 # Set by the launcher for the ranks it starts: a rank under it leaves watching and reporting to the launcher.
-ENV_SUPERVISED = "DISTCHECK_SUPERVISED"
+ENV_SUPERVISED = env.SUPERVISED
 
 
 # Choices the CLI validates before importing torch (checks/models.py and checks/parallelize.py use the same names).

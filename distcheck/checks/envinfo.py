@@ -7,9 +7,11 @@ import socket
 
 import torch
 
+from distcheck.contract import env
+
 # Environment variables that change how collectives, kernels or threads behave. Prefixes match whole families.
 ENV_PREFIXES = ("NCCL_", "TORCH_", "TORCHELASTIC_", "TORCHINDUCTOR_", "PYTORCH_", "CUDA_", "GLOO_", "CUBLAS_",
-                "CUDNN_", "NVIDIA_", "FI_", "UCX_", "MKL_", "KMP_", "DISTCHECK_BACKEND")
+                "CUDNN_", "NVIDIA_", "FI_", "UCX_", "MKL_", "KMP_", env.BACKEND)
 ENV_NAMES = ("OMP_NUM_THREADS", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LD_PRELOAD")
 
 # Keys that legitimately differ between hosts or ranks: shown in the report, never flagged. CUDA_VISIBLE_DEVICES

@@ -40,11 +40,11 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from distcheck.contract import files
+from distcheck.contract import env, files
 
 log = logging.getLogger("distcheck")
 
-ENV_ENABLE = "DISTCHECK_FLIGHT_RECORDER"
+ENV_ENABLE = env.FLIGHT_RECORDER
 ENV_BUFFER = "TORCH_FR_BUFFER_SIZE"
 DEFAULT_ENTRIES = 10000  # 200 to 1000 DDP steps; a few MB of the rank's memory, a 0.35 s dump on gloo
 POLL_S = 0.5

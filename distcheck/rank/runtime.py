@@ -20,6 +20,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from distcheck.contract import env
 from distcheck.errors import ChannelTimeout
 
 log = logging.getLogger("distcheck")
@@ -64,7 +65,7 @@ def pick_device(info: RankInfo) -> tuple[str, torch.device]:
 
     DISTCHECK_BACKEND=gloo forces the CPU path on a GPU machine (useful to rule out NCCL itself).
     """
-    forced = os.environ.get("DISTCHECK_BACKEND", "").strip().lower()
+    forced = os.environ.get(env.BACKEND, "").strip().lower()
     if forced != "gloo" and torch.cuda.is_available() and torch.cuda.device_count() > 0:
         index = info.local_rank % torch.cuda.device_count()
         return "nccl", torch.device("cuda", index)
@@ -72,7 +73,7 @@ def pick_device(info: RankInfo) -> tuple[str, torch.device]:
 
 
 def setup_logging(info: RankInfo) -> None:
-    level = os.environ.get("DISTCHECK_LOG", "WARNING").upper()
+    level = os.environ.get(env.LOG, "WARNING").upper()
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter(f"[distcheck rank {info.rank}] %(levelname)s %(message)s"))
     log.handlers[:] = [handler]

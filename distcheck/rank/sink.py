@@ -14,10 +14,10 @@ import os
 from pathlib import Path
 from typing import Iterable
 
-from distcheck.contract import files
+from distcheck.contract import env, files
 from distcheck.contract.findings import Finding, jsonable
 
-ENV_REPORT_DIR = "DISTCHECK_REPORT_DIR"
+ENV_REPORT_DIR = env.REPORT_DIR
 log = logging.getLogger("distcheck")
 
 

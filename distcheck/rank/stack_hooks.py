@@ -22,11 +22,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from distcheck.contract import files
+from distcheck.contract import env, files
 
 log = logging.getLogger("distcheck")
 
-STACK_SIGNAL_ENV = "DISTCHECK_STACK_SIGNAL"  # signal name for the faulthandler fallback (default SIGUSR2)
+STACK_SIGNAL_ENV = env.STACK_SIGNAL  # signal name for the faulthandler fallback (default SIGUSR2)
 PR_SET_PTRACER = 0x59616D61
 PR_SET_PTRACER_ANY = -1 & 0xFFFFFFFFFFFFFFFF
 
@@ -106,7 +106,7 @@ def install_rank_hooks(report_dir: str | os.PathLike, rank: int | None = None,
     if ptracer_pid == "parent":
         # A rank forked by the launcher's zygote has the zygote as parent; the launcher (which runs py-spy)
         # names itself in DISTCHECK_PTRACER.
-        target = int(os.environ.get("DISTCHECK_PTRACER") or os.getppid())
+        target = int(os.environ.get(env.PTRACER) or os.getppid())
     else:
         target = ptracer_pid
     _, reason = allow_ptrace_from(target)  # type: ignore[arg-type]

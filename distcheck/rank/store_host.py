@@ -16,7 +16,9 @@ from __future__ import annotations
 import os
 import signal
 
-ENV_STORE_FDS = "DISTCHECK_STORE_FDS"  # "<listening socket fd>,<lifeline read fd>", set for rank 0 only
+from distcheck.contract import env
+
+ENV_STORE_FDS = env.STORE_FDS  # "<listening socket fd>,<lifeline read fd>", set for rank 0 only
 
 
 def host_if_asked() -> None:

@@ -14,6 +14,8 @@ from __future__ import annotations
 import os
 import signal
 import time
+
+from distcheck.contract import env
 from pathlib import Path
 from typing import Iterable
 
@@ -21,14 +23,14 @@ from typing import Iterable
 # execs inherits it: /proc/PID/environ then names the run even after the process left the rank's session or was
 # orphaned. (A process a rank only forks, such as a DataLoader worker, shows the environment its rank was exec'd
 # with: tagged for a fresh rank, not for one forked by a zygote; the tree walk finds those.)
-RUN_ID_ENV = "DISTCHECK_RUN_ID"
+RUN_ID_ENV = env.RUN_ID
 # "pid:start ticks" of what launched the ranks (distcheck's launcher, or torchrun's agent): a rank's stderr copy
 # ends the rank's processes itself when both the rank and it are gone (rank/stderr_tee.Orphaned: a SIGKILLed
 # launcher runs no sweep).
-LAUNCHER_ENV = "DISTCHECK_LAUNCHER"
+LAUNCHER_ENV = env.LAUNCHER
 # distcheck's own processes among a rank's descendants (they carry the tag too): never ended as leftovers before
 # they are done, never dumped as the user's. A stderr copy ends by itself once every writer of its pipe is gone.
-ROLE_ENV = "DISTCHECK_ROLE"
+ROLE_ENV = env.ROLE
 STDERR_COPY, NODE_WATCHER = "stderr-copy", "node-watcher"
 
 
@@ -150,7 +152,7 @@ def die_with_parent() -> None:
         pass
 
 
-AGENT_PID_ENV = "DISTCHECK_AGENT_PID"  # in a torchrun rank a zygote forked (zygote.stand_in): the agent's pid
+AGENT_PID_ENV = env.AGENT_PID  # in a torchrun rank a zygote forked (zygote.stand_in): the agent's pid
 
 
 def agent_pid() -> int:

@@ -38,11 +38,12 @@ import tempfile
 import time
 from typing import Sequence
 
+from distcheck.contract import env as env_names
 from distcheck.supervise.procs import AGENT_PID_ENV, alive, die_with_parent
 
 log = logging.getLogger("distcheck")
 
-ENV = "DISTCHECK_ZYGOTE"  # "1": a private zygote per launcher; a socket path: a shared one; unset or "0": none
+ENV = env_names.ZYGOTE  # "1": a private zygote per launcher; a socket path: a shared one; unset or "0": none
 
 # What every rank imports anyway, loaded once before any fork: FSDP2, DTensor, TP and torch._dynamo are most of a
 # DDP or FSDP2 rank's CPU (torch._dynamo alone 1.1 s of 1.3 s; DDP's constructor and FSDP2's first DTensor import
@@ -377,7 +378,7 @@ def start_process(args: Sequence[str], env: dict[str, str], pass_fds: Sequence[i
     if zygote is not None:
         try:
             # py-spy runs from this process, which is not the forked process's parent: it says so (stack_hooks)
-            return zygote.spawn(args, {**env, "DISTCHECK_PTRACER": str(os.getpid())}, pass_fds, new_session,
+            return zygote.spawn(args, {**env, env_names.PTRACER: str(os.getpid())}, pass_fds, new_session,
                                 stdout, stderr, cwd)
         except (OSError, RuntimeError) as exc:
             Zygote.give_up(f"zygote unavailable ({exc})")
@@ -408,7 +409,7 @@ def stand_in(argv: Sequence[str]) -> int | None:
     zygote = Zygote.shared()  # the socket's zygote ("1", a private one, is excluded above): None, and warned, if none
     if zygote is None:
         return None
-    env = {k: v for k, v in os.environ.items() if k != "DISTCHECK_PTRACER"}
+    env = {k: v for k, v in os.environ.items() if k != env_names.PTRACER}
     env[AGENT_PID_ENV] = str(os.getppid())
     try:
         # torchrun starts `python -u` (stdout writes through): so must the rank, or its output waits for its exit

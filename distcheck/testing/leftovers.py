@@ -37,7 +37,9 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import Any, Callable
 
-ENV_TAG = "DISTCHECK_POOL_WORKER"  # set by the pool on each rank: whatever the rank starts inherits it
+from distcheck.contract import env
+
+ENV_TAG = env.POOL_WORKER  # set by the pool on each rank: whatever the rank starts inherits it
 GRACE = 0.5  # seconds a test's threads and processes get to end by themselves after the test returned
 
 THREAD, PROCESS, COLLECTIVE = "thread", "process", "collective"

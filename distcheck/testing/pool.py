@@ -23,6 +23,7 @@ from multiprocessing.connection import Connection, Listener
 from pathlib import Path
 from typing import Any, Callable
 
+from distcheck.contract import env as env_names
 from distcheck.supervise.zygote import start_process
 from distcheck.testing.leftovers import ENV_TAG
 
@@ -92,8 +93,8 @@ class Pool:
                 "RANK": str(rank), "WORLD_SIZE": str(self.world_size), "LOCAL_RANK": str(rank),
                 "LOCAL_WORLD_SIZE": str(self.world_size), "MASTER_ADDR": "127.0.0.1",
                 "MASTER_PORT": str(self._store.port), "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1"),
-                "DISTCHECK_POOL_BACKEND": self.backend, "DISTCHECK_POOL_AUTH": authkey.hex(),
-                "DISTCHECK_POOL_ADDR": f"{host}:{port}", "DISTCHECK_POOL_DIR": self.workdir,
+                env_names.POOL_BACKEND: self.backend, env_names.POOL_AUTH: authkey.hex(),
+                env_names.POOL_ADDR: f"{host}:{port}", env_names.POOL_DIR: self.workdir,
                 ENV_TAG: f"{authkey.hex()[:16]}-{rank}",  # found by it: whatever a test starts on this rank
                 "PYTHONPATH": os.pathsep.join(p for p in sys_path if p),
             })

@@ -13,6 +13,7 @@ from datetime import timedelta
 from multiprocessing.connection import Client
 from pathlib import Path
 
+from distcheck.contract import env
 from distcheck.testing import leftovers
 from distcheck.testing.pool import RankOutcome, TestJob
 
@@ -163,14 +164,14 @@ def main() -> int:
     from distcheck.rank.stderr_tee import tee_stderr
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    tee_stderr(os.environ["DISTCHECK_POOL_DIR"], rank)  # a failing or hung test quotes its stderr
+    tee_stderr(os.environ[env.POOL_DIR], rank)  # a failing or hung test quotes its stderr
     faulthandler.enable(all_threads=True)  # a fatal signal prints the Python stack into that stderr
-    stacks = open(Path(os.environ["DISTCHECK_POOL_DIR"]) / f"stacks-rank{rank}.txt", "w")
+    stacks = open(Path(os.environ[env.POOL_DIR]) / f"stacks-rank{rank}.txt", "w")
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
-    host, port = os.environ["DISTCHECK_POOL_ADDR"].rsplit(":", 1)
-    conn = Client((host, int(port)), authkey=bytes.fromhex(os.environ["DISTCHECK_POOL_AUTH"]))
+    host, port = os.environ[env.POOL_ADDR].rsplit(":", 1)
+    conn = Client((host, int(port)), authkey=bytes.fromhex(os.environ[env.POOL_AUTH]))
     conn.send(rank)
-    backend = os.environ["DISTCHECK_POOL_BACKEND"]
+    backend = os.environ[env.POOL_BACKEND]
     device = torch.device("cpu")
     if backend == "nccl":
         device = torch.device("cuda", rank % torch.cuda.device_count())

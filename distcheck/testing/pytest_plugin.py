@@ -26,6 +26,8 @@ from pathlib import Path
 
 import pytest
 
+from distcheck.contract import env
+
 DEFAULT_NPROCS = 2
 DEFAULT_TIMEOUT = 60.0
 
@@ -64,7 +66,7 @@ def _marker_args(item) -> tuple[int, float]:
 
 def _backend_for(nprocs: int) -> tuple[str, str]:
     """(backend, skip reason). nccl needs a device per rank; CPU-only machines use gloo."""
-    forced = os.environ.get("DISTCHECK_BACKEND", "").lower()
+    forced = os.environ.get(env.BACKEND, "").lower()
     try:
         import torch
 
@@ -137,7 +139,7 @@ def _get_pool(nprocs: int, backend: str):
 
 
 _kept_dirs: list[str] = []  # work dirs of failed tests' pools: their traces back the failure messages until the end
-KEEP_ENV = "DISTCHECK_KEEP_POOL_DIRS"
+KEEP_ENV = env.KEEP_POOL_DIRS
 
 
 def _retire(pool) -> None:
