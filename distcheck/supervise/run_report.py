@@ -26,7 +26,7 @@ from distcheck.contract import files
 from distcheck.contract.chrome_trace import write_chrome_trace
 from distcheck.contract.findings import CheckResult, Finding, Note, format_ranks
 from distcheck.contract.report import Report, render_text, write_report
-from distcheck.rank import sink
+from distcheck.contract import findings_file
 from distcheck.rank.stderr_tee import tail
 
 log = logging.getLogger("distcheck")
@@ -49,7 +49,7 @@ def build_report(report_dir: Path, command: str, world_size: int, traces: dict[i
     progress = progress_by_rank(traces)  # once per rank, for every finding and the report's counts
     findings = analyze_run(traces, outcomes, world_size, timeout=timeout, hang_findings=hang_findings,
                            progress=progress)
-    findings = merge_mesh_errors(findings + sink.collect(report_dir))
+    findings = merge_mesh_errors(findings + findings_file.collect(report_dir))
     # Zero-code checks: model_check (its time), and the first NaN/Inf merged from every rank's own record.
     auto_findings, auto_checks = report_parts(report_dir)
     findings = fold_first_bad(findings + auto_findings)

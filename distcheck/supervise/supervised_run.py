@@ -21,7 +21,7 @@ from distcheck.analysis.trace_events import load_traces
 from distcheck.options import ENV_SUPERVISED, RunOptions
 from distcheck.contract import files
 from distcheck.contract.report import Report, prepare_report_dir, write_report
-from distcheck.rank import sink
+from distcheck.contract import env as env_names
 from distcheck.supervise import run_report
 from distcheck.supervise.launcher import Supervisor
 from distcheck.supervise.signals import Interrupt
@@ -39,7 +39,7 @@ def supervised_run(opts: RunOptions, nproc: int, interrupt: Interrupt | None = N
     env = dict(os.environ)
     env.update(opts.env)
     env[ENV_SUPERVISED] = "1"
-    env[sink.ENV_REPORT_DIR] = str(report_dir)
+    env[env_names.REPORT_DIR] = str(report_dir)
 
     def should_stop(codes: dict[int, int | None]) -> str | None:
         finished = {r for r, c in codes.items() if c is not None}
