@@ -27,7 +27,7 @@ from distcheck.contract.chrome_trace import write_chrome_trace
 from distcheck.contract.findings import CheckResult, Finding, Note, format_ranks
 from distcheck.contract.report import Report, render_text, write_report
 from distcheck.contract import findings_file
-from distcheck.rank.stderr_tee import tail
+from distcheck.contract.stderr_file import tail
 
 log = logging.getLogger("distcheck")
 

@@ -201,7 +201,7 @@ class Pool:
     def stderr_tail(self, rank: int) -> list[str]:
         """The last lines this rank wrote to stderr during the current test."""
         from distcheck.contract import files
-        from distcheck.rank.stderr_tee import tail
+        from distcheck.contract.stderr_file import tail
 
         since = getattr(self, "_stderr_offsets", {}).get(rank, 0)
         return tail(files.rank_file(self.workdir, "stderr", rank), since=since)

@@ -15,6 +15,7 @@ from distcheck.analysis.progress import CollectiveRef, RankProgress
 from distcheck.analysis.stack_groups import (
     RankStack, own_frames, parse_pyspy_json, process_role, render_processes, waits_on,
 )
+from distcheck.contract import env, stderr_file
 from distcheck.rank import stderr_tee
 from distcheck.supervise import procs
 
@@ -284,13 +285,27 @@ def test_a_console_that_goes_away_never_blocks_the_rank(tmp_path):
 def test_tail_reads_from_an_offset_unless_the_copy_was_cut_below_it(tmp_path, since, expect):
     path = tmp_path / "stderr-rank0.txt"
     path.write_bytes(b"a\n\nb\n")
-    assert stderr_tee.tail(path, since=since) == expect
+    assert stderr_file.tail(path, since=since) == expect
 
 
 def test_the_copier_names_the_variables_as_procs_does():
     # The copier runs without distcheck on its path (python -I -S): it spells the names out itself.
     assert (stderr_tee.RUN_ID_ENV, stderr_tee.ROLE_ENV, stderr_tee.LAUNCHER_ENV) == (
-        procs.RUN_ID_ENV, procs.ROLE_ENV, procs.LAUNCHER_ENV)
+        procs.RUN_ID_ENV, procs.ROLE_ENV, procs.LAUNCHER_ENV) == (env.RUN_ID, env.ROLE, env.LAUNCHER)
+    assert stderr_file.KEEP_ENV == env.STDERR_KEEP  # the copier imports no distcheck: mirrored names, checked here
+
+
+def test_the_copier_as_a_script_loads_the_file_format_by_its_path(tmp_path):
+    """``python -I -S stderr_tee.py --copy FILE`` (how a rank starts it) has no distcheck on its path: it loads
+    contract/stderr_file.py by its path (run_path runs the file as the script does, with no package)."""
+    import runpy
+
+    script = runpy.run_path(stderr_tee.__file__, run_name="copier")
+    assert script["BoundedCopy"].__module__ == "stderr_file" and script["KEEP"] == stderr_file.KEEP
+    copy = script["BoundedCopy"](str(tmp_path / "copy.txt"))
+    copy.write(b"a\nb\n")
+    copy.close()
+    assert stderr_file.tail(tmp_path / "copy.txt") == ["a", "b"]
 
 
 @pytest.mark.parametrize("rank_gone, launcher_gone, swept", [(True, True, True), (True, False, False),
