@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 from distcheck.contract.findings import CheckResult  # noqa: E402
 from distcheck.contract.report import Report, write_report  # noqa: E402
 from distcheck.supervise.stacks import Target, dump_all, find_pyspy  # noqa: E402
-from distcheck.supervise.procs import terminate  # noqa: E402
+from distcheck.processes import terminate  # noqa: E402
 from distcheck.supervise.watch import HUNG, HangDump, WatchLoop  # noqa: E402
 
 FIXTURE = ROOT / "fixtures" / "hang_python.py"

@@ -23,7 +23,7 @@ def rank_bootstrap(report_dir: str | os.PathLike, timeout: float, native: bool =
     from distcheck.rank import group_keepalive
     from distcheck.rank.stack_hooks import install_rank_hooks
     from distcheck.rank.stderr_tee import tee_stderr
-    from distcheck.supervise.procs import ensure_run_id, set_child_subreaper
+    from distcheck.processes import ensure_run_id, set_child_subreaper
 
     Path(report_dir).mkdir(parents=True, exist_ok=True)
     rank = int(os.environ.get("RANK", "0"))

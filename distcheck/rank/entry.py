@@ -27,7 +27,7 @@ from distcheck.rank.error_context import error_context
 from distcheck.rank.stack_hooks import remove_rank_hooks
 from distcheck.rank.usersite import traceback_site
 from distcheck.rank.runtime import end_rank, hard_exit
-from distcheck.supervise.procs import agent_pid
+from distcheck.processes import agent_pid
 from distcheck.supervise.torchrun_monitor import TorchrunMonitor, report_done_marker
 
 log = logging.getLogger("distcheck")
@@ -44,7 +44,7 @@ def run_in_rank(opts: RunOptions) -> int:
     host_if_asked()  # first: it forks, and nothing may have started a thread yet
     if hosting:  # the store host outlives this rank (until the launcher's run ends): not one of the script's
         from distcheck.rank.runtime import keep_process
-        from distcheck.supervise.procs import children_map
+        from distcheck.processes import children_map
 
         for pid in children_map().get(os.getpid(), []):
             keep_process(pid)

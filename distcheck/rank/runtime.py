@@ -310,7 +310,7 @@ def end_processes(grace: float = 1.0) -> None:
         pass
     try:
         from distcheck.rank.stderr_tee import copier_pid
-        from distcheck.supervise.procs import end_descendants
+        from distcheck.processes import end_descendants
 
         end_descendants(_keep | {p for p in (copier_pid(),) if p}, grace=grace)
     except Exception as exc:  # the exit must happen whatever the sweep meets

@@ -66,7 +66,7 @@ def tee_stderr(report_dir: str | os.PathLike, rank: int) -> Path | None:
     import subprocess
 
     from distcheck.contract import files
-    from distcheck.supervise.procs import ROLE_ENV, STDERR_COPY
+    from distcheck.processes import ROLE_ENV, STDERR_COPY
 
     global _tee
     if _tee is not None:

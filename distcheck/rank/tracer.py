@@ -60,17 +60,17 @@ from typing import Any, Callable
 
 from distcheck.analysis.frame_owner import LIBRARY, location, owner
 from distcheck.analysis.ops import C10D_OPS, FUNCOL_OPS, P2P_OPS
-from distcheck.contract import files
+from distcheck.contract import env, files
 from distcheck.contract import trace_records as records
+from distcheck.processes import agent_pid
 from distcheck.rank import flight_recorder
 from distcheck.rank.usersite import is_internal
-from distcheck.supervise.procs import agent_pid
 
 try:  # the hot path in C, built by setup.py where a C compiler is there (README, "Performance")
     from distcheck.rank import _tracefast
 except ImportError:  # not built (no compiler at install, Python < 3.11): the Python path does everything
     _tracefast = None
-ENV_HOT_PATH = "DISTCHECK_TRACE_HOT_PATH"  # "python": leave the C path out (to compare the two, or rule it out)
+ENV_HOT_PATH = env.TRACE_HOT_PATH  # "python": leave the C path out (to compare the two, or rule it out)
 if os.environ.get(ENV_HOT_PATH, "").strip().lower() == "python":
     _tracefast = None
 # A C path built from an older layout (a stale build next to a newer tracer) would store records at the wrong place.
@@ -81,8 +81,8 @@ if _tracefast is not None and (_tracefast.RECORD_SIZE, _tracefast.START_TIME_OFF
 
 log = logging.getLogger("distcheck")
 
-ENV_TRACE = "DISTCHECK_TRACE"
-ENV_REPORT_DIR = "DISTCHECK_REPORT_DIR"
+ENV_TRACE = env.TRACE
+ENV_REPORT_DIR = env.REPORT_DIR
 
 # Parameters that name the root of a rooted collective or the peer of a point-to-point op.
 _GLOBAL_RANK_PARAMS = ("src", "dst")

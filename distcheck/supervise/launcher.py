@@ -36,9 +36,10 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from distcheck.contract.findings import Finding
-from distcheck.supervise.procs import (
-    LAUNCHER_ENV, RUN_ID_ENV, RunTree, launcher_id, new_run_id, set_child_subreaper, start_ticks, terminate,
+from distcheck.processes import (
+    LAUNCHER_ENV, RUN_ID_ENV, launcher_id, new_run_id, set_child_subreaper, start_ticks, terminate,
 )
+from distcheck.supervise.procs import RunTree
 from distcheck.supervise.signals import Interrupt, StopNow
 from distcheck.supervise.watch import HUNG, INTERRUPTED, STOP_GRACE, STOPPED, HangDump, WatchLoop
 from distcheck.supervise.zygote import start_process
@@ -201,7 +202,7 @@ class Supervisor:
 
     def _launch(self, port: int, listen_fd: int) -> None:
         """Start every rank; rank 0 gets the store's socket and the read end of the lifeline (rank/store_host.py)."""
-        from distcheck.rank.store_host import ENV_STORE_FDS
+        from distcheck.contract.env import STORE_FDS as ENV_STORE_FDS
 
         for rank in range(self.nproc):
             argv = list(self.argv_for_rank(rank))

@@ -1,9 +1,8 @@
-"""The processes distcheck supervises, seen from outside: liveness, environment, descendants, the one kill
-routine every supervisor uses (the launcher, the node watcher, the torchrun monitor and the pytest pool), and a
-run's whole process tree (``RunTree``): every process a rank starts, and their children, so that none outlives the
-run and a hang dump can reach each one.
+"""The processes a supervisor watches: the ranks below a torchrun agent, what each rank started (``RunTree``), so
+that none outlives the run and a hang dump can reach each one. Built on distcheck/processes.py (the /proc
+primitives every distcheck process shares).
 
-    python -m distcheck stacks 12345        # resolves a torchrun agent's pid to its rank processes with these
+    python -m distcheck stacks 12345        # resolves a torchrun agent's pid to its rank processes (rank_descendants)
     python -m distcheck run --nproc 2 -- train.py   # the launcher tracks and ends each rank's tree with RunTree
 
 Only pids distcheck started, that descend from a rank, or that carry the run's tag (``RUN_ID_ENV``), or that the
@@ -12,77 +11,15 @@ user named are ever signalled: never a process found by its name.
 from __future__ import annotations
 
 import os
-import signal
 import time
-
-from distcheck.contract import env
-from pathlib import Path
 from typing import Iterable
 
-# Set on every rank of a run (by the launcher, or by the rank itself under torchrun), so every process a rank
-# execs inherits it: /proc/PID/environ then names the run even after the process left the rank's session or was
-# orphaned. (A process a rank only forks, such as a DataLoader worker, shows the environment its rank was exec'd
-# with: tagged for a fresh rank, not for one forked by a zygote; the tree walk finds those.)
-RUN_ID_ENV = env.RUN_ID
-# "pid:start ticks" of what launched the ranks (distcheck's launcher, or torchrun's agent): a rank's stderr copy
-# ends the rank's processes itself when both the rank and it are gone (rank/stderr_tee.Orphaned: a SIGKILLed
-# launcher runs no sweep).
-LAUNCHER_ENV = env.LAUNCHER
-# distcheck's own processes among a rank's descendants (they carry the tag too): never ended as leftovers before
-# they are done, never dumped as the user's. A stderr copy ends by itself once every writer of its pipe is gone.
-ROLE_ENV = env.ROLE
-STDERR_COPY, NODE_WATCHER = "stderr-copy", "node-watcher"
-
-
-def read_environ(pid: int) -> dict[str, str]:
-    raw = Path(f"/proc/{pid}/environ").read_bytes()
-    env = {}
-    for item in raw.split(b"\0"):
-        key, sep, value = item.partition(b"=")
-        if sep:
-            env[key.decode(errors="replace")] = value.decode(errors="replace")
-    return env
-
-
-def proc_name(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/comm").read_text().strip()
-    except OSError:
-        return "?"
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state not in ("Z", "X")  # a zombie has exited; only its exit status remains
-
-
-def is_python(pid: int) -> bool | None:
-    """True/False from the process's memory map (interpreter binary or libpython); None when unreadable."""
-    try:
-        maps = Path(f"/proc/{pid}/maps").read_text()
-    except PermissionError:
-        return None
-    except OSError:
-        return False
-    return any("python" in os.path.basename(line.split()[-1]) for line in maps.splitlines()
-               if line.count(" ") >= 5 and "/" in line)
-
-
-def children_map() -> dict[int, list[int]]:
-    children: dict[int, list[int]] = {}
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry.name}/stat").read_text()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        children.setdefault(ppid, []).append(int(entry.name))
-    return children
+# The supervisor's modules take the shared primitives from here too, so that each imports one module for processes.
+from distcheck.processes import (  # noqa: F401
+    AGENT_PID_ENV, LAUNCHER_ENV, NODE_WATCHER, ROLE_ENV, RUN_ID_ENV, STDERR_COPY, agent_pid, alive, children_map,
+    descendants, die_with_parent, is_python, launcher_id, new_run_id, proc_name, read_environ, reap, role_of,
+    safe_environ, start_ticks, tagged, terminate,
+)
 
 
 def rank_descendants(pid: int, children: dict[int, list[int]] | None = None) -> list[int]:
@@ -106,178 +43,11 @@ def rank_descendants(pid: int, children: dict[int, list[int]] | None = None) -> 
     return sorted(found)
 
 
-def safe_environ(pid: int) -> dict[str, str]:
-    try:
-        return read_environ(pid)
-    except OSError:
-        return {}
-
-
-def terminate(pids: Iterable[int], grace: float = 3.0, group: bool = False) -> None:
-    """SIGTERM, then SIGKILL whatever is left after ``grace`` seconds. ``group=True`` signals each pid's process
-    group (ranks started in their own session, so their DataLoader workers go too).
-
-    The caller reaps its own children (``Popen.wait``) afterwards; a zombie already counts as ended here.
-    """
-    pids = [p for p in pids if p and p > 0]
-
-    def send(pid: int, sig: int) -> None:
-        try:
-            if group:
-                os.killpg(pid, sig)
-            else:
-                os.kill(pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
-
-    for pid in pids:
-        if alive(pid):
-            send(pid, signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    while time.monotonic() < deadline and any(alive(p) for p in pids):
-        time.sleep(0.05)
-    for pid in pids:
-        if alive(pid) or group:
-            send(pid, signal.SIGKILL)
-
-
-def die_with_parent() -> None:
-    """In a child, before exec: SIGKILL when the parent dies (Linux PR_SET_PDEATHSIG), so a killed distcheck never
-    leaves ranks behind."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except Exception:
-        pass
-
-
-AGENT_PID_ENV = env.AGENT_PID  # in a torchrun rank a zygote forked (zygote.stand_in): the agent's pid
-
-
-def agent_pid() -> int:
-    """The process that started this rank: torchrun's agent under torchrun. That is the parent, except for a rank a
-    zygote forked in place of the process the agent started, which names the agent in DISTCHECK_AGENT_PID."""
-    try:
-        return int(os.environ[AGENT_PID_ENV])
-    except (KeyError, ValueError):
-        return os.getppid()
-
-
-# --- a run's process tree -------------------------------------------------------------------------------------
-
-
-def new_run_id() -> str:
-    import uuid
-
-    return uuid.uuid4().hex
-
-
-def start_ticks(pid: int) -> int | None:
-    """When the process started (clock ticks after boot): with its pid, it names one process, never a later one
-    that reuses the pid."""
-    try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-def torchrun_run_id() -> str:
-    """The run id of the torchrun job this rank belongs to, the same on every local rank: its agent's pid and start
-    time (torchrun's own TORCHELASTIC_RUN_ID is "none" unless the user sets --rdzv-id)."""
-    agent = agent_pid()
-    return f"torchrun-{agent}-{start_ticks(agent)}"
-
-
-def launcher_id(pid: int) -> str:
-    return f"{pid}:{start_ticks(pid)}"
-
-
-def ensure_run_id(supervised: bool) -> str:
-    """This rank's run id: its launcher's (``run --nproc``), else the torchrun job's, exported so that every process
-    the rank execs from now on carries it (and its launcher's identity, LAUNCHER_ENV). Under torchrun an id in
-    the environment is an outer run's (a job started from inside another's rank): never this job's, whose sweeps
-    must not reach the outer run's processes."""
-    if supervised and os.environ.get(RUN_ID_ENV) and os.environ.get(LAUNCHER_ENV):
-        return os.environ[RUN_ID_ENV]
-    os.environ[RUN_ID_ENV] = run_id = torchrun_run_id()
-    os.environ[LAUNCHER_ENV] = launcher_id(agent_pid())
-    return run_id
-
-
-def set_child_subreaper() -> bool:
-    """Adopt this process's orphaned descendants (Linux PR_SET_CHILD_SUBREAPER): a grandchild whose parent exits (a
-    daemonizing helper, a DataLoader worker's own child) stays in this process's tree instead of moving to init, so
-    the tree walk still finds it while this process lives."""
-    try:
-        import ctypes
-
-        return ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER
-    except Exception:
-        return False
-
-
-def _environ_entries(pid: int) -> list[bytes]:
-    try:
-        return Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    except OSError:
-        return []
-
-
-def role_of(pid: int) -> str | None:
-    """distcheck's role for one of its own processes (ROLE_ENV), None for everything else."""
-    prefix = f"{ROLE_ENV}=".encode()
-    for item in _environ_entries(pid):
-        if item.startswith(prefix):
-            return item[len(prefix):].decode(errors="replace")
-    return None
-
-
-def tagged(run_id: str) -> dict[int, str | None]:
-    """``{pid: role}`` of every live process whose environment carries this run id."""
-    needle = f"{RUN_ID_ENV}={run_id}".encode()
-    prefix = f"{ROLE_ENV}=".encode()
-    found: dict[int, str | None] = {}
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        pid = int(entry.name)
-        items = _environ_entries(pid)
-        if needle in items and alive(pid):
-            found[pid] = next((i[len(prefix):].decode(errors="replace") for i in items if i.startswith(prefix)), None)
-    return found
-
-
-def descendants(roots: dict[int, int], children: dict[int, list[int]] | None = None) -> dict[int, int]:
-    """``{pid: root key}`` of every live descendant of each root pid (``roots``: pid -> key, e.g. its rank)."""
-    children = children_map() if children is None else children
-    found: dict[int, int] = {}
-    for root, key in roots.items():
-        stack = list(children.get(root, []))
-        while stack:
-            pid = stack.pop()
-            if pid in found or pid in roots:
-                continue
-            found[pid] = key
-            stack.extend(children.get(pid, []))
-    return {pid: key for pid, key in found.items() if alive(pid)}
-
-
 def rank_processes(rank_pids: dict[int, int]) -> dict[int, int]:
     """``{pid: rank}`` of the processes the ranks started (and their children) that are the user's: distcheck's
     own (a stderr copy, the node watcher) are left out."""
     found = descendants({pid: rank for rank, pid in rank_pids.items()})
     return {pid: rank for pid, rank in found.items() if role_of(pid) is None}
-
-
-def reap(pids: Iterable[int]) -> None:
-    """Collect the exit status of those of ``pids`` that are this process's children and have ended (orphans a
-    subreaper adopted), so that no zombie is left; a pid that is not our child is skipped."""
-    for pid in pids:
-        try:
-            os.waitpid(pid, os.WNOHANG)
-        except (ChildProcessError, OSError):
-            pass
 
 
 class RunTree:
@@ -351,15 +121,3 @@ class RunTree:
             reap(pid for pid in children_map().get(os.getpid(), [])
                  if pid not in self.keep and (start_ticks(pid) or -1) >= self.adopt_since)
         return ended
-
-
-def end_descendants(keep: Iterable[int] = (), grace: float = 1.0) -> list[int]:
-    """In a rank that is ending: end the processes it started and their children (the rank is a subreaper, so its
-    whole tree is below it), except distcheck's own (``keep``, and any with a ROLE_ENV). Returns their pids."""
-    mine = descendants({os.getpid(): 0})
-    keep = set(keep)
-    users = [pid for pid in mine if pid not in keep and role_of(pid) is None]
-    if users:
-        terminate(users, grace=grace)
-        reap(users)
-    return users

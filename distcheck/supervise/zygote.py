@@ -39,7 +39,7 @@ import time
 from typing import Sequence
 
 from distcheck.contract import env as env_names
-from distcheck.supervise.procs import AGENT_PID_ENV, alive, die_with_parent
+from distcheck.processes import AGENT_PID_ENV, alive, die_with_parent
 
 log = logging.getLogger("distcheck")
 

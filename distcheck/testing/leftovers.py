@@ -148,7 +148,7 @@ def _cmdline(pid: int, limit: int = 100) -> str:
 
 def end_processes(pids: list[int]) -> None:
     """SIGTERM, then SIGKILL, what the test left; reap the ones that are this process's children."""
-    from distcheck.supervise.procs import terminate
+    from distcheck.processes import terminate
 
     terminate(pids, grace=0.5)
     for pid in pids:

@@ -226,7 +226,7 @@ class Pool:
         return out
 
     def close(self) -> None:
-        from distcheck.supervise.procs import terminate
+        from distcheck.processes import terminate
 
         for conn in self.conns:
             try:

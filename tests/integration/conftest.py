@@ -21,7 +21,7 @@ import pytest
 
 from launch_helpers import env_for_ranks
 
-from distcheck.supervise.procs import die_with_parent, terminate
+from distcheck.processes import die_with_parent, terminate
 from distcheck.supervise.zygote import ENV
 
 

@@ -181,7 +181,7 @@ def test_sigterm_to_pytest_ends_every_rank_worker(pytester, zygote):
     import uuid
     from pathlib import Path
 
-    from distcheck.supervise.procs import read_environ
+    from distcheck.processes import read_environ
 
     pytester.makepyfile(test_hang=HANGING)
     tag = uuid.uuid4().hex  # the pool's ranks inherit the environment: found by it, whoever forked them

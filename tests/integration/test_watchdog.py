@@ -22,7 +22,7 @@ import pytest
 from launch_helpers import FIXTURES, env_for_ranks, torchrun
 
 from distcheck.analysis.trace_events import load_traces
-from distcheck.supervise.procs import terminate
+from distcheck.processes import terminate
 from distcheck.supervise.watch import DONE, HUNG, HangDump, WatchLoop
 from distcheck.supervise.zygote import start_process
 

@@ -16,6 +16,7 @@ from distcheck.analysis.stack_groups import (
     RankStack, own_frames, parse_pyspy_json, process_role, render_processes, waits_on,
 )
 from distcheck.contract import env, stderr_file
+from distcheck import processes
 from distcheck.rank import stderr_tee
 from distcheck.supervise import procs
 
@@ -139,11 +140,11 @@ def test_a_process_of_a_rank_in_init_process_group_means_the_script_launches_its
 
 
 def test_descendants_are_found_below_each_root_and_attributed_to_it(monkeypatch):
-    monkeypatch.setattr(procs, "alive", lambda pid: pid != 13)
+    monkeypatch.setattr(processes, "alive", lambda pid: pid != 13)
     children = {1: [10, 11], 10: [12, 13], 13: [14], 2: [20], 20: [21], 99: [100]}
-    assert procs.descendants({10: 0, 20: 1}, children) == {12: 0, 14: 0, 21: 1}  # 13 ended; its child stays found
+    assert processes.descendants({10: 0, 20: 1}, children) == {12: 0, 14: 0, 21: 1}  # 13 ended; its child stays
     # a root below another root is that rank itself, not the other's descendant
-    assert procs.descendants({1: 0, 10: 1}, children) == {11: 0, 12: 1, 14: 1}
+    assert processes.descendants({1: 0, 10: 1}, children) == {11: 0, 12: 1, 14: 1}
 
 
 def test_the_run_tree_ends_the_users_processes_first_and_lets_the_stderr_copies_drain(monkeypatch):

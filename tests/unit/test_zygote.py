@@ -80,7 +80,7 @@ def test_a_torchrun_rank_stands_in_only_where_a_shared_zygote_is_named(monkeypat
 
 
 def test_the_agent_is_the_parent_unless_a_stand_in_names_it(monkeypatch):
-    from distcheck.supervise.procs import AGENT_PID_ENV, agent_pid
+    from distcheck.processes import AGENT_PID_ENV, agent_pid
 
     monkeypatch.delenv(AGENT_PID_ENV, raising=False)
     assert agent_pid() == os.getppid()
