@@ -120,6 +120,14 @@ def terminate(pids: Iterable[int], grace: float = 3.0, group: bool = False) -> N
             send(pid, signal.SIGKILL)
 
 
+def yama_scope() -> str | None:
+    """The kernel's Yama ptrace scope ("0" to "3"), None without Yama: who may attach py-spy to a rank."""
+    try:
+        return Path("/proc/sys/kernel/yama/ptrace_scope").read_text().strip()
+    except OSError:
+        return None
+
+
 def die_with_parent() -> None:
     """In a child, before exec: SIGKILL when the parent dies (Linux PR_SET_PDEATHSIG), so a killed distcheck never
     leaves ranks behind."""

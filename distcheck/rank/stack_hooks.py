@@ -13,29 +13,22 @@ from __future__ import annotations
 
 import ctypes
 import faulthandler
-import json
 import logging
 import os
 import signal
 import socket
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from distcheck.contract import env, files
+from distcheck.contract import env, files, stack_hook_file
+from distcheck.contract.stack_hook_file import HookInfo
+from distcheck.processes import yama_scope
 
 log = logging.getLogger("distcheck")
 
 STACK_SIGNAL_ENV = env.STACK_SIGNAL  # signal name for the faulthandler fallback (default SIGUSR2)
 PR_SET_PTRACER = 0x59616D61
 PR_SET_PTRACER_ANY = -1 & 0xFFFFFFFFFFFFFFFF
-
-
-def yama_scope() -> str | None:
-    try:
-        return Path("/proc/sys/kernel/yama/ptrace_scope").read_text().strip()
-    except OSError:
-        return None
 
 
 def stack_signal() -> signal.Signals:
@@ -69,20 +62,6 @@ def allow_ptrace_from(pid: int | None) -> tuple[bool, str]:
     if err == 22 and yama_scope() is None:
         return False, "no Yama LSM on this kernel: ptrace is not restricted beyond same-user"
     return False, f"prctl(PR_SET_PTRACER) failed: {os.strerror(err)}"
-
-
-@dataclass
-class HookInfo:
-    pid: int
-    rank: int
-    signal: int
-    file: str
-    ptracer: str
-    host: str = ""
-
-    def to_json(self) -> dict[str, Any]:
-        return {"pid": self.pid, "rank": self.rank, "signal": self.signal, "file": self.file, "ptracer": self.ptracer,
-                "host": self.host}
 
 
 _hook_file: Any = None
@@ -135,7 +114,7 @@ def install_rank_hooks(report_dir: str | os.PathLike, rank: int | None = None,
             faulthandler.register(getattr(signal, name), file=stop_file, all_threads=True, chain=True)
     info = HookInfo(pid, rank, int(sig), str(path), reason, socket.gethostname())
     try:
-        hook_path(report_dir, pid).write_text(json.dumps(info.to_json()))
+        stack_hook_file.write(report_dir, info)
     except OSError as exc:  # the watcher then dumps with py-spy alone; the rank runs on
         log.warning("distcheck: could not write %s (%s): the faulthandler fallback is off for this rank",
                     hook_path(report_dir, pid).name, exc)
@@ -147,7 +126,7 @@ _stop_files: list = []
 
 def remove_rank_hooks(report_dir: str | os.PathLike, rank: int) -> None:
     """At a rank's normal end: its hook file and the dump files nothing was written to go."""
-    files.hook_file(report_dir, os.getpid()).unlink(missing_ok=True)
+    stack_hook_file.remove(report_dir, os.getpid())
     for fh in _stop_files + ([_hook_file] if _hook_file is not None else []):
         try:
             fh.flush()
