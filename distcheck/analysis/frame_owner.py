@@ -17,7 +17,8 @@ The rule for a Python frame's file, in order of precedence (the first owner that
 2. ``distcheck``: any file of the distcheck package at any depth, installed or an (editable) checkout;
 3. ``torch``: torch, functorch, torchgen, triton;
 4. ``library``: anything else installed as a package (site-packages / dist-packages): lightning, transformers,
-   torchtitan, pytest, ...;
+   torchtitan, pytest, ..., and the console scripts installed into this interpreter's scripts directory
+   (``.venv/bin/pytest``, ``torchrun``);
 5. ``python``: the standard library;
 6. ``user``: everything else: the user's scripts and project, their tests, and this repository's fixtures/ and
    tests/ (they are not part of the distcheck package).
@@ -194,7 +195,9 @@ def _local_roots() -> tuple[tuple[str, str], ...]:
         sites += list(site.getsitepackages()) + [site.getusersitepackages()]
     except AttributeError:  # an old virtualenv's site module
         pass
-    found += [(d, LIBRARY) for d in sites if d]
+    # The interpreter's scripts directory (a venv's bin/) holds the console scripts packages install (pytest,
+    # torchrun): their frame is the entry point of an installed package, never the user's code.
+    found += [(d, LIBRARY) for d in sites + [paths.get("scripts")] if d]
     found += [(d, PYTHON) for d in (paths.get("stdlib"), paths.get("platstdlib")) if d]
     out: list[tuple[str, str]] = []
     for directory, who in found:

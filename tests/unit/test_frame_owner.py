@@ -87,6 +87,15 @@ def test_third_party_packages_are_libraries_not_user_code():
     assert location("/home/me/proj/train.py", 40) == "train.py:40"
 
 
+def test_console_scripts_of_this_interpreter_are_libraries():
+    """``.venv/bin/pytest`` or ``torchrun`` is the entry point of an installed package: when a checkout holds its
+    venv (``/work/proj/.venv/bin/pytest``), the path alone would say "user"."""
+    import sysconfig
+
+    scripts = sysconfig.get_paths()["scripts"]
+    assert owner(os.path.join(scripts, "pytest")) == owner(os.path.join(scripts, "torchrun")) == "library"
+
+
 def test_a_symlinked_install_is_classified_by_where_it_really_is(tmp_path):
     (tmp_path / "dc").symlink_to(PKG, target_is_directory=True)
     assert owner(str(tmp_path / "dc" / "rank" / "usersite.py")) == "distcheck"
