@@ -26,10 +26,13 @@ from distcheck.analysis.progress import CollectiveRef, RankProgress, rank_progre
 from distcheck.analysis.stack_groups import (
     Frame, RankStack, StackGroup, group_stacks, innermost_user_frame, process_group_call, stack_collective, waits_on,
 )
-from distcheck.contract.findings import Finding, format_ranks
+from distcheck.contract.findings import (
+    SMALL_WORLD, Finding, format_ranks, parse_rank_ranges, rank_ranges, ranks_keyed,
+)
 
 __all__ = ["CollectiveRef", "HangDiagnosis", "Location", "RankProgress", "compose_hang_finding", "diagnose",
-           "hang_finding", "locate", "progress_from_events"]
+           "hang_finding", "locate", "progress_from_events", "progress_by_rank_json", "progress_from_json",
+           "progress_json"]
 
 
 # --- where each group is ---------------------------------------------------------------------------------------
@@ -94,12 +97,83 @@ class Location:
         return self.file, self.line
 
     def to_json(self) -> dict[str, Any]:
-        out = {"ranks": self.ranks, "collective": self.collective, "seq": self.seq, "pg": self.pg,
+        # A big group's ranks as rank ranges: every location of a 4096-rank job would repeat them.
+        out = {"ranks": self.ranks, "collective": self.collective, "seq": self.seq, "pg": _ranks_field(self.pg),
                "file": self.file, "line": self.line, "func": self.func, "owns_gil": self.owns_gil,
-               "absent": self.absent, "via": self.via}
+               "absent": _ranks_field(self.absent), "via": self.via}
         if self.process is not None:
             out["process"] = dict(self.process)
         return out
+
+
+def _ranks_field(ranks: Sequence[int] | None) -> list[int] | str | None:
+    """A process group's ranks in JSON: the list, or past SMALL_WORLD ranks their rank ranges (``"0-4095"``)."""
+    if ranks is None:
+        return None
+    return list(ranks) if len(ranks) <= SMALL_WORLD else rank_ranges(ranks)
+
+
+def progress_json(progress: dict[int, RankProgress] | None, small: int = SMALL_WORLD) -> dict[str, Any]:
+    """``last_collectives`` of report.json and stacks.json: each rank's :meth:`RankProgress.to_json`, keyed by
+    rank; past ``small`` ranks, ranks with the same progress share one entry keyed by their rank ranges, and each
+    ``pg`` is rank ranges too (every rank's refs name its group's W ranks: W squared). Read back with
+    :func:`progress_from_json`."""
+    progress = progress or {}
+    if len(progress) <= small:
+        return {str(r): p.to_json() for r, p in sorted(progress.items())}
+    # Each ref may hold its own copy of its group's ranks: text each distinct group once (a tuple's hash is a C loop).
+    by_id: dict[int, tuple[Any, str]] = {}
+    by_ranks: dict[tuple, str] = {}
+
+    def ranges(pg: Any) -> Any:
+        if not isinstance(pg, (list, tuple)):
+            return pg
+        hit = by_id.get(id(pg))
+        if hit is None or hit[0] is not pg:
+            key = tuple(pg)
+            text = by_ranks.get(key)
+            if text is None:
+                text = by_ranks[key] = rank_ranges(key)
+            hit = by_id[id(pg)] = (pg, text)
+        return hit[1]
+
+    def compact(p: RankProgress) -> dict[str, Any]:
+        out = p.to_json()
+        for key in ("last_started", "last_completed", "first_open", "last_failed"):
+            if out.get(key):
+                out[key]["pg"] = ranges(out[key].get("pg"))
+        for g in (out.get("groups") or {}).values():
+            g["pg"] = ranges(g.get("pg"))
+        return out
+
+    return ranks_keyed(progress, compact, small=small)
+
+
+def progress_by_rank_json(mapping: dict[str, Any] | None) -> dict[int, dict[str, Any]]:
+    """:func:`progress_json`'s map (either form) keyed by rank, each ``pg`` a list again; the ranks of one entry
+    share one dict (and its pg lists), so reading a big job's file costs O(W), not O(W^2)."""
+    def expanded(d: dict[str, Any]) -> dict[str, Any]:
+        d = dict(d)
+        for key in ("last_started", "last_completed", "first_open", "last_failed"):
+            if isinstance(d.get(key), dict) and isinstance(d[key].get("pg"), str):
+                d[key] = {**d[key], "pg": parse_rank_ranges(d[key]["pg"])}
+        if isinstance(d.get("groups"), dict):
+            d["groups"] = {k: ({**g, "pg": parse_rank_ranges(g["pg"])} if isinstance(g.get("pg"), str) else g)
+                           for k, g in d["groups"].items()}
+        return d
+
+    out: dict[int, dict[str, Any]] = {}
+    for key, value in (mapping or {}).items():
+        if isinstance(value, dict):
+            value = expanded(value)
+            for rank in parse_rank_ranges(key):
+                out[rank] = value
+    return out
+
+
+def progress_from_json(mapping: dict[str, Any] | None) -> dict[int, RankProgress]:
+    """Each rank's progress back from :func:`progress_json` (either form)."""
+    return {rank: RankProgress.from_json(rank, d) for rank, d in progress_by_rank_json(mapping).items()}
 
 
 def _site(file: str, line: int) -> str:
@@ -216,26 +290,50 @@ def hang_finding(ranks: Sequence[int], message: str, *, timeout: float | None = 
     rank, ``{}`` when none could be dumped), last_collectives, errors; processes (the processes the ranks started
     that were dumped: rank, pid, role, stack) when there are any; file/line when a user line is known; then
     whatever the caller adds (artifacts, positions, the check that was waiting).
+
+    Past SMALL_WORLD ranks the per-rank maps (methods, stacks, last_collectives) key ranks with the same value by
+    their rank ranges (``"0-4093,4095"``: contract.findings.per_rank reads both forms), a big group's ranks are
+    rank ranges, and processes and errors are bounded: the detail grows with the distinct stacks, not with W.
     """
     detail: dict[str, Any] = {}
     if site is not None and site[0]:
         detail["file"], detail["line"] = site
+    by_rank = {s.rank: s for s in stacks}
     detail.update({
         "timeout": timeout,
         "odd_ranks": list(odd_ranks),
         "waiting_ranks": list(waiting_ranks),
         "locations": [loc.to_json() for loc in locations],
         "groups": [g.to_json() for g in groups],
-        "methods": {str(s.rank): s.method for s in stacks},
-        "stacks": {str(s.rank): s.to_json() for s in sorted(stacks, key=lambda s: s.rank)},
-        "last_collectives": {str(r): p.to_json() for r, p in sorted((progress or {}).items())},
-        "errors": list(errors),
+        "methods": ranks_keyed(by_rank, lambda s: s.method, lambda s: s.method),
+        "stacks": ranks_keyed(by_rank, RankStack.to_json, RankStack.content_key),
+        "last_collectives": progress_json(progress),
+        "errors": _bounded(list(errors)),
     })
     if processes:
-        detail["processes"] = [{"rank": p.rank, "pid": p.pid, "role": p.role, "method": p.method,
-                                "stack": p.to_json()} for p in sorted(processes, key=lambda p: (p.rank, p.pid))]
+        detail["processes"] = processes_json(processes)
     detail.update(extra)
     return Finding("hang", list(ranks), message, detail)
+
+
+def processes_json(processes: Sequence[RankStack]) -> list[dict[str, Any]]:
+    """The hang finding's ``processes``: rank, pid, role, method and stack of each; past SMALL_WORLD processes,
+    one entry per distinct stack and role, with its ``ranks`` (rank ranges), ``count`` and first process's."""
+    ordered = sorted(processes, key=lambda p: (p.rank, p.pid))
+    if len(ordered) <= SMALL_WORLD:
+        return [{"rank": p.rank, "pid": p.pid, "role": p.role, "method": p.method, "stack": p.to_json()}
+                for p in ordered]
+    same: dict[tuple, list[RankStack]] = {}
+    for p in ordered:
+        same.setdefault(p.content_key(), []).append(p)
+    return [{"rank": ps[0].rank, "pid": ps[0].pid, "role": ps[0].role, "method": ps[0].method,
+             "ranks": rank_ranges([p.rank for p in ps]), "count": len(ps), "stack": ps[0].to_json()}
+            for ps in same.values()]
+
+
+def _bounded(lines: list[str], most: int = SMALL_WORLD) -> list[str]:
+    """At most ``most`` lines (one dump error per rank of a big job is in stacks.json), then how many more."""
+    return lines if len(lines) <= most else lines[:most] + [f"... and {len(lines) - most} more (stacks.json)"]
 
 
 def _verb(loc: Location, one: str, many: str) -> str:
@@ -266,16 +364,26 @@ def diagnose(stacks: Sequence[RankStack], progress: dict[int, RankProgress] | No
             continue
         p = progress.get(r)
         pend = p.pending if p else None
-        key = (pend.op, pend.seq, tuple(pend.pg or ()), pend.file, pend.line) if pend else ("?", errors_by_rank.get(r, ""))
+        # Unplaced ranks: one location per dump error, or past SMALL_WORLD ranks one in all (each error names
+        # its pid: one location per rank otherwise; every error is in stacks.json).
+        unplaced = ("?", errors_by_rank.get(r, "") if len(all_ranks) <= SMALL_WORLD else "")
+        key = (pend.op, pend.seq, tuple(pend.pg or ()), pend.file, pend.line) if pend else unplaced
         stackless.setdefault(key, []).append(r)
     for ranks in stackless.values():
-        locations.append(locate(ranks, None, progress.get(ranks[0]), errors_by_rank.get(ranks[0], "")))
+        reason = errors_by_rank.get(ranks[0], "")
+        if reason and len(ranks) > 1 and len(all_ranks) > SMALL_WORLD:
+            reason += f" (rank {ranks[0]}'s; every rank's in stacks.json)"
+        locations.append(locate(ranks, None, progress.get(ranks[0]), reason))
 
     known = [loc for loc in locations if loc.file or loc.collective]
+    procs_of: dict[int, list[RankStack]] = {}  # by rank: a scan of every process per location is W squared
+    for proc in processes:
+        procs_of.setdefault(proc.rank, []).append(proc)
     for loc in known:
         if loc.collective and loc.pg:
-            loc.absent = [r for r in loc.pg if r not in loc.ranks]
-        place_on_process(loc, by_rank.get(loc.ranks[0]), processes)
+            here = set(loc.ranks)
+            loc.absent = [r for r in loc.pg if r not in here]
+        place_on_process(loc, by_rank.get(loc.ranks[0]), procs_of.get(loc.ranks[0], []))
     waiting = _pick_waiting(known, world)
     if prefix is None:
         prefix = f"no progress for {timeout:g}s: " if timeout else ""
@@ -289,12 +397,12 @@ def diagnose(stacks: Sequence[RankStack], progress: dict[int, RankProgress] | No
                    else f"{prefix}{who} {verb} {waiting.text(world)}")
         primary = waiting
     elif waiting is not None:
-        parts = [loc.clause(world) for loc in odd]
+        parts = _clauses(odd, world)
         wverb = (_verb(waiting, "waits", "wait") + " in") if waiting.in_collective else _verb(waiting, "is in", "are in")
         message = f"{prefix}{'; '.join(parts)} while {format_ranks(waiting.ranks)} {wverb} {waiting.text(world)}"
         primary = odd[0]
     else:
-        parts = [loc.clause(world) for loc in known]
+        parts = _clauses(known, world)
         if parts:
             message = prefix + "; ".join(parts)
         elif by_rank:  # stacks exist but show neither user code nor a collective: say that, not "not dumped"
@@ -309,12 +417,16 @@ def diagnose(stacks: Sequence[RankStack], progress: dict[int, RankProgress] | No
     if odd_set:
         for g in groups:
             g.minority = bool(odd_set & set(g.ranks))
-    unknown = sorted(r for loc in locations if loc not in known for r in loc.ranks)
-    missing = [r for r in range(world) if r not in all_ranks] if world_size else []
+    placed = {id(loc) for loc in known}
+    unknown = sorted(r for loc in locations if id(loc) not in placed for r in loc.ranks)
+    present = set(all_ranks)
+    missing = [r for r in range(world) if r not in present] if world_size else []
     undumped = [r for r in unknown if r not in by_rank]  # a rank with a stack was dumped, whatever it shows
     if undumped and (known or by_rank):
         reasons = sorted({errors_by_rank.get(r, "") for r in undumped} - {""})
-        message += f"; {format_ranks(undumped)} not dumped" + (f" ({'; '.join(reasons)})" if reasons else "")
+        shown = reasons[:MESSAGE_PARTS] + ([f"+{len(reasons) - MESSAGE_PARTS} more in stacks.txt"]
+                                           if len(reasons) > MESSAGE_PARTS else [])
+        message += f"; {format_ranks(undumped)} not dumped" + (f" ({'; '.join(shown)})" if reasons else "")
     if missing:
         message += f"; {format_ranks(missing)} not found"
     hint = self_launch_hint(processes)
@@ -323,6 +435,19 @@ def diagnose(stacks: Sequence[RankStack], progress: dict[int, RankProgress] | No
     if hint:
         extra["self_launch"] = True
     return HangDiagnosis(message, odd, waiting, locations, groups, all_ranks, primary, extra, list(processes))
+
+
+MESSAGE_PARTS = 8  # the places the message names; a big job's many odd groups are all in the detail and stacks.txt
+
+
+def _clauses(locations: list[Location], world: int) -> list[str]:
+    parts = [loc.clause(world) for loc in locations[:MESSAGE_PARTS]]
+    rest = locations[MESSAGE_PARTS:]
+    if rest:
+        ranks = [r for loc in rest for r in loc.ranks]
+        parts.append(f"{format_ranks(ranks)} {'are' if len(ranks) > 1 else 'is'} in {len(rest)} other "
+                     f"place{'s' if len(rest) > 1 else ''} (see stacks.txt)")
+    return parts
 
 
 def _pick_waiting(known: list[Location], world: int) -> Location | None:

@@ -15,11 +15,11 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 from distcheck.analysis.frame_owner import LIBRARY, TORCH, USER, display_path, native_owner, owner, package
 from distcheck.analysis.ops import C10D_OPS, FUNCOL_OPS
-from distcheck.contract.findings import format_ranks
+from distcheck.contract.findings import SMALL_WORLD, format_ranks, rank_ranges
 
 # Names of torch.distributed entry points: a rank whose stack passes through one of these (inside torch) waits in
 # that collective. Used when no trace says which collective a rank is in (`distcheck stacks` on a foreign job).
@@ -75,6 +75,12 @@ class ThreadStack:
         return {"thread_id": self.thread_id, "name": self.name, "main": self.main, "active": self.active,
                 "owns_gil": self.owns_gil, "frames": [f.to_json() for f in self.frames]}
 
+    def content_key(self) -> tuple:
+        """All the thread shows but its id (an id differs on every rank, the stack of ranks in one place not)."""
+        return (self.name, self.main, self.active, self.owns_gil,
+                tuple((f.name, f.file, f.line, f.native, tuple(sorted(f.locals.items())) if f.locals else None)
+                      for f in self.frames))
+
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> ThreadStack:
         return cls(str(data.get("thread_id", "")), data.get("name"),
@@ -102,6 +108,12 @@ class RankStack:
                 return t
         return self.threads[0] if self.threads else None
 
+    def content_key(self) -> tuple:
+        """What ranks in the same place share: every thread's stack (:meth:`ThreadStack.content_key`), how it was
+        dumped and what the process is; not the rank, pid, host or thread ids."""
+        return (self.method, self.rank_source, self.world_size, self.note, self.role,
+                tuple(t.content_key() for t in self.threads))
+
     @property
     def label(self) -> str:
         """``rank 1``, or for a process a rank started ``rank 1's DataLoader worker 0 (pid 4242)``."""
@@ -122,6 +134,67 @@ class RankStack:
                    str(data.get("method", "")), [ThreadStack.from_json(t) for t in data.get("threads", [])],
                    str(data.get("rank_source", "RANK")), int(ws) if ws is not None else None,
                    str(data.get("note", "")), str(data.get("role", "")))
+
+
+def stacks_json(stacks: Iterable[RankStack], small: int = SMALL_WORLD) -> tuple[list[dict[str, Any]],
+                                                                                list[dict[str, Any]]]:
+    """The JSON of many processes' dumps: one entry per process, and the distinct stacks they point at.
+
+    Up to ``small`` processes, each entry is :meth:`RankStack.to_json` (its own threads) and the second list is
+    empty. Above, each distinct stack (:meth:`RankStack.content_key`) is stored once, ``{"ranks": "0-4093,4095",
+    "count": 4094, "method", "rank_source", "world_size", "note", "role", "threads": [...]}`` (threads without
+    their ids), and each process's entry is ``{"rank", "pid", "host", "stack": its index, "thread_ids"}``: a file
+    grows with W and the distinct stacks, not with W times the frames.
+    """
+    stacks = list(stacks)
+    if len(stacks) <= small:
+        return [st.to_json() for st in stacks], []
+    index: dict[tuple, int] = {}
+    distinct: list[dict[str, Any]] = []
+    members: list[list[int]] = []
+    entries = []
+    for st in stacks:
+        key = st.content_key()
+        i = index.get(key)
+        if i is None:
+            i = index[key] = len(distinct)
+            threads = []
+            for t in st.threads:
+                tj = t.to_json()
+                del tj["thread_id"]
+                threads.append(tj)
+            distinct.append({"method": st.method, "rank_source": st.rank_source, "world_size": st.world_size,
+                             "note": st.note, "role": st.role, "threads": threads})
+            members.append([])
+        members[i].append(st.rank)
+        entries.append({"rank": st.rank, "pid": st.pid, "host": st.host, "stack": i,
+                        "thread_ids": [t.thread_id for t in st.threads]})
+    for d, ranks in zip(distinct, members):
+        d["ranks"], d["count"] = rank_ranges(ranks), len(ranks)
+    return entries, distinct
+
+
+def stacks_from_json(entries: Iterable[dict[str, Any]], distinct: Sequence[dict[str, Any]] = ()) -> list[RankStack]:
+    """The dumps back from :func:`stacks_json`'s two lists (either form). Processes that share a distinct stack
+    share its frame lists."""
+    shared: dict[int, list[ThreadStack]] = {}
+    out = []
+    for e in entries:
+        if "stack" not in e:
+            out.append(RankStack.from_json(e))
+            continue
+        i = int(e["stack"])
+        if i not in shared:
+            shared[i] = [ThreadStack.from_json(t) for t in distinct[i].get("threads", [])]
+        ids = list(e.get("thread_ids") or [])
+        threads = [ThreadStack(str(ids[j]) if j < len(ids) else "", t.name, t.frames, t.main, t.active, t.owns_gil)
+                   for j, t in enumerate(shared[i])]
+        d = distinct[i]
+        ws = d.get("world_size")
+        out.append(RankStack(int(e["rank"]), int(e.get("pid", 0)), str(e.get("host", "")), str(d.get("method", "")),
+                             threads, str(d.get("rank_source", "RANK")), int(ws) if ws is not None else None,
+                             str(d.get("note", "")), str(d.get("role", ""))))
+    return out
 
 
 # --- parsing -------------------------------------------------------------------------------------------------
@@ -391,15 +464,27 @@ def process_group_call(thread: ThreadStack | None) -> bool:
 
 def render_processes(processes: list[RankStack], others: list[str] | None = None) -> str:
     """The processes the ranks started, for stacks.txt: each one's own frames (collapsed), then those that are
-    not Python (not dumped)."""
+    not Python (not dumped). Past SMALL_WORLD processes, those with the same role and frames are shown once."""
     if not processes and not others:
         return ""
     lines = ["", "processes the ranks started (most recent call first):"]
-    for ps in sorted(processes, key=lambda s: (s.rank, s.pid)):
+    ordered = sorted(processes, key=lambda s: (s.rank, s.pid))
+    shown: dict[tuple, list[RankStack]] = {}
+    for ps in ordered:
         main = ps.main_thread()
-        lines.append(f"  {ps.label} via {ps.method}:")
-        for shown in collapse(own_frames(main.frames)) if main else []:
-            lines.append(f"     {shown.text()}")
+        frames = tuple(collapse(own_frames(main.frames))) if main else ()
+        key = (ps.role, ps.method, frames) if len(ordered) > SMALL_WORLD else (ps.rank, ps.pid)
+        shown.setdefault(key, []).append(ps)
+    for same in shown.values():
+        ps = same[0]
+        if len(same) == 1:
+            lines.append(f"  {ps.label} via {ps.method}:")
+        else:
+            lines.append(f"  the {ps.role} of each of {format_ranks([p.rank for p in same])} ({len(same)} processes; "
+                         f"{ps.label}) via {ps.method}:")
+        main = ps.main_thread()
+        for frame in collapse(own_frames(main.frames)) if main else []:
+            lines.append(f"     {frame.text()}")
     for line in others or []:
         lines.append(f"  {line}")
     return "\n".join(lines) + "\n"
@@ -432,8 +517,9 @@ class StackGroup:
     owns_gil: bool = False
 
     def to_json(self) -> dict[str, Any]:
-        return {"ranks": self.ranks, "size": len(self.ranks), "minority": self.minority, "methods": self.methods,
-                "owns_gil": self.owns_gil, "frames": [s.to_json() for s in self.shown]}
+        return {"ranks": self.ranks, "rank_ranges": rank_ranges(self.ranks), "size": len(self.ranks),
+                "minority": self.minority, "methods": self.methods, "owns_gil": self.owns_gil,
+                "frames": [s.to_json() for s in self.shown]}
 
 
 def group_stacks(stacks: Iterable[RankStack]) -> list[StackGroup]:
@@ -478,11 +564,7 @@ def render_groups(groups: list[StackGroup], stacks: list[RankStack], errors: lis
             lines.append(f"     {s.text()}")
     if stacks:
         lines.append("")
-        lines.append("per rank:")
-        for rs in sorted(stacks, key=lambda s: s.rank):
-            src = "" if rs.rank_source == "RANK" else f" (rank from {rs.rank_source})"
-            note = f"  {rs.note}" if rs.note else ""
-            lines.append(f"  rank {rs.rank}{src}: pid {rs.pid} on {rs.host or '?'} via {rs.method}{note}")
+        lines.extend(_per_rank_lines(stacks))
     if errors:
         lines.append("")
         lines.append("not dumped:")
@@ -490,16 +572,58 @@ def render_groups(groups: list[StackGroup], stacks: list[RankStack], errors: lis
     return "\n".join(lines) + "\n"
 
 
+def _per_rank_lines(stacks: list[RankStack]) -> list[str]:
+    """Each rank's pid, host and dump method; past SMALL_WORLD ranks, one line per method (pids in stacks.json)."""
+    ordered = sorted(stacks, key=lambda s: s.rank)
+    if len(ordered) <= SMALL_WORLD:
+        lines = ["per rank:"]
+        for rs in ordered:
+            src = "" if rs.rank_source == "RANK" else f" (rank from {rs.rank_source})"
+            note = f"  {rs.note}" if rs.note else ""
+            lines.append(f"  rank {rs.rank}{src}: pid {rs.pid} on {rs.host or '?'} via {rs.method}{note}")
+        return lines
+    by_how: dict[tuple, list[RankStack]] = {}
+    for rs in ordered:
+        by_how.setdefault((rs.method, rs.rank_source, rs.note), []).append(rs)
+    lines = ["per rank (each rank's pid and host: stacks.json):"]
+    for (method, source, note), same in by_how.items():
+        hosts = sorted({rs.host or "?" for rs in same})
+        on = f"on {hosts[0]}" if len(hosts) == 1 else f"on {len(hosts)} hosts ({hosts[0]} ... {hosts[-1]})"
+        src = "" if source == "RANK" else f" (rank from {source})"
+        lines.append(f"  {format_ranks([rs.rank for rs in same])}{src}: via {method} {on}"
+                     + (f"  {note}" if note else ""))
+    return lines
+
+
 def render_all_threads(stacks: list[RankStack]) -> str:
-    """Every thread of every rank, uncollapsed, for the end of stacks.txt."""
+    """Every thread of every rank, uncollapsed, for the end of stacks.txt. Past SMALL_WORLD processes, those with
+    identical threads (all but the thread ids) are shown once, under their rank ranges."""
+    ordered = sorted(stacks, key=lambda s: (s.rank, bool(s.role), s.pid))
+    if len(ordered) <= SMALL_WORLD:
+        same = [[rs] for rs in ordered]
+    else:
+        by_key: dict[tuple, list[RankStack]] = {}
+        for rs in ordered:
+            by_key.setdefault(rs.content_key(), []).append(rs)
+        same = list(by_key.values())
     lines = []
-    for rs in sorted(stacks, key=lambda s: (s.rank, bool(s.role), s.pid)):
-        head = (f"{rs.label}, {rs.host}, {rs.method}" if rs.role
-                else f"rank {rs.rank} (pid {rs.pid}, {rs.host}, {rs.method})")
+    for group in same:
+        rs = group[0]
+        if len(group) > 1:
+            what = f"the {rs.role} of each of " if rs.role else ""
+            first = rs.label if rs.role else f"rank {rs.rank}, pid {rs.pid}"
+            head = (f"{what}{format_ranks([g.rank for g in group])} ({len(group)} processes with these threads; "
+                    f"first: {first}, {rs.host}, {rs.method})")
+        elif rs.role:
+            head = f"{rs.label}, {rs.host}, {rs.method}"
+        else:
+            head = f"rank {rs.rank} (pid {rs.pid}, {rs.host}, {rs.method})"
         lines.append(f"--- {head} ---")
         for t in rs.threads:
             flags = [x for x, on in (("main", t.main), ("active", t.active), ("holds GIL", t.owns_gil)) if on]
-            lines.append(f"Thread {t.thread_id} {t.name or ''} {'(' + ', '.join(flags) + ')' if flags else ''}".rstrip())
+            tid = t.thread_id if len(group) == 1 else ""
+            text = f"Thread {tid} {t.name or ''} {'(' + ', '.join(flags) + ')' if flags else ''}"
+            lines.append(" ".join(text.split()) if len(group) > 1 else text.rstrip())
             for f in t.frames:
                 loc = f"{f.file}:{f.line}" if f.line else f.file
                 lines.append(f"    {f.name} ({loc})")

@@ -16,17 +16,15 @@ the per-node dumps into one grouping.
 from __future__ import annotations
 
 import argparse
-import json
 import socket
 import sys
 import time
-from pathlib import Path
 
 from distcheck.analysis.hang import diagnose
 from distcheck.errors import UsageError
 from distcheck.contract.findings import CheckResult, Finding
 from distcheck.supervise.stacks import (
-    DEFAULT_DUMP_TIMEOUT, dump_all, find_pyspy, render_stacks_text, resolve_targets, stacks_document,
+    DEFAULT_DUMP_TIMEOUT, document_text, dump_all, find_pyspy, render_stacks_text, resolve_targets, stacks_document,
     write_stack_artifacts,
 )
 
@@ -96,7 +94,7 @@ def main(args: argparse.Namespace) -> int:
     if args.json:
         doc = stacks_document(result.stacks, errors, args.native, progress, None, diag.groups, diag.message)
         doc["findings"] = [f.to_json() for f in findings]
-        sys.stdout.write(json.dumps(doc, indent=1) + "\n")
+        sys.stdout.write(document_text(doc))
     else:
         title = f"distcheck stacks on {socket.gethostname()} ({seconds:.2f}s)"
         sys.stdout.write(render_stacks_text(result.stacks, errors, title, progress, diag.groups, diag.message))

@@ -2,8 +2,11 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable, Hashable, Iterable, Mapping, TypeVar
+
+T = TypeVar("T")
 
 # The finding kinds of the public contract (DESIGN.md). A kind outside this set is a bug in distcheck.
 KINDS = (
@@ -87,14 +90,11 @@ def format_names(names: list[str], shown: int) -> str:
     return text + (f" (+{len(names) - shown} more)" if len(names) > shown else "")
 
 
-def format_ranks(ranks: list[int] | tuple[int, ...]) -> str:
-    """``[0, 1, 2, 5]`` -> ``"ranks 0-2,5"``; one rank -> ``"rank 3"``."""
-    ranks = sorted(set(ranks))
-    if len(ranks) == 1:
-        return f"rank {ranks[0]}"
+def rank_ranges(ranks: Iterable[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2,5"``: the compact form a big job's rank lists take in texts and JSON keys."""
     parts: list[str] = []
     start = prev = None
-    for r in ranks:
+    for r in sorted(set(ranks)):
         if start is None:
             start = prev = r
         elif r == prev + 1:
@@ -104,7 +104,65 @@ def format_ranks(ranks: list[int] | tuple[int, ...]) -> str:
             start = prev = r
     if start is not None:
         parts.append(str(start) if start == prev else f"{start}-{prev}")
-    return "ranks " + ",".join(parts)
+    return ",".join(parts)
+
+
+def parse_rank_ranges(text: str) -> list[int]:
+    """``"0-2,5"`` -> ``[0, 1, 2, 5]`` (the inverse of :func:`rank_ranges`; a plain ``"3"`` is one rank)."""
+    out: list[int] = []
+    for part in str(text).split(","):
+        part = part.strip()
+        if not part:
+            continue
+        first, sep, last = part.partition("-")
+        out.extend(range(int(first), int(last) + 1) if sep else (int(first),))
+    return out
+
+
+def format_ranks(ranks: list[int] | tuple[int, ...]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"ranks 0-2,5"``; one rank -> ``"rank 3"``."""
+    ranks = sorted(set(ranks))
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    return "ranks " + rank_ranges(ranks)
+
+
+# Up to this many ranks, per-rank maps in report.json and stacks.json keep one key per rank ("0", "1", ...); above,
+# ranks with the same value share one key, their rank ranges ("0-4093,4095"), so a 4096-rank job's files grow with
+# its distinct stacks and progress, not with W (or W squared: each rank's progress names its group's W ranks).
+SMALL_WORLD = 64
+
+
+def ranks_keyed(values: Mapping[int, T], to_json: Callable[[T], Any],
+                key: Callable[[T], Hashable] | None = None, small: int = SMALL_WORLD) -> dict[str, Any]:
+    """A per-rank map for JSON: ``{"0": ..., "1": ...}`` for at most ``small`` ranks, else one entry per distinct
+    value (``key``, default the JSON itself), keyed by its ranks' :func:`rank_ranges` and holding the first rank's
+    JSON. Read it back with :func:`per_rank`."""
+    if len(values) <= small:
+        return {str(r): to_json(v) for r, v in sorted(values.items())}
+    groups: dict[Hashable, list[int]] = {}
+    firsts: dict[Hashable, Any] = {}
+    for r, v in sorted(values.items()):
+        if key is not None:
+            k = key(v)
+            if k not in firsts:
+                firsts[k] = to_json(v)
+        else:
+            j = to_json(v)
+            k = json.dumps(j, sort_keys=True, default=str)
+            firsts.setdefault(k, j)
+        groups.setdefault(k, []).append(r)
+    return {rank_ranges(rs): firsts[k] for k, rs in sorted(groups.items(), key=lambda item: item[1][0])}
+
+
+def per_rank(mapping: Mapping[str, T] | None) -> dict[int, T]:
+    """``{"0-2,5": v}`` -> ``{0: v, 1: v, 2: v, 5: v}``: a :func:`ranks_keyed` map (or a plain per-rank one) by
+    rank; ranks that share a key share the value object."""
+    out: dict[int, T] = {}
+    for k, v in (mapping or {}).items():
+        for r in parse_rank_ranges(k):
+            out[r] = v
+    return out
 
 
 def jsonable(value: Any) -> Any:

@@ -152,18 +152,29 @@ def _diagnose_hang(rank_pids: dict[int, int], report_dir: str | os.PathLike, nat
     dumped = dump_all(targets + children, native=native, timeout=dump_timeout, report_dirs=[report_dir])
     await_flight_dumps(report_dir, sorted(rank_pids), asked)
     result, processes = _split(dumped, {t.pid for t in children}, others)
+    return diagnose_dumped(result, processes, others, report_dir, native, timeout, world_size or len(rank_pids) or None,
+                           stem, out_dir, prefix, t0)
+
+
+def diagnose_dumped(result: DumpResult, processes: list[RankStack], others: list[str],
+                    report_dir: str | os.PathLike, native: bool, timeout: float | None, world_size: int | None,
+                    stem: str, out_dir: str | os.PathLike | None, prefix: str,
+                    t0: float | None = None) -> list[Finding]:
+    """Everything after the dumps: read the traces' progress, diagnose, write ``<stem>.txt``/``<stem>.json``; the
+    hang finding. bench/_scale_hang.py times this on stored dumps, so the bench measures the path a hang takes."""
+    t0 = time.monotonic() if t0 is None else t0
     try:
         progress = load_progress(report_dir)
     except Exception as exc:  # a broken trace must not cost us the stacks
         log.warning("could not read traces in %s: %s", report_dir, exc)
         progress = {}
     errors_by_rank = {e.rank: e.message for e in result.errors if e.rank is not None}
-    diag = diagnose(result.stacks, progress, world_size or len(rank_pids) or None, timeout, errors_by_rank, prefix,
-                    processes=processes)
+    diag = diagnose(result.stacks, progress, world_size, timeout, errors_by_rank, prefix, processes=processes)
     finding = diag.to_finding(result.stacks, progress, [e.message for e in result.errors])
     title = f"distcheck watchdog: {prefix.rstrip(': ')}" if prefix else "distcheck watchdog"
     artifacts = write_stack_artifacts(out_dir or report_dir, result.stacks, result.errors, native, progress, title,
-                                      stem, diag.groups, diag.message, processes, others)
+                                      stem, diag.groups, diag.message, processes, others,
+                                      finding.detail["last_collectives"])
     finding.detail["artifacts"] = artifacts
     finding.detail["dump_seconds"] = round(result.seconds, 3)
     finding.detail["diagnose_seconds"] = round(time.monotonic() - t0, 3)

@@ -26,10 +26,12 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from distcheck.analysis.progress import RankProgress
+from distcheck.analysis.hang import progress_by_rank_json, progress_json
 from distcheck.analysis.stack_groups import (
     FAULTHANDLER_MARKER, RankStack, StackGroup, group_stacks, own_frames, parse_faulthandler, parse_pyspy_json,
-    process_role, render_all_threads, render_groups, render_processes,
+    process_role, render_all_threads, render_groups, render_processes, stacks_from_json, stacks_json,
 )
+from distcheck.contract.findings import format_ranks
 
 from distcheck.contract import files
 from distcheck.rank.stack_hooks import HookInfo, yama_scope
@@ -307,23 +309,39 @@ STACKS_FORMAT = "distcheck-stacks/1"
 def stacks_document(stacks: Sequence[RankStack], errors: Sequence[DumpError], native: bool,
                     progress: dict[int, RankProgress] | None = None, hosts: Sequence[str] | None = None,
                     groups: Sequence[StackGroup] | None = None, summary: str = "",
-                    processes: Sequence[RankStack] = ()) -> dict[str, Any]:
+                    processes: Sequence[RankStack] = (),
+                    progress_doc: dict[str, Any] | None = None) -> dict[str, Any]:
     """The JSON form (stacks.json): one document per node; ``distcheck report`` merges several. ``processes``:
-    the dumped processes the ranks started (each with its rank and role)."""
+    the dumped processes the ranks started (each with its rank and role).
+
+    Up to SMALL_WORLD ranks each entry of ``ranks`` holds its threads. Above, each distinct stack is stored once in
+    ``stacks`` (``{"ranks": "0-4093,4095", "count", "threads"}``) and each rank's entry points at it (``stack``,
+    ``thread_ids``); ``last_collectives`` keys ranks with the same progress by their rank ranges
+    (analysis/hang.progress_json; ``progress_doc``: that map, when the caller made it already for the finding).
+    :func:`load_stacks_document` reads both forms.
+    """
     groups = list(groups) if groups is not None else group_stacks(stacks)
     ws = [s.world_size for s in stacks if s.world_size]
-    extra = {"processes": [p.to_json() for p in sorted(processes, key=lambda p: (p.rank, p.pid))]} if processes else {}
-    return {**extra, 
+    ranks, distinct = stacks_json(sorted(stacks, key=lambda s: s.rank))
+    extra: dict[str, Any] = {}
+    if processes:
+        procs, proc_distinct = stacks_json(sorted(processes, key=lambda p: (p.rank, p.pid)))
+        extra["processes"] = procs
+        if proc_distinct:
+            extra["process_stacks"] = proc_distinct
+    if distinct:
+        extra["stacks"] = distinct
+    return {**extra,
         "tool": "distcheck",
         "format": STACKS_FORMAT,
         "hosts": sorted(set(hosts or [s.host for s in stacks] or [socket.gethostname()])),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "native": native,
         "world_size": max(ws) if ws else None,
-        "ranks": [s.to_json() for s in sorted(stacks, key=lambda s: s.rank)],
+        "ranks": ranks,
         "errors": [e.to_json() for e in errors],
         "groups": [g.to_json() for g in groups],
-        "last_collectives": {str(r): p.to_json() for r, p in sorted((progress or {}).items())},
+        "last_collectives": progress_doc if progress_doc is not None else progress_json(progress),
         "summary": summary,
     }
 
@@ -332,13 +350,26 @@ def progress_line(rank: int, p: RankProgress) -> str:
     """``rank 1: last started all_reduce #3 (t.py:3); last completed all_reduce #3 (t.py:3); waits in all_reduce
     #2 (t.py:2) PENDING``: the rank's line of stacks.txt, from its progress (analysis/progress.py). The collective
     it waits in is named when it is not the last one started (an async op pending behind later ones)."""
+    return f"rank {rank}: {_progress_text(p)}"
+
+
+def _progress_text(p: RankProgress) -> str:
     started = p.last_started.text() if p.last_started else "none"
     completed = p.last_completed.text() if p.last_completed else "none"
-    line = f"rank {rank}: last started {started}; last completed {completed}"
+    line = f"last started {started}; last completed {completed}"
     pending = p.pending
     if pending is not None and pending != p.last_started:
         line += f"; waits in {pending.text()}"
     return line
+
+
+def progress_lines(progress: dict[int, RankProgress]) -> list[str]:
+    """stacks.txt's last collectives: one line per distinct progress, naming its ranks (``ranks 0-4093,4095: last
+    started ...``; a rank alone reads as :func:`progress_line`)."""
+    by_text: dict[str, list[int]] = {}
+    for r, p in sorted(progress.items()):
+        by_text.setdefault(_progress_text(p), []).append(r)
+    return [f"{format_ranks(ranks)}: {text}" for text, ranks in sorted(by_text.items(), key=lambda i: i[1][0])]
 
 
 def render_stacks_text(stacks: Sequence[RankStack], errors: Sequence[DumpError], title: str = "",
@@ -352,16 +383,33 @@ def render_stacks_text(stacks: Sequence[RankStack], errors: Sequence[DumpError],
     text += render_processes(list(processes), list(other_processes))
     if progress:
         lines = ["", "last collectives (from the trace):"]
-        lines += [f"  {progress_line(r, p)}" for r, p in sorted(progress.items())]
+        lines += [f"  {line}" for line in progress_lines(progress)]
         text += "\n".join(lines) + "\n"
     return text + "\nall threads, uncollapsed:\n" + render_all_threads([*stacks, *processes])
+
+
+def document_text(doc: dict[str, Any]) -> str:
+    """stacks.json's text: one top-level key a line, each item of a list on a line of its own (a rank's entry, a
+    distinct stack), so that a 4096-rank file reads line by line without indenting every number of it."""
+    def compact(value: Any) -> str:
+        return json.dumps(value, separators=(",", ":"))
+
+    lines = []
+    for key, value in doc.items():
+        if isinstance(value, list) and value:
+            body = ",\n".join(f"  {compact(item)}" for item in value)
+            lines.append(f" {json.dumps(key)}: [\n{body}\n ]")
+        else:
+            lines.append(f" {json.dumps(key)}: {compact(value)}")
+    return "{\n" + ",\n".join(lines) + "\n}\n"
 
 
 def write_stack_artifacts(report_dir: str | os.PathLike, stacks: Sequence[RankStack], errors: Sequence[DumpError],
                           native: bool = False, progress: dict[int, RankProgress] | None = None,
                           title: str = "", stem: str = "stacks", groups: Sequence[StackGroup] | None = None,
                           summary: str = "", processes: Sequence[RankStack] = (),
-                          other_processes: Sequence[str] = ()) -> dict[str, str]:
+                          other_processes: Sequence[str] = (),
+                          progress_doc: dict[str, Any] | None = None) -> dict[str, str]:
     """Write ``<stem>.txt`` and ``<stem>.json``; returns report.json artifact entries (relative paths).
 
     ``groups``/``summary`` come from the hang diagnosis, so the highlighted groups are the ranks it singled out.
@@ -374,14 +422,17 @@ def write_stack_artifacts(report_dir: str | os.PathLike, stacks: Sequence[RankSt
     atomic_write(report_dir / f"{stem}.txt", render_stacks_text(stacks, errors, title, progress, groups, summary,
                                                                 processes, other_processes))
     atomic_write(report_dir / f"{stem}.json",
-                 json.dumps(stacks_document(stacks, errors, native, progress, None, groups, summary, processes),
-                            indent=1) + "\n")
+                 document_text(stacks_document(stacks, errors, native, progress, None, groups, summary, processes,
+                                               progress_doc)))
     return {f"{stem}.txt": f"{stem}.txt", f"{stem}.json": f"{stem}.json"}
 
 
 def load_stacks_document(path: str | os.PathLike) -> tuple[list[RankStack], list[DumpError], dict[str, Any]]:
+    """The ranks' stacks, the dump errors and the document of a stacks.json, in either form; the document's
+    ``last_collectives`` come back keyed by rank (one key per rank, values shared by the ranks of one entry)."""
     data = json.loads(Path(path).read_text())
     if data.get("format") != STACKS_FORMAT:
         raise ValueError(f"{path} is not a distcheck stacks dump (format {data.get('format')!r})")
-    return ([RankStack.from_json(r) for r in data.get("ranks", [])],
+    data["last_collectives"] = {str(r): p for r, p in progress_by_rank_json(data.get("last_collectives")).items()}
+    return (stacks_from_json(data.get("ranks", []), data.get("stacks", [])),
             [DumpError.from_json(e) for e in data.get("errors", [])], data)

@@ -4,7 +4,9 @@ import json
 import pytest
 
 from distcheck.errors import UsageError
-from distcheck.contract.findings import CheckResult, Finding, format_ranks
+from distcheck.contract.findings import (
+    CheckResult, Finding, format_ranks, parse_rank_ranges, per_rank, rank_ranges, ranks_keyed,
+)
 from distcheck.contract.report import Report, load_report, prepare_report_dir, render_text, write_report
 
 
@@ -40,6 +42,19 @@ def test_unknown_kind_rejected_and_rank_formatting():
         Finding("not_a_kind", [0], "m")
     assert format_ranks([0, 1, 2, 5, 7, 8]) == "ranks 0-2,5,7-8"
     assert format_ranks([3]) == "rank 3"
+
+
+def test_rank_ranges_round_trip_and_big_per_rank_maps_share_keys():
+    assert rank_ranges([5, 0, 1, 2, 7, 8, 2]) == "0-2,5,7-8" and rank_ranges([]) == ""
+    assert parse_rank_ranges("0-2,5,7-8") == [0, 1, 2, 5, 7, 8] and parse_rank_ranges("3") == [3]
+    # Up to SMALL_WORLD ranks a per-rank map keeps one key per rank (what report.json always had).
+    assert ranks_keyed({1: "a", 0: "a"}, str) == {"0": "a", "1": "a"}
+    # Above, ranks with the same value share one entry, keyed by their rank ranges, in order of their first rank.
+    values = {r: ("slow" if r in (3, 4, 90) else "ok") for r in range(100)}
+    keyed = ranks_keyed(values, lambda v: {"state": v})
+    assert keyed == {"0-2,5-89,91-99": {"state": "ok"}, "3-4,90": {"state": "slow"}}
+    assert per_rank(keyed) == {r: {"state": v} for r, v in values.items()}
+    assert per_rank({"0": 1, "1": 2}) == {0: 1, 1: 2}
 
 
 def test_unwritable_report_dir(tmp_path):
