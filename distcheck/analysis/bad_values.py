@@ -21,7 +21,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from distcheck.analysis.replica_drift import drift_finding
+from distcheck.analysis.replica_drift import drift_finding, frozen_finding
 from distcheck.contract.findings import CheckResult, Finding, format_names, format_ranks
 
 # No initializer (normal/uniform/xavier/kaiming/trunc_normal/ones/zeros/eye/orthogonal) produces a magnitude above
@@ -388,8 +388,8 @@ def loss_value_name(value: float) -> str:
 
 
 def merge_states(states: dict[int, dict[str, Any]]) -> tuple[list[Finding], list[CheckResult]]:
-    """The first-NaN and replica-drift findings and the ``model_check`` / ``bad_values`` / ``replica_drift`` checks
-    from the ranks' autocheck files."""
+    """The first-NaN, frozen-model and replica-drift findings and the ``model_check`` / ``bad_values`` /
+    ``frozen_model`` / ``replica_drift`` checks from the ranks' autocheck files."""
     if not states:
         return [], []
     events = {r: BadEvent.from_json(s["first_bad"]) if s.get("first_bad") else None for r, s in states.items()}
@@ -413,7 +413,18 @@ def merge_states(states: dict[int, dict[str, Any]]) -> tuple[list[Finding], list
     note = ("" if finding is not None else "no backward() ran" if done == 0 else
             f"loss and gradients finite on every {counter} ({done} steps)")
     checks.append(CheckResult("bad_values", finding is None, step_seconds, note=note))
+    frozen = frozen_finding(states)
+    checked = max(len(s.get("frozen") or []) for s in states.values())
+    if frozen is not None or checked:
+        # A model no step updated cannot drift: its replicas' comparison would pass for the wrong reason.
+        findings.append(frozen) if frozen is not None else None
+        checks.append(CheckResult("frozen_model", frozen is None, 0.0,
+                                  note="" if frozen is not None else
+                                  f"every rank's optimizer had gradients to apply in the first {checked} "
+                                  f"step{'s' if checked != 1 else ''}"))
     drift, compared = drift_finding(states)
+    if frozen is not None:
+        drift, compared = None, 0
     findings += [drift] if drift is not None else []
     if compared or drift is not None:
         drift_seconds = max(float((s.get("replica_drift") or {}).get("seconds", 0.0)) for s in states.values())

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from distcheck.contract.findings import Finding, format_names
+from distcheck.contract.findings import Finding, Note, format_names
 
 # Styles whose job is to leave parameters replicated (norms under SequenceParallel) or that hold none.
 REPLICATING_STYLES = frozenset({"SequenceParallel", "PrepareModuleInput", "PrepareModuleOutput",
@@ -200,7 +200,6 @@ def coverage_findings(rows: list[PlacementRow], fsdp_modules: list[str], ranks: 
                 f"({','.join(r.placements or ['plain tensor'])}){_where(r)}: every tensor-parallel rank holds and "
                 f"computes all of it, so the module is not parallelized at all",
                 style=style)
-    dtensor = [r for r in params if r.cls == "DTensor"]
     if fsdp_modules:
         for r in params:
             if r.name in out or r.fsdp is not None or r.ddp:
@@ -224,25 +223,56 @@ def coverage_findings(rows: list[PlacementRow], fsdp_modules: list[str], ranks: 
     # Under tensor parallelism alone, plain replicated parameters outside any parallel style (norms, embedding,
     # head in PyTorch's TP recipe) are legal: their inputs are replicated, so their gradients agree. Actual drift
     # is caught by value (replicated_state / check_consistent), not flagged here by type.
-    # DTensors on another mesh than the model's (the mesh most parameters live on).
-    if dtensor:
-        counts: dict[tuple, int] = {}
-        for r in dtensor:
-            counts[r.mesh_key] = counts.get(r.mesh_key, 0) + 1
-        main_key = max(counts.items(), key=lambda kv: kv[1])[0]
-        main = next(r for r in dtensor if r.mesh_key == main_key)
-        if counts[main_key] * 2 > len(dtensor):
-            for r in dtensor:
-                if r.name in out or r.mesh_key == main_key:
-                    continue
-                out[r.name] = _finding(
-                    r, ranks, "other_mesh",
-                    f"{r.name} {_size(r)} lives on mesh {mesh_label(r)} ranks {r.mesh_ranks} while "
-                    f"{counts[main_key]} of the model's {len(dtensor)} DTensor parameters live on "
-                    f"{mesh_label(main)} ranks {main.mesh_ranks}{_where(r)}: its gradient is reduced over other "
-                    f"ranks than its siblings', and clip_grad_norm_/foreach optimizers reject mixed meshes",
-                    expected_mesh=mesh_label(main), expected_mesh_ranks=main.mesh_ranks)
+    # DTensors on another mesh than the model's are legal while nothing stacks them: mixed_mesh_notes (a warning).
     return _grouped([out[r.name] for r in params if r.name in out], {r.name: r for r in params})
+
+
+def _other_mesh(params: list[PlacementRow]) -> tuple[list[PlacementRow], PlacementRow | None, int, int]:
+    """DTensor parameters on another mesh than the model's (the mesh most of them live on): (them, one row on the
+    main mesh, how many live there, how many DTensors in all)."""
+    dtensor = [r for r in params if r.cls == "DTensor"]
+    if not dtensor:
+        return [], None, 0, 0
+    counts: dict[tuple, int] = {}
+    for r in dtensor:
+        counts[r.mesh_key] = counts.get(r.mesh_key, 0) + 1
+    main_key = max(counts.items(), key=lambda kv: kv[1])[0]
+    if counts[main_key] * 2 <= len(dtensor):
+        return [], None, 0, len(dtensor)
+    main = next(r for r in dtensor if r.mesh_key == main_key)
+    return [r for r in dtensor if r.mesh_key != main_key], main, counts[main_key], len(dtensor)
+
+
+def mixed_mesh_notes(rows: list[PlacementRow], ranks: list[int]) -> list[Note]:
+    """Parameters on another mesh than the rest of a model that is otherwise sharded correctly (a last Linear left
+    out of the TP plan, FSDP2 on dp only): nothing is wrong while the script trains, so it is a warning, not a
+    finding. It says what breaks if the script adds an operation that rejects mixed meshes, and the fix. Such an
+    operation, when it does run, raises and is its own finding (analysis/torch_errors.py: ``mixed_meshes``)."""
+    params = [r for r in rows if r.role == "parameter"]
+    others, main, on_main, total = _other_mesh(params)
+    by_mesh: dict[tuple, list[PlacementRow]] = {}
+    for r in others:
+        by_mesh.setdefault(r.mesh_key, []).append(r)
+    notes = []
+    for group in by_mesh.values():
+        first = group[0]
+        names = [r.name for r in group]
+        sites = list(dict.fromkeys(f"{_basename(r.file)}:{r.line}" for r in group if r.file and r.line))
+        where = f" (defined at {', '.join(sites[:SHOWN])})" if sites else ""
+        message = (f"{len(names)} parameter{'s' if len(names) != 1 else ''} live{'s' if len(names) == 1 else ''} "
+                   f"on mesh {mesh_label(first)} ranks {first.mesh_ranks} while {on_main} of the model's {total} "
+                   f"DTensor parameters live on {mesh_label(main)} ranks {main.mesh_ranks}: "
+                   f"{format_names(names, SHOWN)}{where}. Training is correct as it is (each gradient is reduced "
+                   f"over its own mesh), but torch.nn.utils.clip_grad_norm_ and foreach/fused optimizers stack all "
+                   f"gradients and raise on mixed meshes. If you add one, put these parameters on the model's mesh "
+                   f"(a plan entry such as ColwiseParallel(output_layouts=Replicate()), or distribute_tensor(..., "
+                   f"{mesh_label(main)} mesh, [Replicate()])), or clip per mesh.")
+        notes.append(Note("mixed_meshes", ranks, message,
+                          {"params": names, "count": len(names), "mesh": mesh_label(first),
+                           "mesh_ranks": first.mesh_ranks, "expected_mesh": mesh_label(main),
+                           "expected_mesh_ranks": main.mesh_ranks,
+                           "tensors": [{"param": r.name, "file": r.file, "line": r.line} for r in group]}))
+    return notes
 
 
 SHOWN = 3  # parameter names a grouped message spells out; detail.params lists them all

@@ -113,3 +113,49 @@ def _keys(divs: list, by_rank: dict[int, dict[str, Any]]) -> list:
     names = {d.name for d in divs}
     row = by_rank[min(by_rank)]
     return [key for name, key, *_ in row.get("params", []) if name in names]
+
+
+_FROZEN = {
+    "gradient_sync_off": ("every gradient was None: FSDP2's gradient reduction was turned off with "
+                          "set_requires_gradient_sync(False) at {sync} and never turned back on, so FSDP2 keeps the "
+                          "unreduced gradients to itself and never writes the sharded .grad the optimizer reads. Call "
+                          "set_requires_gradient_sync(True) before the last micro-batch's backward()"),
+    "requires_grad_false": ("all {params} parameters of the optimizer (built at {built}) have requires_grad=False: "
+                            "nothing gets a gradient. Unfreeze what should train (requires_grad_(True)) before "
+                            "building the optimizer"),
+    "no_params": ("the optimizer (built at {built}) holds no parameters: build it over the model's parameters "
+                  "(an exhausted generator or a filter that kept nothing gives an empty list)"),
+    "no_backward": "every gradient was None: no backward() ran before the step",
+    "no_grad": ("every gradient was None though backward() ran: it never reached the optimizer's parameters (a loss "
+                "computed under torch.no_grad() or detached, or an optimizer over another model's parameters)"),
+}
+
+
+def frozen_finding(states: dict[int, dict[str, Any]]) -> Finding | None:
+    """Ranks on which no checked optimizer.step() had anything to update (rank/autocheck/frozen_step.py): one
+    finding naming the cause, or None when some step updated something on every rank."""
+    frozen: dict[int, list[dict[str, Any]]] = {}
+    for rank, state in sorted(states.items()):
+        rows = state.get("frozen") or []
+        if rows and all(r.get("cause") for r in rows):
+            frozen[rank] = rows
+    if not frozen:
+        return None
+    rows = frozen[min(frozen)]
+    first = rows[0]
+    cause = first["cause"]
+    step_file, step_line = _site({"file": first["site"][0], "line": first["site"][1]} if first.get("site") else None)
+    sync = first.get("sync_off") or [None, None]
+    built = first.get("built") or [None, None]
+    why = _FROZEN.get(cause, "nothing had a gradient").format(
+        sync=_where(*sync), built=_where(*built), params=first.get("params"))
+    n = len(rows)
+    message = (f"optimizer.step() changed no parameter on {format_ranks(sorted(frozen))} in the first "
+               f"{n} step{'s' if n != 1 else ''} ({first.get('optimizer', 'optimizer')} at "
+               f"{_where(step_file, step_line)}): {why}.")
+    file, line = {"gradient_sync_off": sync, "requires_grad_false": built, "no_params": built}.get(
+        cause, [step_file, step_line])
+    detail = {"cause": cause, "file": file, "line": line, "steps": n, "step_site": first.get("site"),
+              "params": first.get("params"), "per_rank": {str(r): [x.get("cause") for x in rs]
+                                                          for r, rs in frozen.items()}}
+    return Finding("bad_values", sorted(frozen), message, detail)

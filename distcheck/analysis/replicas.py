@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Hashable
 
-from distcheck.contract.findings import Finding, format_ranks
+from distcheck.contract.findings import Finding, format_names, format_ranks
 
 if TYPE_CHECKING:
     import torch
@@ -171,3 +171,79 @@ def divergence_finding(div: Divergence, summaries: dict[int, DiffSummary], conte
         detail["max_abs_diff"] = worst.max_abs_diff
         detail["diffs"] = {str(r): vars(s) for r, s in sorted(summaries.items())}
     return Finding("tensor_divergence", div.blamed, message, detail)
+
+
+SHOWN = 4  # tensor names a grouped message spells out; detail.params lists them all
+
+
+def worst_diff(summaries: dict[str, dict[int, DiffSummary]]) -> tuple[str, DiffSummary] | None:
+    """The tensor and rank with the largest difference, over every compared tensor."""
+    best: tuple[str, DiffSummary] | None = None
+    for name, per_rank in summaries.items():
+        for s in per_rank.values():
+            if best is None or s.max_abs_diff > best[1].max_abs_diff:
+                best = (name, s)
+    return best
+
+
+def grouped_divergence(divs: list[Divergence], summaries: dict[str, dict[int, DiffSummary]], where: str,
+                       cause: str = "") -> Finding:
+    """One ``tensor_divergence`` for tensors that differ for one cause: the count, every name (``detail.params``), the
+    largest difference, and ``cause`` (where they became different, when that is known).
+
+    ``where`` says when they were compared ("before fully_shard at train.py:30", "at the first forward").
+    """
+    names = [d.name for d in divs]
+    roles = sorted({d.role for d in divs})
+    noun = roles[0] if len(roles) == 1 else "tensor"
+    compared = sorted({r for d in divs for r in d.ranks})
+    blamed = sorted({r for d in divs for r in d.blamed})
+    count = f"{len(names)} {noun}{'s' if len(names) != 1 else ''}"
+    message = (f"{count} that must be identical across ranks differ{'s' if len(names) == 1 else ''} between "
+               f"{format_ranks(compared)} {where}: {format_names(names, SHOWN)}")
+    detail: dict = {"params": names, "count": len(names), "groups": {d.name: d.groups for d in divs}}
+    worst = worst_diff(summaries)
+    if worst is not None:
+        name, s = worst
+        ref = next(d.reference for d in divs if d.name == name)
+        message += (f"; max abs diff {s.max_abs_diff:.4g} ('{name}' on rank {s.rank} vs rank {ref}, first differing "
+                    f"element {s.first_index}: {s.value:.6g} vs {s.ref_value:.6g})")
+        detail.update(max_abs_diff=s.max_abs_diff, max_abs_diff_param=name, reference_rank=ref)
+    detail["diffs"] = {n: {str(r): vars(s) for r, s in sorted(per.items())} for n, per in summaries.items() if per}
+    structural = {d.name: d.structural for d in divs if d.structural}
+    if structural:
+        detail["structural"] = structural
+    message += "." + (f" {cause}" if cause else "")
+    return Finding("tensor_divergence", blamed, message, detail)
+
+
+def group_findings(findings: list[Finding], where: str, cause: str = "") -> list[Finding]:
+    """Per-tensor ``tensor_divergence`` findings (divergence_finding) as one finding for their one cause; other
+    findings and a lone divergence pass unchanged (the lone one gains ``detail.params``)."""
+    divs = [f for f in findings if f.kind == "tensor_divergence" and "name" in f.detail]
+    rest = [f for f in findings if f not in divs]
+    if len(divs) <= 1:
+        for f in divs:
+            f.detail.setdefault("params", [f.detail["name"]])
+            f.detail.setdefault("count", 1)
+            if cause:
+                f.message += f" {cause}"
+        return rest + divs
+    ranks = sorted({r for f in divs for r in f.ranks})
+    names = [f.detail["name"] for f in divs]
+    roles = sorted({f.detail.get("role", "tensor") for f in divs})
+    noun = roles[0] if len(roles) == 1 else "tensor"
+    worst = max(divs, key=lambda f: f.detail.get("max_abs_diff", -1.0))
+    message = (f"{len(names)} {noun}s that must be identical across ranks differ {where}: "
+               f"{format_names(names, SHOWN)}")
+    detail: dict = {"params": names, "count": len(names), "groups": {f.detail["name"]: f.detail.get("groups")
+                                                                     for f in divs}}
+    if "max_abs_diff" in worst.detail:
+        message += f"; max abs diff {worst.detail['max_abs_diff']:.4g} ('{worst.detail['name']}')"
+        detail.update(max_abs_diff=worst.detail["max_abs_diff"], max_abs_diff_param=worst.detail["name"])
+    detail["diffs"] = {f.detail["name"]: f.detail["diffs"] for f in divs if "diffs" in f.detail}
+    structural = {f.detail["name"]: f.detail["structural"] for f in divs if "structural" in f.detail}
+    if structural:
+        detail["structural"] = structural
+    message += "." + (f" {cause}" if cause else "")
+    return rest + [Finding("tensor_divergence", ranks, message, detail)]

@@ -21,8 +21,9 @@ from typing import Any, Iterable
 import torch
 import torch.nn as nn
 
-from distcheck.analysis.placement import (PlacementRow, coverage_findings, merge_rank_findings,
+from distcheck.analysis.placement import (PlacementRow, coverage_findings, merge_rank_findings, mixed_mesh_notes,
                                           render_placement_table)
+from distcheck.analysis.replicas import group_findings
 from distcheck.contract.findings import Finding
 from distcheck.rank.usersite import param_site
 
@@ -195,8 +196,13 @@ def model_meshes(model: nn.Module) -> list[Any]:
     return list(seen.values())
 
 
-def check_model(model: nn.Module) -> list[Finding]:
-    """Placement/coverage findings, mesh checks and replica consistency; the same list on every rank."""
+def check_model(model: nn.Module, *, skip: Iterable[str] = (), where: str = "(check_model)", cause: str = "",
+                warnings: list[dict[str, Any]] | None = None) -> list[Finding]:
+    """Placement/coverage findings, mesh checks and replica consistency; the same list on every rank.
+
+    Replicas that differ are one finding (their names, count and largest difference); ``skip``: names another check
+    already reported, ``where``/``cause``: when they were compared and what made them differ, when known.
+    ``warnings`` receives report.json "warnings" entries (parameters on mixed meshes in a correct model)."""
     import torch.distributed as dist
 
     from distcheck.rank import sink
@@ -208,6 +214,12 @@ def check_model(model: nn.Module) -> list[Finding]:
     channel = current_channel()
     rank = dist.get_rank() if dist.is_initialized() else 0
     local = coverage_findings(rows, [fqn for fqn, _ in fsdp_modules(model)], [rank])
+    if rank == 0:  # the same on every rank: one warning for all of them
+        notes = mixed_mesh_notes(rows, list(range(channel.world_size)) if channel is not None else [rank])
+        for note in notes:
+            log.warning("distcheck: %s", note.message)
+        if warnings is not None:
+            warnings += [n.to_json() for n in notes]
     if log.isEnabledFor(logging.INFO):
         log.info("placements:\n%s", render_placement_table(rows))
     if channel is None:
@@ -221,8 +233,13 @@ def check_model(model: nn.Module) -> list[Finding]:
     common = set(per_rank[0]).intersection(*per_rank[1:])
     for key in sorted(common, key=str):
         findings += check_live_mesh(meshes[key])
-    findings += compare_replicas("check_model", named_tensors("model", model), channel, ranks,
-                                 context="(check_model)")
+    skip = set(skip)
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp = isinstance(model, DistributedDataParallel)  # names as the user wrote them, without DDP's "module."
+    items = [(n.removeprefix("module.") if ddp else n, role, t) for n, role, t in named_tensors("model", model)]
+    items = [(n, role, t) for n, role, t in items if n not in skip]
+    findings += group_findings(compare_replicas("check_model", items, channel, ranks, context=where), where, cause)
     if rank == 0:
         sink.emit(findings, rank)
     return findings

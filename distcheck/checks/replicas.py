@@ -6,14 +6,14 @@ chunks, so the odd ranks can name the first differing index, both values and the
 """
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable, NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from distcheck.rank import sink
-from distcheck.analysis.replicas import (DiffSummary, Entry, diff_chunk, divergence_finding, find_divergences,
-                                         merge_summaries)
+from distcheck.analysis.replicas import (DiffSummary, Divergence, Entry, diff_chunk, divergence_finding,
+                                         find_divergences, merge_summaries)
 from distcheck.contract.findings import Finding
 from distcheck.checks.fingerprint import fingerprint_many, local_tensor
 from distcheck.rank.runtime import SideChannel, current_channel
@@ -47,21 +47,36 @@ def named_tensors(name: str, obj: Any) -> list[tuple[str, str, torch.Tensor]]:
     raise TypeError(f"check_consistent({name!r}, ...) takes a tensor, DTensor or nn.Module, not {type(obj).__name__}")
 
 
-def local_entries(items: Iterable[tuple[str, str, torch.Tensor]]) -> list[Entry]:
+def local_entries(items: Iterable[tuple[str, str, torch.Tensor]], key: Callable[[torch.Tensor], Any] = replica_key
+                  ) -> list[Entry]:
     items = list(items)
     fps = fingerprint_many((n, t) for n, _, t in items)
-    return [Entry(n, role, replica_key(t), fps[n]) for n, role, t in items if n in fps]
+    return [Entry(n, role, key(t), fps[n]) for n, role, t in items if n in fps]
 
 
-def compare_replicas(tag: str, items: list[tuple[str, str, torch.Tensor]], channel: SideChannel,
-                     ranks: list[int], context: str = "") -> list[Finding]:
-    """Collective over ``ranks`` (through the side channel): every rank returns the same findings."""
-    entries = local_entries(items)
+class Compared(NamedTuple):
+    """One cross-rank comparison: the tensors that differ, each odd rank's diff summary, and what every rank sent
+    along (``extra``, in ``ranks`` order)."""
+
+    divergences: list[Divergence]
+    summaries: dict[str, dict[int, DiffSummary]]  # name -> rank -> summary
+    extras: list[Any]
+    entries: list[list[Entry]]  # every rank's fingerprints, in ``ranks`` order
+
+
+def compare_entries(tag: str, items: list[tuple[str, str, torch.Tensor]], channel: SideChannel, ranks: list[int],
+                    key: Callable[[torch.Tensor], Any] = replica_key, extra: Any = None) -> Compared:
+    """Collective over ``ranks`` (through the side channel, never the user's process group): one exchange of
+    fingerprints (and ``extra``); only where they differ, the differing chunks and one exchange of diff summaries.
+    Every rank returns the same divergences."""
+    entries = local_entries(items, key)
     n = _calls[tag] = _calls.get(tag, 0) + 1
-    gathered = channel.exchange(f"fp/{tag}", entries, ranks)
-    divergences = find_divergences(dict(zip(ranks, gathered)))
+    gathered = channel.exchange(f"fp/{tag}", (entries, extra), ranks)
+    all_entries = [g[0] for g in gathered]
+    extras = [g[1] for g in gathered]
+    divergences = find_divergences(dict(zip(ranks, all_entries)))
     if not divergences:
-        return []
+        return Compared([], {}, extras, all_entries)
     me = channel.rank
     tensors = {name: local_tensor(t) for name, _, t in items}
     base = f"chunks/{tag}/{n}"
@@ -88,11 +103,17 @@ def compare_replicas(tag: str, items: list[tuple[str, str, torch.Tensor]], chann
         if merged is not None:
             mine[div.name] = merged
     all_summaries = channel.exchange(f"diff/{tag}", mine, ranks)
-    findings = []
-    for div in divergences:
-        per_rank = {r: s[div.name] for r, s in zip(ranks, all_summaries) if div.name in s}
-        findings.append(divergence_finding(div, per_rank, context))
-    return findings
+    summaries = {div.name: {r: s[div.name] for r, s in zip(ranks, all_summaries) if div.name in s}
+                 for div in divergences}
+    return Compared(divergences, summaries, extras, all_entries)
+
+
+def compare_replicas(tag: str, items: list[tuple[str, str, torch.Tensor]], channel: SideChannel,
+                     ranks: list[int], context: str = "") -> list[Finding]:
+    """Collective over ``ranks`` (through the side channel): every rank returns the same findings, one per
+    differing tensor (check_model groups them by cause)."""
+    compared = compare_entries(tag, items, channel, ranks)
+    return [divergence_finding(div, compared.summaries[div.name], context) for div in compared.divergences]
 
 
 def check_consistent(name: str, obj: Any, group: Any = None) -> list[Finding]:

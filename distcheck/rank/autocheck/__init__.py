@@ -1,4 +1,4 @@
-"""Zero-code checks in a rank: five jobs behind one switch (DISTCHECK_AUTOCHECK=0 turns them off).
+"""Zero-code checks in a rank: seven jobs behind one switch (DISTCHECK_AUTOCHECK=0 turns them off).
 
     python -m distcheck run --nproc 2 -- train.py          # installed in every rank
     python -m distcheck compare --nproc 2 -- train.py      # plus the automatic records
@@ -12,6 +12,9 @@
 * auto_records.py: under ``compare``, the loss and parameters of the first K steps (``auto/loss``, ``auto/params``);
 * module_summaries.py: under ``compare``, per-sample summaries of every module's output and input gradient in the
   first step (the first divergent module);
+* prewrap.py: the model compared across ranks where it is parallelized, before torch runs (rank-seeded init, a
+  model whose structure differs: ``tensor_divergence``);
+* frozen_step.py: the first optimizer steps that have nothing to update (a frozen model);
 
 patches.py holds the hooks (fully_shard, DDP and its no_sync(), parallelize_module, optimizers, ``backward``) that
 feed these jobs through :class:`AutoCheck`, which also owns the step counters they share and the per-rank state file
@@ -30,9 +33,11 @@ from distcheck.contract.findings import Finding
 from distcheck.rank.autocheck import patches
 from distcheck.rank.autocheck.auto_records import AutoRecords, record_steps_from_env
 from distcheck.rank.autocheck.discovery import ModelWatch
+from distcheck.rank.autocheck.frozen_step import FrozenWatch
 from distcheck.rank.autocheck.module_summaries import ModuleSummaries
 from distcheck.rank.autocheck.nan_watch import NanWatch
-from distcheck.rank.autocheck.replica_drift import ReplicaDrift
+from distcheck.rank.autocheck.prewrap import PreWrap
+from distcheck.rank.autocheck.replica_drift import ReplicaDrift, steps_from_env
 
 log = logging.getLogger("distcheck")
 
@@ -52,18 +57,22 @@ def current() -> AutoCheck | None:
 
 
 class AutoCheck:
-    """The zero-code checks of one run (or one pytest test) in this rank: the hooks' events go to the three jobs."""
+    """The zero-code checks of one run (or one pytest test) in this rank: the hooks' events go to the jobs."""
 
     def __init__(self, out_dir: str | os.PathLike, rank: int, emit: bool) -> None:
         self.out_dir = Path(out_dir)
         self.rank = rank
         self.opt_steps: dict[int, int] = {}  # id(optimizer) -> steps taken
+        self._stepping: Any = None  # the optimizer whose step() is running (the outermost one)
+        self._nested = 0  # inner step() calls running inside it
         self.backwards = 0
         self.optimizers = 0
         self.models = ModelWatch(self, self.out_dir, rank, emit)
         self.nan = NanWatch(self)
         self.records = AutoRecords(self)
         self.drift = ReplicaDrift(self)
+        self.prewrap = PreWrap(self)
+        self.frozen = FrozenWatch(self, steps_from_env())
         self.module_summaries = ModuleSummaries(self, enabled=bool(record_steps_from_env()))
         self.models.on_watch.append(self.nan.forget_names)
 
@@ -77,6 +86,8 @@ class AutoCheck:
 
     def on_backward(self, loss: Any) -> None:
         self.backwards += 1
+        # A step that raised inside (the user caught it) never ran its post-hook: the next backward() starts anew.
+        self._stepping, self._nested = None, 0
         self.drift.on_backward()
         self.records.on_backward(loss)
         self.nan.on_backward(loss)
@@ -87,11 +98,25 @@ class AutoCheck:
             self.module_summaries.finish_step()
 
     def on_optimizer_step(self, optimizer: Any) -> None:
+        # One training step, one dispatch: a container whose step() calls its inner optimizers' step()
+        # (torchtitan's OptimizersContainer), a subclass calling super().step(): the hooks fire for each level.
+        # The outermost step is the step; the inner ones are part of it.
+        if self._stepping is not None:
+            self._nested += 1
+            return
+        self._stepping = optimizer
         step = self.opt_steps.get(id(optimizer), 0)
         self.opt_steps[id(optimizer)] = step + 1
         self.nan.on_optimizer_step(optimizer, step)
+        self.frozen.on_optimizer_step(optimizer, step)
 
     def on_optimizer_step_done(self, optimizer: Any) -> None:
+        if self._nested:
+            self._nested -= 1
+            return
+        if self._stepping is not optimizer:  # a step whose pre-hook ran before the check was installed
+            return
+        self._stepping = None
         self.records.on_optimizer_step_done(optimizer)
         self.drift.on_optimizer_step_done(self.opt_steps.get(id(optimizer), 1) - 1)
         self.module_summaries.finish_step()
@@ -122,7 +147,8 @@ class AutoCheck:
                 "steps": self.steps_done, "counter": self.counter, "backwards": self.backwards,
                 "first_bad": self.nan.first_bad.to_json() if self.nan.first_bad else None,
                 "step_check_seconds": self.nan.seconds, "auto_records": self.records.count,
-                "replica_drift": self.drift.state(), "modules": self.module_summaries.state()}
+                "replica_drift": self.drift.state(), "modules": self.module_summaries.state(),
+                "prewrap": self.prewrap.state(), "frozen": self.frozen.state(), "warnings": self.models.warnings}
 
     def write_state(self) -> None:
         from distcheck.contract.report import atomic_write
@@ -138,6 +164,7 @@ class AutoCheck:
                         exc.strerror or exc)
 
     def finish(self) -> None:
+        self.prewrap.finish()
         self.nan.finish(self.steps_done, self.counter)
         self.write_state()
 

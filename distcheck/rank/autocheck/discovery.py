@@ -60,6 +60,19 @@ class ModelWatch:
         self.model_checks: list[dict[str, Any]] = []
         self.backward_order: dict[str, int] = {}  # parameter name -> position in backward order
         self.on_watch: list[Any] = []  # callbacks run when a module is watched (names may change)
+        self.warnings: list[dict[str, Any]] = []  # report.json "warnings" entries (mixed meshes in a correct model)
+
+    def keep(self, found: list[Finding]) -> None:
+        """Findings this rank reports for its group (the lead): to the run's sink, or the pytest pool's file."""
+        from distcheck.rank import sink
+
+        if not found:
+            return
+        self.findings += found
+        if os.environ.get(sink.ENV_REPORT_DIR):
+            sink.emit(found, self.rank)
+        elif self.emit_findings:
+            sink.append(self.out_dir, self.rank, found)
 
     def alive(self) -> list[Any]:
         return [m for m in (ref() for ref in self.watched) if m is not None]
@@ -138,9 +151,24 @@ class ModelWatch:
         from distcheck.checks.placement import check_model, describe_model
         from distcheck.rank import sink
         from distcheck.rank.runtime import current_channel
+        from distcheck.rank.usersite import caller_site
 
+        forward = caller_site()
+        prewrap = self.owner.prewrap
         with torch.no_grad():
-            findings = check_model(root)  # emits on rank 0 when a sink is set
+            # What differed before parallelizing is one finding (its cause is the init); the first forward's own
+            # comparison then covers the rest, and says where they became different when a wrap saw them equal.
+            before, reported = prewrap.flush(root, forward)
+            self.keep(before)
+            since = prewrap.identical_before(root)
+            cause = ""
+            if since is not None:
+                label = "DistributedDataParallel's construction" if since["how"] == "ddp" else since["how"]
+                cause = (f"They were identical at {label} at {_site_text(since['site'])} and differ at the first "
+                         f"forward at {forward}: something in between changed some ranks' copies (a checkpoint "
+                         f"or state loaded on one rank only, an update under a rank condition).")
+            findings = check_model(root, skip=reported, where=f"at the first forward ({forward})", cause=cause,
+                                   warnings=self.warnings)  # emits on rank 0 when a sink is set
             local = self._scan_values(root)
             # Source lines cost an inspect per parameter: only for what is flagged (normally nothing).
             rows = {r.name: r for r in describe_model(root)} if local else {}
@@ -169,7 +197,7 @@ class ModelWatch:
             if self.emit_findings:
                 if findings or bad:
                     sink.append(self.out_dir, self.rank, findings + bad)
-        return findings + bad
+        return before + findings + bad
 
     def _scan_values(self, root: Any) -> list[FlaggedTensor]:
         out: list[FlaggedTensor] = []
@@ -229,6 +257,10 @@ def _any_forward(ref: weakref.ref, module: Any, args: Any) -> None:
         return
     if not check.models.checking and check.models.contains_watched(module):
         check.models.on_first_forward(module)
+
+
+def _site_text(site: list | None) -> str:
+    return f"{os.path.basename(site[0])}:{site[1]}" if site else "?"
 
 
 def _submodule(root: Any, fqn: str) -> Any:

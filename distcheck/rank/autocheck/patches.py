@@ -7,7 +7,8 @@ The functions that parallelize a model are wrapped where users import them from:
 ``DistributedDataParallel.__init__`` (and its ``no_sync``),
 ``torch.distributed.tensor.parallel.parallelize_module`` and ``torch.distributed.tensor.distribute_module``;
 ``torch.optim.Optimizer.__init__`` counts the optimizers, global optimizer step hooks and ``Tensor.backward`` mark
-the steps. The FSDP and DTensor modules cost seconds to import,
+the steps. The parallelizing calls first compare the model across ranks (prewrap.py), before torch's own code;
+``torch.manual_seed`` notes each rank's seed and ``FSDPModule.set_requires_gradient_sync`` its line. The FSDP and DTensor modules cost seconds to import,
 so they are patched when the script imports them (an import hook), not imported here. Every wrapper calls the
 original untouched.
 """
@@ -57,10 +58,42 @@ def as_user(fn: Callable, *args: Any, **kwargs: Any) -> Any:
             warnings.warn_explicit(w.message, w.category, where[0], where[1], registry=_warning_registry)
 
 
-def _watching(fn: Callable, pick: Callable[[tuple, dict, Any], Any]) -> Callable:
+def _mesh_ranks(mesh: Any) -> list[int] | None:
+    """The ranks of a DeviceMesh (None: every rank, torch's default mesh)."""
+    try:
+        return [int(r) for r in mesh.mesh.flatten().tolist()] if mesh is not None else None
+    except Exception:
+        return None
+
+
+def _arg(args: tuple, kwargs: dict, index: int, name: str) -> Any:
+    return kwargs[name] if name in kwargs else args[index] if len(args) > index else None
+
+
+def _before(how: str, args: tuple, kwargs: dict) -> None:
+    """Compare the model across the call's ranks before torch parallelizes it (rank/autocheck/prewrap.py)."""
+    check = current()
+    if check is None:
+        return
+    try:
+        modules = _arg(args, kwargs, 0, "module")
+        ranks = _mesh_ranks(_arg(args, kwargs, 1, "mesh" if how == "fully_shard" else "device_mesh"))
+        for m in modules if isinstance(modules, (list, tuple)) else [modules]:
+            check.prewrap.before(how, m, ranks)
+    except Exception as exc:
+        log.debug("distcheck: could not compare a model before %s: %s", how, exc)
+
+
+def _watching(fn: Callable, pick: Callable[[tuple, dict, Any], Any], how: str | None = None) -> Callable:
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        result = as_user(fn, *args, **kwargs)
+        check = current()
+        if how is not None and check is not None:
+            _before(how, args, kwargs)
+            with check.prewrap.inside():  # parallelize_module's own distribute_module calls are part of it
+                result = as_user(fn, *args, **kwargs)
+        else:
+            result = as_user(fn, *args, **kwargs)
         check = current()
         if check is not None:
             try:
@@ -88,8 +121,19 @@ def _patch_fsdp(_module: Any) -> None:
     original = fsdp.fully_shard
     if hasattr(original, "__distcheck_original__"):
         return
-    wrapper = _watching(original, lambda a, k, r: r if r is not None else a[0])
+    wrapper = _watching(original, lambda a, k, r: r if r is not None else a[0], "fully_shard")
     _replace("fully_shard", original, wrapper, "torch.distributed")
+    sync = getattr(fsdp.FSDPModule, "set_requires_gradient_sync", None)
+    if sync is not None and not hasattr(sync, "__distcheck_original__"):
+        @functools.wraps(sync)
+        def sync_wrapper(self: Any, requires_gradient_sync: bool, *args: Any, **kwargs: Any) -> Any:
+            check = current()
+            if check is not None:  # the line that turned FSDP2's reduce-scatter off, for a frozen model's cause
+                check.frozen.note_gradient_sync(bool(requires_gradient_sync))
+            return sync(self, requires_gradient_sync, *args, **kwargs)
+
+        sync_wrapper.__distcheck_original__ = sync  # type: ignore[attr-defined]
+        fsdp.FSDPModule.set_requires_gradient_sync = sync_wrapper
 
 
 def _patch_tensor(_module: Any) -> None:
@@ -97,7 +141,8 @@ def _patch_tensor(_module: Any) -> None:
 
     original = dt.distribute_module
     if not hasattr(original, "__distcheck_original__"):
-        _replace("distribute_module", original, _watching(original, lambda a, k, r: r if r is not None else a[0]),
+        _replace("distribute_module", original,
+                 _watching(original, lambda a, k, r: r if r is not None else a[0], "distribute_module"),
                  "torch.distributed")
 
 
@@ -107,7 +152,8 @@ def _patch_tp(_module: Any) -> None:
     original = tp.parallelize_module
     if not hasattr(original, "__distcheck_original__"):
         _replace("parallelize_module", original,
-                 _watching(original, lambda a, k, r: r if r is not None else a[0]), "torch.distributed")
+                 _watching(original, lambda a, k, r: r if r is not None else a[0], "parallelize_module"),
+                 "torch.distributed")
 
 
 class _AfterLoader(importlib.abc.Loader):
@@ -173,7 +219,22 @@ def patch_once() -> None:
 
     @functools.wraps(ddp_init)
     def ddp_wrapper(self: Any, *args: Any, **kwargs: Any) -> None:
-        as_user(ddp_init, self, *args, **kwargs)
+        check = current()
+        if check is not None:
+            try:  # before DDP's construction broadcast copies rank 0's values over the others'
+                import torch.distributed as dist
+
+                group = _arg(args, kwargs, 6, "process_group")
+                mesh = kwargs.get("device_mesh")
+                ranks = _mesh_ranks(mesh) if mesh is not None else \
+                    dist.get_process_group_ranks(group) if group is not None else None
+                check.prewrap.before("ddp", _arg(args, kwargs, 0, "module"), ranks)
+            except Exception as exc:
+                log.debug("distcheck: could not compare a model before DDP: %s", exc)
+            with check.prewrap.inside():
+                as_user(ddp_init, self, *args, **kwargs)
+        else:
+            as_user(ddp_init, self, *args, **kwargs)
         if current() is not None:
             current().watch(self)
 
@@ -203,8 +264,19 @@ def patch_once() -> None:
         as_user(opt_init, self, *args, **kwargs)
         if current() is not None:
             current().optimizers += 1
+            current().frozen.note_optimizer(self)
 
     torch.optim.Optimizer.__init__ = opt_wrapper
+
+    manual_seed = torch.random.manual_seed
+
+    @functools.wraps(manual_seed)
+    def seed_wrapper(seed: Any) -> Any:
+        if current() is not None:  # the seed each rank built its model with, for rank-seeded init's cause
+            current().prewrap.note_seed(seed)
+        return manual_seed(seed)
+
+    torch.manual_seed = torch.random.manual_seed = seed_wrapper
 
     def step_pre_hook(optimizer: Any, args: Any, kwargs: Any) -> None:
         if current() is not None:

@@ -1,0 +1,310 @@
+"""The model compared across ranks where it is parallelized, before torch's own code runs.
+
+    python -m distcheck run --nproc 2 -- train.py      # every rank; DISTCHECK_AUTOCHECK=0 turns it off
+
+At each call of ``fully_shard``, ``DistributedDataParallel(...)``, ``parallelize_module`` or ``distribute_module``
+(rank/autocheck/patches.py), before torch runs, the ranks of the call's mesh or process group compare the module's
+not-yet-parallelized parameters and buffers: names, shapes, dtypes and fingerprints (checks/fingerprint.py) in one
+side-channel exchange, never the user's process group (no entry in the user's trace). That is the only point where
+rank-seeded init is visible: fully_shard slices each rank's own copy, DDP's construction broadcast copies rank 0's
+values over the others. A tensor-parallel DTensor is compared with the ranks holding the same shard (its
+coordinate on every non-Replicate mesh dim); meta tensors hold nothing yet and are compared at the first forward.
+
+A model whose structure differs (a vocabulary built from each rank's own data) is one finding at once, before
+torch's size error. Values that differ are kept until the first forward, where one exchange over every rank makes
+them one finding for the whole model, however many calls and groups saw them; the last ``torch.manual_seed`` of
+each rank (patched to note its seed and line) names the cause when the seeds differ.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+import weakref
+from typing import Any
+
+from distcheck.contract.findings import Finding, format_names, format_ranks
+from distcheck.rank.autocheck.discovery import user_name
+from distcheck.rank.usersite import Site, caller_site
+
+log = logging.getLogger("distcheck")
+
+SHOWN = 4  # names a message spells out; detail.params has them all
+
+_LABEL = {"fully_shard": "fully_shard", "ddp": "DistributedDataParallel(...)",
+          "parallelize_module": "parallelize_module", "distribute_module": "distribute_module"}
+
+
+def prewrap_key(t: Any) -> Any:
+    """Ranks with equal keys must hold equal values before the call: every plain tensor; a DTensor (tensor
+    parallelism applied before fully_shard) with the ranks that hold the same shard of it, whatever its mesh's
+    ranks are (the dp peers of a TP rank sit on other TP meshes)."""
+    placements = getattr(t, "placements", None)
+    mesh = getattr(t, "device_mesh", None)
+    if placements is None or mesh is None:
+        return None
+    coord = mesh.get_coordinate() or []
+    return ("dtensor", tuple(mesh.mesh.shape), tuple(repr(p) for p in placements),
+            tuple((d, coord[d]) for d, p in enumerate(placements) if not p.is_replicate()))
+
+
+def _site_json(site: Site | None) -> list | None:
+    return [site.file, site.line] if site is not None and site.file and site.line else None
+
+
+def _where(site: list | None) -> str:
+    import os
+
+    return f"{os.path.basename(site[0])}:{site[1]}" if site else "?"
+
+
+class PreWrap:
+    """This rank's comparisons at parallelizing calls, and what they found until the first forward reports it."""
+
+    def __init__(self, owner: Any) -> None:
+        self.owner = owner  # the AutoCheck: rank, the findings' destination
+        self.depth = 0  # inside a parallelizing call: parallelize_module's own distribute_module calls are its part
+        self.seed: tuple[int, Site] | None = None  # the last torch.manual_seed(n) and its line
+        self.points: list[dict[str, Any]] = []  # one per comparison: how, site, ranks, names, identical
+        self.pending: list[dict[str, Any]] = []  # value differences not yet reported (JSON-able)
+        self.reported = False
+        self.seconds = 0.0
+        self._modules: list[tuple[weakref.ref, int]] = []  # (module compared, index in points)
+
+    # -- events -----------------------------------------------------------------------------------------------------
+    def note_seed(self, seed: Any) -> None:
+        try:
+            self.seed = (int(seed), caller_site())
+        except (TypeError, ValueError):
+            pass
+
+    @contextlib.contextmanager
+    def inside(self) -> Any:
+        self.depth += 1
+        try:
+            yield
+        finally:
+            self.depth -= 1
+
+    def before(self, how: str, module: Any, ranks: list[int] | None) -> None:
+        """Compare ``module`` across ``ranks`` (None: every rank) before ``how`` parallelizes it."""
+        if self.depth:
+            return
+        from distcheck.rank.runtime import current_channel
+
+        channel = current_channel()
+        if channel is None:
+            return
+        ranks = sorted(ranks) if ranks else list(range(channel.world_size))
+        if len(ranks) < 2 or channel.rank not in ranks:
+            return
+        started = time.perf_counter()
+        try:
+            self._compare(how, module, ranks, channel)
+        except Exception as exc:  # the check must never break the user's training
+            log.warning("distcheck: comparing the model before %s failed: %s: %s", how, type(exc).__name__, exc)
+        finally:
+            self.seconds += time.perf_counter() - started
+
+    # -- the comparison ---------------------------------------------------------------------------------------------
+    def _compare(self, how: str, module: Any, ranks: list[int], channel: Any) -> None:
+        import torch
+
+        from distcheck.checks.replicas import compare_entries
+
+        site = caller_site()
+        items = _unwrapped_tensors(how, module)
+        extra = {"seed": self.seed[0] if self.seed else None, "seed_site": _site_json(self.seed[1]) if self.seed
+                 else None}
+        with torch.no_grad():
+            compared = compare_entries(f"prewrap/{how}", items, channel, ranks, key=prewrap_key, extra=extra)
+        point = {"how": how, "site": _site_json(site), "ranks": ranks, "count": len(items),
+                 "identical": not compared.divergences}
+        self.points.append(point)
+        self._modules.append((weakref.ref(module), len(self.points) - 1))
+        if not compared.divergences:
+            return
+        seeds = {r: e for r, e in zip(ranks, compared.extras)}
+        structural = [d for d in compared.divergences if d.structural]
+        if structural:  # the values that differ too follow from it (each rank's RNG drew other amounts): one cause
+            self._report_structure(how, module, point, structural, compared, seeds)
+            return
+        for d in compared.divergences:
+            if d.structural:
+                continue
+            per = compared.summaries.get(d.name, {})
+            worst = max(per.values(), key=lambda s: s.max_abs_diff, default=None)
+            self.pending.append({
+                "name": d.name, "role": d.role, "ranks": d.ranks, "blamed": d.blamed, "reference": d.reference,
+                "point": len(self.points) - 1, "how": how, "site": point["site"],
+                "max_abs_diff": worst.max_abs_diff if worst else None, "diff_rank": worst.rank if worst else None,
+                "built": _site_json(_param_site(module, d.name)),
+                "seeds": {str(r): s.get("seed") for r, s in seeds.items()},
+                "seed_sites": {str(r): s.get("seed_site") for r, s in seeds.items()}})
+
+    def _report_structure(self, how: str, module: Any, point: dict, divs: list, compared: Any,
+                          seeds: dict) -> None:
+        """Ranks built different models: say which tensors, with every rank's shape, before torch's size error."""
+        ranks = point["ranks"]
+        shapes: dict[str, dict[int, str]] = {}
+        for r, entries in zip(ranks, compared.entries):
+            for e in entries:
+                shapes.setdefault(e.name, {})[r] = f"{list(e.fp.shape)} {e.fp.dtype}"
+        parts, rows = [], []
+        first_site = None
+        for d in divs:
+            per = shapes.get(d.name, {})
+            built = _param_site(module, d.name)
+            first_site = first_site or built
+            groups: dict[str, list[int]] = {}
+            for r in ranks:
+                groups.setdefault(per.get(r, "missing"), []).append(r)
+            text = ", ".join(f"{s} on {format_ranks(rs)}" for s, rs in groups.items())
+            parts.append(f"{d.name} {text}" + (f", built at {built}" if built and built.site else ""))
+            rows.append({"param": d.name, "shapes": {str(r): per.get(r) for r in ranks},
+                         "file": built.file if built else None, "line": built.line if built else None})
+        label = _LABEL.get(how, how)
+        message = (f"the model differs across {format_ranks(ranks)} before {label} at {_where(point['site'])}: "
+                   f"{len(divs)} tensor{'s' if len(divs) != 1 else ''} with different shapes or missing: "
+                   + "; ".join(parts[:SHOWN]) + (f"; (+{len(parts) - SHOWN} more)" if len(parts) > SHOWN else "")
+                   + ". Each rank must build the same model (a vocabulary or a size computed from each rank's own "
+                   "data differs); compute such sizes once and share them (broadcast_object_list) before building.")
+        detail = {"cause": "structure", "when": f"before {how}", "params": [d.name for d in divs], "count": len(divs),
+                  "tensors": rows, "wrap_site": point["site"],
+                  "file": first_site.file if first_site else None, "line": first_site.line if first_site else None}
+        finding = Finding("tensor_divergence", sorted({r for d in divs for r in d.blamed}), message, detail)
+        if self.owner.rank == ranks[0]:
+            self.owner.models.keep([finding])
+
+    # -- reporting --------------------------------------------------------------------------------------------------
+    def identical_before(self, root: Any) -> dict[str, Any] | None:
+        """The last comparison of a module inside ``root`` that found every rank identical (DDP's construction)."""
+        inside = {id(m) for m in root.modules()}
+        for ref, index in reversed(self._modules):
+            m = ref()
+            if m is not None and id(m) in inside and self.points[index]["identical"]:
+                return self.points[index]
+        return None
+
+    def flush(self, root: Any, forward_site: Site) -> tuple[list[Finding], set[str]]:
+        """At the first forward: one exchange over every rank; the lead returns (and emits) one finding for every
+        value difference seen before parallelizing. Returns (findings, names already reported)."""
+        from distcheck.rank.runtime import current_channel
+
+        if self.reported:
+            return [], set()
+        self.reported = True
+        prefixes = {id(m): n for n, m in root.named_modules()}
+        rows = []
+        for row in self.pending:
+            ref = next((r for r, i in self._modules if i == row["point"]), None)
+            m = ref() if ref is not None else None
+            prefix = prefixes.get(id(m), "") if m is not None else ""
+            rows.append(dict(row, name=user_name(f"{prefix}.{row['name']}" if prefix else row["name"])))
+        channel = current_channel()
+        per_rank = {self.owner.rank: rows}
+        if channel is not None:
+            per_rank = dict(enumerate(channel.exchange("autocheck/prewrap", rows)))
+        names = {row["name"] for rs in per_rank.values() for row in rs}
+        if self.owner.rank != min(per_rank):
+            return [], names
+        finding = prewrap_finding(per_rank)
+        return ([finding] if finding else []), names
+
+    def finish(self) -> None:
+        """The script ended without a forward: each group's lowest rank reports what its group saw."""
+        if self.reported or not self.pending:
+            return
+        self.reported = True
+        mine = [r for r in self.pending if r["ranks"][0] == self.owner.rank]
+        finding = prewrap_finding({self.owner.rank: mine}) if mine else None
+        if finding is not None:
+            self.owner.models.keep([finding])
+
+    def state(self) -> dict[str, Any]:
+        return {"points": self.points, "seconds": self.seconds}
+
+
+def prewrap_finding(per_rank: dict[int, list[dict[str, Any]]]) -> Finding | None:
+    """One ``tensor_divergence`` for every tensor some group of ranks held differently before parallelizing."""
+    by_name: dict[str, dict[str, Any]] = {}
+    for rows in per_rank.values():
+        for row in rows:
+            seen = by_name.setdefault(row["name"], dict(row, ranks=list(row["ranks"]), blamed=list(row["blamed"])))
+            seen["ranks"] = sorted(set(seen["ranks"]) | set(row["ranks"]))
+            seen["blamed"] = sorted(set(seen["blamed"]) | set(row["blamed"]))
+            if (row.get("max_abs_diff") or 0) > (seen.get("max_abs_diff") or 0):
+                seen.update(max_abs_diff=row["max_abs_diff"], diff_rank=row["diff_rank"])
+            seen["seeds"] = {**seen.get("seeds", {}), **row.get("seeds", {})}
+            seen["seed_sites"] = {**seen.get("seed_sites", {}), **row.get("seed_sites", {})}
+    if not by_name:
+        return None
+    rows = list(by_name.values())
+    names = [r["name"] for r in rows]
+    ranks = sorted({x for r in rows for x in r["ranks"]})
+    blamed = sorted({x for r in rows for x in r["blamed"]})
+    first = rows[0]
+    hows = list(dict.fromkeys(f"{_LABEL.get(r['how'], r['how'])} at {_where(r['site'])}" for r in rows))
+    worst = max(rows, key=lambda r: r.get("max_abs_diff") or 0)
+    count = f"{len(names)} parameter{'s' if len(names) != 1 else ''}"
+    message = (f"{count} differ{'s' if len(names) == 1 else ''} across {format_ranks(ranks)} before the model was "
+               f"parallelized ({', '.join(hows[:2])}{' ...' if len(hows) > 2 else ''}), so each rank trains from "
+               f"another init: {format_names(names, SHOWN)}")
+    if worst.get("max_abs_diff") is not None:
+        message += f"; max abs diff {worst['max_abs_diff']:.4g} ('{worst['name']}', rank {worst['diff_rank']})"
+    seeds = {int(r): s for r, s in first.get("seeds", {}).items()}
+    seed_sites = {int(r): s for r, s in first.get("seed_sites", {}).items() if s}
+    file, line = (first["built"] or [None, None])
+    if len({s for s in seeds.values()}) > 1 and all(s is not None for s in seeds.values()):
+        site = seed_sites.get(min(seed_sites)) if seed_sites else None
+        shown = ", ".join(f"torch.manual_seed({s}) on rank {r}" for r, s in sorted(seeds.items())[:4])
+        message += (f". Each rank seeded its RNG differently before building the model: {shown} at {_where(site)}; "
+                    "seed every rank alike before building (a per-rank seed belongs after parallelizing, for data "
+                    "and dropout)")
+        cause = "rank_seeded"
+        if site:
+            file, line = site
+    else:
+        message += (f". The ranks built or initialized their copies differently (first built at "
+                    f"{_where(first['built'])}): an init that depends on the rank, or state loaded on some ranks "
+                    "only; initialize identically on every rank before parallelizing")
+        cause = "rank_dependent_init"
+    detail = {"cause": cause, "when": "before parallelizing", "params": names, "count": len(names),
+              "max_abs_diff": worst.get("max_abs_diff"), "max_abs_diff_param": worst["name"],
+              "wrap_sites": [r["site"] for r in rows], "seeds": {str(r): s for r, s in sorted(seeds.items())},
+              "file": file, "line": line}
+    return Finding("tensor_divergence", blamed or ranks, message + ".", detail)
+
+
+def _param_site(module: Any, name: str) -> Site | None:
+    from distcheck.rank.usersite import param_site
+
+    try:
+        return param_site(module, name)
+    except Exception:
+        return None
+
+
+def _unwrapped_tensors(how: str, module: Any) -> list[tuple[str, str, Any]]:
+    """(name, role, tensor) of what ``how`` is about to parallelize: the module's parameters and buffers, less what
+    holds no data yet (meta) and what an earlier fully_shard call already sharded (it was compared there)."""
+    import torch.nn as nn
+
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover
+        FSDPModule = ()
+    if not isinstance(module, nn.Module):
+        return []
+    sharded = {name for name, m in module.named_modules() if m is not module and FSDPModule
+               and isinstance(m, FSDPModule)}
+    ignored = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()) or ()) if how == "ddp" else set()
+
+    def skip(name: str, t: Any) -> bool:
+        if t is None or t.device.type == "meta" or name in ignored:
+            return True
+        return any(name.startswith(s + ".") for s in sharded)
+
+    out = [(n, "parameter", p) for n, p in module.named_parameters() if not skip(n, p)]
+    out += [(n, "buffer", b) for n, b in module.named_buffers() if not skip(n, b)]
+    return out

@@ -1,0 +1,110 @@
+"""Pure parts of issue 27's zero-code checks: the frozen-model finding, the before-parallelizing finding, grouped
+divergences, and one dispatch per optimizer step whatever wraps the optimizer."""
+from __future__ import annotations
+
+import torch
+
+from distcheck.analysis.replica_drift import drift_finding, frozen_finding
+from distcheck.analysis.replicas import group_findings
+from distcheck.contract.findings import Finding
+from distcheck.rank.autocheck.prewrap import prewrap_finding
+
+
+def _frozen_row(step, cause="gradient_sync_off"):
+    return {"step": step, "cause": cause, "params": 4, "backwards": 2, "optimizer": "SGD",
+            "site": ["/x/train.py", 30], "built": ["/x/train.py", 20], "sync_off": ["/x/train.py", 25]}
+
+
+def test_frozen_finding_names_the_sync_line_and_needs_every_checked_step_frozen():
+    states = {r: {"frozen": [_frozen_row(0), _frozen_row(1)]} for r in (0, 1)}
+    f = frozen_finding(states)
+    assert f.kind == "bad_values" and f.ranks == [0, 1] and f.detail["cause"] == "gradient_sync_off"
+    assert (f.detail["file"], f.detail["line"]) == ("/x/train.py", 25) and "train.py:25" in f.message
+    assert drift_finding(states) == (None, 0)  # its own check (frozen_model), never a replica drift
+    states[1]["frozen"][1]["cause"] = None  # rank 1 updated something at step 1: only rank 0 is frozen
+    assert frozen_finding(states).ranks == [0]
+    states[0]["frozen"][1]["cause"] = None
+    assert frozen_finding(states) is None and drift_finding(states) == (None, 0)
+
+
+def test_frozen_causes_point_at_the_optimizer():
+    f = frozen_finding({0: {"frozen": [_frozen_row(0, "requires_grad_false")]}})
+    assert f.detail["line"] == 20 and "requires_grad=False" in f.message
+    assert "no parameters" in frozen_finding({0: {"frozen": [_frozen_row(0, "no_params")]}}).message
+
+
+def _pending(name, rank_seeds=(1234, 1235)):
+    return {"name": name, "role": "parameter", "ranks": [0, 1], "blamed": [0, 1], "reference": 0, "point": 0,
+            "how": "fully_shard", "site": ["/x/t.py", 33], "max_abs_diff": 0.5 if name == "b" else 0.1,
+            "diff_rank": 1, "built": ["/x/t.py", 12], "seeds": {"0": rank_seeds[0], "1": rank_seeds[1]},
+            "seed_sites": {"0": ["/x/t.py", 29], "1": ["/x/t.py", 29]}}
+
+
+def test_prewrap_finding_is_one_for_all_parameters_and_names_the_seed_line():
+    f = prewrap_finding({0: [_pending("a"), _pending("b")], 1: [_pending("a"), _pending("b")]})
+    assert f.kind == "tensor_divergence" and f.ranks == [0, 1]
+    assert f.detail["params"] == ["a", "b"] and f.detail["count"] == 2 and f.detail["max_abs_diff"] == 0.5
+    assert f.detail["cause"] == "rank_seeded" and f.detail["line"] == 29 and "t.py:29" in f.message
+    same = prewrap_finding({0: [_pending("a", (0, 0))]})
+    assert same.detail["cause"] == "rank_dependent_init" and same.detail["line"] == 12
+    assert prewrap_finding({0: [], 1: []}) is None
+
+
+def test_group_findings_makes_one_finding_per_cause():
+    found = [Finding("tensor_divergence", [1], f"parameter '{n}' differs", {"name": n, "role": "parameter", "max_abs_diff": d})
+             for n, d in (("w", 0.5), ("b", 2.0), ("c", 0.1))]
+    [g] = group_findings(found, "at the first forward (t.py:9)", "They were identical at DDP.")
+    assert g.detail["params"] == ["w", "b", "c"] and g.detail["count"] == 3 and g.detail["max_abs_diff"] == 2.0
+    assert g.message.startswith("3 parameters that must be identical across ranks differ at the first forward")
+    assert g.message.endswith("They were identical at DDP.")
+    [one] = group_findings(found[:1], "x")
+    assert one.detail["params"] == ["w"]
+
+
+class _Container(torch.optim.Optimizer):
+    """torchtitan's OptimizersContainer in small: an Optimizer whose step() steps its inner optimizers."""
+
+    def __init__(self, params):
+        params = list(params)
+        self.inner = [torch.optim.SGD(params[:1], lr=0.1), torch.optim.AdamW(params[1:], lr=0.1)]
+        super().__init__(params, {})
+
+    def step(self, closure=None):
+        for opt in self.inner:
+            opt.step()
+
+
+def test_one_dispatch_per_optimizer_step_whatever_wraps_it(tmp_path, monkeypatch):
+    from distcheck.rank import autocheck
+
+    check = autocheck.install(tmp_path, 0)
+    try:
+        done = []
+        monkeypatch.setattr(check.records, "on_optimizer_step_done", lambda opt: done.append(type(opt).__name__))
+        model = torch.nn.Linear(2, 2)
+        opt = _Container(model.parameters())
+        sched = torch.optim.lr_scheduler.StepLR(opt.inner[0], 1)
+        for _ in range(3):
+            model(torch.ones(1, 2)).sum().backward()
+            opt.step()
+            sched.step()
+        assert done == ["_Container"] * 3 and check.opt_steps == {id(opt): 3}
+        assert [r["cause"] for r in check.frozen.rows] == [None, None, None]
+    finally:
+        autocheck.uninstall()
+
+
+def test_a_frozen_model_is_its_own_check_and_hides_the_drift_check():
+    """The frozen finding is the ``frozen_model`` check's; replicas that no step updated are not said identical."""
+    from distcheck.analysis.bad_values import merge_states
+
+    frozen = {r: {"steps": 2, "frozen": [_frozen_row(0), _frozen_row(1)],
+                  "replica_drift": {"checked": [], "seconds": 0.0}} for r in (0, 1)}
+    findings, checks = merge_states(frozen)
+    assert [f.kind for f in findings] == ["bad_values"] and findings[0].detail["cause"] == "gradient_sync_off"
+    assert {c.name: c.ok for c in checks}["frozen_model"] is False and "replica_drift" not in {c.name for c in checks}
+    for state in frozen.values():
+        for row in state["frozen"]:
+            row["cause"] = None
+    findings, checks = merge_states(frozen)
+    assert findings == [] and {c.name: c.ok for c in checks}["frozen_model"] is True
