@@ -26,6 +26,7 @@ from distcheck.analysis.hang import hang_finding
 from distcheck.analysis.envdiff import diff_env, render_env_table
 from distcheck.checks.batches import BatchMaker, batch_maker
 from distcheck.errors import ChannelTimeout, UsageError
+from distcheck.analysis.replicas import group_findings
 from distcheck.contract.findings import CheckResult, Finding, format_ranks
 from distcheck.checks.models import build_model
 from distcheck.checks.replicas import compare_replicas
@@ -92,7 +93,22 @@ def check_model_consistency(ctx: Context) -> list[Finding]:
                                 context="before parallelizing (same seed on every rank)")
     for f in findings:
         _add_site(f, param_site(ctx.model, f.detail.get("name", "")), "created in")
-    return findings
+    return one_per_cause(findings, "before parallelizing (same seed on every rank)")
+
+
+def one_per_cause(findings: list[Finding], where: str) -> list[Finding]:
+    """Tensors that differ in one check share one cause (the seed, the step): one ``tensor_divergence`` listing
+    them all (analysis/replicas.group_findings), which keeps the first one's name, site and whole message."""
+    divs = [f for f in findings if f.kind == "tensor_divergence" and "name" in f.detail]
+    if len(divs) <= 1:
+        return findings
+    grouped = group_findings(findings, where)
+    first = divs[0]
+    for f in grouped:
+        if f.kind == "tensor_divergence" and f.detail.get("count", 0) > 1:
+            f.message += f" The first: {first.message}"
+            f.detail.update({k: first.detail[k] for k in ("name", "role", "file", "line", "site") if k in first.detail})
+    return grouped
 
 
 def _add_site(finding: Finding, site, label: str) -> None:
@@ -143,8 +159,9 @@ def check_replicated_state(ctx: Context) -> list[Finding]:
     items.append(("torch.random (CPU RNG state)", "rng state", torch.get_rng_state()))
     if ctx.session.device.type == "cuda":
         items.append(("torch.cuda.random (RNG state)", "rng state", torch.cuda.get_rng_state(ctx.session.device)))
-    return compare_replicas("replicated", items, ctx.session.channel, list(range(ctx.session.world_size)),
-                            context=f"after {ctx.options.steps} {ctx.options.parallel} steps")
+    where = f"after {ctx.options.steps} {ctx.options.parallel} steps"
+    return one_per_cause(compare_replicas("replicated", items, ctx.session.channel,
+                                          list(range(ctx.session.world_size)), context=where), where)
 
 
 CHECKS = (

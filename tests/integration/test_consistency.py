@@ -31,10 +31,11 @@ def test_builtin_passes_and_prints_verdict(tmp_path):
 def test_rank_seeded_factory_gives_tensor_divergence(tmp_path):
     res, report = consistency_run(tmp_path, "--model", f"{FIXTURES}/model_rank_seeded.py:build")
     assert res.returncode != 0
-    div = [f for f in report["findings"] if f["kind"] == "tensor_divergence"
-           and f["detail"].get("name") == "0.weight"]
-    assert div, report["findings"]
+    # One cause (the rank's seed), one finding: every parameter listed, the first one's site named.
+    div = [f for f in report["findings"] if f["kind"] == "tensor_divergence" and "before parallelizing" in f["message"]]
+    assert len(div) == 1 and div[0]["detail"]["name"] == "0.weight", report["findings"]
     f = div[0]
+    assert f["detail"]["count"] == len(f["detail"]["params"]) > 1 and "0.weight" in f["detail"]["params"]
     assert f["ranks"] == [0, 1]
     assert "'0.weight'" in f["message"] and "max abs diff" in f["message"]
     assert "model_rank_seeded.py:20" in f["message"] and f["detail"]["line"] == 20
