@@ -28,7 +28,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from distcheck.contract import files
+from distcheck.contract import env, files
 from distcheck.contract.findings import Finding
 from distcheck.rank.autocheck import patches
 from distcheck.rank.autocheck.auto_records import AutoRecords, record_steps_from_env
@@ -41,7 +41,7 @@ from distcheck.rank.autocheck.replica_drift import ReplicaDrift, steps_from_env
 
 log = logging.getLogger("distcheck")
 
-ENV_AUTOCHECK = "DISTCHECK_AUTOCHECK"
+ENV_AUTOCHECK = env.AUTOCHECK
 
 
 def enabled() -> bool:

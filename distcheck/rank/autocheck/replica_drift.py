@@ -22,12 +22,13 @@ import time
 from typing import Any
 
 from distcheck.analysis.replica_drift import fingerprint_row
+from distcheck.contract import env
 from distcheck.rank.autocheck.discovery import outermost, user_name
 from distcheck.rank.usersite import Site, caller_site
 
 log = logging.getLogger("distcheck")
 
-ENV_DRIFT_STEPS = "DISTCHECK_DRIFT_STEPS"
+ENV_DRIFT_STEPS = env.DRIFT_STEPS
 DEFAULT_STEPS = 3
 
 
