@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from distcheck.analysis.module_diff import dp_groups
 from distcheck.analysis.replicas import Divergence, diff_chunk, divergence_finding
 from distcheck.analysis.tolerance import Comparison, compare, ratio_hint, tolerance_for
 from distcheck.contract.findings import Finding, format_ranks
@@ -72,6 +73,9 @@ class Record:
     file: str | None = None
     line: int | None = None
     auto: bool = False  # taken by distcheck itself (zero-code compare), not by a distcheck.record call
+    # (index, size) of the rank's data-parallel coordinate where the rank knew it (the process groups of its
+    # fully_shard/DDP wrapper): ranks with one index saw the same samples (tensor-parallel peers).
+    dp: tuple[int, int] | None = None
 
     @property
     def site(self) -> str:
@@ -113,7 +117,14 @@ def parse_entry(entry: dict[str, Any], data: bytes) -> Record:
             parts.append(Part(meta.get("key", ""), meta.get("role", "tensor"), t, t.dtype))
     return Record(entry["name"], int(entry["step"]), int(entry.get("seq", 0)), int(entry.get("rank", 0)), kind,
                   parts, entry.get("replicated"), entry.get("rtol"), entry.get("atol"), entry.get("file"),
-                  entry.get("line"), bool(entry.get("auto", False)))
+                  entry.get("line"), bool(entry.get("auto", False)), _dp(entry.get("dp")))
+
+
+def _dp(value: Any) -> tuple[int, int] | None:
+    if isinstance(value, list) and len(value) == 2 and all(isinstance(v, int) for v in value) \
+            and 0 <= value[0] < value[1]:
+        return value[0], value[1]
+    return None
 
 
 def load_rank(report_dir: str | os.PathLike, rank: int) -> list[Record]:
@@ -182,6 +193,10 @@ class Resolved:
     record: Record  # the record whose value is compared (rank 0's, the majority's, or a mean)
     ranks: list[int]  # the ranks that recorded it
     mode: str  # "replicated", "rank R", "mean of N ranks", "majority"
+    # Per-rank values that were averaged: their sum over the data-parallel ranks instead (a loss normalized by the
+    # global batch or token count), which compare_runs takes when the parameters prove that convention.
+    sum_record: Record | None = None
+    sum_mode: str = ""
 
 
 def _same(a: Part, b: Part) -> bool:
@@ -204,6 +219,11 @@ def _group_by_value(recs: dict[int, Record]) -> list[list[int]]:
     return groups
 
 
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    """float64, or complex128 for complex values (.double() would drop their imaginary part)."""
+    return t.to(torch.complex128) if t.is_complex() else t.double()
+
+
 def _mean_record(recs: dict[int, Record]) -> Record | None:
     first = recs[min(recs)]
     shapes = [[tuple(p.value.shape) for p in r.parts] for r in recs.values()]
@@ -211,10 +231,34 @@ def _mean_record(recs: dict[int, Record]) -> Record | None:
         return None
     parts = []
     for i, p in enumerate(first.parts):
-        stacked = torch.stack([recs[r].parts[i].value.double() for r in sorted(recs)])
+        stacked = torch.stack([_wide(recs[r].parts[i].value) for r in sorted(recs)])
         parts.append(Part(p.key, p.role, stacked.mean(0), p.tol_dtype))
     return Record(first.name, first.step, first.seq, first.rank, first.kind, parts, first.replicated, first.rtol,
-                  first.atol, first.file, first.line, first.auto)
+                  first.atol, first.file, first.line, first.auto, first.dp)
+
+
+def _sum_record(recs: dict[int, Record]) -> tuple[Record, str] | None:
+    """The per-rank values summed over the data-parallel ranks (each data-parallel group's mean over its
+    tensor-parallel peers, which hold the same loss); without data-parallel coordinates, over every rank."""
+    mean = _mean_record(recs)
+    if mean is None:
+        return None
+    groups = dp_groups(sorted(recs), {r: rec.dp for r, rec in recs.items()})
+    if groups is None:
+        groups, mode = [[r] for r in sorted(recs)], f"sum of {len(recs)} ranks"
+    else:
+        mode = f"sum over the {len(groups)} data-parallel ranks" + \
+               (f" (mean of each one's {len(groups[0])} ranks)" if len(groups[0]) > 1 else "")
+    group_means = [_mean_record({r: recs[r] for r in g}) for g in groups]
+    parts = [Part(p.key, p.role, torch.stack([m.parts[i].value for m in group_means]).sum(0), p.tol_dtype)
+             for i, p in enumerate(mean.parts)]
+    return Record(mean.name, mean.step, mean.seq, mean.rank, mean.kind, parts, mean.replicated, mean.rtol,
+                  mean.atol, mean.file, mean.line, mean.auto, mean.dp), mode
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """A complex tensor as its real and imaginary parts (the divergence summary reads floats)."""
+    return torch.view_as_real(t).reshape(-1) if t.is_complex() else t.reshape(-1)
 
 
 def _divergence_findings(key: Key, recs: dict[int, Record], groups: list[list[int]], nproc: int) -> list[Finding]:
@@ -243,7 +287,8 @@ def _divergence_findings(key: Key, recs: dict[int, Record], groups: list[list[in
                               f"{ref_rank} but {str(other.value.dtype).replace('torch.', '')}"
                               f"{list(other.value.shape)} on rank {r}")
                 break
-            s = diff_chunk(r, part.value.reshape(-1), other.value.reshape(-1), 0, tuple(part.value.shape))
+            shape = tuple(part.value.shape) + ((2,) if part.value.is_complex() else ())
+            s = diff_chunk(r, _flat(part.value), _flat(other.value), 0, shape)
             if s is not None:
                 summaries[r] = s
         name = part.key or key[0]
@@ -276,6 +321,8 @@ def resolve_run(per_rank: dict[int, list[Record]], nproc: int) -> tuple[dict[Key
             mean = _mean_record(recs)
             if mean is not None:
                 out[key] = Resolved(key, mean, ranks, "replicated" if len(groups) == 1 else f"mean of {len(ranks)} ranks")
+                if len(groups) > 1 and first.kind != "module":
+                    out[key].sum_record, out[key].sum_mode = _sum_record(recs) or (None, "")
                 continue
         if len(groups) == 1:
             out[key] = Resolved(key, first, ranks, "replicated")
@@ -315,6 +362,7 @@ class Row:
     file: str | None = None
     line: int | None = None
     auto: bool = False
+    convention: str = ""  # a per-rank loss: "mean" or "sum" over the ranks, as compare_runs found it
 
     @property
     def name(self) -> str:
@@ -339,6 +387,8 @@ class Row:
             out["note"] = self.note
         if self.site:
             out["site"] = self.site
+        if self.convention:
+            out["convention"] = self.convention
         if self.auto:
             out["auto"] = True
             out["recorded"] = AUTO_TEXT
@@ -393,12 +443,72 @@ def compare_records(ref: Record, run: Record, tol: Tolerances) -> Row:
 
 
 @dataclass
+class Convention:
+    """How the ranks' own losses make the reference's: their mean (each rank's loss is the mean over its own batch)
+    or their sum over the data-parallel ranks (each normalized by the global batch or token count)."""
+
+    how: str  # "mean" or "sum"
+    mode: str  # the N-rank value's description: "mean of 2 ranks", "sum over the 2 data-parallel ranks", ...
+    step: int  # the step that decided it
+    proven_by: list[str] = field(default_factory=list)  # records whose parameters matched at that step
+
+    def to_json(self) -> dict[str, Any]:
+        return {"convention": self.how, "mode": self.mode, "step": self.step, "proven_by": self.proven_by}
+
+    def text(self, name: str) -> str:
+        if self.how == "mean":
+            return (f"loss convention: '{name}' matches the reference as the {self.mode} (each rank's loss is the "
+                    f"mean over its own batch)")
+        return (f"loss convention: '{name}' matches the reference as the {self.mode}, not as their mean: each "
+                f"rank's loss is normalized by the global batch or token count, and "
+                f"{', '.join(repr(n) for n in self.proven_by)} "
+                f"match{'es' if len(self.proven_by) == 1 else ''} the reference at step {self.step}, so the "
+                f"updates are the 1-rank updates")
+
+
+def loss_conventions(ref: dict[Key, Resolved], run: dict[Key, Resolved], keys: list[Key],
+                     tol: Tolerances) -> dict[str, Convention]:
+    """Judge each per-rank loss by what the parameters prove. The convention is read at the first step that has
+    the loss and parameter records (a module record, or the parameters distcheck records after optimizer.step())
+    in both runs: the mean over the ranks when it matches there; the sum over the data-parallel ranks when that
+    matches and every parameter record of that step matches too (so the gradients were reduced to match). Without
+    matching parameters a sum is no proof: the loss is compared as the mean and explained as such."""
+    out: dict[str, Convention] = {}
+    names = list(dict.fromkeys(k[0] for k in keys if k in ref and k in run and _is_loss(k[0])
+                               and run[k].sum_record is not None))
+    for name in names:
+        mine = [k for k in keys if k[0] == name and k in ref and k in run]
+        evidence = {k for k in keys if k in ref and k in run and ref[k].record.kind == "module"
+                    and run[k].record.kind == "module"}
+        proven = [k[1] for k in mine if any(e[1] == k[1] for e in evidence)]
+        step = proven[0] if proven else mine[0][1]
+        at_step = [k for k in mine if k[1] == step]
+
+        def ok(record_of: Any) -> bool:
+            return all(compare_records(ref[k].record, record_of(k), tol).status == STATUS_OK for k in at_step)
+
+        if ok(lambda k: run[k].record):
+            if run[at_step[0]].mode.startswith("mean"):  # ranks that agree at that step show no convention
+                out[name] = Convention("mean", run[at_step[0]].mode, step)
+            continue
+        if not proven or not all(run[k].sum_record is not None for k in at_step):
+            continue
+        params = [e for e in evidence if e[1] == step]
+        if ok(lambda k: run[k].sum_record) and all(
+                compare_records(ref[e].record, run[e].record, tol).status == STATUS_OK for e in params):
+            out[name] = Convention("sum", run[at_step[0]].sum_mode, step,
+                                   sorted({e[0] for e in params}))
+    return out
+
+
+@dataclass
 class RunComparison:
     """Everything compare found for one world size."""
 
     nproc: int
     rows: list[Row] = field(default_factory=list)
     findings: list[Finding] = field(default_factory=list)
+    conventions: dict[str, Convention] = field(default_factory=dict)  # per-rank loss record name -> convention
 
     @property
     def ok(self) -> bool:
@@ -432,7 +542,7 @@ def hints(row: Row, rows: list[Row], nproc: int) -> list[str]:
     """Why the first differing record differs, where the pattern says so."""
     out = []
     if row.actual is not None and row.expected is not None and row.actual.shape == row.expected.shape:
-        ratio = ratio_hint(row.actual.double(), row.expected.double(), nproc)
+        ratio = ratio_hint(_wide(row.actual), _wide(row.expected), nproc)
         if ratio and row.auto and row.name == AUTO_LOSS and ratio.startswith(f"the value is 1/{nproc} "):
             # The loss that drives backward(), not a logged copy: the generic "divided once too often" misleads,
             # the usual cause is a per-rank loss that is not a mean, and the updates shrink with it.
@@ -469,7 +579,7 @@ def compare_runs(ref_run: dict[int, list[Record]], nproc_run: dict[int, list[Rec
         allowed = set(sorted({k[1] for k in keys})[:steps])
         keys = [k for k in keys if k[1] in allowed]
         divergences = [f for f in divergences if f.detail.get("step") in allowed]
-    result = RunComparison(nproc, findings=list(divergences))
+    result = RunComparison(nproc, findings=list(divergences), conventions=loss_conventions(ref, run, keys, tol))
     missing: dict[tuple[str, str], list[Row]] = {}
     for key in keys:
         r, a = ref.get(key), run.get(key)
@@ -479,12 +589,23 @@ def compare_runs(ref_run: dict[int, list[Record]], nproc_run: dict[int, list[Rec
             row = Row(key, status, mode=a.mode if a else "", file=rec.file, line=rec.line, auto=rec.auto)
             missing.setdefault((key[0], status), []).append(row)
         else:
-            row = compare_records(r.record, a.record, tol)
-            row.key, row.mode = key, a.mode
+            convention = result.conventions.get(key[0])
+            summed = convention is not None and convention.how == "sum" and a.sum_record is not None
+            row = compare_records(r.record, a.sum_record if summed else a.record, tol)
+            row.key, row.mode = key, a.sum_mode if summed else a.mode
+            row.convention = convention.how if convention is not None else ""
         result.rows.append(row)
     first = next((row for row in result.rows if row.status == STATUS_DIFF), None)
     if first is not None:
-        result.findings.insert(0, mismatch_finding(first, result.rows, run[first.key], nproc))
+        resolved = run[first.key]
+        if first.convention == "sum":  # the value compared is the sum, and the finding says so
+            resolved = Resolved(resolved.key, resolved.sum_record or resolved.record, resolved.ranks,
+                                resolved.sum_mode or resolved.mode)
+        summed = None
+        if first.convention != "sum" and _is_loss(first.name) and resolved.sum_record is not None:
+            if compare_records(ref[first.key].record, resolved.sum_record, tol).status == STATUS_OK:
+                summed = resolved.sum_mode
+        result.findings.insert(0, mismatch_finding(first, result.rows, resolved, nproc, summed))
     for (name, status), rows in missing.items():
         result.findings.append(missing_finding(name, status, rows, run, nproc))
     return result
@@ -502,7 +623,8 @@ def describe_row(row: Row) -> str:
     return what + (f" ({row.site})" if row.site else "")
 
 
-def mismatch_finding(row: Row, rows: list[Row], resolved: Resolved, nproc: int) -> Finding:
+def mismatch_finding(row: Row, rows: list[Row], resolved: Resolved, nproc: int, summed: str | None = None) -> Finding:
+    """``summed``: the per-rank losses match the reference as this sum (while the parameters do not)."""
     what = describe_row(row)
     cmp = row.comparison
     text = row.note if cmp is None else cmp.describe()
@@ -511,6 +633,11 @@ def mismatch_finding(row: Row, rows: list[Row], resolved: Resolved, nproc: int) 
     if resolved.mode != "replicated":
         message += f" [{nproc}-rank value: {resolved.mode}]"
     found = hints(row, rows, nproc)
+    if summed:
+        found.append(f"the ranks' losses match the reference as their {summed}, but the "
+                     f"parameters do not: a loss normalized by the global batch or token count needs its gradients "
+                     f"summed over the data-parallel ranks, not averaged (FSDP2: set_gradient_divide_factor(1.0) "
+                     f"on every fully_shard module)")
     if found:
         message += "; " + "; ".join(found)
     detail: dict[str, Any] = {"name": row.name, "step": row.step, "nproc": nproc, "mode": resolved.mode,
@@ -522,6 +649,8 @@ def mismatch_finding(row: Row, rows: list[Row], resolved: Resolved, nproc: int) 
     if cmp is not None:
         detail.update(abs_err=cmp.max_abs, rel_err=cmp.max_rel, index=cmp.index, value=cmp.actual,
                       reference=cmp.expected, rtol=cmp.rtol, atol=cmp.atol)
+        if cmp.actual_imag is not None:  # complex: value/reference hold the real parts
+            detail.update(value_imag=cmp.actual_imag, reference_imag=cmp.expected_imag)
         if cmp.note:
             detail["structural"] = cmp.note
     if row.note:
@@ -561,8 +690,9 @@ def _num(v: float | None) -> str:
     return "-" if v is None else f"{v:.3g}"
 
 
-def render_table(rows: list[Row]) -> str:
-    """Every record with its error against the reference; for a module, the first differing parameter."""
+def render_table(rows: list[Row], conventions: dict[str, Convention] | None = None) -> str:
+    """Every record with its error against the reference; for a module, the first differing parameter; and how
+    the ranks' own losses were found to make the reference's (their mean, or their sum)."""
     if not rows:
         return "(no records)"
     names = [r.name + (f" #{r.key[2] + 1}" if r.key[2] else "") for r in rows]
@@ -579,8 +709,11 @@ def render_table(rows: list[Row]) -> str:
                      f"{_num(row.rel_err):<9} {note}")
     auto_names = sorted({r.name for r in rows if r.auto})
     if auto_names:
-        what = {AUTO_LOSS: f"{AUTO_LOSS} = the loss passed to backward() (averaged over the ranks)",
+        what = {AUTO_LOSS: f"{AUTO_LOSS} = the loss passed to backward() (each rank's own: compared as "
+                           f"their mean, or as their sum where a loss convention below says so)",
                 AUTO_PARAMS: f"{AUTO_PARAMS} = every parameter after optimizer.step() (full tensors)"}
         lines.append(f"{AUTO_TEXT} (the script records nothing itself): "
                      + "; ".join(what.get(n, n) for n in auto_names))
+    for name, convention in (conventions or {}).items():
+        lines.append(convention.text(name))
     return "\n".join(lines)

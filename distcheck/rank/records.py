@@ -43,13 +43,12 @@ import logging
 import os
 from typing import Any
 
-from distcheck.contract import files
+from distcheck.contract import env, files
 from distcheck.rank.usersite import caller_site
 
-ENV_REPORT_DIR = "DISTCHECK_REPORT_DIR"  # same variable as distcheck.rank.sink: set by run/compare in each rank
+ENV_REPORT_DIR = env.REPORT_DIR  # same variable as distcheck.rank.sink: set by run/compare in each rank
 # How many steps autocheck records by itself; set by compare only, so `distcheck run` never pays for it.
-ENV_AUTO_STEPS = "DISTCHECK_AUTO_RECORD_STEPS"
-DEFAULT_AUTO_STEPS = 3
+ENV_AUTO_STEPS = env.AUTO_RECORD_STEPS
 AUTO_LOSS, AUTO_PARAMS = files.AUTO_LOSS, files.AUTO_PARAMS
 
 # Wrapper prefixes that differ between world sizes (DDP only when distributed, torch.compile, FSDP1, activation
@@ -82,17 +81,18 @@ def tolerance(name: str, rtol: float | None = None, atol: float | None = None) -
 
 
 def record_auto(name: str, value: Any, step: int, file: str | None, line: int | None,
-                replicated: bool | None = None) -> None:
+                replicated: bool | None = None, dp: tuple[int, int] | None = None) -> None:
     """A record distcheck takes by itself (marked ``auto``), at the user's line given by the caller.
 
     ``value`` is a tensor, or a list of (key, tensor) for a set of parameters (gathered to full tensors: every rank
-    must call this at the same point when they are DTensors).
+    must call this at the same point when they are DTensors). ``dp``: this rank's (index, size) among the
+    data-parallel ranks, where known, so per-rank values can be summed over the data-parallel ranks only.
     """
     if not _decided:
         _decide()
     if _recorder is None:
         return
-    _recorder.add(name, value, step, None, None, replicated, auto=True, site=(file, line))
+    _recorder.add(name, value, step, None, None, replicated, auto=True, site=(file, line), dp=dp)
 
 
 def auto_steps() -> int:
@@ -171,12 +171,12 @@ class _Recorder:
 
     def add(self, name: str, value: Any, step: int | None, rtol: float | None, atol: float | None,
             replicated: bool | None, auto: bool = False,
-            site: tuple[str | None, int | None] | None = None) -> None:
+            site: tuple[str | None, int | None] | None = None, dp: tuple[int, int] | None = None) -> None:
         if self._failed:  # a prefix, not a sieve: after a lost record nothing later is indexed
             return
         start = self._offset
         try:
-            self._add(name, value, step, rtol, atol, replicated, auto, site)
+            self._add(name, value, step, rtol, atol, replicated, auto, site, dp)
         except OSError as exc:
             self._fail(name, start, exc)
 
@@ -196,7 +196,8 @@ class _Recorder:
                     write_failure(exc.errno), exc.strerror or exc, name)
 
     def _add(self, name: str, value: Any, step: int | None, rtol: float | None, atol: float | None,
-             replicated: bool | None, auto: bool, site: tuple[str | None, int | None] | None) -> None:
+             replicated: bool | None, auto: bool, site: tuple[str | None, int | None] | None,
+             dp: tuple[int, int] | None = None) -> None:
         import torch
 
         if step is None:
@@ -205,6 +206,8 @@ class _Recorder:
         entry: dict[str, Any] = {files.FORMAT_KEY: files.FORMAT, "name": name, "step": int(step), "seq": self._seq, "rank": self.rank}
         if auto:
             entry["auto"] = True  # only on automatic records: explicit ones keep their old index lines
+        if dp is not None:
+            entry["dp"] = [int(dp[0]), int(dp[1])]
         if isinstance(value, torch.nn.Module):
             parts = []
             named = [(n, "parameter", p) for n, p in value.named_parameters()]

@@ -6,8 +6,10 @@ Each run is a supervised run exactly like ``distcheck run --nproc N`` (supervise
 watch loop, hang diagnosis with every rank's stack, rank failures) into its own sub report dir (``reference/``,
 ``nproc<N>/``). A run that did not complete (it hung, a rank crashed) is reported with its own findings, and its
 records are not compared: half a run's records would only add "recorded in one run only" noise on top of the
-real cause. The comparison itself is pure (analysis/records.py); at a mismatch, analysis/module_diff.py names the
-first module whose output (or input gradient) differs in the first step.
+real cause. The comparison itself is pure (analysis/records.py: it also finds how the ranks' losses make the
+reference's, their mean or their sum, from what the parameters prove, and the table and ``loss_conventions`` in
+report.json name it); at a mismatch, analysis/module_diff.py names the first module whose output (or input
+gradient) differs in the first step.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from distcheck.supervise.signals import Interrupt, stop_finding
 from distcheck.supervise.supervised_run import supervised_run
 
 REFERENCE_DIR = "reference"
+DEFAULT_AUTO_STEPS = 3  # steps the ranks record by themselves (the loss, the parameters) unless --steps says
 
 
 def run_label(nproc: int, reference: bool = False) -> str:
@@ -53,12 +56,12 @@ def _second_look(opts: CompareOptions, report_dir: Path, nproc: int, auto_steps:
 
     from distcheck.analysis.module_diff import element_error
     from distcheck.contract import files
-    from distcheck.rank.autocheck.module_summaries import ENV_CAPTURE_MODULE, ENV_CAPTURE_SIDE
-    from distcheck.rank.records import ENV_AUTO_STEPS
+    from distcheck.contract import env as names
 
     module = mismatch.detail["module"]
-    env = {ENV_AUTO_STEPS: str(auto_steps), ENV_CAPTURE_MODULE: "" if module["name"] == "<model>" else module["name"],
-           ENV_CAPTURE_SIDE: module["side"]}
+    env = {names.AUTO_RECORD_STEPS: str(auto_steps),
+           names.CAPTURE_MODULE: "" if module["name"] == "<model>" else module["name"],
+           names.CAPTURE_SIDE: module["side"]}
     captured: dict[int, dict[int, dict]] = {}
     started = time.monotonic()
     for n, sub in ((1, f"{REFERENCE_DIR}-module"), (nproc, f"nproc{nproc}-module")):
@@ -100,7 +103,7 @@ def compare(opts: CompareOptions, interrupt: Interrupt | None = None) -> tuple[R
     from distcheck.analysis.records import (AUTO_TEXT, Tolerances, compare_runs, has_explicit, load_run,
                                             record_files, render_table)
     from distcheck.analysis.module_diff import explain_mismatch
-    from distcheck.rank.records import DEFAULT_AUTO_STEPS, ENV_AUTO_STEPS
+    from distcheck.contract.env import AUTO_RECORD_STEPS
     from distcheck.supervise.run_report import load_autocheck_states
 
     report_dir = prepare_report_dir(opts.run.report_dir).resolve()
@@ -135,7 +138,7 @@ def compare(opts: CompareOptions, interrupt: Interrupt | None = None) -> tuple[R
         for path in record_files(run_dir):  # appended to: a reused report dir must not mix in an earlier run
             path.unlink(missing_ok=True)
         started = time.monotonic()
-        sub_opts = opts.run.with_(report_dir=str(run_dir), nproc=nproc, env={ENV_AUTO_STEPS: str(auto_steps)})
+        sub_opts = opts.run.with_(report_dir=str(run_dir), nproc=nproc, env={AUTO_RECORD_STEPS: str(auto_steps)})
         sub_report, _ = supervised_run(sub_opts, nproc, interrupt)
         seconds = time.monotonic() - started
         findings.extend(_prefixed(sub_report.findings, label, nproc))
@@ -161,6 +164,7 @@ def compare(opts: CompareOptions, interrupt: Interrupt | None = None) -> tuple[R
     records_json: dict[str, list] = {}
     tol = Tolerances(opts.rtol, opts.atol)
     automatic: dict[str, list[str]] = {}
+    conventions: dict[str, dict] = {}  # nproc -> per-rank loss record -> how the ranks' losses make the reference's
     for nproc in opts.nprocs:
         name = f"compare {nproc} ranks vs reference"
         unfinished = [run_label(n, sub == REFERENCE_DIR) for n, sub in ((1, REFERENCE_DIR), (nproc, f"nproc{nproc}"))
@@ -179,7 +183,9 @@ def compare(opts: CompareOptions, interrupt: Interrupt | None = None) -> tuple[R
                 _second_look(opts, report_dir, nproc, auto_steps, mismatch, checks, interrupt)
         findings.extend(result.findings)
         records_json[str(nproc)] = [row.to_json() for row in result.rows]
-        tables[f"records: {nproc} ranks vs the 1-rank reference"] = render_table(result.rows)
+        tables[f"records: {nproc} ranks vs the 1-rank reference"] = render_table(result.rows, result.conventions)
+        if result.conventions:
+            conventions[str(nproc)] = {name: c.to_json() for name, c in result.conventions.items()}
         auto_names = sorted({row.name for row in result.rows if row.auto})
         if auto_names:
             automatic[str(nproc)] = auto_names
@@ -195,7 +201,8 @@ def compare(opts: CompareOptions, interrupt: Interrupt | None = None) -> tuple[R
                     artifacts=artifacts, data={"runs": runs, "records": records_json,
                                                "tolerances": {"rtol": opts.rtol, "atol": opts.atol},
                                                "steps": opts.steps, "recorded_automatically": automatic,
-                                               "explicit_records": has_explicit(*loaded.values())},
+                                               "explicit_records": has_explicit(*loaded.values()),
+                                               "loss_conventions": conventions},
                     sections=tables, warnings=warnings)
     write_report(report, report_dir)
     return report, report_dir

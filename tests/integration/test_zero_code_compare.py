@@ -1,17 +1,19 @@
 """Zero-code compare: ``distcheck compare`` on scripts with no ``distcheck.record`` call, on real gloo ranks (1,
-then 2) on the zc_cmp_* fixtures (the hooks in-process: tests/unit/test_auto_records.py)."""
+then 2 or 4) on the zc_cmp_* fixtures (the hooks in-process: tests/unit/test_auto_records.py)."""
 from __future__ import annotations
 
 import pytest
 from launch_helpers import FIXTURES, distcheck, load_report
 
+from distcheck.analysis.module_diff import search_modules
 from distcheck.analysis.records import load_rank
+from distcheck.supervise.run_report import load_autocheck_states
 
 
-def compare(tmp_path, fixture: str, extra: list[str] | None = None):
+def compare(tmp_path, fixture: str, extra: list[str] | None = None, nproc: int = 2):
     out = tmp_path / "report"
-    res = distcheck(["compare", "--nproc", "2", "--timeout", "60", "--report-dir", str(out), *(extra or []), "--",
-                     str(FIXTURES / fixture)], timeout=240)
+    res = distcheck(["compare", "--nproc", str(nproc), "--timeout", "60", "--report-dir", str(out), *(extra or []),
+                     "--", str(FIXTURES / fixture)], timeout=300)
     return res, load_report(out), out
 
 
@@ -27,6 +29,8 @@ def test_unmodified_fsdp2_script_compares_equal(line_of, tmp_path):
     assert {r["site"] for r in rows if r["name"] == "auto/loss"} == {f"zc_cmp_fsdp2_ok.py:{backward}"}
     assert {r["site"] for r in rows if r["name"] == "auto/params"} == {f"zc_cmp_fsdp2_ok.py:{step}"}
     assert {r["mode"] for r in rows if r["name"] == "auto/loss"} == {"mean of 2 ranks"}  # each rank's own loss
+    assert {r["convention"] for r in rows if r["name"] == "auto/loss"} == {"mean"}
+    assert report["loss_conventions"]["2"]["auto/loss"]["convention"] == "mean"
     assert report["recorded_automatically"] == {"2": ["auto/loss", "auto/params"]}
     # Parameters are FSDP2 shards in the ranks: recorded gathered to full tensors, under the model's names.
     for rank in (0, 1):
@@ -57,3 +61,56 @@ def test_loss_summed_over_local_batch_is_reference_mismatch(line_of, tmp_path):
     step = line_of("zc_cmp_loss_sum.py", "opt.step()")
     assert [r["status"] for r in params] == ["MISMATCH"] * 2 and params[0]["site"] == f"zc_cmp_loss_sum.py:{step}"
     assert "reference_mismatch" in res.stdout
+    # The ranks' losses add up to the reference's, but the parameters differ: no convention excuses the loss.
+    assert report["loss_conventions"] == {} and "loss convention:" not in (out / "report.txt").read_text()
+    assert ("the ranks' losses match the reference as their sum over the 2 data-parallel ranks, but the parameters "
+            "do not") in f["message"]
+
+
+def test_a_loss_over_the_global_token_count_is_judged_by_the_parameters(line_of, tmp_path):
+    res, report, out = compare(tmp_path, "zc_cmp_global_tokens.py")
+    assert res.returncode == 0, res.output
+    assert report["ok"] and report["findings"] == []
+    losses = [r for r in report["records"]["2"] if r["name"] == "auto/loss"]
+    assert [(r["status"], r["mode"], r["convention"]) for r in losses] == [
+        ("ok", "sum over the 2 data-parallel ranks", "sum")] * 3
+    assert losses[0]["site"] == f"zc_cmp_global_tokens.py:{line_of('zc_cmp_global_tokens.py', 'loss.backward()')}"
+    assert report["loss_conventions"] == {"2": {"auto/loss": {
+        "convention": "sum", "mode": "sum over the 2 data-parallel ranks", "step": 0, "proven_by": ["auto/params"]}}}
+    assert ("loss convention: 'auto/loss' matches the reference as the sum over the 2 data-parallel ranks, not as "
+            "their mean") in (out / "report.txt").read_text()
+
+
+def test_a_2d_mesh_compares_equal_with_the_sum_over_data_parallel_ranks(tmp_path):
+    """dp=2 x tp=2: the losses are [a, a, b, b] with a + b the reference's; the modules map slice by slice."""
+    res, report, out = compare(tmp_path, "zc_cmp_2d_ok.py", nproc=4)
+    assert res.returncode == 0, res.output
+    assert report["ok"] and report["findings"] == [] and report["world_size"] == 4
+    rows = report["records"]["4"]
+    assert all(r["status"] == "ok" for r in rows) and len(rows) == 6
+    assert {r["mode"] for r in rows if r["name"] == "auto/loss"} == {
+        "sum over the 2 data-parallel ranks (mean of each one's 2 ranks)"}
+    assert "loss convention: 'auto/loss' matches the reference as the sum over the 2 data-parallel ranks" in \
+        (out / "report.txt").read_text()
+    ref, nrank = load_autocheck_states(out / "reference"), load_autocheck_states(out / "nproc4")
+    assert [row.get("dp") for row in nrank[2]["modules"]] == [[1, 2]] * len(nrank[2]["modules"])
+    found = search_modules(ref, nrank)  # every module mapped (batch slices along dp, TP shards by placements)
+    assert (found.diff, found.notes) == (None, []) and found.compared == 8
+
+
+def test_a_2d_mesh_bug_names_the_module(line_of, tmp_path):
+    fixture = "zc_cmp_2d_norm_on_shard.py"
+    res, report, out = compare(tmp_path, fixture, ["--steps", "1"], nproc=4)
+    assert res.returncode == 1, res.output
+    (f,) = report["findings"]
+    assert f["kind"] == "reference_mismatch" and f["ranks"] == [0, 1, 2, 3]
+    assert f["detail"]["name"] == "auto/loss" and f["detail"]["line"] == line_of(fixture, "loss.backward()")
+    m = f["detail"]["module"]
+    assert (m["name"], m["class"], m["side"], m["mapping"], m["ranks"]) == ("norm", "HiddenNorm", "forward",
+                                                                           "cat/sum", [0, 1, 2, 3])
+    assert m["line"] == line_of(fixture, "# NORM") and m["file"].endswith(fixture) and m["input_matches"] is True
+    assert f"'norm' (HiddenNorm, forward at {fixture}:{m['line']})" in f["message"]
+    assert "compared as the data-parallel ranks' batch slices in order, each slice its tensor-parallel shards " \
+        "added up" in f["message"] and "Every module" not in f["message"]
+    assert "module_notes" not in f["detail"]
+    assert m["element"]["max_abs"] > 0.01  # the second look reassembled the 2-D shards

@@ -111,3 +111,38 @@ def test_a_warning_from_a_wrapped_torch_call_points_at_the_users_line():
         as_user(torch_like_init)
     (w,) = caught
     assert w.filename == __file__ and w.lineno == line and w.category is FutureWarning
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_data_parallel_coordinate_comes_from_the_wrapper(one_rank_group, auto_recording):
+    """The loss records carry (index, size) of the rank's fully_shard/DDP group: the analysis sums over those."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+
+    from distcheck.rank.autocheck.module_summaries import DataParallel, data_parallel
+
+    out, check = auto_recording
+    assert data_parallel([nn.Linear(2, 2)]) is None  # nothing says: the analysis infers from shapes alone
+    sharded = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 1))
+    fully_shard(sharded[0])
+    fully_shard(sharded)
+    assert data_parallel([sharded]) == DataParallel(0, 1, frozenset({0}))
+    model = DistributedDataParallel(nn.Linear(3, 1))
+    assert data_parallel([model]) == DataParallel(0, 1, frozenset({0}))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    nn.functional.mse_loss(model(torch.randn(4, 3)), torch.randn(4, 1)).backward()
+    opt.step()
+    loss = next(r for r in load_rank(out, 0) if r.name == "auto/loss")
+    assert loss.dp == (0, 1)
+    rows = check.module_summaries.state()  # DDP and its module (one name): both rows carry the coordinate
+    assert rows and all(row["dp"] == [0, 1] for row in rows)

@@ -1,4 +1,5 @@
 """Environment diffs and tolerance comparisons (pure)."""
+import pytest
 import torch
 
 from distcheck.analysis.envdiff import diff_env, render_env_table
@@ -44,3 +45,21 @@ def test_ratio_hint():
     assert "2x the reference" in ratio_hint(ref * 2, ref, 2)
     assert "1/4" in ratio_hint(ref / 4, ref, 4)
     assert ratio_hint(ref + 1, ref, 2) == ""
+
+
+def test_complex_tensors_compare_real_and_imaginary_parts_without_a_warning():
+    import warnings
+
+    freqs = torch.polar(torch.ones(2, 3), torch.arange(6.0).reshape(2, 3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "Casting complex values to real discards the imaginary part"
+        assert compare(freqs, freqs.clone()).ok
+        assert tolerance_for(torch.complex64) == tolerance_for(torch.float32)  # not an exact compare
+        assert compare(freqs * (1 + 1e-6), freqs).ok
+        bad = freqs.clone()
+        bad[1, 2] = complex(bad[1, 2].real, -bad[1, 2].imag)  # only the imaginary part differs
+        c = compare(bad, freqs)
+        assert not c.ok and c.index == [1, 2] and c.actual == pytest.approx(c.expected)
+        assert c.actual_imag == pytest.approx(-c.expected_imag) and abs(c.expected_imag) > 0.9
+        assert "j vs reference" in c.describe()
+        assert "2x the reference" in ratio_hint(freqs * 2, freqs, 2)

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import torch
 
-from distcheck.analysis.module_diff import describe, element_error, first_divergent_module
+from distcheck.analysis.module_diff import (describe, element_error, explain_mismatch, first_divergent_module,
+                                            search_modules)
+from distcheck.contract.findings import Finding
 from distcheck.rank.autocheck.module_summaries import summarize
 
 
@@ -91,3 +93,86 @@ def test_element_error_reassembles_as_the_summaries_mapped():
     assert element_error(cap(ref), {0: cap(ref / 2), 1: cap(ref / 2)}, "partial")["max_abs"] < 1e-12
     seq = element_error(cap(ref), {0: cap(ref, ["Shard(dim=0)"]), 1: cap(ref, ["Shard(dim=0)"])}, "sum")
     assert seq == "the reassembled [8, 6] does not have the reference's shape [4, 6]"
+
+
+# -- meshes of several dims: batch slices along the data-parallel ranks only -------------------------------------
+
+def _rms(t):
+    return t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+def _mesh_2d(norm_on_shard=False):
+    """dp=2 x tp=2 (ranks [[0, 1], [2, 3]]): up column-sharded, a norm over the hidden features, down row-wise."""
+    torch.manual_seed(4)
+    x, w1, w2 = torch.randn(8, 4), torch.randn(4, 6), torch.randn(6, 3)
+    h = torch.tanh(x @ w1)
+    ref = {0: _state(_row("up", 0, h, x), _row("norm", 1, _rms(h), h, cls="HiddenNorm", line=34),
+                     _row("down", 2, _rms(h) @ w2, _rms(h)))}
+    nrank = {}
+    for r in range(4):
+        dp, tp = divmod(r, 2)
+        rows, cols = slice(4 * dp, 4 * dp + 4), slice(3 * tp, 3 * tp + 3)
+        local = h[rows, cols]
+        normed = _rms(local) if norm_on_shard else _rms(h[rows])[:, cols]
+        down = _row("down", 2, normed @ w2[cols], normed)
+        down["out"]["how"] = "partial"  # a RowwiseParallel output before its all-reduce, as its DTensor says
+        state = _state(_row("up", 0, local, x[rows]), _row("norm", 1, normed, local, cls="HiddenNorm", line=34), down)
+        for row in state["modules"]:
+            row["dp"] = [dp, 2]
+        nrank[r] = state
+    return ref, nrank
+
+
+def test_a_2d_mesh_maps_data_parallel_slices_and_tensor_parallel_shards():
+    ref, nrank = _mesh_2d()
+    found = search_modules(ref, nrank)
+    assert (found.diff, found.notes, found.compared) == (None, [], 3)
+
+
+def test_a_2d_mesh_names_the_module_that_computes_something_else():
+    ref, nrank = _mesh_2d(norm_on_shard=True)
+    diff, notes = first_divergent_module(ref, nrank)
+    assert notes == [] and (diff.name, diff.side, diff.how, diff.line) == ("norm", "forward", "cat/sum", 34)
+    assert diff.ranks == [0, 1, 2, 3] and diff.matched_before == 1 and diff.input_matches is True
+    assert ("compared as the data-parallel ranks' batch slices in order, each slice its tensor-parallel shards "
+            "added up") in describe(diff)
+
+
+def test_unmapped_modules_are_said_and_never_reported_as_matching():
+    # The issue's 2x2 mesh read without data-parallel coordinates: shards of [4, 4, 4, 4] samples, reference 8.
+    ref, nrank = _mesh_2d()
+    for state in nrank.values():
+        for row in state["modules"]:
+            del row["dp"]
+    found = search_modules(ref, nrank)
+    assert found.diff is None and found.compared == 0 and len(found.notes) == 3
+    assert "have [4, 4, 4, 4] samples" in found.notes[0] and "the reference 8" in found.notes[0]
+    finding = Finding("reference_mismatch", [0, 1, 2, 3], "step 0: the loss differs", {})
+    explain_mismatch(finding, ref, nrank)
+    assert "Every module" not in finding.message and "No module's output or input gradient could be mapped onto " \
+        "the 1-rank reference, so no module is named" in finding.message
+    assert finding.detail["module_notes"] == found.notes and finding.detail["modules_compared"] == 0
+    # Some mapped and matching, one not: the message says how many could not be mapped.
+    ref, nrank = _mesh_2d()
+    del nrank[3]["modules"][1]  # 'norm' did not run on rank 3
+    finding = Finding("reference_mismatch", [0, 1, 2, 3], "step 0: the loss differs", {})
+    explain_mismatch(finding, ref, nrank)
+    assert "No module differs among the 2 module outputs and input gradients that could be mapped onto the 1-rank " \
+        "reference, but 1 could not be mapped" in finding.message and "Every module" not in finding.message
+    assert "'norm'" in finding.detail["module_notes"][0]
+    # Everything mapped and matching: then, and only then, every module matched.
+    ref, nrank = _mesh_2d()
+    finding = Finding("reference_mismatch", [0, 1, 2, 3], "step 0: the loss differs", {})
+    explain_mismatch(finding, ref, nrank)
+    assert "Every module's output and input gradient in the first step match" in finding.message
+
+
+def test_element_error_reassembles_a_2d_mesh():
+    torch.manual_seed(5)
+    ref = torch.randn(4, 6)
+    parts = {r: {"tensor": ref[2 * (r // 2):2 * (r // 2) + 2, 3 * (r % 2):3 * (r % 2) + 3], "placements": None,
+                 "dp": [r // 2, 2]} for r in range(4)}
+    assert element_error({"tensor": ref}, parts, "cat/sum")["max_abs"] == 0.0
+    parts[3]["tensor"] = parts[3]["tensor"] + torch.tensor([[0.0, 0.0, 0.0], [0.0, 0.7, 0.0]])
+    e = element_error({"tensor": ref}, parts, "cat/sum")
+    assert e["index"] == [3, 4] and abs(e["max_abs"] - 0.7) < 1e-6

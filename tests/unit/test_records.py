@@ -335,3 +335,126 @@ def test_auto_params_mismatch_names_the_parameter_and_the_step_line():
     assert f.message.startswith("step 0: parameter '0.bias' after optimizer.step() at train.py:43 (recorded "
                                 "automatically as 'auto/params') differs")
     assert "2x the reference" in f.message
+
+
+# -- the loss convention, judged by the parameters ----------------------------------------------------------------
+
+def params_rec(step, weight, rank=0, seq=1):
+    w = torch.tensor(weight)
+    return Record("auto/params", step, seq, rank, "module", [Part("0.weight", "parameter", w, w.dtype)], True,
+                  file="/src/train.py", line=43, auto=True)
+
+
+def dp_loss(step, value, rank, dp, seq=0):
+    return rec("auto/loss", step, value, rank=rank, seq=seq, line=41, auto=True, dp=dp)
+
+
+def test_a_global_token_count_loss_matches_as_the_sum_when_the_parameters_match():
+    # Each rank: its own token-loss sum over the global token count, so the ranks' losses add up to the reference's.
+    ref = {0: [auto("auto/loss", 0, 3.0), params_rec(0, [1.0, 2.0]),
+               auto("auto/loss", 1, 2.0, seq=2), params_rec(1, [0.9, 1.8], seq=3)]}
+    run = {r: [dp_loss(0, [1.25, 1.75][r], r, (r, 2)), params_rec(0, [1.0, 2.0], rank=r),
+               dp_loss(1, [0.5, 1.5][r], r, (r, 2), seq=2), params_rec(1, [0.9, 1.8], rank=r, seq=3)]
+           for r in (0, 1)}
+    result = compare_runs(ref, run, 2)
+    assert result.ok and result.findings == [], [f.message for f in result.findings]
+    losses = [row for row in result.rows if row.name == "auto/loss"]
+    assert [(row.status, row.mode, row.convention) for row in losses] == [
+        (STATUS_OK, "sum over the 2 data-parallel ranks", "sum")] * 2
+    assert losses[0].to_json()["convention"] == "sum"
+    c = result.conventions["auto/loss"]
+    assert (c.how, c.step, c.proven_by) == ("sum", 0, ["auto/params"])
+    assert c.to_json() == {"convention": "sum", "mode": "sum over the 2 data-parallel ranks", "step": 0,
+                           "proven_by": ["auto/params"]}
+    table = render_table(result.rows, result.conventions)
+    assert ("loss convention: 'auto/loss' matches the reference as the sum over the 2 data-parallel ranks, not as "
+            "their mean: each rank's loss is normalized by the global batch or token count, and 'auto/params' "
+            "matches the reference at step 0") in table
+
+
+def test_a_loss_summing_to_the_reference_is_still_explained_when_the_parameters_differ():
+    # reduction="sum" over each rank's local batch under gradient averaging: the ranks' losses add up to the
+    # reference's too, but every update is 1/2: the parameters say it is a bug, and the loss row explains it.
+    ref = {0: [auto("auto/loss", 0, 6.0), params_rec(0, [1.0, 2.0])]}
+    run = {r: [dp_loss(0, [2.0, 4.0][r], r, (r, 2)), params_rec(0, [1.5, 2.5], rank=r)] for r in (0, 1)}
+    result = compare_runs(ref, run, 2)
+    f = result.findings[0]
+    assert f.kind == "reference_mismatch" and f.detail["name"] == "auto/loss" and f.detail["mode"] == "mean of 2 ranks"
+    assert "the loss is 1/2 of the reference" in f.message
+    assert result.conventions == {} and "loss convention:" not in render_table(result.rows, result.conventions)
+    assert [row.convention for row in result.rows] == ["", ""]
+
+
+def test_the_mean_convention_is_named_and_wins_when_it_matches():
+    ref = {0: [auto("auto/loss", 0, 1.5), params_rec(0, [1.0])]}
+    run = {r: [dp_loss(0, [1.0, 2.0][r], r, (r, 2)), params_rec(0, [1.0], rank=r)] for r in (0, 1)}
+    result = compare_runs(ref, run, 2)
+    assert result.ok and result.conventions["auto/loss"].how == "mean"
+    assert result.rows[0].mode == "mean of 2 ranks" and result.rows[0].convention == "mean"
+    assert ("loss convention: 'auto/loss' matches the reference as the mean of 2 ranks (each rank's loss is the mean "
+            "over its own batch)") in render_table(result.rows, result.conventions)
+
+
+def test_without_parameter_records_a_sum_proves_nothing():
+    ref = {0: [auto("auto/loss", 0, 3.0)]}
+    run = {r: [dp_loss(0, [1.0, 2.0][r], r, (r, 2))] for r in (0, 1)}
+    (f,) = compare_runs(ref, run, 2).findings
+    assert f.detail["name"] == "auto/loss" and f.detail["mode"] == "mean of 2 ranks"
+
+
+def test_on_a_2d_mesh_the_sum_is_over_the_data_parallel_ranks_only():
+    # dp=2 x tp=2: ranks 0-1 (dp index 0) hold loss a, ranks 2-3 (dp index 1) loss b; the reference's is a + b.
+    ref = {0: [auto("auto/loss", 0, 3.0), params_rec(0, [1.0])]}
+    values, dps = [1.25, 1.25, 1.75, 1.75], [(0, 2), (0, 2), (1, 2), (1, 2)]
+    run = {r: [dp_loss(0, values[r], r, dps[r]), params_rec(0, [1.0], rank=r)] for r in range(4)}
+    result = compare_runs(ref, run, 4)
+    assert result.ok, [f.message for f in result.findings]
+    assert result.rows[0].mode == "sum over the 2 data-parallel ranks (mean of each one's 2 ranks)"
+    # Without the coordinates the 4 values would sum to twice the reference: no convention fits, a finding.
+    run = {r: [dp_loss(0, values[r], r, None), params_rec(0, [1.0], rank=r)] for r in range(4)}
+    assert [f.detail["name"] for f in compare_runs(ref, run, 4).findings] == ["auto/loss"]
+
+
+def test_the_data_parallel_coordinate_round_trips_through_the_files(recording):
+    records.record_auto(records.AUTO_LOSS, torch.tensor(0.5), 0, "/src/train.py", 41, replicated=False, dp=(1, 2))
+    records.record_auto(records.AUTO_LOSS, torch.tensor(0.5), 1, "/src/train.py", 41, replicated=False)
+    with_dp, without = load_rank(recording, 0)
+    assert with_dp.dp == (1, 2) and without.dp is None
+
+
+# -- complex tensors ----------------------------------------------------------------------------------------------
+
+def test_complex_records_compare_both_parts_without_a_warning():
+    import warnings
+
+    freqs = torch.polar(torch.ones(4, 3), torch.arange(12.0).reshape(4, 3))  # a RoPE buffer
+    conj = freqs.conj().resolve_conj()  # the same real parts: a real-only comparison would call it equal
+
+    def model(rank, buf):
+        return Record("model", 0, 0, rank, "module", [Part("freqs_cis", "buffer", buf, buf.dtype)], True,
+                      file="train.py", line=20)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "Casting complex values to real discards the imaginary part"
+        assert compare_runs({0: [model(0, freqs)]}, {r: [model(r, freqs)] for r in (0, 1)}, 2).ok
+        result = compare_runs({0: [model(0, freqs)]}, {r: [model(r, conj)] for r in (0, 1)}, 2)
+        (f,) = result.findings
+        assert f.detail["part"] == "freqs_cis" and f.detail["index"] == [3, 2]  # angle 11: |2 sin| is largest
+        assert f.detail["value_imag"] == pytest.approx(-f.detail["reference_imag"])
+        assert "j vs reference" in f.message
+        json.dumps(f.detail)  # JSON numbers only
+        # per-rank complex values are averaged as complex numbers; a replica that differs is named
+        mean = compare_runs({0: [rec("z", 0, 0.0)]}, {0: [model(0, freqs)], 1: [model(1, conj)]}, 2)
+        (div,) = [f for f in mean.findings if f.kind == "tensor_divergence"]
+        assert div.ranks == [0, 1] and div.detail["name"] == "freqs_cis"
+
+
+def test_a_sum_that_matches_while_the_parameters_differ_says_the_gradients_must_be_summed():
+    ref = {0: [auto("auto/loss", 0, 6.0), params_rec(0, [1.0, 2.0])]}
+    run = {r: [dp_loss(0, [2.0, 4.0][r], r, (r, 2)), params_rec(0, [1.5, 2.5], rank=r)] for r in (0, 1)}
+    (f,) = compare_runs(ref, run, 2).findings
+    assert ("the ranks' losses match the reference as their sum over the 2 data-parallel ranks, but the parameters "
+            "do not") in f.message and "set_gradient_divide_factor(1.0)" in f.detail["hints"][-1]
+    run = {r: [dp_loss(0, [2.0, 3.0][r], r, (r, 2)), params_rec(0, [1.5, 2.5], rank=r)] for r in (0, 1)}
+    (f,) = compare_runs(ref, run, 2).findings
+    assert "match the reference as their sum" not in f.message

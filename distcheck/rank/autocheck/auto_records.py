@@ -3,10 +3,11 @@
     python -m distcheck compare --nproc 2 -- train.py      # DISTCHECK_AUTO_RECORD_STEPS=K in the ranks
 
 The first K steps record, marked automatic: the loss passed to ``backward()`` as ``auto/loss`` at the user's
-``backward()`` line (each rank's own value: the analysis averages them over the ranks, so the training loop waits
-for no other rank), and after each ``optimizer.step()`` (a global step post-hook) every parameter that optimizer
-updates as ``auto/params`` at the user's ``step()`` line, gathered to full tensors (a collective on the user's
-process group, which every rank reaches at the same step). Parameters are named from the outermost modules whose
+``backward()`` line (each rank's own value, with the rank's data-parallel coordinate: the analysis combines them
+over the ranks, as their mean or, where the parameters prove it, their sum over the data-parallel ranks, so the
+training loop waits for no other rank), and after each ``optimizer.step()`` (a global step post-hook) every
+parameter that optimizer updates as ``auto/params`` at the user's ``step()`` line, gathered to full tensors (a
+collective on the user's process group, which every rank reaches at the same step). Parameters are named from the outermost modules whose
 forward ran before the first step (a global forward pre-hook, removed at that step), so the names agree with or
 without DDP/FSDP wrappers. Outside ``compare`` K is 0 and nothing here runs.
 """
@@ -37,6 +38,7 @@ class AutoRecords:
         self.count = 0
         self._called: dict[int, weakref.ref] = {}  # modules whose forward ran before the first step
         self._naming: Any = None
+        self._dp: Any = None  # module_summaries.DataParallel, once a wrapper says
         if self.steps:
             from torch.nn.modules.module import register_module_forward_pre_hook
 
@@ -62,8 +64,9 @@ class AutoRecords:
             site = caller_site()
             # Each rank's own loss, not a cross-rank mean: compare averages per-rank values itself, so no rank
             # waits for another here; for tensor parallelism the ranks agree and the mean is the value.
+            dp = self._data_parallel()
             records.record_auto(records.AUTO_LOSS, loss.detach().reshape(()), step, site.file, site.line,
-                                replicated=False)
+                                replicated=False, dp=(dp.index, dp.size) if dp is not None else None)
             self.count += 1
         except Exception as exc:  # recording must never break the user's training
             log.warning("distcheck: recording the loss failed: %s: %s", type(exc).__name__, exc)
@@ -86,6 +89,17 @@ class AutoRecords:
                 log.warning("distcheck: recording the parameters failed: %s: %s", type(exc).__name__, exc)
         # Every model has run forward by the end of the first step: the naming hook has done its job.
         self.stop_naming()
+
+    def _data_parallel(self) -> Any:
+        """This rank's data-parallel coordinate (module_summaries.data_parallel), found once."""
+        if self._dp is None:
+            from distcheck.rank.autocheck.module_summaries import data_parallel
+
+            try:
+                self._dp = data_parallel(self.owner.models.alive())
+            except Exception as exc:
+                log.debug("data-parallel coordinate failed: %s", exc)
+        return self._dp
 
     def _param_names(self) -> dict[int, str]:
         """id(parameter) -> its name in the outermost module holding it (watched roots, then modules that ran)."""
