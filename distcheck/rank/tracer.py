@@ -403,6 +403,10 @@ def _reduce_op_name(op: Any) -> str | None:
     if isinstance(op, str):
         return op.upper()
     name = getattr(op, "name", None)  # ReduceOp.RedOpType
+    if name is None and getattr(op, "op", None) is not None:
+        # A ReduceOp instance (NCCL's PREMUL_SUM, which FSDP2's set_gradient_divide_factor uses) prints with its
+        # address, which differs per rank: its RedOpType is the name.
+        name = getattr(op.op, "name", None)
     if name is None:
         text = str(op)  # ReduceOp instances print like "ReduceOp.SUM" or "<...PREMUL_SUM...>"
         name = text.rsplit(".", 1)[-1].strip("<>")

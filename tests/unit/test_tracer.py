@@ -323,3 +323,12 @@ def test_a_ctrl_c_while_the_tracer_reads_a_tensor_reaches_the_user(fake_world, t
             else:
                 assert not interrupt, "the KeyboardInterrupt never reached the caller"
     assert InterruptOnce.fired
+
+
+def test_a_reduce_op_instance_is_named_by_its_type_not_its_address():
+    """NCCL's PREMUL_SUM is a ReduceOp instance (FSDP2's set_gradient_divide_factor): its text holds its address,
+    which differs per rank and made every such reduce a false collective_mismatch."""
+    from distcheck.rank.tracer import _reduce_op_name
+
+    assert _reduce_op_name(dist._make_nccl_premul_sum(0.5)) == "PREMUL_SUM"
+    assert _reduce_op_name(dist.ReduceOp.SUM) == "SUM" and _reduce_op_name(dist.ReduceOp.AVG) == "AVG"
