@@ -128,8 +128,12 @@ def diff_chunk(rank: int, ref: torch.Tensor, other: torch.Tensor, offset: int,
     if idx.numel() == 0:
         return None
     first = int(idx[0, 0])
-    af, bf = a.double(), b.double()
-    delta = (af - bf).abs()
+    if a.is_complex():  # a RoPE buffer: the distance in the complex plane; values shown by their magnitude
+        ac, bc = a.to(torch.complex128), b.to(torch.complex128)
+        delta, af, bf = (ac - bc).abs(), ac.abs(), bc.abs()
+    else:
+        af, bf = a.double(), b.double()
+        delta = (af - bf).abs()
     delta = torch.where(torch.isnan(delta), torch.full_like(delta, float("inf")), delta)[differs]
     flat_index = offset + first
     return DiffSummary(rank, unravel(flat_index, shape), float(af[first]), float(bf[first]),

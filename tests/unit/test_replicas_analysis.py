@@ -1,4 +1,5 @@
 """Pure replica comparison: majority, blame, structural differences, element diffs and messages."""
+import pytest
 import torch
 
 from distcheck.analysis.replicas import (Entry, diff_chunk, divergence_finding, find_divergences,
@@ -73,3 +74,15 @@ def test_divergence_finding_message():
     f = divergence_finding(div, {1: s}, "before parallelizing")
     assert f.kind == "tensor_divergence" and f.ranks == [0, 1]
     assert "'layer.w'" in f.message and "max abs diff 1" in f.message and "[3]" in f.message
+
+
+def test_diff_chunk_of_complex_tensors_measures_in_the_complex_plane_without_a_warning():
+    import warnings
+
+    ref = torch.tensor([1 + 1j, 2 + 0j, 0 + 3j], dtype=torch.complex64)
+    other = ref.clone()
+    other[2] = 0 + 7j  # only the imaginary part differs: a cast to real would see no difference
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        s = diff_chunk(1, ref, other, offset=0, shape=(3,))
+    assert s.first_index == [2] and s.max_abs_diff == pytest.approx(4.0) and s.num_different == 1
