@@ -23,7 +23,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
 from distcheck.analysis.progress import RankProgress
 from distcheck.analysis.hang import progress_by_rank_json, progress_json
@@ -33,13 +33,15 @@ from distcheck.analysis.stack_groups import (
 )
 from distcheck.contract.findings import format_ranks
 
-from distcheck.contract import files
-from distcheck.rank.stack_hooks import HookInfo, yama_scope
-from distcheck.supervise.procs import alive, children_map, is_python, proc_name, rank_descendants, read_environ, safe_environ
+from distcheck.contract import env as env_names
+from distcheck.contract import stack_hook_file
+from distcheck.contract.stack_hook_file import HookInfo
+from distcheck.processes import alive, children_map, is_python, proc_name, read_environ, safe_environ, yama_scope
+from distcheck.supervise.procs import rank_descendants
 
 log = logging.getLogger("distcheck")
 
-PYSPY_ENV = "DISTCHECK_PYSPY"  # path of the py-spy binary, when it is not next to python or on PATH
+PYSPY_ENV = env_names.PYSPY  # path of the py-spy binary, when it is not next to python or on PATH
 DEFAULT_DUMP_TIMEOUT = 8.0
 PERMISSION_FIX = ("run distcheck as the same user as the job or as root; in a container add --cap-add SYS_PTRACE; "
                   "or allow ptrace with 'sysctl kernel.yama.ptrace_scope=0'")
@@ -125,7 +127,7 @@ def resolve_targets(pids: Sequence[int]) -> tuple[list[Target], list[DumpError]]
             if rank is None:
                 rank, source = _int(penv.get("LOCAL_RANK")), "LOCAL_RANK"
             targets.append(Target(p, rank if rank is not None else -1, source if rank is not None else "argument order",
-                                  _int(penv.get("WORLD_SIZE")), penv.get("DISTCHECK_REPORT_DIR"), proc_name(p)))
+                                  _int(penv.get("WORLD_SIZE")), penv.get(env_names.REPORT_DIR), proc_name(p)))
     # Processes without a rank get numbers after the known ranks, in the order given, so grouping still works.
     used = {t.rank for t in targets if t.rank >= 0}
     next_rank = max(used, default=-1) + 1
@@ -206,20 +208,6 @@ def pyspy_dump(target: Target, pyspy: str, native: bool = False, timeout: float 
 # --- faulthandler fallback and in-rank hooks -------------------------------------------------------------------
 
 
-def find_hook(pid: int, report_dirs: Iterable[str | os.PathLike | None]) -> HookInfo | None:
-    for d in report_dirs:
-        if not d:
-            continue
-        try:
-            data = json.loads(files.hook_file(d, pid).read_text())
-        except (OSError, ValueError):
-            continue
-        if int(data.get("pid", -1)) == pid:
-            return HookInfo(pid, int(data["rank"]), int(data["signal"]), str(data["file"]),
-                            str(data.get("ptracer", "")), str(data.get("host", "")))
-    return None
-
-
 def faulthandler_dump(target: Target, hook: HookInfo, timeout: float = 3.0,
                       host: str | None = None) -> RankStack | DumpError:
     """Signal the process and read the dump its faulthandler hook writes after our marker line."""
@@ -275,7 +263,7 @@ def dump_one(target: Target, native: bool = False, timeout: float = DEFAULT_DUMP
     else:
         first = DumpError(target.pid, "no_pyspy", "py-spy is not installed: pip install py-spy "
                                                   "(or set DISTCHECK_PYSPY to its path)", target.rank)
-    hook = find_hook(target.pid, [*report_dirs, target.report_dir])
+    hook = stack_hook_file.read([*report_dirs, target.report_dir], target.pid)
     if hook is None:
         return first
     out = faulthandler_dump(target, hook, timeout=min(timeout, 5.0))
