@@ -51,6 +51,22 @@ def process_group(e: TraceEvent) -> str:
     return e.pg_name or ",".join(map(str, e.pg))
 
 
+# A group's ranks as the one list every ref of it shares, by the id of the (interned: rank_trace._pg_tuple)
+# tuple, which the entry keeps alive: hashing a 4096-rank tuple per ref would cost more than the list.
+_LISTS: dict[int, tuple[tuple[int, ...], list[int]]] = {}
+
+
+def _ranks_list(pg: tuple[int, ...]) -> list[int]:
+    """The ranks of a group as a list shared by every ref (readers never change it): a 4096-rank job's refs hold
+    one list per group, not one per rank and ref."""
+    hit = _LISTS.get(id(pg))
+    if hit is None or hit[0] is not pg:
+        if len(_LISTS) >= 4096:
+            _LISTS.clear()
+        hit = _LISTS[id(pg)] = (pg, list(pg))
+    return hit[1]
+
+
 @dataclass
 class CollectiveRef:
     """One traced collective as progress reports it (JSON round-trips through stacks.json and report.json).
@@ -77,7 +93,8 @@ class CollectiveRef:
         file = e.file or ""
         line = e.line or 0
         site = e.site or (f"{os.path.basename(file)}:{line}" if file else "")
-        return cls(e.op, e.seq, list(e.pg) if e.pg else None, site, file, line, e.id, e.t_end is not None,
+        # The group's ranks are shared with the event (a 4096-rank group is one tuple, not one list per ref).
+        return cls(e.op, e.seq, _ranks_list(e.pg) if e.pg else None, site, file, line, e.id, e.t_end is not None,
                    e.error, e.issued_only, process_group(e), e, e.extra.get("via"))
 
     @property
@@ -148,6 +165,9 @@ class RankProgress:
     issued_only: int = 0
     open: list[CollectiveRef] = field(default_factory=list)  # every event not ended, in issue order
     groups: dict[str, GroupProgress] = field(default_factory=dict)
+    # How many have not ended, where ``open`` holds only some of them (a summarized trace: its first open one and
+    # each group's); None: len(open).
+    open_count: int | None = None
 
     @property
     def pending(self) -> CollectiveRef | None:
@@ -174,7 +194,8 @@ class RankProgress:
         return {"last_started": ref(self.last_started), "last_completed": ref(self.last_completed),
                 "first_open": ref(self.first_open), "last_failed": ref(self.last_failed),
                 "started": self.started, "completed": self.completed, "failed": self.failed,
-                "issued_only": self.issued_only, "open": len(self.open),
+                "issued_only": self.issued_only,
+                "open": len(self.open) if self.open_count is None else self.open_count,
                 "groups": {k: g.to_json() for k, g in self.groups.items()}}
 
     @classmethod
@@ -188,7 +209,8 @@ class RankProgress:
         return cls(rank, ref("last_started"), ref("last_completed"), int(d.get("started", 0)),
                    int(d.get("completed", 0)), first, ref("last_failed"), int(d.get("failed", 0)),
                    int(d.get("issued_only", 0)), [first] if first is not None else [],
-                   {str(k): GroupProgress.from_json(str(k), g) for k, g in groups.items()})
+                   {str(k): GroupProgress.from_json(str(k), g) for k, g in groups.items()},
+                open_count=int(d.get("open", 0)) if isinstance(d.get("open"), int) else None)
 
 
 def rank_progress(rank: int, events: Iterable[TraceEvent]) -> RankProgress:
@@ -203,7 +225,7 @@ def rank_progress(rank: int, events: Iterable[TraceEvent]) -> RankProgress:
             key = process_group(e)
             group = p.groups.get(key)
             if group is None:
-                group = p.groups[key] = GroupProgress(key, list(e.pg) if e.pg else None)
+                group = p.groups[key] = GroupProgress(key, _ranks_list(e.pg) if e.pg else None)
             group.issued += 1
             group.untraced += bool(e.extra.get("untraced"))
             group.last = ref
@@ -226,9 +248,26 @@ def rank_progress(rank: int, events: Iterable[TraceEvent]) -> RankProgress:
     return p
 
 
+def progress_of(rank: int, trace: RankTrace) -> RankProgress:
+    """A rank's progress from its trace. A summarized trace (RankTrace.summary) keeps every event a reference here
+    needs (its last, last completed, first open, each group's last and first open, its failed ones), so those come
+    from its events as for any trace, and the counts from the summary."""
+    p = rank_progress(rank, trace.events)
+    s = trace.summary
+    if s is None:
+        return p
+    p.started, p.completed, p.failed, p.issued_only, p.open_count = (s.started, s.completed, s.failed,
+                                                                     s.issued_only, s.open)
+    for key, g in p.groups.items():
+        seq = s.sequences.get(key)
+        if seq is not None:
+            g.issued, g.completed = seq.count, seq.completed
+    return p
+
+
 def progress_by_rank(traces: Mapping[int, RankTrace]) -> dict[int, RankProgress]:
     """Every traced rank's progress, by rank."""
-    return {rank: rank_progress(rank, trace.events) for rank, trace in traces.items()}
+    return {rank: progress_of(rank, trace) for rank, trace in traces.items()}
 
 
 def group_counts(progress: Mapping[int, RankProgress], group: str, ranks: Sequence[int]) -> dict[int, int]:

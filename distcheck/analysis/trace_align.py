@@ -25,25 +25,14 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from distcheck.analysis.call_signature import differing_fields, signature
 from distcheck.analysis.hang import hang_finding as make_hang_finding
 from distcheck.analysis.ops import PEER_OPS
 from distcheck.analysis.progress import (FAILED, ISSUED, ISSUED_NOTE, CollectiveRef, RankProgress, group_counts,
                                          process_group, progress_by_rank)
 from distcheck.analysis.torch_errors import brief, first_line, lost_peer, translate
 from distcheck.analysis.trace_events import P2P_OPS, RankError, RankTrace, TraceEvent
-from distcheck.contract.findings import Finding, format_ranks
-
-# Ops that are the same backend collective under different API names (c10d vs functional, old vs new names).
-_CANONICAL = {
-    "all_gather_into_tensor": "all_gather_single", "all_gather_tensor": "all_gather_single",
-    "all_gather_single_autograd": "all_gather_single", "all_gather_tensor_autograd": "all_gather_single",
-    "reduce_scatter_tensor": "reduce_scatter_single", "reduce_scatter_single_autograd": "reduce_scatter_single",
-    "reduce_scatter_tensor_autograd": "reduce_scatter_single", "all_to_all_single_autograd": "all_to_all_single",
-    "all_gather_into_tensor_coalesced": "all_gather_single_coalesced",
-    "reduce_scatter_tensor_coalesced": "reduce_scatter_single_coalesced",
-    "all_reduce_inplace": "all_reduce", "monitored_barrier": "barrier",
-}
-_OBJECT_OPS = frozenset({"all_gather_object", "gather_object", "broadcast_object_list", "scatter_object_list"})
+from distcheck.contract.findings import SMALL_WORLD, Finding, format_ranks, rank_ranges, ranks_keyed
 
 STATE_OK = "ok"  # the script returned
 STATE_ERROR = "error"  # the script raised
@@ -77,41 +66,42 @@ class Divergence:
     sequence: str = ""  # TraceEvent.group_key of the events: the group's traced or untraced sequence
 
 
-def canonical_op(op: str) -> str:
-    return _CANONICAL.get(op, op)
+WINDOW = 4  # positions read back at once from a summarized trace (trace_summary.TraceSummary.events_at)
 
 
-def signature(e: TraceEvent) -> tuple:
-    """What must be identical on every rank of the group at one position, per op.
+class _RankSeq:
+    """One rank's collectives in one sequence, by position (0-based): a list of every event, or a summarized
+    trace's count with the events it kept and reads back on demand."""
 
-    Returns (op, shapes, dtypes, reduce_op, root, extra) with shapes reduced to what the op requires to agree.
-    """
-    op = canonical_op(e.op)
-    shapes: Any = [tuple(s) for s in e.shapes]
-    dtypes: Any = tuple(e.dtypes)
-    if op in _OBJECT_OPS:
-        # Pickled payloads differ in size by design; the op, root and list length must agree.
-        return (op, None, None, None, e.root, e.extra.get("objects"))
-    if op == "all_gather" and len(shapes) >= 2:
-        shapes = shapes[:-1]  # the output list must agree; each rank's input fills its own slot (uneven is legal)
-        dtypes = dtypes[:-1]
-    elif op in ("gather", "scatter"):
-        shapes, dtypes = shapes[:1], dtypes[:1]  # the list is only passed on the root
-    elif op == "reduce_scatter" and len(shapes) >= 2:
-        shapes, dtypes = shapes[1:], dtypes[1:]
-    elif op == "all_to_all":
-        shapes = len(shapes)  # per-peer sizes may differ; the number of peers may not
-    elif op == "all_to_all_single" and e.extra.get("uneven"):
-        shapes = [s[1:] for s in shapes]
-    return (op, tuple(shapes) if isinstance(shapes, list) else shapes, dtypes, e.reduce_op, e.root, None)
+    def __init__(self, key: str, events: list[TraceEvent], trace: RankTrace | None = None) -> None:
+        self.key = key
+        self.trace = trace
+        self.summary = trace.summary if trace is not None and not key.startswith("untraced:") else None
+        seq = self.summary.sequences.get(key) if self.summary is not None else None
+        if self.summary is None or seq is None:
+            self.summary = None
+            self.events = {i: e for i, e in enumerate(events)}
+            self.count = len(events)
+            self.start = 0  # nothing known: compare from the first position
+        else:
+            self.events = {e.seq - 1: e for e in events}
+            self.count = seq.count
+            self.start = seq.count if seq.first_difference is None else seq.first_difference
 
+    def __len__(self) -> int:
+        return self.count
 
-_FIELDS = ("op", "shapes", "dtypes", "reduce_op", "root", "objects")
+    def at(self, i: int) -> TraceEvent:
+        e = self.events.get(i)
+        if e is None:
+            if self.summary is None or not 0 <= i < self.count:
+                raise IndexError(i)
+            self.events.update(self.summary.events_at(self.key, i, i + WINDOW))
+            e = self.events[i]
+        return e
 
-
-def differing_fields(events: list[TraceEvent]) -> list[str]:
-    sigs = [signature(e) for e in events]
-    return [name for i, name in enumerate(_FIELDS) if len({repr(s[i]) for s in sigs}) > 1]
+    def last(self) -> TraceEvent | None:
+        return self.at(self.count - 1) if self.count else None
 
 
 @dataclass
@@ -121,10 +111,17 @@ class _Sequence:
 
     members: tuple[int, ...]
     group: str  # the process group (analysis/progress.process_group), traced and untraced alike
-    per_rank: dict[int, list[TraceEvent]]
+    per_rank: dict[int, _RankSeq]
+
+    def start(self, members: Sequence[int]) -> int:
+        """The first position where members may disagree or one has ended: before it every member issued the same
+        (summarized traces say so, trace_summary.Aligner); 0 when a member's trace is not summarized."""
+        empty = _RankSeq(self.group, [])
+        return min((min(s.start, s.count) for s in (self.per_rank.get(r, empty) for r in members)), default=0)
 
 
 def _collectives_by_group(traces: dict[int, RankTrace]) -> dict[str, _Sequence]:
+    lists: dict[str, dict[int, list[TraceEvent]]] = {}
     groups: dict[str, _Sequence] = {}
     for rank, trace in traces.items():
         for e in trace.events:
@@ -133,10 +130,11 @@ def _collectives_by_group(traces: dict[int, RankTrace]) -> dict[str, _Sequence]:
             seq = groups.get(e.group_key)
             if seq is None:
                 seq = groups[e.group_key] = _Sequence(e.pg, process_group(e), {})
-            seq.per_rank.setdefault(rank, []).append(e)
-    for seq in groups.values():
-        for events in seq.per_rank.values():
+            lists.setdefault(e.group_key, {}).setdefault(rank, []).append(e)
+    for key, per_rank in lists.items():
+        for rank, events in per_rank.items():
             events.sort(key=lambda e: (e.seq, e.id))
+            groups[key].per_rank[rank] = _RankSeq(key, events, traces[rank])
     return groups
 
 
@@ -164,8 +162,8 @@ def find_divergences(traces: dict[int, RankTrace], outcomes: dict[int, RankOutco
             members = tuple(r for r in members if traces.get(r) is not None and traces[r].flight_dumped)
         longest = max((len(v) for v in per_rank.values()), default=0)
         found: Divergence | None = None
-        for i in range(longest):
-            present = {r: per_rank[r][i] for r in members if len(per_rank.get(r, [])) > i}
+        for i in range(seq.start(members), longest):
+            present = {r: per_rank[r].at(i) for r in members if len(per_rank.get(r, ())) > i}
             absent = [r for r in members if r not in present]
             if len({signature(e) for e in present.values()}) > 1:
                 events = {r: present.get(r) for r in members}
@@ -185,7 +183,7 @@ def find_divergences(traces: dict[int, RankTrace], outcomes: dict[int, RankOutco
                     if not all(counts[a] < counts[h] for a in absent for h in have):
                         # The group's totals hide it (another sequence of the group runs the other way): count
                         # in the sequence that diverged.
-                        counts = {r: len(per_rank.get(r, [])) for r in members}
+                        counts = {r: len(per_rank.get(r, ())) for r in members}
                     found = Divergence(members, seq.group, i + 1, kind, {r: present.get(r) for r in members},
                                        odd, counts=counts, sequence=key)
                 break
@@ -215,6 +213,9 @@ def _where(e: TraceEvent) -> str:
 
 
 def _group_label(group: Sequence[int] | None) -> str:
+    """``[0,1]``; a big group as its rank ranges, ``[0-4095]`` (a 4096-rank list in every sentence otherwise)."""
+    if group is not None and len(group) > SMALL_WORLD:
+        return "[" + rank_ranges(group) + "]"
     return "[" + ",".join(map(str, group or ())) + "]"
 
 
@@ -308,9 +309,11 @@ def divergence_finding(d: Divergence, outcomes: dict[int, RankOutcome],
                        backend_errors: dict[int, str]) -> Finding:
     shown = _shown_position(d)
     where = f"collective #{shown} on group {_group_label(d.group)}"
-    issued = {r: (e.to_json() if e is not None else None) for r, e in d.events.items()}
+    # A big group's ranks that issued the same share one entry, keyed by their rank ranges (contract/findings.py).
+    issued = ranks_keyed(d.events, lambda e: e.to_json() if e is not None else None)
     primary: TraceEvent | None = None
-    detail: dict[str, Any] = {"group": list(d.group), "group_name": d.group_key, "position": shown,
+    group: Any = list(d.group) if len(d.group) <= SMALL_WORLD else rank_ranges(d.group)
+    detail: dict[str, Any] = {"group": group, "group_name": d.group_key, "position": shown,
                               "divergence": d.kind, "fields": d.fields, "issued": issued}
     fixes = ""
     if d.kind == "different":
@@ -628,6 +631,22 @@ def provably_stuck(traces: dict[int, RankTrace], finished: set[int]) -> str | No
     # A trace cut short by a full disk neither shows where its rank waits nor how far a finished rank got.
     cut = {r for r, t in traces.items() if _cut(t)}
     progress = progress_by_rank({r: t for r, t in traces.items() if r not in finished and r not in cut})
+    # Per sequence, its finished members' last positions (an untraced collective's number counts every collective
+    # of the group, so compare numbers, not how many a member has), and the least of them: once per sequence, not
+    # once per waiting rank and member (4096 ranks waiting on a 4096-rank group made 16 million look-ups).
+    reached: dict[str, tuple[int, list[tuple[int, int]]]] = {}
+
+    def finished_members(key: str, seq: _Sequence) -> tuple[int, list[tuple[int, int]]]:
+        if key not in reached:
+            lasts = []
+            for m in seq.members:
+                if m in finished and m not in cut:
+                    issued = seq.per_rank.get(m)
+                    last = issued.last() if issued is not None else None
+                    lasts.append((m, last.seq if last is not None else 0))
+            reached[key] = (min((n for _, n in lasts), default=-1), lasts)
+        return reached[key]
+
     for rank, p in sorted(progress.items()):
         for ref in p.open:
             e = ref.event
@@ -636,17 +655,16 @@ def provably_stuck(traces: dict[int, RankTrace], finished: set[int]) -> str | No
             seq = groups.get(e.group_key)
             if seq is None:
                 continue
-            for m in seq.members:
-                # The member's last position in the same sequence (an untraced collective's number counts every
-                # collective of the group, so compare numbers, not how many the member has).
-                issued = seq.per_rank.get(m, [])
-                if m in finished and m not in cut and (issued[-1].seq if issued else 0) < e.seq:
-                    return (f"rank {rank} waits in {e.op} #{e.seq} on group {_group_label(e.pg)}{_where(e)}, "
-                            f"which rank {m} finished without issuing")
+            least, lasts = finished_members(e.group_key, seq)
+            if not lasts or least >= e.seq:
+                continue
+            m = next(m for m, n in lasts if n < e.seq)
+            return (f"rank {rank} waits in {e.op} #{e.seq} on group {_group_label(e.pg)}{_where(e)}, "
+                    f"which rank {m} finished without issuing")
     for seq in groups.values():
         members, per_rank = seq.members, seq.per_rank
-        for i in range(max((len(v) for v in per_rank.values()), default=0)):
-            present = {r: per_rank[r][i] for r in members if len(per_rank.get(r, [])) > i}
+        for i in range(seq.start(members), max((len(v) for v in per_rank.values()), default=0)):
+            present = {r: per_rank[r].at(i) for r in members if len(per_rank.get(r, ())) > i}
             if len(present) < len(members):
                 break
             if len({signature(e) for e in present.values()}) > 1:

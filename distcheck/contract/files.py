@@ -142,14 +142,15 @@ def tidy(report_dir: str | os.PathLike) -> None:
         trace_records.truncate_unused(path)
 
 
-def trace_progress(report_dir: str | os.PathLike, rank: int) -> int:
+def trace_progress(report_dir: str | os.PathLike, rank: int, hint: dict[str, int] | None = None) -> int:
     """A number that grows whenever the rank starts a collective, completes its latest one or writes a trace line:
-    the watch loop's progress token. -1 before the rank has opened its trace."""
+    the watch loop's progress token. -1 before the rank has opened its trace. ``hint``: the caller's memo for this
+    rank, kept between polls (trace_records.progress): a poll then reads only past what the last one found."""
     try:
         size = rank_file(report_dir, "trace", rank).stat().st_size
     except OSError:
         return -1
-    return (size + max(0, trace_records.progress(rank_file(report_dir, "trace_events", rank)))
+    return (size + max(0, trace_records.progress(rank_file(report_dir, "trace_events", rank), hint))
             + flight_progress(report_dir, rank))
 
 

@@ -91,6 +91,17 @@ class Record(NamedTuple):
     issued: bool  # t_end is when the op was issued, not when it completed
 
 
+def record_dtype():
+    """The record layout as a numpy structured dtype, for readers of whole files (analysis/trace_events.py) and
+    writers of synthetic ones (bench/bench_scale.py). numpy is imported here only, never on the tracer's path."""
+    import numpy as np
+
+    dtype = np.dtype([("kind", "u1"), ("flags", "u1"), ("pad", "V2"), ("sig", "<u4"), ("t", "<f8"),
+                      ("t_end", "<f8")])
+    assert dtype.itemsize == SIZE
+    return dtype
+
+
 def header(format_version: int) -> bytes:
     return HEADER.pack(MAGIC, format_version, 0, 0, 0, 0, 0, 0)
 
@@ -155,16 +166,28 @@ def written(path: str | os.PathLike) -> int:
     return _scan(path)[0]
 
 
-def progress(path: str | os.PathLike) -> int:
+def progress(path: str | os.PathLike, hint: dict[str, int] | None = None) -> int:
     """A counter that grows whenever a collective starts or the latest one completes: the watch loop's progress
     token (a rank that finished a long collective and now computes has progressed). Once a full file system stopped
-    the records, the header's count of unrecorded collectives keeps it growing. -1: no file."""
-    used, last_ended, unrecorded = _scan(path)
+    the records, the header's count of unrecorded collectives keeps it growing. -1: no file.
+
+    ``hint``: the caller's memo for this file, kept between calls (the watch loop polls every rank ten times a
+    second): the search for the first unused slot starts where the last one found it, so a poll costs a read or
+    two per rank when nothing was appended, and a few more per doubling of what was."""
+    used, last_ended, unrecorded = _scan(path, hint.get("used", 0) if hint is not None else 0)
+    if hint is not None:
+        hint["used"] = max(used, 0)
     return -1 if used < 0 else 2 * used + last_ended + unrecorded
 
 
-def _scan(path: str | os.PathLike) -> tuple[int, int, int]:
-    """(slots in use, 1 when the last one's t_end is set, collectives issued after records stopped)."""
+def _used(fd: int, slot: int) -> bool:
+    return os.pread(fd, 1, slot * SIZE) not in (b"", b"\0")
+
+
+def _scan(path: str | os.PathLike, known: int = 0) -> tuple[int, int, int]:
+    """(slots in use, 1 when the last one's t_end is set, collectives issued after records stopped). ``known``:
+    slots in use at an earlier scan (0: none known); taken only when its last slot is still in use (a file
+    rewritten since starts over)."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
@@ -174,6 +197,15 @@ def _scan(path: str | os.PathLike) -> tuple[int, int, int]:
         unrecorded = UNRECORDED.unpack_from(head, UNRECORDED_OFFSET)[0] if len(head) == SIZE - 4 else 0
         slots = os.fstat(fd).st_size // SIZE
         lo, hi = 1, slots  # the first zero slot is in [lo, hi]
+        if 0 < known < slots and _used(fd, known):
+            # Slots 1..known are in use (they fill in order): gallop from there, known+1, known+2, known+4, ...
+            # to a zero slot, so the search costs the log of what was appended since, not of the file.
+            lo, step, probe = known + 1, 1, known + 1
+            while probe < slots and _used(fd, probe):
+                lo = probe + 1
+                step *= 2
+                probe = known + step
+            hi = min(probe, slots)
         while lo < hi:
             mid = (lo + hi) // 2
             if os.pread(fd, 1, mid * SIZE) not in (b"", b"\0"):

@@ -9,7 +9,10 @@ still running and which have finished (process handles, pids from hook files, ex
 messages), which they pass in as two callables.
 
 The progress rule: a rank made progress when its trace file grew (it came up, started or completed a
-collective, raised, or ended: the tracer writes one line for each) or when its outcome became known. After
+collective, raised, or ended: the tracer writes one line for each) or when its outcome became known. A poll reads
+only past where the last one found each rank's records ended (Progress), and the stop check's loads of a big job's
+traces (analysis/trace_summary.py) read only what was appended since the last: neither grows with the number of
+collectives the ranks ran. After
 ``timeout`` seconds without progress the run is hung; while some rank has not opened its trace yet (it is still
 importing torch, seconds on a loaded machine) the limit is ``startup_timeout`` instead, so a short ``--timeout``
 does not fire before the script runs. ``should_stop`` ends a run early that provably cannot progress (a rank
@@ -68,10 +71,16 @@ class Progress:
         self.report_dir = Path(report_dir)
         self.ranks = sorted(ranks) if ranks is not None else None
         self._up: set[int] = set()  # positions whose trace existed once: those ranks are past their start
+        # Per rank, where the last poll found the end of its records: a poll reads past it only (a 20,000-collective
+        # trace costs a read or two per rank and poll, not a search of the file).
+        self._hints: dict[int, dict[str, int]] = {}
+
+    def _progress(self, rank: int) -> int:
+        return files.trace_progress(self.report_dir, rank, self._hints.setdefault(rank, {}))
 
     def sizes(self) -> tuple[int, ...]:
         if self.ranks is None:  # whoever has a trace (the node watcher does not know the global ranks)
-            sizes = (files.trace_progress(self.report_dir, r) for r in files.rank_files(self.report_dir, "trace"))
+            sizes = (self._progress(r) for r in files.rank_files(self.report_dir, "trace"))
             return tuple(s for s in sizes if s >= 0)  # a trace removed since the listing does not count
         if not self.report_dir.is_dir():
             # The report directory was removed or replaced under the run: no trace will appear, so no rank is
@@ -79,7 +88,7 @@ class Progress:
             self._up.update(range(len(self.ranks)))
         out = []
         for i, r in enumerate(self.ranks):
-            out.append(files.trace_progress(self.report_dir, r))
+            out.append(self._progress(r))
             if out[-1] >= 0:
                 self._up.add(i)
         return tuple(out)

@@ -68,3 +68,40 @@ def test_writers_stamp_the_format(tmp_path, monkeypatch):
     sink.emit([Finding("hang", [0], "m")], rank=0)
     line = json.loads(files.rank_file(tmp_path, "findings", 0).read_text())
     assert line["format"] == files.FORMAT
+
+
+def test_trace_progress_with_a_hint_reads_only_past_the_last_poll(tmp_path, monkeypatch):
+    """The watch loop polls every rank ten times a second: with its memo (the hint), a poll of a grown-by-segments
+    record file reads a couple of bytes when nothing was appended, not a bisection of the whole segment; and it
+    counts what a poll without the memo counts, also after the file was rewritten shorter."""
+    import os
+
+    from distcheck.contract import trace_records as records
+
+    path = files.rank_file(tmp_path, "trace_events", 0)
+    (tmp_path / "trace-rank0.jsonl").write_text("{}\n")
+
+    def write(used: int, ended_last: bool = True) -> None:
+        data = bytearray(records.header(files.FORMAT)) + bytearray(records.SIZE * records.SEGMENT_RECORDS)
+        for slot in range(1, used + 1):
+            t_end = 0.0 if slot == used and not ended_last else 2.0
+            records.RECORD.pack_into(data, slot * records.SIZE, records.START, 0, 1, 1.0, t_end)
+        path.write_bytes(bytes(data))
+
+    reads = []
+    real_pread = os.pread
+    monkeypatch.setattr(os, "pread", lambda fd, n, off: reads.append(off) or real_pread(fd, n, off))
+    hint: dict[str, int] = {}
+    write(1000)
+    first = files.trace_progress(tmp_path, 0, hint)
+    assert hint == {"used": 1000} and first == files.trace_progress(tmp_path, 0)
+    reads.clear()
+    assert files.trace_progress(tmp_path, 0, hint) == first
+    assert len(reads) <= 4, reads  # the header, the last used slot, the next one, the last end
+    reads.clear()
+    files.trace_progress(tmp_path, 0)
+    assert len(reads) >= 15  # without the memo: a bisection of the 131,072-slot segment
+    write(1300, ended_last=False)  # 300 appended, the last one still open
+    assert files.trace_progress(tmp_path, 0, hint) == files.trace_progress(tmp_path, 0) and hint["used"] == 1300
+    write(40)  # a new run rewrote the file: the memo is not taken
+    assert files.trace_progress(tmp_path, 0, hint) == files.trace_progress(tmp_path, 0) and hint["used"] == 40
