@@ -6,10 +6,13 @@
 ``::error file=F,line=L::message`` when the finding has a source location (``detail.file``/``detail.line``), else
 ``::error::message``, so a CI step turns findings into annotations on the diff.
 
-With several directories the findings and checks are concatenated (duplicates dropped). When two or more of them
-hold a stack dump (stacks.json, e.g. ``distcheck stacks --report-dir dumps/$(hostname)`` run on every node), the
-stacks of all nodes are grouped together and one ``hang`` finding over all ranks replaces the per-node ones: a
-rank that looks normal on its own node can be the odd one out across the job.
+With several directories (e.g. one per node) the findings are concatenated (duplicates dropped) and each check
+is listed once (failed if it failed anywhere). When two or more of them hold a stack dump (stacks.json, e.g.
+``distcheck stacks --report-dir dumps/$(hostname)`` run on every node), the stacks of all nodes are grouped
+together and one ``hang`` finding over all ranks replaces the per-node ones: a rank that looks normal on its own
+node can be the odd one out across the job. A finding the merged view contradicts is dropped: a node that could
+not see another node's files took its ranks for dead ("rank 1 ended without finishing its script"), while the
+node that holds rank 1's trace, or the stacks dumped there, show it running.
 
 Exit code: 0 when the (merged) report passed, 1 when it holds findings or failed checks, 2 on bad input.
 """
@@ -20,10 +23,9 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any
 
 from distcheck.errors import UsageError
-from distcheck.contract.findings import Finding
+from distcheck.contract.findings import CheckResult, Finding
 from distcheck.contract.report import Report, load_report, render_text
 
 FORMATS = ("text", "json", "github")
@@ -75,7 +77,8 @@ def github_lines(report: Report) -> list[str]:
 
 def merge_reports(dirs: list[Path]) -> tuple[Report, str]:
     """The merged report and the text of the regrouped stacks ("" when fewer than two dirs hold stacks)."""
-    from distcheck.analysis.hang import RankProgress, diagnose
+    from distcheck.analysis.hang import diagnose
+    from distcheck.supervise.node_exchange import merge_stack_documents
     from distcheck.supervise.stacks import load_stacks_document, render_stacks_text
 
     reports = [load_report(d) for d in dirs]
@@ -89,13 +92,14 @@ def merge_reports(dirs: list[Path]) -> tuple[Report, str]:
             if key not in seen:
                 seen.add(key)
                 findings.append(f)
-    checks = [c for r in reports for c in r.checks]
+    checks = merge_checks([c for r in reports for c in r.checks])
     artifacts: dict[str, str] = {}
     for d, r in zip(dirs, reports):
         for name, rel in r.artifacts.items():
             artifacts[f"{d.name}/{name}"] = str(d / rel)
     world = max(r.world_size for r in reports)
 
+    states = own_states(reports)
     docs = []
     for d in dirs:
         path = d / "stacks.json"
@@ -106,21 +110,10 @@ def merge_reports(dirs: list[Path]) -> tuple[Report, str]:
                 raise UsageError(f"{path} is not a valid stack dump ({exc}): pass directories written by "
                                  "'distcheck stacks --report-dir' or a distcheck watchdog") from None
     stacks_text = ""
+    alive = {s.rank for stacks, _, _ in docs for s in stacks if not s.role}
+    findings = [f for f in findings if not contradicted(f, states, alive)]
     if len(docs) >= 2:
-        by_rank: dict[int, Any] = {}
-        clashes = []
-        errors = []
-        progress: dict[int, RankProgress] = {}
-        for stacks, errs, doc in docs:
-            errors.extend(errs)
-            for s in stacks:
-                if s.rank in by_rank and (by_rank[s.rank].host, by_rank[s.rank].pid) != (s.host, s.pid):
-                    clashes.append(f"rank {s.rank} appears on {by_rank[s.rank].host} and {s.host}; kept the first")
-                    continue
-                by_rank[s.rank] = s
-            for rank, p in doc.get("last_collectives", {}).items():
-                progress[int(rank)] = RankProgress.from_json(int(rank), p)
-        stacks = [by_rank[r] for r in sorted(by_rank)]
+        stacks, errors, progress, clashes = merge_stack_documents(docs)
         world = max([world] + [s.world_size or 0 for s in stacks])
         diag = diagnose(stacks, progress, world or None, None,
                         {e.rank: e.message for e in errors if e.rank is not None})
@@ -137,6 +130,44 @@ def merge_reports(dirs: list[Path]) -> tuple[Report, str]:
                     findings=findings, checks=checks, artifacts=artifacts,
                     data={"merged_from": [str(d) for d in dirs]})
     return merged, stacks_text
+
+
+def merge_checks(checks: list[CheckResult]) -> list[CheckResult]:
+    """Each check once, in first-seen order: failed if it failed in any directory, its longest time, its notes."""
+    merged: dict[str, CheckResult] = {}
+    for c in checks:
+        first = merged.get(c.name)
+        if first is None:
+            merged[c.name] = CheckResult(c.name, c.ok, c.seconds, note=c.note)
+            continue
+        first.ok = first.ok and c.ok
+        first.seconds = max(first.seconds, c.seconds)
+        if c.note and c.note not in first.note.split("; "):
+            first.note = f"{first.note}; {c.note}" if first.note else c.note
+    return list(merged.values())
+
+
+RUNNING_STATES = ("ok", "hung", "stopped")  # trace_align's states of a rank that did not fail
+
+
+def own_states(reports: list[Report]) -> dict[int, str]:
+    """Each rank's state as the report of the node holding its files tells it (its trace is an artifact there):
+    the node that sees the rank, not one that only missed its files."""
+    states: dict[int, str] = {}
+    for r in reports:
+        for rank, outcome in (r.data.get("ranks") or {}).items():
+            if f"trace-rank{rank}" in r.artifacts and isinstance(outcome, dict) and rank.isdigit():
+                states.setdefault(int(rank), str(outcome.get("state")))
+    return states
+
+
+def contradicted(f: Finding, states: dict[int, str], alive: set[int]) -> bool:
+    """A rank_failure without a traceback of its own (the rank "ended without finishing its script", "not
+    found") whose every rank the merged view shows alive: dumped in a stack dump, or running/finished by the
+    report of the node that holds its files."""
+    if f.kind != "rank_failure" or f.detail.get("exception") or not f.ranks:
+        return False
+    return all(r in alive or states.get(r) in RUNNING_STATES for r in f.ranks)
 
 
 def main(args: argparse.Namespace) -> int:

@@ -6,8 +6,12 @@ local rank 0) the node watcher.
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
+import sys
 from pathlib import Path
+
+from distcheck.processes import NODE_WATCHER, ROLE_ENV, agent_pid
 
 
 def rank_bootstrap(report_dir: str | os.PathLike, timeout: float, native: bool = False,
@@ -34,8 +38,6 @@ def rank_bootstrap(report_dir: str | os.PathLike, timeout: float, native: bool =
     ensure_run_id(supervised=not watcher)
     node_watcher = None
     if watcher and int(os.environ.get("LOCAL_RANK", "0")) == 0:
-        from distcheck.supervise.node_watcher import start_node_watcher
-
         ws = os.environ.get("WORLD_SIZE")
         lws = os.environ.get("LOCAL_WORLD_SIZE")
         # Started before the stderr copy: the watcher prints its report to the job's console, not into the copy.
@@ -50,3 +52,24 @@ def rank_bootstrap(report_dir: str | os.PathLike, timeout: float, native: bool =
         if tracing.current() is None:
             tracing.install(report_dir, rank)
     return node_watcher
+
+
+def start_node_watcher(report_dir: str | os.PathLike, timeout: float, native: bool = False,
+                       world_size: int | None = None, local_world_size: int | None = None) -> subprocess.Popen:
+    """Start the node's watcher process (call from local rank 0 only). It ends by itself when the ranks end.
+
+    Its own session keeps torchrun's teardown signals from killing it halfway through writing the report.
+    """
+    cmd = [sys.executable, "-m", "distcheck.supervise.node_watcher", "--report-dir", str(report_dir),
+           "--timeout", str(timeout), "--parent", str(os.getpid()), "--agent", str(agent_pid())]
+    if native:
+        cmd.append("--native")
+    if world_size:
+        cmd += ["--world-size", str(world_size)]
+    if local_world_size:
+        cmd += ["--local-world-size", str(local_world_size)]
+    cmd += ["--log", str(Path(report_dir) / f"watcher-{socket.gethostname()}.log")]
+    # stdout/stderr: the rank's, i.e. the job's console, where the report is printed; the log goes to a file.
+    # Its role keeps the ranks' own sweeps (runtime.end_processes) from ending it with the script's processes.
+    return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, start_new_session=True, close_fds=True,
+                            env={**os.environ, ROLE_ENV: NODE_WATCHER})

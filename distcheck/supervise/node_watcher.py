@@ -12,6 +12,11 @@ ptrace_scope=1. It ends by itself once the node's ranks have ended, and ends wha
 the processes they started that still run (a helper in a session of its own, a stuck DataLoader worker), found
 by the ranks' process trees as it watched them and by the run's id in their environment (supervise/procs.RunTree),
 so that nothing of the job holds its console open after torchrun exits.
+
+On several nodes (``torchrun --nnodes N``) each node's watcher reads only its node's files and exchanges summaries
+with the others through torchrun's rendezvous store (supervise/node_exchange.py): the node of global rank 0 writes
+the job's one report into its report dir, the others print one line saying where it is, and each node's own
+stacks stay on it in ``node-<host>/``.
 """
 from __future__ import annotations
 
@@ -19,18 +24,21 @@ import argparse
 import json
 import logging
 import os
+import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from distcheck.contract import files
 from distcheck.contract.findings import format_ranks
-from distcheck.supervise.procs import NODE_WATCHER, ROLE_ENV, RUN_ID_ENV, RunTree, alive, read_environ, terminate
-from distcheck.supervise.watch import HUNG, HangDump, WatchLoop
+from distcheck.supervise.procs import RUN_ID_ENV, RunTree, alive, read_environ, terminate
+from distcheck.supervise.watch import HUNG, HangDump, WatchLoop, script_ended
+
+if TYPE_CHECKING:
+    from distcheck.supervise.node_exchange import NodeEnv, StoreChannel
 
 log = logging.getLogger("distcheck")
 
@@ -60,32 +68,11 @@ def local_ranks(report_dir: str | os.PathLike, host: str | None = None) -> dict[
     return out
 
 
-def start_node_watcher(report_dir: str | os.PathLike, timeout: float, native: bool = False,
-                       world_size: int | None = None, local_world_size: int | None = None) -> subprocess.Popen:
-    """Start the node's watcher process (call from local rank 0 only). It ends by itself when the ranks end.
-
-    Its own session keeps torchrun's teardown signals from killing it halfway through writing the report.
-    """
-    cmd = [sys.executable, "-m", "distcheck.supervise.node_watcher", "--report-dir", str(report_dir),
-           "--timeout", str(timeout), "--parent", str(os.getpid())]
-    if native:
-        cmd.append("--native")
-    if world_size:
-        cmd += ["--world-size", str(world_size)]
-    if local_world_size:
-        cmd += ["--local-world-size", str(local_world_size)]
-    cmd += ["--log", str(Path(report_dir) / f"watcher-{socket.gethostname()}.log")]
-    # stdout/stderr: the rank's, i.e. the job's console, where the report is printed; the log goes to a file.
-    # Its role keeps the ranks' own sweeps (runtime.end_processes) from ending it with the script's processes.
-    return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, start_new_session=True, close_fds=True,
-                            env={**os.environ, ROLE_ENV: NODE_WATCHER})
-
-
 def watch(report_dir: str, timeout: float, native: bool = False, parent: int = 0, world_size: int | None = None,
-          local_world_size: int | None = None) -> int:
+          local_world_size: int | None = None, agent: int | None = None) -> int:
     tree = RunTree(os.environ.get(RUN_ID_ENV))
     try:
-        return _watch(report_dir, timeout, native, parent, world_size, local_world_size, tree)
+        return _watch(report_dir, timeout, native, parent, world_size, local_world_size, tree, agent)
     finally:
         ended = tree.end()  # whatever the ranks left on this node, then their stderr copies once drained
         if ended:
@@ -93,9 +80,19 @@ def watch(report_dir: str, timeout: float, native: bool = False, parent: int = 0
 
 
 def _watch(report_dir: str, timeout: float, native: bool, parent: int, world_size: int | None,
-           local_world_size: int | None, tree: RunTree) -> int:
+           local_world_size: int | None, tree: RunTree, agent: int | None = None) -> int:
     host = socket.gethostname()
     multi_node = bool(world_size and local_world_size and world_size > local_world_size)
+    if multi_node:
+        from distcheck.supervise.node_exchange import NodeEnv, StoreChannel
+
+        env = NodeEnv.from_env(os.environ, host)
+        channel = StoreChannel.connect(env) if env is not None else None
+        if env is not None and channel is not None:
+            log.info("node %d of %d (ranks %s), exchanging through the store at %s:%d", env.node, env.nnodes,
+                     format_ranks(env.ranks), env.store_host, env.store_port)
+            return _watch_nodes(report_dir, timeout, native, parent, env, channel, tree, agent)
+        # No store to reach: this node's own report, as before the exchange (the stacks stay named by host).
     out_dir = Path(report_dir) / f"node-{host}" if multi_node else Path(report_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     seen: set[int] = set()
@@ -157,6 +154,256 @@ def _watch(report_dir: str, timeout: float, native: bool, parent: int, world_siz
     return 0
 
 
+def _watch_nodes(report_dir: str, timeout: float, native: bool, parent: int, env: NodeEnv, channel: StoreChannel,
+                 tree: RunTree, agent: int | None = None) -> int:
+    """One node of several: watch this node's ranks, exchange summaries through torchrun's store
+    (supervise/node_exchange.py); node 0 writes the job's one report, the others print where it is."""
+    from distcheck.supervise.node_exchange import (GATHER_TIMEOUT, NodeLink, summarize_node, wait_for_report,
+                                                   where_line)
+    from distcheck.supervise.hang import diagnose_hang
+    from distcheck.supervise.torchrun_monitor import report_done_marker
+
+    host = env.host
+    out_dir = Path(report_dir) / f"node-{host}"  # this node's own artifacts (its stacks), named by host
+    out_dir.mkdir(parents=True, exist_ok=True)
+    seen: set[int] = set()
+    last: list[dict[int, int]] = [{}]
+    cancel = threading.Event()
+    link = NodeLink(env, channel, report_dir, lambda: tuple(files.trace_progress(report_dir, r) for r in env.ranks),
+                    cancel, done_marker=report_done_marker(Path(report_dir)))
+    published: list[frozenset] = [frozenset()]
+
+    def live() -> dict[int, int]:
+        ranks = local_ranks(report_dir, host)
+        tree.observe(ranks)
+        seen.update(ranks)
+        if ranks != last[0]:
+            log.info("ranks running on this node: %s", ranks)
+            last[0] = ranks
+        return ranks
+
+    agent = agent or _parent_of(parent)
+
+    def finished() -> set[int]:
+        running = live()
+        # A rank can end before this watcher first looks (a short script on a slow start): its trace says it ran
+        # under this torchrun agent.
+        seen.update(r for r in env.ranks if r not in seen and _traced_under(report_dir, r, agent))
+        done = seen - set(running)
+        # A rank that ended its script (its exit line; a failed one waits for the report) or its process: node 0's
+        # report monitor learns how, not only that its files are elsewhere.
+        ended = frozenset(done | {r for r in running if script_ended(report_dir, r)})
+        if not env.reports and ended != published[0]:
+            published[0] = ended
+            channel.publish(summarize_node(env, report_dir, set(running), final=bool(seen) and not running))
+        return done
+
+    def orphaned() -> None:  # the rank that started us died before any rank registered: nothing to watch
+        began = time.monotonic()
+        while not cancel.wait(0.5):
+            if parent and not alive(parent) and not seen and time.monotonic() - began > 2.0:
+                cancel.set()
+
+    threading.Thread(target=orphaned, daemon=True).start()
+    link.start()
+    started = time.monotonic()
+    started_wall = time.time()
+    ended_by_rank = threading.Event()
+
+    def on_term(signum, frame) -> None:  # consistency ends its watcher once the run is over (SIGTERM)
+        ended_by_rank.set()
+        cancel.set()
+
+    signal.signal(signal.SIGTERM, on_term)
+    try:
+        limit = timeout
+        while True:
+            # No dump inside the loop: a node whose ranks are idle while another node's progress (a pipeline
+            # stage waiting for its input) is not hung; the job is hung once no node progressed for `timeout`.
+            result = WatchLoop(report_dir, limit, live=live, finished=finished, expected=None, ranks=None,
+                               startup_timeout=limit, dump=None, poll=0.2, cancel=cancel).run()
+            idle = link.job_idle()
+            if result.state == HUNG and link.remote_hang is None and idle < timeout - link.poll:
+                log.info("no progress on this node, but another node progressed %.1fs ago: watching on",
+                         time.monotonic() - link.others_progressed)
+                limit = max(timeout - idle, 2 * link.poll)
+                continue
+            break
+        if ended_by_rank.is_set() and link.remote_hang is None:
+            # The command is over and its rank 0 wrote the report: say where, within the rank's grace (5 s).
+            if env.reports:
+                if _written_since(Path(report_dir), started_wall):
+                    channel.publish_report(host, str(Path(report_dir).resolve() / files.REPORT_TXT))
+                    channel.await_report_seen(env.nnodes - 1, time.monotonic() + 2.0)
+            else:
+                location = wait_for_report(channel, link, time.monotonic() + 3.0)
+                if location is not None:
+                    _say(where_line(location, 3.0))
+            return 0
+        hung = result.state == HUNG or link.remote_hang is not None
+        if hung:
+            if link.remote_hang is None:
+                channel.announce_hang(host)
+            pids = local_ranks(report_dir, host)
+            findings = diagnose_hang(pids, report_dir, native=native, timeout=timeout, world_size=env.world_size,
+                                     out_dir=out_dir)
+            channel.publish(summarize_node(env, report_dir, set(pids), hung=True,
+                                           stacks_path=out_dir / files.STACKS_JSON))
+            if env.reports:
+                write_job_report(report_dir, env, channel, native, timeout, time.monotonic() - started,
+                                 started_wall, hung=True, note=f"no progress for {timeout:g}s")
+            else:
+                waited = GATHER_TIMEOUT + 15.0
+                location = wait_for_report(channel, link, time.monotonic() + waited)
+                if location is None:  # node 0 is gone: this node's report, with what it knows
+                    _say(where_line(location, waited, env, gone=channel.broken))
+                    write_node_report(report_dir, out_dir, findings, env.world_size, timeout,
+                                      time.monotonic() - started, "watchdog", f"no progress for {timeout:g}s",
+                                      ranks=set(env.ranks))
+                else:
+                    _say(where_line(location, waited))
+            terminate(list(pids.values()), grace=2.0)
+            files.tidy(report_dir)
+            return 1
+        stopped = stop_finding(report_dir, out_dir, native, env.world_size, local_only=True)
+        if stopped is not None:
+            # torchrun passed a stop signal on: its store goes down with node 0's agent, so each node reports its
+            # own ranks in node-<host>/ (`distcheck report` merges them), naming no other node's rank.
+            dead = stopped.detail["died_first"]
+            note = (f"{format_ranks(dead)} ended first; torchrun stopped the others" if dead
+                    else f"stopped from outside by {stopped.detail['stopped_by']}")
+            write_node_report(report_dir, out_dir, [stopped], env.world_size, timeout, time.monotonic() - started,
+                              "stopped", note, running=set(stopped.detail["stopped_ranks"]), ranks=set(env.ranks))
+            files.tidy(report_dir)
+            return 1
+        if env.reports:
+            if 0 in seen and not _written_since(Path(report_dir), started_wall):
+                # Rank 0 died before it could write the report: the job's report, from every node's summary.
+                write_job_report(report_dir, env, channel, native, timeout, time.monotonic() - started,
+                                 started_wall, hung=False, note="rank 0 ended before writing the report")
+                files.tidy(report_dir)
+                return 1
+            if _written_since(Path(report_dir), started_wall):
+                channel.publish_report(host, str(Path(report_dir).resolve() / files.REPORT_TXT))
+            return 0
+        if seen:
+            channel.publish(summarize_node(env, report_dir, set(), final=True))
+            # torchrun's agents wait for each other at exit (300 s), so the report comes within that.
+            waited = 300.0
+            location = wait_for_report(channel, link, time.monotonic() + waited)
+            _say(where_line(location, waited, env, gone=channel.broken))
+        return 0
+    finally:
+        link.stop.set()
+        cancel.set()
+        if env.reports:
+            from distcheck.supervise.node_exchange import mirror_path
+
+            mirror_path(report_dir).unlink(missing_ok=True)
+
+
+def _parent_of(pid: int) -> int | None:
+    """The parent of local rank 0: torchrun's agent on this node (its ranks' traces name it as their ppid)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("PPid:"):
+                return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def _traced_under(report_dir: str, rank: int, agent: int | None) -> bool:
+    """Whether the rank's trace (its first line, the meta record) comes from a rank of this torchrun agent."""
+    try:
+        with open(files.rank_file(report_dir, "trace", rank), "rb") as fh:
+            meta = json.loads(fh.readline() or b"{}")
+    except (OSError, ValueError):
+        return False
+    return agent is not None and meta.get("ppid") == agent
+
+
+def _say(line: str) -> None:
+    sys.stderr.write(line)
+    sys.stderr.flush()
+
+
+def write_job_report(report_dir: str, env: NodeEnv, channel: StoreChannel, native: bool, timeout: float, seconds: float,
+                     started_wall: float, hung: bool, note: str) -> None:
+    """Node 0's report of the whole job: its own ranks' files, and every other node's summary gathered through
+    the store with a deadline. The stacks of all nodes are grouped together into the one hang finding; a node
+    that sent nothing is named once."""
+    from distcheck.analysis.hang import diagnose
+    from distcheck.analysis.progress import progress_by_rank
+    from distcheck.analysis.trace_events import load_traces
+    from distcheck.contract.findings import CheckResult
+    from distcheck.contract.report import Report, render_text, write_report
+    from distcheck.supervise import run_report
+    from distcheck.supervise.node_exchange import (GATHER_TIMEOUT, merge_stack_documents, merge_summaries,
+                                                   nodes_json, silent_nodes_finding, stacks_from_document)
+    from distcheck.supervise.stacks import load_stacks_document, write_stack_artifacts
+
+    out_dir = Path(report_dir) / f"node-{env.host}"
+    others = [n for n in range(env.nnodes) if n != env.node]
+    began = time.monotonic()
+    got = channel.gather(others, began + GATHER_TIMEOUT, ready=lambda s: s.final or (s.hung and s.stacks is not None
+                                                                                    or s.hung and bool(s.note)))
+    waited = time.monotonic() - began
+    merged = merge_summaries(got, others, env.node_ranks, hung)
+    log.info("summaries from %d of %d other nodes after %.1fs", len(got), len(others), waited)
+    traces = {r: t for r, t in load_traces(report_dir).items() if r in set(env.ranks)}
+    progress = progress_by_rank(traces)
+    progress.update(merged.progress)
+    findings = []
+    if hung:
+        docs = []
+        local_stacks = out_dir / files.STACKS_JSON
+        if local_stacks.exists():
+            docs.append(load_stacks_document(local_stacks))
+        docs += [stacks_from_document(d) for d in merged.stack_docs]
+        stacks, errors, _, clashes = merge_stack_documents(docs)
+        diag = diagnose(stacks, progress, env.world_size, timeout,
+                        {e.rank: e.message for e in errors if e.rank is not None}, f"no progress for {timeout:g}s: ")
+        hang = diag.to_finding(stacks, progress, [e.message for e in errors] + clashes + merged.notes)
+        hosts = {env.host: env.ranks, **{merged.hosts[n]: env.node_ranks(n) for n in merged.hosts}}
+        hang.detail["artifacts"] = write_stack_artifacts(
+            report_dir, stacks, errors, native, progress, f"distcheck watchdog: no progress for {timeout:g}s "
+            f"(stacks of {len(hosts)} nodes: {', '.join(sorted(hosts))})", files.STACKS_STEM, diag.groups,
+            diag.message)
+        findings.append(hang)
+    silent = silent_nodes_finding(merged.silent, waited, f"{env.store_host}:{env.store_port}")
+    if silent is not None:
+        findings.append(silent)
+    running = set(local_ranks(report_dir, env.host)) if hung else set()
+    outcomes = {r: o for r, o in run_report.outcomes_from_traces(traces, env.world_size, hung, running).items()
+                if r in set(env.ranks)}
+    outcomes.update(merged.outcomes)
+    report = _report_so_far(Path(report_dir), started_wall)
+    if report is not None:  # consistency wrote what completed before: keep it, with the diagnosis added
+        report.findings = [f for f in report.findings if not f.detail.get("partial")] + findings
+        report.checks.append(CheckResult("watchdog" if hung else "report", False, 0.0, note=note))
+    elif traces:
+        report = run_report.build_report(Path(report_dir), command_of(traces), env.world_size, traces, outcomes,
+                                         timeout, seconds, hang_findings=findings[:1] if hung else None,
+                                         stop_reason=note, remote=merged)
+        # The run analysis keeps a hang finding only where a rank still ran: these are the job's own findings.
+        report.findings += [f for f in findings if f not in report.findings]
+    else:
+        report = Report(command="distcheck (under torchrun)", world_size=env.world_size, findings=findings,
+                        checks=[CheckResult("watchdog" if hung else "report", False, 0.0, note=note)])
+    if hung:
+        report.artifacts.update({files.STACKS_TXT: files.STACKS_TXT, files.STACKS_JSON: files.STACKS_JSON})
+    report.artifacts.setdefault(f"node-{env.host}", f"node-{env.host}")  # this node's own stacks
+    # The other nodes' files stay on their nodes: where, by host.
+    report.data["nodes"] = nodes_json(merged, env, str(Path(report_dir).resolve()))
+    write_report(report, Path(report_dir))
+    channel.publish_report(env.host, str(Path(report_dir).resolve() / files.REPORT_TXT))
+    channel.await_report_seen(len(others) - len(merged.silent), time.monotonic() + 3.0)
+    for f in findings:
+        log.warning("[%s] %s", f.kind, f.message)
+    _say(render_text(report, Path(report_dir)))
+
+
 def _written_since(out_dir: Path, since: float) -> bool:
     try:
         return (out_dir / files.REPORT_JSON).stat().st_mtime >= since - 1.0
@@ -164,9 +411,10 @@ def _written_since(out_dir: Path, since: float) -> bool:
         return False
 
 
-def stop_finding(report_dir: str, out_dir: Path, native: bool, world_size: int | None):
+def stop_finding(report_dir: str, out_dir: Path, native: bool, world_size: int | None, local_only: bool = False):
     """The ``hang`` finding for ranks that dumped their stacks on a stop signal (rank/stack_hooks.py), or None
-    when no rank of this node got one (or every rank had finished its script anyway)."""
+    when no rank of this node got one (or every rank had finished its script anyway). ``local_only``: the other
+    ranks are on other nodes, not missing."""
     from distcheck.analysis.hang import diagnose
     from distcheck.analysis.stack_groups import RankStack, parse_faulthandler
     from distcheck.analysis.trace_events import load_traces
@@ -201,7 +449,7 @@ def stop_finding(report_dir: str, out_dir: Path, native: bool, world_size: int |
                   f"finishing its script: ")
     else:
         prefix = f"the run was stopped from outside by {cause} (torchrun passed it on to the ranks): "
-    diag = diagnose(stacks, progress, world_size, None, {}, prefix)
+    diag = diagnose(stacks, progress, None if local_only else world_size, None, {}, prefix)
     finding = diag.to_finding(stacks, progress)
     finding.detail["stopped_by"] = cause
     finding.detail["stopped_ranks"] = dumped
@@ -214,8 +462,9 @@ def stop_finding(report_dir: str, out_dir: Path, native: bool, world_size: int |
 
 def write_node_report(report_dir: str, out_dir: Path, findings: list, world_size: int, timeout: float,
                       seconds: float, check_name: str, note: str, check_seconds: float = 0.0,
-                      running: set[int] | None = None) -> None:
-    """This node's report on a hang or a stop signal, printed to the console (stderr) too.
+                      running: set[int] | None = None, ranks: set[int] | None = None) -> None:
+    """This node's report on a hang or a stop signal, printed to the console (stderr) too. ``ranks``: this node's
+    ranks where the others' files are on other nodes (their outcomes are not this node's to tell).
 
     A command that wrote a partial report (consistency: what completed before) keeps it, with the diagnosis added;
     for ``run`` the whole run report is built from the ranks' files, as rank 0 would have built it.
@@ -235,6 +484,9 @@ def write_node_report(report_dir: str, out_dir: Path, findings: list, world_size
         if running is None:  # a hang: every rank without an exit line was still running
             running = {r for r, t in traces.items() if t.finished is None}
         outcomes = run_report.outcomes_from_traces(traces, world_size, True, running)
+        if ranks is not None:
+            traces = {r: t for r, t in traces.items() if r in ranks}
+            outcomes = {r: o for r, o in outcomes.items() if r in ranks}
         report = run_report.build_report(Path(report_dir), command_of(traces), world_size, traces, outcomes,
                                          timeout, seconds, hang_findings=findings, stop_reason=note)
     else:
@@ -257,10 +509,10 @@ def command_of(traces: dict) -> str:
     return "distcheck (under torchrun)"
 
 
-def _report_so_far(out_dir: Path):
+def _report_so_far(out_dir: Path, since: float | None = None):
     from distcheck.contract.report import load_report
 
-    if not (out_dir / "report.json").exists():
+    if not (out_dir / "report.json").exists() or since is not None and not _written_since(out_dir, since):
         return None
     try:
         return load_report(out_dir)
@@ -274,13 +526,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, required=True)
     parser.add_argument("--native", action="store_true")
     parser.add_argument("--parent", type=int, default=0, help="pid of the rank that started this watcher")
+    parser.add_argument("--agent", type=int, default=None, help="pid of torchrun's agent (the ranks' parent)")
     parser.add_argument("--world-size", type=int, default=None)
     parser.add_argument("--local-world-size", type=int, default=None)
     parser.add_argument("--log", default=None, help="log file (default: stderr)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=f"[distcheck watcher {socket.gethostname()}] %(message)s",
                         filename=args.log)
-    return watch(args.report_dir, args.timeout, args.native, args.parent, args.world_size, args.local_world_size)
+    return watch(args.report_dir, args.timeout, args.native, args.parent, args.world_size, args.local_world_size,
+                 args.agent)
 
 
 if __name__ == "__main__":

@@ -45,8 +45,12 @@ def outcome_from_trace(rank: int, trace: RankTrace | None) -> RankOutcome | None
 def build_report(report_dir: Path, command: str, world_size: int, traces: dict[int, RankTrace],
                  outcomes: dict[int, RankOutcome], timeout: float, seconds: float,
                  hang_findings: list[Finding] | None = None, stop_reason: str | None = None,
-                 warnings: list[Note] | None = None) -> Report:
+                 warnings: list[Note] | None = None, remote: Any = None) -> Report:
+    """``remote``: what the other nodes sent (supervise/node_exchange.MergedNodes) when the ranks run on several
+    nodes and ``traces`` hold this node's only: their ranks' progress and stderr tails join this node's."""
     progress = progress_by_rank(traces)  # once per rank, for every finding and the report's counts
+    if remote is not None:
+        progress.update({r: p for r, p in remote.progress.items() if r not in traces})
     findings = analyze_run(traces, outcomes, world_size, timeout=timeout, hang_findings=hang_findings,
                            progress=progress)
     findings = merge_mesh_errors(findings + findings_file.collect(report_dir))
@@ -58,6 +62,13 @@ def build_report(report_dir: Path, command: str, world_size: int, traces: dict[i
     findings = [f for f in findings if not ((f.kind, tuple(f.ranks), f.message) in seen
                                             or seen.add((f.kind, tuple(f.ranks), f.message)))]
     add_stderr_tails(report_dir, findings, traces)
+    if remote is not None:
+        findings = without_contradicted(findings, remote, set(traces))
+        for f in findings:
+            if f.kind in ("rank_failure", "hang"):
+                tails = {str(r): remote.stderr_tails[r] for r in f.ranks if r in remote.stderr_tails}
+                if tails:
+                    f.detail.setdefault("stderr_tail", {}).update(tails)
     mismatch = any(f.kind == "collective_mismatch" for f in findings)
     failed = any(o.state != STATE_OK for o in outcomes.values())
     checks = [CheckResult("collective_order", not mismatch, seconds),
@@ -83,6 +94,28 @@ def build_report(report_dir: Path, command: str, world_size: int, traces: dict[i
     return Report(command=command, world_size=world_size, findings=findings, checks=checks, artifacts=artifacts,
                   data={"ranks": outcomes_json, "collectives": {str(r): p.started for r, p in progress.items()}},
                   warnings=list(warnings or []) + incomplete_notes(traces))
+
+
+def without_contradicted(findings: list[Finding], remote: Any, local: set[int]) -> list[Finding]:
+    """Drop a collective_mismatch that says ranks of another node issued fewer collectives only because their
+    traces are on that node: their progress summary says how many they issued on the group."""
+    out = []
+    for f in findings:
+        counts = f.detail.get("counts") if f.kind == "collective_mismatch" else None
+        group = f.detail.get("group_name")
+        if counts and any(int(r) not in local for r in counts):
+            from distcheck.analysis.progress import GroupProgress
+
+            issued = {}
+            for r in map(int, counts):
+                p = remote.progress.get(r)
+                if r not in local and p is not None:
+                    g: GroupProgress | None = p.groups.get(str(group)) if group is not None else None
+                    issued[r] = g.issued if g is not None else p.started
+            if issued and len({*issued.values(), *(int(v) for k, v in counts.items() if int(k) in local)}) == 1:
+                continue
+        out.append(f)
+    return out
 
 
 def incomplete_notes(traces: dict[int, RankTrace]) -> list[Note]:

@@ -8,6 +8,9 @@ finished, died or provably cannot progress, it builds and writes the report (sup
 a marker file. The thread in the other ranks ends its rank once the marker appears while the script is still
 stuck in it. The node watcher (supervise/node_watcher.py), a process outside the ranks, diagnoses a hang at
 ``--timeout`` with every rank's stack; this loop's own hang limit is the backstop for when it cannot.
+
+On several nodes the other nodes' traces are on those nodes: how their ranks ended and how far they got comes
+from node 0's watcher, which mirrors what they sent through torchrun's store (supervise/node_exchange.py).
 """
 from __future__ import annotations
 
@@ -42,6 +45,12 @@ class TorchrunMonitor(threading.Thread):
         self.exit_code = 1
         self.started_at = time.monotonic()
         self._cache: tuple[tuple, dict[int, RankTrace]] | None = None
+        first = int(os.environ.get("RANK", rank)) - int(os.environ.get("LOCAL_RANK", 0))
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        # This node's ranks; the others' files are on their nodes (multi-node: LOCAL_WORLD_SIZE < WORLD_SIZE).
+        self.local_ranks = set(range(first, first + local)) if local < world_size else set(range(world_size))
+        self.multi_node = local < world_size
+        self._mirror_cache: tuple[tuple, object] | None = None
 
     def run(self) -> None:
         try:
@@ -79,40 +88,132 @@ class TorchrunMonitor(threading.Thread):
         return self._cache[1]
 
     def _running(self, traces: dict[int, RankTrace]) -> dict[int, int]:
-        """Ranks whose trace has no exit line and whose process (same node: pid from the trace) still runs."""
+        """Ranks whose trace has no exit line and whose process (same node: pid from the trace) still runs; on
+        several nodes also the other nodes' ranks not known to have ended."""
         out = {}
         for r, t in traces.items():
             pid = t.meta.get("pid")
             if t.finished is None and _pid_alive(pid):
                 out[r] = pid if isinstance(pid, int) else 0
+        if self.multi_node:
+            ended = self._remote_ended()
+            out.update({r: 0 for r in range(self.world_size) if r not in self.local_ranks and r not in ended})
         return out
 
     def _finished(self) -> set[int]:
         traces = self._traces()
         running = self._running(traces)
-        return {r for r in traces if r not in running}
+        done = {r for r in traces if r not in running}
+        if self.multi_node:
+            done |= self._remote_ended()
+        return done
+
+    def _stuck(self, done: set[int]) -> str | None:
+        # Only this node's finished ranks can prove a wait hopeless from the traces here; the other nodes' ranks
+        # prove it from what their nodes sent (their exit states and per-group counts).
+        traces = self._traces()
+        why = provably_stuck(traces, done & self.local_ranks)
+        mirror = self._mirror()
+        if why is None and mirror is not None:
+            from distcheck.analysis.progress import progress_by_rank
+            from distcheck.supervise.node_exchange import merge_summaries, stuck_on_remote
+
+            size = len(self.local_ranks)
+            merged = merge_summaries(mirror.summaries, mirror.nodes, lambda n: list(range(n * size, (n + 1) * size)),
+                                     False)
+            why = stuck_on_remote(progress_by_rank(traces), mirror.states(), merged.progress)
+        return why
+
+    def _mirror(self):
+        """Node 0's watcher's copy of the other nodes' summaries, re-read only when it was rewritten (this runs in
+        rank 0, several times a poll)."""
+        from distcheck.supervise.node_exchange import mirror_path, read_mirror
+
+        if not self.multi_node:
+            return None
+        path = mirror_path(self.report_dir)
+        try:
+            st = path.stat()
+        except OSError:
+            return None
+        key = (st.st_mtime_ns, st.st_size, st.st_ino)
+        if self._mirror_cache is None or self._mirror_cache[0] != key:
+            self._mirror_cache = (key, read_mirror(path))
+        return self._mirror_cache[1]
+
+    def _remote_ended(self) -> set[int]:
+        from distcheck.supervise.node_exchange import RUNNING
+
+        mirror = self._mirror()
+        if mirror is None:
+            return set()
+        return {r for r, s in mirror.states().items() if s.state != RUNNING and r not in self.local_ranks}
 
     def _finalize(self) -> None:
         timeout = self.opts.timeout
-        loop = WatchLoop(self.report_dir, backstop(timeout), expected=self.world_size,
-                         live=lambda: self._running(self._traces()), finished=self._finished,
-                         should_stop=lambda done: provably_stuck(self._traces(), done),
-                         startup_timeout=max(backstop(timeout), STARTUP_TIMEOUT), poll=0.2)
-        result = loop.run()
+        while True:
+            loop = WatchLoop(self.report_dir, backstop(timeout), expected=self.world_size,
+                             live=lambda: self._running(self._traces()), finished=self._finished,
+                             should_stop=self._stuck,
+                             startup_timeout=max(backstop(timeout), STARTUP_TIMEOUT), poll=0.2,
+                             ranks=sorted(self.local_ranks))
+            result = loop.run()
+            mirror = self._mirror()
+            if (result.state == HUNG and mirror is not None
+                    and time.time() - mirror.progressed_at < backstop(timeout)):
+                continue  # this node is idle, another node's ranks still progress
+            break
         traces = self._traces()
         if stopped_from_outside(self.report_dir, traces):
             # torchrun passed a stop signal on: the node watcher, outside the ranks, reports it with every stack.
             hard_exit(1)
         running = set(self._running(traces))
         outcomes = run_report.outcomes_from_traces(traces, self.world_size, result.state == HUNG, running)
+        remote = None
+        if self.multi_node:
+            from distcheck.supervise.node_exchange import merge_summaries
+
+            mirror = self._mirror()
+            if mirror is not None:
+                local_size = len(self.local_ranks)
+                remote = merge_summaries(mirror.summaries, mirror.nodes,
+                                         lambda n: list(range(n * local_size, (n + 1) * local_size)),
+                                         result.state == HUNG)
+                outcomes.update(remote.outcomes)
+                remote.silent.clear()  # not gathered with a deadline: the node watcher names a silent node
         report = run_report.build_report(self.report_dir, self.opts.command, self.world_size, traces, outcomes,
                                          timeout, time.monotonic() - self.started_at,
-                                         stop_reason=result.stop_reason if result.state == STOPPED else None)
+                                         stop_reason=result.stop_reason if result.state == STOPPED else None,
+                                         remote=remote)
+        if remote is not None:
+            import socket
+
+            from distcheck.supervise.node_exchange import NodeEnv, nodes_json
+
+            env = NodeEnv.from_env(os.environ, socket.gethostname())
+            if env is not None:
+                report.data["nodes"] = nodes_json(remote, env, str(self.report_dir.resolve()))
         self.exit_code = run_report.publish(report, self.report_dir)
+        if self.multi_node:
+            self._tell_other_nodes()
         self.done_marker.write_text("done\n")
         if not self.main_done.is_set():
             time.sleep(0.5)  # let the other ranks see the marker
             hard_exit(self.exit_code)
+
+
+    def _tell_other_nodes(self) -> None:
+        """Where the report is, for the other nodes' watchers to print: from here, before this rank ends, since
+        torchrun's store ends with this node's agent right after (one store call, bounded)."""
+        import socket
+
+        from distcheck.supervise.node_exchange import NodeEnv, StoreChannel
+
+        env = NodeEnv.from_env(os.environ, socket.gethostname())
+        channel = StoreChannel.connect(env, timeout=2.0) if env is not None else None
+        if channel is not None:
+            channel.publish_report(env.host, str(self.report_dir.resolve() / "report.txt"))
+            channel.await_report_seen(env.nnodes - 1, time.monotonic() + 3.0)
 
 
 def stopped_from_outside(report_dir: Path, traces: dict[int, RankTrace]) -> bool:

@@ -1,11 +1,22 @@
-"""The multi-node path on one machine: two torchrun agents (--nnodes 2, c10d rendezvous on 127.0.0.1) run
-`distcheck consistency` together, as two nodes would (launch/multi_node.sh does the same on a real cluster)."""
+"""The multi-node path on one machine: two torchrun agents (--nnodes 2, c10d rendezvous on 127.0.0.1) run together,
+as two nodes would (launch/multi_node.sh does the same on a real cluster).
+
+The `run` tests give each agent a node of its own: its own UTS and mount namespace (``unshare --uts --mount``), so
+each has its own hostname (node-a, node-b, both resolvable through a bind-mounted hosts file) and its own
+node-local ``--report-dir``. One complete report must come from the node of global rank 0, with no rank called
+failed or "not found" because its files are on the other node.
+"""
 import os
+import shutil
 import signal
 import socket
 import subprocess
+import uuid
+from pathlib import Path
 
-from launch_helpers import BIN, env_for_ranks, load_report
+import pytest
+
+from launch_helpers import BIN, FIXTURES, FRESH, TAG, env_for_ranks, load_report, tagged
 
 
 def free_port() -> int:
@@ -40,3 +51,98 @@ def test_two_agents_c10d_rendezvous(tmp_path):
     assert report["ok"] and report["world_size"] == 2
     ranks_env = report["environment"]
     assert set(ranks_env) == {"0", "1"}
+
+
+HOSTS = ("node-a", "node-b")
+
+
+def unshare_refused() -> str | None:
+    """Why two namespaced "nodes" cannot be made here (not root, no user namespaces), or None."""
+    if shutil.which("unshare") is None:
+        return "unshare is not installed"
+    try:
+        probe = subprocess.run(["unshare", "--uts", "--mount", "true"], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"unshare failed: {exc}"
+    return None if probe.returncode == 0 else f"unshare --uts --mount is not permitted: {probe.stderr.strip()}"
+
+
+def run_two_nodes(tmp_path: Path, script: str, timeout: float, tag: str) -> dict[str, str]:
+    """Two torchrun agents, one per namespaced node, each with 1 rank and a node-local report dir
+    (tmp_path/<host>); the consoles by host."""
+    hosts_file = tmp_path / "hosts"
+    hosts_file.write_text("127.0.0.1 localhost\n" + "".join(f"127.0.0.1 {h}\n" for h in HOSTS))
+    port = free_port()
+    procs = {}
+    for host in HOSTS:
+        torchrun = [str(BIN / "torchrun"), "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+                    "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"mn-{port}", "-m", "distcheck", "run",
+                    "--timeout", str(timeout), "--report-dir", str(tmp_path / host), "--", str(FIXTURES / script)]
+        inner = f"hostname {host} && mount --bind {hosts_file} /etc/hosts && exec \"$@\""
+        procs[host] = subprocess.Popen(["unshare", "--uts", "--mount", "bash", "-c", inner, "node", *torchrun],
+                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                       env=env_for_ranks({TAG: tag, **FRESH}), start_new_session=True)
+    consoles = {}
+    try:
+        for host, proc in procs.items():
+            consoles[host] = proc.communicate(timeout=240)[0]
+    finally:
+        for proc in procs.values():
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait(timeout=10)
+    return consoles
+
+
+def one_report(tmp_path: Path, consoles: dict[str, str]) -> tuple[str, dict]:
+    """The host whose report dir holds the job's report (the node of global rank 0), and that report; the other
+    node printed one line naming it."""
+    written = [h for h in HOSTS if (tmp_path / h / "report.json").exists()]
+    assert len(written) == 1, (written, consoles)
+    host = written[0]
+    other = next(h for h in HOSTS if h != host)
+    report_txt = tmp_path / host / "report.txt"
+    assert f"distcheck: the report of this job is on {host}: {report_txt}" in consoles[other], consoles[other]
+    assert "distcheck FAILED (" not in consoles[other] and "distcheck PASSED" not in consoles[other]
+    return host, load_report(tmp_path / host)
+
+
+def test_two_nodes_one_report_names_the_stuck_rank_and_the_waiting_collective(tmp_path):
+    reason = unshare_refused()
+    if reason:
+        pytest.skip(reason)
+    tag = f"multinode-{uuid.uuid4().hex[:8]}"
+    consoles = run_two_nodes(tmp_path, "hang_python.py", 8, tag)
+    host, report = one_report(tmp_path, consoles)
+    assert not report["ok"] and report["world_size"] == 2
+    kinds = [f["kind"] for f in report["findings"]]
+    assert "rank_failure" not in kinds and kinds == ["hang"], report["findings"]
+    (hang,) = report["findings"]
+    assert hang["ranks"] == [1]
+    assert hang["message"] == ("no progress for 8s: rank 1 is in load_shard (hang_python.py:23) while rank 0 waits "
+                               "in all_reduce #2 (hang_python.py:33)")
+    assert hang["detail"]["file"].endswith("hang_python.py") and hang["detail"]["line"] == 23
+    assert "not found" not in (tmp_path / host / "report.txt").read_text()
+    # The stacks of both nodes are in the report's stacks; each node's own dump stays there, named by host.
+    assert {s["host"] for s in hang["detail"]["stacks"].values()} == set(HOSTS)
+    for h in HOSTS:
+        assert (tmp_path / h / f"node-{h}" / "stacks.txt").exists()
+    assert set(report["nodes"]) == set(HOSTS)
+    assert report["nodes"][host]["report_dir"] == str(tmp_path / host)
+    assert tagged(tag) == []
+
+
+def test_two_nodes_without_a_bug_pass_with_every_rank_accounted_for(tmp_path):
+    reason = unshare_refused()
+    if reason:
+        pytest.skip(reason)
+    tag = f"multinode-{uuid.uuid4().hex[:8]}"
+    consoles = run_two_nodes(tmp_path, "hang_none.py", 10, tag)
+    host, report = one_report(tmp_path, consoles)
+    assert report["ok"], report["findings"]
+    assert report["ranks"] == {"0": {"state": "ok", "exit_code": 0, "signal": None},
+                               "1": {"state": "ok", "exit_code": 0, "signal": None}}
+    assert report["collectives"] == {"0": 14, "1": 14}  # rank 1's count came from its node
+    assert tagged(tag) == []

@@ -70,7 +70,7 @@ def test_github_annotations(tmp_path, cli, monkeypatch):
     assert cli(["report", str(failed_check), "--format", "github"]).stdout == "::error::check collectives failed\n"
 
 
-def node_dir(root: Path, name: str, host: str, where: dict[int, tuple[str, int]]) -> Path:
+def node_dir(root: Path, name: str, host: str, where: dict[int, tuple[str, int]], world_size: int = 4) -> Path:
     """A per-node `distcheck stacks --report-dir` output: ranks in all_reduce at train.py:88 unless told otherwise."""
     d = root / name
     d.mkdir()
@@ -80,7 +80,7 @@ def node_dir(root: Path, name: str, host: str, where: dict[int, tuple[str, int]]
         if func == "train_step":
             frames.insert(0, Frame("all_reduce", TORCH, 2806))
         stacks.append(RankStack(rank, 100 + rank, host, "py-spy", [ThreadStack(str(100 + rank), "MainThread", frames, True)],
-                                world_size=4))
+                                world_size=world_size))
     errors = [DumpError(999, "no_such_process", "pid 999: no such process (it is not running)")]
     artifacts = write_stack_artifacts(d, stacks, errors, title=f"distcheck stacks on {host}")
     write_report(Report(command=f"distcheck stacks (on {host})", world_size=4, artifacts=artifacts), d)
@@ -152,3 +152,62 @@ def test_a_report_json_off_the_contract_is_exit_2_naming_the_field_never_passed(
     res = cli(["report", str(tmp_path)])
     assert res.returncode == 2 and res.stderr.count("\n") == 1 and "PASSED" not in res.stdout
     assert "is not a distcheck report: " + problem in res.stderr and "Traceback" not in res.stderr
+
+
+def partial_node_report(root: Path, host: str, rank: int, other: int, func: str, line: int,
+                        extra: list[Finding] = ()) -> Path:
+    """What each node wrote on its own before the exchange (issue 26): its rank's stacks, the hang seen from there,
+    and a rank_failure for the other node's rank, whose files it could not see ("ended without finishing")."""
+    d = node_dir(root, f"node-{host}", host, {rank: (func, line)}, world_size=2)
+    report = json.loads((d / "report.json").read_text())
+    report["command"] = "distcheck run --timeout 8 -- train.py"
+    report["world_size"] = 2
+    report["ok"] = False
+    report["findings"] = [
+        Finding("rank_failure", [other], f"rank {other} ended without finishing its script: os._exit or a signal "
+                f"(exit code None)", {"exit_code": None, "signal": None}).to_json(),
+        Finding("hang", [rank], f"no progress for 8s: rank {rank} is in {func}; rank {other} not found", {}).to_json(),
+        *[f.to_json() for f in extra]]
+    report["checks"] = [{"name": "collective_order", "ok": True, "seconds": 8.9},
+                        {"name": "ranks_completed", "ok": False, "seconds": 0.0, "note": "no progress for 8s"}]
+    report["artifacts"][f"trace-rank{rank}"] = f"trace-rank{rank}.jsonl"
+    report["ranks"] = {str(rank): {"state": "hung", "exit_code": None, "signal": None},
+                       str(other): {"state": "died", "exit_code": None, "signal": None}}
+    (d / "report.json").write_text(json.dumps(report))
+    return d
+
+
+def test_merge_of_per_node_reports_lists_each_check_once_and_drops_contradicted_failures(tmp_path, cli):
+    a = partial_node_report(tmp_path, "a", 0, 1, "train_step", 88)
+    b = partial_node_report(tmp_path, "b", 1, 0, "load_shard", 41)
+    res = cli(["report", str(a), str(b), "--format", "json"])
+    assert res.returncode == 1, res.output
+    merged = json.loads(res.stdout)
+    assert [c["name"] for c in merged["checks"]] == ["collective_order", "ranks_completed"]
+    assert [c["ok"] for c in merged["checks"]] == [True, False]
+    (hang,) = merged["findings"]  # both nodes' "rank N ended without finishing" are contradicted: both were dumped
+    assert hang["kind"] == "hang" and hang["ranks"] == [1]
+    assert hang["message"] == "rank 1 is in load_shard (train.py:41) while rank 0 waits in all_reduce (train.py:88)"
+    text = cli(["report", str(a), str(b)]).stdout
+    assert text.count("ranks_completed") == 1 and "rank_failure" not in text and "not found" not in text
+
+
+def test_merge_keeps_a_failure_the_merged_view_confirms(tmp_path, cli):
+    # Rank 1 raised on its own node (a traceback, first-hand): kept, whatever the other node saw.
+    raised = Finding("rank_failure", [1], "rank 1 raised ValueError: bad sample at train.py:41",
+                     {"exception": "ValueError", "file": "/p/train.py", "line": 41})
+    a = partial_node_report(tmp_path, "a", 0, 1, "train_step", 88)
+    b = partial_node_report(tmp_path, "b", 1, 0, "load_shard", 41, extra=[raised])
+    kinds = [(f["kind"], f["ranks"]) for f in json.loads(cli(["report", str(a), str(b), "--format", "json"]).stdout)
+             ["findings"]]
+    assert kinds == [("hang", [1]), ("rank_failure", [1])]
+    # Rank 1 died on its own node (its report holds its trace and says died, and no dump shows it): kept.
+    c = make_dir(tmp_path / "c", [Finding("rank_failure", [1], "rank 1 died from SIGKILL", {"signal": "SIGKILL"})])
+    report = json.loads((c / "report.json").read_text())
+    report["artifacts"]["trace-rank1"] = "trace-rank1.jsonl"
+    report["ranks"] = {"1": {"state": "died", "exit_code": -9, "signal": "SIGKILL"}}
+    (c / "report.json").write_text(json.dumps(report))
+    d = make_dir(tmp_path / "d", [Finding("rank_failure", [1], "rank 1 ended without finishing its script", {})])
+    merged = json.loads(cli(["report", str(c), str(d), "--format", "json"]).stdout)
+    assert [f["message"] for f in merged["findings"]] == ["rank 1 died from SIGKILL",
+                                                          "rank 1 ended without finishing its script"]

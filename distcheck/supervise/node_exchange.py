@@ -1,0 +1,627 @@
+"""Many nodes, one report: the node watchers exchange what the report needs through torchrun's rendezvous store.
+
+    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29400 -m distcheck run -- train.py
+
+Each node's watcher (supervise/node_watcher.py) reads only its own node's files. Under torchrun every node already
+reaches one TCPStore: the agent of node 0 (the node of global rank 0) hosts it at MASTER_ADDR:MASTER_PORT for the
+ranks' process group. The watchers connect to it as clients, under a key prefix of their own
+(``distcheck/<run id>/<restart>/``), every call bounded by a timeout, and never touch the ranks' keys.
+
+What travels is bounded per node, whatever the job's length: a :class:`NodeSummary` holds the node's ranks' exit
+states (with a failed rank's error and the last lines of its stderr), each rank's progress summary
+(analysis/progress.RankProgress: last started/completed collective, the one it waits on, per-group counts) and,
+after a hang, the node's grouped stacks (its stacks.json document, whose distinct stacks are stored once with the
+ranks' ranges). Three small counters and flags make the rest O(1) per poll and per node: a progress counter each
+node bumps when its ranks' traces grow (so no node declares a hang while another still progresses), a hang flag
+(the first node to see the job hung makes every node dump at once) and the report's location (node 0 writes the
+one complete report; every other node prints one line saying where it is).
+
+Node 0 gathers the summaries with a deadline; a node that sent nothing by then is named once ("node 3 sent
+nothing"), never each of its ranks as failed. The merge itself (:func:`merge_summaries`,
+:func:`merge_stack_documents`) is pure and shared with ``distcheck report DIR...`` (commands/report.py).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+from distcheck.analysis.progress import RankProgress
+from distcheck.analysis.trace_align import (STATE_DIED, STATE_ERROR, STATE_HUNG, STATE_OK, STATE_STOPPED,
+                                            RankOutcome)
+from distcheck.analysis.trace_events import RankError
+from distcheck.contract.findings import Finding, format_ranks
+
+log = logging.getLogger("distcheck")
+
+SUMMARY_FORMAT = 1
+STORE_TIMEOUT = 5.0  # seconds any one store call may take (the store is one TCP round trip away)
+GATHER_TIMEOUT = 30.0  # how long node 0 waits for the other nodes' summaries after a hang or at the end
+MAX_SUMMARY_BYTES = 4 << 20  # a node's summary, stacks included; past it the stacks stay on the node
+POLL = 1.0  # seconds between a watcher's store polls: a few small calls per node and second
+RUNNING = "running"
+
+
+# --- the records that travel ----------------------------------------------------------------------------------
+
+
+@dataclass
+class NodeEnv:
+    """Where this node is in the job, from the torchrun environment the watcher inherited from local rank 0."""
+
+    node: int  # torchrun's GROUP_RANK
+    nnodes: int
+    first_rank: int
+    local_world_size: int
+    world_size: int
+    host: str
+    store_host: str
+    store_port: int
+    prefix: str
+
+    @property
+    def ranks(self) -> list[int]:
+        return list(range(self.first_rank, self.first_rank + self.local_world_size))
+
+    @property
+    def reports(self) -> bool:
+        """Whether this node writes the job's report: the node of global rank 0."""
+        return self.first_rank == 0
+
+    def node_ranks(self, node: int) -> list[int]:
+        """Another node's ranks: torchrun numbers ranks node by node, LOCAL_WORLD_SIZE each."""
+        return list(range(node * self.local_world_size, (node + 1) * self.local_world_size))
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str], host: str) -> NodeEnv | None:
+        """None unless this is one node of several under torchrun (single-node jobs need no exchange)."""
+        try:
+            world = int(env["WORLD_SIZE"])
+            local = int(env["LOCAL_WORLD_SIZE"])
+            nnodes = int(env.get("GROUP_WORLD_SIZE") or max(1, world // max(local, 1)))
+            node = int(env.get("GROUP_RANK", "0"))
+            first = int(env.get("RANK", "0")) - int(env.get("LOCAL_RANK", "0"))
+            port = int(env["MASTER_PORT"])
+        except (KeyError, ValueError):
+            return None
+        if nnodes <= 1 or world <= local:
+            return None
+        prefix = f"distcheck/{env.get('TORCHELASTIC_RUN_ID', 'run')}/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+        return cls(node, nnodes, first, local, world, host, env.get("MASTER_ADDR", "127.0.0.1"), port, prefix)
+
+
+@dataclass
+class RankState:
+    """How one rank ended (or that it still runs), as its node saw it."""
+
+    rank: int
+    state: str  # RUNNING, or a trace_align STATE_*
+    exit_code: int | None = None
+    signal: str | None = None
+    error: dict[str, Any] | None = None  # analysis/trace_events.RankError's fields
+    stderr_tail: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: v for k, v in dataclasses.asdict(self).items() if v not in (None, [])}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> RankState:
+        return cls(int(d["rank"]), str(d.get("state", RUNNING)), d.get("exit_code"), d.get("signal"),
+                   d.get("error"), list(d.get("stderr_tail") or []))
+
+    def outcome(self, hung: bool) -> RankOutcome:
+        if self.state == RUNNING:
+            return RankOutcome(self.rank, STATE_HUNG if hung else STATE_STOPPED)
+        err = None
+        if self.error:
+            try:
+                err = RankError(**{f.name: self.error.get(f.name) for f in dataclasses.fields(RankError)})
+            except TypeError:
+                err = None
+        return RankOutcome(self.rank, self.state, self.exit_code, self.signal, err)
+
+
+@dataclass
+class NodeSummary:
+    node: int
+    host: str
+    ranks: list[int]
+    states: dict[int, RankState]
+    progress: dict[str, Any] = field(default_factory=dict)  # {rank: RankProgress.to_json()} of the node's ranks
+    stacks: dict[str, Any] | None = None  # the node's stacks.json document, after a hang
+    hung: bool = False
+    final: bool = False  # every rank of the node has ended
+    note: str = ""
+    report_dir: str = ""  # on that node: its ranks' files and its stacks (node-<host>/)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"format": SUMMARY_FORMAT, "node": self.node, "host": self.host, "ranks": self.ranks,
+                "states": [s.to_json() for s in self.states.values()], "progress": self.progress,
+                "stacks": self.stacks, "hung": self.hung, "final": self.final, "note": self.note,
+                "report_dir": self.report_dir}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> NodeSummary:
+        states = [RankState.from_json(s) for s in d.get("states") or []]
+        return cls(int(d["node"]), str(d.get("host", "")), [int(r) for r in d.get("ranks") or []],
+                   {s.rank: s for s in states}, dict(d.get("progress") or {}), d.get("stacks"),
+                   bool(d.get("hung")), bool(d.get("final")), str(d.get("note", "")), str(d.get("report_dir", "")))
+
+    def encode(self, limit: int = MAX_SUMMARY_BYTES) -> bytes:
+        """The JSON, bounded: past ``limit`` the stacks stay on the node (its stacks.json) and a note says so."""
+        data = json.dumps(self.to_json(), separators=(",", ":")).encode()
+        if len(data) <= limit or self.stacks is None:
+            return data
+        slim = dataclasses.replace(self, stacks=None,
+                                   note=(self.note + "; " if self.note else "") +
+                                   f"its stacks ({len(data)} bytes) are too large to send: see stacks.txt on "
+                                   f"{self.host}")
+        return json.dumps(slim.to_json(), separators=(",", ":")).encode()
+
+
+# --- the pure merge -------------------------------------------------------------------------------------------
+
+
+@dataclass
+class MergedNodes:
+    """What the other nodes' summaries add to node 0's view."""
+
+    outcomes: dict[int, RankOutcome] = field(default_factory=dict)
+    progress: dict[int, RankProgress] = field(default_factory=dict)
+    stderr_tails: dict[int, list[str]] = field(default_factory=dict)
+    stack_docs: list[dict[str, Any]] = field(default_factory=list)
+    hosts: dict[int, str] = field(default_factory=dict)  # node -> host
+    dirs: dict[int, str] = field(default_factory=dict)  # node -> its report dir (on that node)
+    silent: dict[int, list[int]] = field(default_factory=dict)  # node -> its ranks, for nodes that sent nothing
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def ranks(self) -> set[int]:
+        return set(self.outcomes)
+
+
+def merge_summaries(summaries: Mapping[int, NodeSummary], expected: Iterable[int],
+                    node_ranks: Callable[[int], list[int]], hung: bool) -> MergedNodes:
+    """The other nodes' ranks' outcomes, progress, stderr tails and stack documents; ``expected``: the nodes whose
+    summary node 0 waited for (a missing one is ``silent``, its ranks in no outcome)."""
+    merged = MergedNodes()
+    for node in sorted(expected):
+        summary = summaries.get(node)
+        if summary is None:
+            merged.silent[node] = node_ranks(node)
+            continue
+        merged.hosts[node] = summary.host
+        merged.dirs[node] = summary.report_dir
+        for rank in summary.ranks:
+            state = summary.states.get(rank, RankState(rank, RUNNING))
+            merged.outcomes[rank] = state.outcome(hung or summary.hung)
+            if state.stderr_tail:
+                merged.stderr_tails[rank] = state.stderr_tail
+        merged.progress.update({int(r): RankProgress.from_json(int(r), p) for r, p in summary.progress.items()})
+        if summary.stacks is not None:
+            merged.stack_docs.append(summary.stacks)
+        if summary.note:
+            merged.notes.append(f"node {node} ({summary.host}): {summary.note}")
+    return merged
+
+
+def stuck_on_remote(local: Mapping[int, RankProgress], states: Mapping[int, RankState],
+                    remote: Mapping[int, RankProgress]) -> str | None:
+    """Why the job can no longer progress, from node 0's view, or None: a rank of this node waits in a collective
+    at a position of its group that a rank of another node, which has ended its script, never reached (its
+    progress summary counts what it issued on the group). The multi-node half of trace_align.provably_stuck,
+    whose traces are all on one node."""
+    for rank, p in sorted(local.items()):
+        ref = p.pending
+        if ref is None or ref.seq is None or not ref.pg:
+            continue
+        for member in ref.pg:
+            state = states.get(member)
+            if member in local or state is None or state.state == RUNNING:
+                continue
+            theirs = remote.get(member)
+            group = theirs.groups.get(ref.group or "") if theirs is not None else None
+            issued = group.issued if group is not None else 0
+            if issued < ref.seq:
+                return (f"rank {rank} waits in {ref.op} #{ref.seq} ({ref.site}), which rank {member} (on another "
+                        f"node) ended without issuing: it issued {issued} on that group")
+    return None
+
+
+def nodes_json(merged: MergedNodes, env: NodeEnv, report_dir: str) -> dict[str, Any]:
+    """report.json's "nodes": where each node's files are (its ranks' traces and its stacks stay there)."""
+    out = {env.host: {"node": env.node, "ranks": format_ranks(env.ranks), "report_dir": report_dir}}
+    for node, host in sorted(merged.hosts.items()):
+        out[host] = {"node": node, "ranks": format_ranks(env.node_ranks(node)), "report_dir": merged.dirs.get(node)}
+    for node, ranks in sorted(merged.silent.items()):
+        out[f"node {node}"] = {"node": node, "ranks": format_ranks(ranks), "report_dir": None}
+    return out
+
+
+def silent_nodes_finding(silent: Mapping[int, list[int]], waited: float, store: str) -> Finding | None:
+    """One finding for every node that sent nothing by the deadline: its ranks' state is unknown, which is not
+    the same as each of them having failed."""
+    if not silent:
+        return None
+    nodes = sorted(silent)
+    ranks = sorted(r for n in nodes for r in silent[n])
+    names = ", ".join(str(n) for n in nodes[:16]) + (f" and {len(nodes) - 16} more" if len(nodes) > 16 else "")
+    message = (f"node{'s' if len(nodes) > 1 else ''} {names} (torchrun's GROUP_RANK; {format_ranks(ranks)}) sent "
+               f"nothing by the deadline ({waited:.0f}s): {'their' if len(nodes) > 1 else 'its'} ranks' state is "
+               f"unknown. The node or its distcheck watcher is down, or cannot reach the rendezvous store at "
+               f"{store}; look at the report dir on that node.")
+    return Finding("rank_failure", ranks, message, {"silent_nodes": {str(n): silent[n] for n in nodes},
+                                                    "waited_seconds": round(waited, 1)})
+
+
+def merge_stack_documents(docs: Sequence[tuple[list, list, dict[str, Any]]]):
+    """Several nodes' stack dumps (supervise/stacks.load_stacks_document's triples) as one: every rank's stack
+    once (a rank dumped on two hosts is a clash, the first kept), the dump errors, each rank's progress."""
+    by_rank: dict[int, Any] = {}
+    clashes: list[str] = []
+    errors: list = []
+    progress: dict[int, RankProgress] = {}
+    for stacks, errs, doc in docs:
+        errors.extend(errs)
+        for s in stacks:
+            if s.rank in by_rank and (by_rank[s.rank].host, by_rank[s.rank].pid) != (s.host, s.pid):
+                clashes.append(f"rank {s.rank} appears on {by_rank[s.rank].host} and {s.host}; kept the first")
+                continue
+            by_rank[s.rank] = s
+        for rank, p in (doc.get("last_collectives") or {}).items():
+            progress[int(rank)] = RankProgress.from_json(int(rank), p)
+    return [by_rank[r] for r in sorted(by_rank)], errors, progress, clashes
+
+
+def stacks_from_document(doc: dict[str, Any]):
+    """stacks.json's document (as sent in a summary) back to (stacks, errors, doc), like load_stacks_document."""
+    import tempfile
+
+    from distcheck.supervise.stacks import load_stacks_document
+
+    # The one reader of stacks.json (either form, both versions of last_collectives) reads a file.
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as fh:
+        json.dump(doc, fh)
+        fh.flush()
+        return load_stacks_document(fh.name)
+
+
+# --- this node's summary, from its files ----------------------------------------------------------------------
+
+
+def summarize_node(env: NodeEnv, report_dir: str | os.PathLike, running: set[int], hung: bool = False,
+                   stacks_path: Path | None = None, final: bool = False) -> NodeSummary:
+    """This node's ranks as its files tell: the exit line of each rank's trace, else RUNNING when its process
+    still runs, else died; progress from the traces; the stacks document when a dump was written."""
+    from distcheck.analysis.progress import progress_by_rank
+    from distcheck.analysis.trace_events import load_traces
+    from distcheck.contract import files
+    from distcheck.contract.stderr_file import tail
+
+    traces = {r: t for r, t in load_traces(report_dir).items() if r in set(env.ranks)}
+    states: dict[int, RankState] = {}
+    for r in env.ranks:
+        t = traces.get(r)
+        if t is not None and t.finished is not None:
+            ok = bool(t.finished.get("ok"))
+            err = t.errors[-1] if t.errors else None
+            states[r] = RankState(r, STATE_OK if ok else STATE_ERROR, 0 if ok else int(t.finished.get("code", 1) or 1),
+                                  error=_error_json(err))
+        elif r in running or t is None and not final:
+            states[r] = RankState(r, RUNNING)
+        else:
+            err = t.errors[-1] if t is not None and t.errors else None
+            states[r] = RankState(r, STATE_ERROR if err else STATE_DIED, error=_error_json(err),
+                                  signal=None if err else "a signal it could not report (SIGKILL, the OOM killer, "
+                                  "or a hard crash)")
+        if states[r].state not in (RUNNING, STATE_OK):
+            states[r].stderr_tail = tail(files.rank_file(report_dir, "stderr", r))
+    stacks = None
+    if stacks_path is not None and stacks_path.exists():
+        try:
+            stacks = json.loads(stacks_path.read_text())
+        except (OSError, ValueError) as exc:
+            log.warning("cannot read %s: %s", stacks_path, exc)
+    # One node's ranks (LOCAL_WORLD_SIZE of them): each rank's progress as is, a few KiB each.
+    progress = {str(r): p.to_json() for r, p in progress_by_rank(traces).items()}
+    return NodeSummary(env.node, env.host, env.ranks, states, progress, stacks, hung, final,
+                       report_dir=str(Path(report_dir).resolve()))
+
+
+def _error_json(err: RankError | None) -> dict[str, Any] | None:
+    if err is None:
+        return None
+    out = dataclasses.asdict(err)
+    out["traceback"] = (out.get("traceback") or "")[-8000:]  # bounded: the end of a traceback names the line
+    out.pop("context", None)
+    return out
+
+
+# --- the store ------------------------------------------------------------------------------------------------
+
+
+class StoreChannel:
+    """The watchers' keys in torchrun's store: a client connection, every call bounded and never raising."""
+
+    def __init__(self, store: Any, prefix: str) -> None:
+        self.store, self.prefix = store, prefix
+        self.lock = threading.Lock()
+        self.failures = 0
+
+    @classmethod
+    def connect(cls, env: NodeEnv, timeout: float = STORE_TIMEOUT) -> StoreChannel | None:
+        try:
+            from torch.distributed import TCPStore
+
+            store = TCPStore(env.store_host, env.store_port, None, False, timedelta(seconds=timeout),
+                             wait_for_workers=False)
+        except Exception as exc:  # no store, no exchange: this node's report stays on the node
+            log.warning("cannot reach torchrun's store at %s:%d: %s", env.store_host, env.store_port, exc)
+            return None
+        return cls(store, env.prefix)
+
+    @property
+    def broken(self) -> bool:
+        return self.failures >= 3  # the store's host (node 0's torchrun) has gone
+
+    def _call(self, what: str, fn: Callable[[], Any], default: Any = None) -> Any:
+        if self.broken:
+            return default
+        with self.lock:
+            try:
+                out = fn()
+            except Exception as exc:
+                self.failures += 1
+                log.info("store %s failed: %s", what, exc)
+                return default
+        self.failures = 0
+        return out
+
+    def _has(self, key: str) -> bool:
+        return bool(self._call(f"check {key}", lambda: self.store.check([self.prefix + key]), False))
+
+    def _get(self, key: str) -> bytes | None:
+        if not self._has(key):
+            return None
+        return self._call(f"get {key}", lambda: self.store.get(self.prefix + key))
+
+    def publish(self, summary: NodeSummary) -> bool:
+        data = summary.encode()
+        done = self._call("set summary", lambda: self.store.set(f"{self.prefix}node/{summary.node}", data) or True)
+        if done:
+            self._call("add version", lambda: self.store.add(self.prefix + "version", 1))
+        return bool(done)
+
+    def version(self) -> int | None:
+        return self._call("version", lambda: self.store.add(self.prefix + "version", 0))
+
+    def bump_progress(self) -> int | None:
+        return self._call("add progress", lambda: self.store.add(self.prefix + "progress", 1))
+
+    def progress_count(self) -> int | None:
+        return self._call("progress", lambda: self.store.add(self.prefix + "progress", 0))
+
+    def announce_hang(self, host: str) -> None:
+        if not self._has("hang"):
+            self._call("set hang", lambda: self.store.set(self.prefix + "hang", host))
+
+    def hang_announced(self) -> str | None:
+        raw = self._get("hang")
+        return raw.decode(errors="replace") if raw is not None else None
+
+    def summaries(self, nodes: Iterable[int]) -> dict[int, NodeSummary]:
+        out: dict[int, NodeSummary] = {}
+        for node in nodes:
+            raw = self._get(f"node/{node}")
+            if raw is None:
+                continue
+            try:
+                out[node] = NodeSummary.from_json(json.loads(raw))
+            except (ValueError, KeyError, TypeError) as exc:
+                log.warning("node %d sent an unreadable summary: %s", node, exc)
+        return out
+
+    def gather(self, nodes: Sequence[int], deadline: float, ready: Callable[[NodeSummary], bool],
+               poll: float = 0.2) -> dict[int, NodeSummary]:
+        """The nodes' summaries once each is ``ready`` (or the deadline passed): polled by the version counter, so
+        a poll is one call while nothing changed."""
+        got: dict[int, NodeSummary] = {}
+        seen_version = -1
+        while True:
+            version = self.version()
+            if version is None and self.broken:
+                return got
+            if version != seen_version:
+                seen_version = version if version is not None else -1
+                got.update(self.summaries([n for n in nodes if n not in got or not ready(got[n])]))
+            if all(n in got and ready(got[n]) for n in nodes) or time.monotonic() >= deadline:
+                return got
+            time.sleep(poll)
+
+    def publish_report(self, host: str, path: str) -> None:
+        self._call("set report", lambda: self.store.set(self.prefix + "report", f"{host}:{path}"))
+
+    def report_location(self) -> str | None:
+        """The report's ``host:path`` once node 0 published it; the first read acknowledges it (node 0 waits for
+        the acknowledgements, bounded, before its torchrun and the store end)."""
+        raw = self._get("report")
+        if raw is None:
+            return None
+        if not getattr(self, "_acked", False):
+            self._acked = self._call("ack report", lambda: self.store.add(self.prefix + "report_seen", 1)) is not None
+        return raw.decode(errors="replace")
+
+    def await_report_seen(self, nodes: int, deadline: float, poll: float = 0.05) -> int:
+        """How many of ``nodes`` other nodes read the report's location, waiting for all of them until the
+        deadline."""
+        while True:
+            seen = self._call("report_seen", lambda: self.store.add(self.prefix + "report_seen", 0), 0) or 0
+            if seen >= nodes or self.broken or time.monotonic() >= deadline:
+                return seen
+            time.sleep(poll)
+
+
+# --- node 0's mirror of the other nodes, for rank 0's report monitor ------------------------------------------
+
+
+def mirror_path(report_dir: str | os.PathLike, env: Mapping[str, str] | None = None) -> Path:
+    """Node 0's copy of the other nodes' latest summaries, read by rank 0's monitor (supervise/torchrun_monitor.py):
+    one per torchrun job, like its done marker."""
+    env = os.environ if env is None else env
+    return Path(report_dir) / f".nodes-{env.get('TORCHELASTIC_RUN_ID', 'run')}-{env.get('MASTER_PORT', '')}.json"
+
+
+@dataclass
+class Mirror:
+    summaries: dict[int, NodeSummary]
+    nodes: list[int]  # the other nodes
+    progressed_at: float  # wall time another node last reported progress (0: never)
+
+    def states(self) -> dict[int, RankState]:
+        return {r: s for summary in self.summaries.values() for r, s in summary.states.items()}
+
+    def ranks(self) -> set[int]:
+        return {r for summary in self.summaries.values() for r in summary.ranks}
+
+
+def write_mirror(path: Path, summaries: Mapping[int, NodeSummary], nodes: Sequence[int], progressed_at: float) -> None:
+    from distcheck.contract.report import atomic_write
+
+    atomic_write(path, json.dumps({"nodes": list(nodes), "progressed_at": progressed_at,
+                                   "summaries": [s.to_json() for s in summaries.values()]}))
+
+
+def read_mirror(path: Path) -> Mirror | None:
+    try:
+        data = json.loads(path.read_text())
+        summaries = [NodeSummary.from_json(s) for s in data.get("summaries") or []]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return Mirror({s.node: s for s in summaries}, [int(n) for n in data.get("nodes") or []],
+                  float(data.get("progressed_at") or 0.0))
+
+
+# --- the watcher's side of the exchange, while its ranks run ---------------------------------------------------
+
+
+class NodeLink(threading.Thread):
+    """Polls the store every POLL seconds for one node's watcher: bumps the progress counter when this node's
+    traces grew, notes when another node's did, sees a hang another node declared (and cancels the watch loop),
+    and on node 0 mirrors the other nodes' summaries for rank 0's monitor; on the other nodes it notes the
+    report's location and drops rank 0's done marker there, so ranks waiting for the report end as on node 0."""
+
+    def __init__(self, env: NodeEnv, channel: StoreChannel, report_dir: str | os.PathLike,
+                 token: Callable[[], Any], cancel: threading.Event, done_marker: Path | None = None,
+                 poll: float = POLL) -> None:
+        super().__init__(name="distcheck-node-link", daemon=True)
+        self.env, self.channel, self.report_dir = env, channel, Path(report_dir)
+        self.token, self.cancel, self.done_marker, self.poll = token, cancel, done_marker, poll
+        self.stop = threading.Event()
+        self.remote_hang: str | None = None
+        self.report: str | None = None
+        self.others_progressed = 0.0  # monotonic time another node last progressed (0: not seen)
+        self.local_progressed = time.monotonic()  # this node's, as seen by this thread's polls
+        self._seen_token: Any = None
+        self._own = 0
+        self._others: int | None = None
+        self._last_token: Any = None
+        self._last_bump = 0.0
+        self._version: int | None = None
+        self._mirror: dict[int, NodeSummary] = {}
+        self.started_wall = time.time()
+
+    def _report_written(self) -> bool:
+        try:
+            return (self.report_dir / "report.json").stat().st_mtime >= self.started_wall - 1.0
+        except OSError:
+            return False
+
+    def others_progressed_within(self, seconds: float) -> bool:
+        return self.others_progressed > 0 and time.monotonic() - self.others_progressed < seconds
+
+    def job_idle(self) -> float:
+        """Seconds since any node's ranks last progressed (to this thread's poll's precision)."""
+        return time.monotonic() - max(self.local_progressed, self.others_progressed)
+
+    def run(self) -> None:
+        while not self.stop.wait(self.poll):
+            try:
+                self.step()
+            except Exception:  # the exchange must never be what breaks the watcher
+                log.exception("node exchange step failed")
+            if self.channel.broken:
+                log.warning("torchrun's store stopped answering: no more exchange with the other nodes")
+                return
+
+    def step(self) -> None:
+        now = time.monotonic()
+        token = self.token()
+        if token != self._seen_token:
+            self._seen_token, self.local_progressed = token, now
+        if token != self._last_token and now - self._last_bump >= 1.0:
+            self._last_token, self._last_bump = token, now
+            if self.channel.bump_progress() is not None:
+                self._own += 1
+        count = self.channel.progress_count()
+        if count is not None:
+            others = count - self._own
+            if self._others is not None and others != self._others:
+                self.others_progressed = now
+            self._others = others
+        if self.remote_hang is None:
+            hang = self.channel.hang_announced()
+            if hang is not None and hang != self.env.host:
+                log.warning("node %s declared the job hung: dumping this node's ranks", hang)
+                self.remote_hang = hang
+                self.cancel.set()
+        if self.env.reports:
+            self._refresh_mirror()
+            if self.report is None and self._report_written():
+                # Published at once: node 0's torchrun, and the store with it, ends soon after its ranks.
+                self.report = str(self.report_dir.resolve() / "report.txt")
+                self.channel.publish_report(self.env.host, self.report)
+        elif self.report is None:
+            self.report = self.channel.report_location()
+            if self.report is not None and self.done_marker is not None:
+                try:
+                    self.done_marker.write_text("done\n")
+                except OSError as exc:
+                    log.warning("cannot write %s: %s", self.done_marker, exc)
+
+    def _refresh_mirror(self) -> None:
+        version = self.channel.version()
+        if version is None or version == self._version and not self.others_progressed_within(2 * self.poll):
+            return
+        self._version = version
+        others = [n for n in range(self.env.nnodes) if n != self.env.node]
+        self._mirror.update(self.channel.summaries(others))
+        wall = time.time() - (time.monotonic() - self.others_progressed) if self.others_progressed else 0.0
+        write_mirror(mirror_path(self.report_dir), self._mirror, others, wall)
+
+
+def wait_for_report(channel: StoreChannel, link: NodeLink | None, deadline: float, poll: float = 0.2) -> str | None:
+    """The report's location ``host:path`` once node 0 published it, or None at the deadline (or when the store
+    went away with node 0's torchrun)."""
+    while True:
+        found = link.report if link is not None and link.report else channel.report_location()
+        if found or channel.broken or time.monotonic() >= deadline:
+            return found
+        time.sleep(poll)
+
+
+def where_line(location: str | None, waited: float, env: NodeEnv | None = None, gone: bool = False) -> str:
+    """The one line a node other than node 0 prints."""
+    if location:
+        host, _, path = location.partition(":")
+        return f"distcheck: the report of this job is on {host}: {path}\n"
+    node0 = f"node 0 ({env.store_host}, the node of rank 0)" if env is not None else "node 0"
+    if gone:
+        return (f"distcheck: {node0} ended before it said where its report is: look in its --report-dir there\n")
+    return f"distcheck: {node0} published no report within {waited:.0f}s\n"

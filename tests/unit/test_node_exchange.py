@@ -1,0 +1,225 @@
+"""The many-node exchange's pure side (supervise/node_exchange.py): node summaries as they travel, node 0's merge,
+the silent-node finding, the multi-node "provably stuck" rule, and the store channel against a real TCPStore."""
+from __future__ import annotations
+
+import json
+import time
+from datetime import timedelta
+
+import pytest
+
+from distcheck.analysis.progress import CollectiveRef, GroupProgress, RankProgress
+from distcheck.analysis.trace_align import STATE_ERROR, STATE_HUNG, STATE_OK, STATE_STOPPED
+from distcheck.supervise.node_exchange import (RUNNING, NodeEnv, NodeSummary, RankState, StoreChannel,
+                                               merge_summaries, mirror_path, read_mirror, silent_nodes_finding,
+                                               stuck_on_remote, where_line, write_mirror)
+
+ENV = {"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "GROUP_WORLD_SIZE": "2", "GROUP_RANK": "1", "RANK": "2",
+       "LOCAL_RANK": "0", "MASTER_ADDR": "node-a", "MASTER_PORT": "29500", "TORCHELASTIC_RUN_ID": "job7",
+       "TORCHELASTIC_RESTART_COUNT": "0"}
+
+
+def test_node_env_from_torchrun_env():
+    env = NodeEnv.from_env(ENV, "node-b")
+    assert env is not None
+    assert (env.node, env.nnodes, env.ranks, env.reports) == (1, 2, [2, 3], False)
+    assert env.node_ranks(0) == [0, 1] and (env.store_host, env.store_port) == ("node-a", 29500)
+    assert env.prefix == "distcheck/job7/0/"
+    assert NodeEnv.from_env({**ENV, "GROUP_RANK": "0", "RANK": "0"}, "node-a").reports
+    # One node: nothing to exchange.
+    assert NodeEnv.from_env({**ENV, "WORLD_SIZE": "2", "GROUP_WORLD_SIZE": "1"}, "node-a") is None
+
+
+def progress(rank: int, issued: int, waits: int | None = None) -> RankProgress:
+    group = GroupProgress("0", [0, 1, 2, 3], issued=issued, completed=issued - (1 if waits else 0))
+    ref = CollectiveRef("all_reduce", waits, [0, 1, 2, 3], "train.py:33", "/p/train.py", 33, group="0") \
+        if waits else None
+    return RankProgress(rank, started=issued, completed=issued, first_open=ref, open=[ref] if ref else [],
+                        groups={"0": group})
+
+
+def summary(node: int, states: dict[int, RankState], hung: bool = False, **kw) -> NodeSummary:
+    prog = {str(r): progress(r, 1).to_json() for r in states}
+    return NodeSummary(node, f"node-{'ab'[node]}", sorted(states), states, prog, hung=hung, **kw)
+
+
+def test_summary_round_trip_keeps_states_errors_and_progress():
+    err = {"rank": 3, "exc_type": "ValueError", "message": "bad sample", "traceback": "Traceback...",
+           "site": "train.py:23", "file": "/p/train.py", "line": 23, "t": 1.0}
+    s = summary(1, {2: RankState(2, RUNNING), 3: RankState(3, STATE_ERROR, 1, error=err, stderr_tail=["boom"])},
+                final=False, report_dir="/scratch/rep")
+    back = NodeSummary.from_json(json.loads(s.encode()))
+    assert back.states[3].error == err and back.states[3].stderr_tail == ["boom"] and back.report_dir == "/scratch/rep"
+    outcome = back.states[3].outcome(hung=False)
+    assert (outcome.state, outcome.exit_code, outcome.error.exc_type, outcome.error.line) == (STATE_ERROR, 1,
+                                                                                              "ValueError", 23)
+    assert back.states[2].outcome(hung=True).state == STATE_HUNG
+    assert back.states[2].outcome(hung=False).state == STATE_STOPPED
+
+
+def test_summary_is_bounded_stacks_stay_on_the_node():
+    big = {"format": 2, "ranks": [{"rank": 2, "threads": [{"frames": ["x" * 1000] * 200}]}]}
+    s = summary(1, {2: RankState(2, RUNNING)}, hung=True, stacks=big)
+    data = s.encode(limit=50_000)
+    assert len(data) < 50_000
+    back = NodeSummary.from_json(json.loads(data))
+    assert back.stacks is None and "too large to send" in back.note and "node-b" in back.note
+    assert len(s.encode()) > 100_000  # the default limit lets it through
+
+
+def test_merge_names_each_remote_rank_and_a_silent_node_once():
+    got = {1: summary(1, {2: RankState(2, STATE_OK, 0), 3: RankState(3, RUNNING)}, hung=True)}
+    merged = merge_summaries(got, [1, 2], lambda n: [2 * n, 2 * n + 1], hung=False)
+    assert {r: o.state for r, o in merged.outcomes.items()} == {2: STATE_OK, 3: STATE_HUNG}
+    assert sorted(merged.progress) == [2, 3] and merged.hosts == {1: "node-b"}
+    assert merged.silent == {2: [4, 5]}
+    f = silent_nodes_finding(merged.silent, 30.0, "node-a:29500")
+    assert f.kind == "rank_failure" and f.ranks == [4, 5]
+    assert f.message.startswith("node 2 (torchrun's GROUP_RANK; ranks 4-5) sent nothing by the deadline (30s)")
+    assert "node-a:29500" in f.message
+    assert silent_nodes_finding({}, 30.0, "x") is None
+
+
+def test_stuck_on_remote_rank_that_ended_without_the_collective():
+    local = {0: progress(0, 2, waits=2), 1: progress(1, 2, waits=2)}
+    ended = {2: RankState(2, STATE_ERROR, 1), 3: RankState(3, RUNNING)}
+    why = stuck_on_remote(local, ended, {2: progress(2, 1), 3: progress(3, 1)})
+    assert why == ("rank 0 waits in all_reduce #2 (train.py:33), which rank 2 (on another node) ended without "
+                   "issuing: it issued 1 on that group")
+    # The remote rank issued it (it ended after the collective): nothing proves the wait hopeless.
+    assert stuck_on_remote(local, ended, {2: progress(2, 2), 3: progress(3, 1)}) is None
+    # Still running: it may yet issue it.
+    assert stuck_on_remote(local, {2: RankState(2, RUNNING)}, {2: progress(2, 1)}) is None
+
+
+def test_mirror_round_trip(tmp_path):
+    env = {"TORCHELASTIC_RUN_ID": "job7", "MASTER_PORT": "29500"}
+    path = mirror_path(tmp_path, env)
+    assert path.name == ".nodes-job7-29500.json"
+    write_mirror(path, {1: summary(1, {2: RankState(2, STATE_OK, 0)})}, [1], 123.0)
+    mirror = read_mirror(path)
+    assert mirror.nodes == [1] and mirror.progressed_at == 123.0 and mirror.states()[2].state == STATE_OK
+    assert read_mirror(tmp_path / "absent.json") is None
+
+
+def test_where_line():
+    assert where_line("node-a:/scratch/rep/report.txt", 300) == \
+        "distcheck: the report of this job is on node-a: /scratch/rep/report.txt\n"
+    env = NodeEnv.from_env(ENV, "node-b")
+    assert "node 0 (node-a, the node of rank 0) ended before" in where_line(None, 300, env, gone=True)
+
+
+def test_store_channel_against_a_real_store():
+    torch_dist = pytest.importorskip("torch.distributed")
+    master = torch_dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=5), wait_for_workers=False)
+    env0 = NodeEnv.from_env({**ENV, "GROUP_RANK": "0", "RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                             "MASTER_PORT": str(master.port)}, "node-a")
+    env1 = NodeEnv.from_env({**ENV, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master.port)}, "node-b")
+    zero, one = StoreChannel.connect(env0), StoreChannel.connect(env1)
+    assert one.report_location() is None and one.hang_announced() is None
+    assert one.publish(summary(1, {2: RankState(2, RUNNING), 3: RankState(3, RUNNING)}, hung=True))
+    got = zero.gather([1], time.monotonic() + 5, ready=lambda s: s.hung)
+    assert got[1].ranks == [2, 3] and got[1].hung
+    # A node that never answers costs the deadline, not more.
+    began = time.monotonic()
+    assert zero.gather([1, 5], time.monotonic() + 0.5, ready=lambda s: s.hung).keys() == {1}
+    assert time.monotonic() - began < 3
+    one.announce_hang("node-b")
+    assert zero.hang_announced() == "node-b"
+    zero.publish_report("node-a", "/scratch/rep/report.txt")
+    assert zero.await_report_seen(1, time.monotonic() + 0.3) == 0
+    assert one.report_location() == "node-a:/scratch/rep/report.txt"
+    assert zero.await_report_seen(1, time.monotonic() + 5) == 1
+    # Counters: another node's progress is visible as a change of the shared count.
+    before = zero.progress_count()
+    one.bump_progress()
+    assert zero.progress_count() == before + 1
+    # Only our prefix is touched: the ranks' own keys are not.
+    assert not master.check(["report"]) and master.check(["distcheck/job7/0/report"])
+    del master  # the store goes away (node 0's torchrun ended): calls fail fast, then the channel gives up
+    for _ in range(3):
+        one.hang_announced()
+    assert one.broken and one.report_location() is None
+
+
+def test_store_channel_unreachable_is_none():
+    env = NodeEnv.from_env({**ENV, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}, "node-b")
+    began = time.monotonic()
+    assert StoreChannel.connect(env, timeout=1.0) is None
+    assert time.monotonic() - began < 10
+
+
+def test_a_mismatch_that_only_says_another_nodes_traces_are_elsewhere_is_dropped():
+    from distcheck.contract.findings import Finding
+    from distcheck.supervise.node_exchange import MergedNodes
+    from distcheck.supervise.run_report import without_contradicted
+
+    # Node 0 sees rank 0's 3 all_reduces and no trace of rank 2 (on node 1): "rank 2 issued fewer".
+    missing = Finding("collective_mismatch", [2], "rank 2 issued 0 collectives on group [0,2], rank 0 issued 3",
+                      {"group": [0, 2], "group_name": "0", "counts": {0: 3, 2: 0}})
+    other = Finding("rank_failure", [2], "rank 2 raised ValueError", {})
+    same = MergedNodes(progress={2: progress(2, 3)})
+    assert without_contradicted([missing, other], same, {0}) == [other]
+    fewer = MergedNodes(progress={2: progress(2, 2)})  # it really issued fewer: kept
+    assert without_contradicted([missing, other], fewer, {0}) == [missing, other]
+
+
+class FakeChannel:
+    """The store as NodeLink sees it: counters and flags another node sets."""
+
+    broken = False
+
+    def __init__(self) -> None:
+        self.count, self.hang, self.report, self.published = 0, None, None, []
+
+    def bump_progress(self):
+        self.count += 1
+        return self.count
+
+    def progress_count(self):
+        return self.count
+
+    def hang_announced(self):
+        return self.hang
+
+    def report_location(self):
+        return self.report
+
+    def version(self):
+        return 0
+
+    def summaries(self, nodes):
+        return {}
+
+    def publish_report(self, host, path):
+        self.published.append((host, path))
+
+
+def test_node_link_sees_other_nodes_progress_hang_and_report(tmp_path):
+    import threading
+
+    from distcheck.supervise.node_exchange import NodeLink
+
+    env = NodeEnv.from_env(ENV, "node-b")
+    channel, cancel, token = FakeChannel(), threading.Event(), [0]
+    marker = tmp_path / ".done-job7-29500"
+    link = NodeLink(env, channel, tmp_path, lambda: token[0], cancel, done_marker=marker)
+    link.step()
+    assert link.others_progressed == 0.0  # only our own bump so far
+    channel.count += 1  # another node's ranks progressed
+    link.step()
+    assert link.others_progressed_within(5.0) and link.job_idle() < 1.0
+    token[0] = 1  # ours did too, within a second of the last bump: noted, not sent yet
+    link.step()
+    assert channel.count == 2
+    channel.hang = "node-b"  # our own announcement does not cancel us
+    link.step()
+    assert not cancel.is_set()
+    channel.hang = "node-a"
+    link.step()
+    assert cancel.is_set() and link.remote_hang == "node-a"
+    assert not marker.exists()
+    channel.report = "node-a:/scratch/rep/report.txt"
+    link.step()
+    # A rank of this node that raised waits for node 0's report: the marker ends its wait, as on node 0.
+    assert link.report == channel.report and marker.read_text() == "done\n"
