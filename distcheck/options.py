@@ -126,3 +126,12 @@ def check_capacity(nprocs: list[int] | tuple[int, ...], oversubscribe: bool) -> 
     if max(nprocs) > limit:
         raise UsageError(f"--nproc {max(nprocs)}: {why}, so it runs at most {limit} ranks: use --nproc {limit} or "
                          "less, or pass --oversubscribe to start them anyway")
+
+
+def backstop(timeout: float) -> float:
+    """How long distcheck's own bounded waits last when the watchdog's no-progress limit is ``timeout``.
+
+    Longer than the watchdog's limit, so a stuck rank is diagnosed by the watchdog (stacks, last collectives)
+    rather than by a bare timeout error; still finite, so nothing hangs when no watchdog can run.
+    """
+    return 2 * timeout + 30

@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING
 from distcheck.cli import command_line
 from distcheck.contract import files
 from distcheck.errors import UsageError
-from distcheck.options import BUILTIN_MODEL, PARALLEL_MODES, ConsistencyOptions, count, seconds, tolerance
+from distcheck.options import (BUILTIN_MODEL, PARALLEL_MODES, ConsistencyOptions, backstop, count, seconds,
+                               tolerance)
 from distcheck.contract.report import (Report, default_report_dir, load_report, prepare_report_dir, render_text,
                               write_report)
 
@@ -78,7 +79,7 @@ def main(args: argparse.Namespace) -> int:
     from distcheck.rank import runtime
 
     load_factory(opts.model)  # bad --model fails here, on every rank, before any rank waits for another
-    bound = runtime.backstop(opts.timeout)
+    bound = backstop(opts.timeout)
     check_options = consistency.Options(opts.model, opts.parallel, opts.steps, bound, opts.command,
                                         opts.rtol, opts.atol)
     session = runtime.start(bound)

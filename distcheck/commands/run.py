@@ -105,8 +105,9 @@ def main(args: argparse.Namespace) -> int:
             raise UsageError("--nproc is for launching ranks yourself; under torchrun drop it "
                              "(torchrun's --nproc-per-node sets the ranks)")
         from distcheck.rank.entry import run_in_rank
+        from distcheck.supervise.torchrun_monitor import TorchrunMonitor
 
-        return run_in_rank(opts)
+        return run_in_rank(opts, monitor=TorchrunMonitor)
     from distcheck.supervise.signals import StopNow, StopSignals
 
     try:

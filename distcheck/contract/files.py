@@ -172,3 +172,9 @@ def check_format(data: dict[str, Any], path: str | os.PathLike) -> None:
     if found != FORMAT:
         raise FormatError(f"{path} has distcheck file format {found!r}, this distcheck reads format {FORMAT}: "
                           "read it with the distcheck version that wrote it")
+
+
+def report_done_marker(report_dir: str | os.PathLike) -> Path:
+    """The file rank 0 writes under torchrun once the report is written (one per torchrun job: its run id and
+    port): a failed rank waits for it before it exits, so that torchrun's kill does not cost the report."""
+    return Path(report_dir) / f".done-{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}-{os.environ.get('MASTER_PORT', '')}"

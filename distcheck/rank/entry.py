@@ -17,6 +17,7 @@ import threading
 import time
 import traceback
 from pathlib import Path
+from typing import Any, Callable
 
 from distcheck.contract import files
 from distcheck.contract.report import default_report_dir, prepare_report_dir
@@ -28,13 +29,14 @@ from distcheck.rank.stack_hooks import remove_rank_hooks
 from distcheck.rank.usersite import traceback_site
 from distcheck.rank.runtime import end_rank, hard_exit
 from distcheck.processes import agent_pid
-from distcheck.supervise.torchrun_monitor import TorchrunMonitor, report_done_marker
 
 log = logging.getLogger("distcheck")
 
 
-def run_in_rank(opts: RunOptions) -> int:
-    """Run the script in this rank, traced and checked; under torchrun rank 0 also writes the report."""
+def run_in_rank(opts: RunOptions, monitor: Callable[..., Any]) -> int:
+    """Run the script in this rank, traced and checked; under torchrun rank 0 also writes the report, with
+    ``monitor`` (supervise/torchrun_monitor.TorchrunMonitor, passed in by commands/run.py: supervisor code that
+    runs in a rank, which rank/ does not import)."""
     from distcheck.rank import tracer as trace
     from distcheck.rank.runtime import RankInfo, setup_logging
 
@@ -67,7 +69,7 @@ def run_in_rank(opts: RunOptions) -> int:
     # watcher, a process outside the ranks that dumps their stacks on a hang even when one holds the GIL.
     rank_bootstrap(report_dir, opts.timeout, native=opts.native, trace=False, watcher=not supervised,
                    stop_dumps=not supervised)
-    done_marker = report_done_marker(report_dir)
+    done_marker = files.report_done_marker(report_dir)
     if not supervised and info.rank == 0:
         done_marker.unlink(missing_ok=True)
         files.clear_shared(report_dir)
@@ -75,7 +77,7 @@ def run_in_rank(opts: RunOptions) -> int:
     finalizer = None
     main_done = threading.Event()
     if not supervised:
-        finalizer = TorchrunMonitor(info.rank, info.world_size, report_dir, opts, done_marker, main_done)
+        finalizer = monitor(info.rank, info.world_size, report_dir, opts, done_marker, main_done, hard_exit)
         finalizer.start()
     ok, code = _execute(opts.script, list(opts.script_args), tracer)
     if checker is not None:

@@ -158,15 +158,6 @@ class SideChannel:
             return False
 
 
-def backstop(timeout: float) -> float:
-    """How long distcheck's own bounded waits last when the watchdog's no-progress limit is ``timeout``.
-
-    Longer than the watchdog's limit, so a stuck rank is diagnosed by the watchdog (stacks, last collectives)
-    rather than by a bare timeout error; still finite, so nothing hangs when no watchdog can run.
-    """
-    return 2 * timeout + 30
-
-
 @dataclass
 class Session:
     info: RankInfo

@@ -161,7 +161,6 @@ def _watch_nodes(report_dir: str, timeout: float, native: bool, parent: int, env
     from distcheck.supervise.node_exchange import (GATHER_TIMEOUT, NodeLink, summarize_node, wait_for_report,
                                                    where_line)
     from distcheck.supervise.hang import diagnose_hang
-    from distcheck.supervise.torchrun_monitor import report_done_marker
 
     host = env.host
     out_dir = Path(report_dir) / f"node-{host}"  # this node's own artifacts (its stacks), named by host
@@ -170,7 +169,7 @@ def _watch_nodes(report_dir: str, timeout: float, native: bool, parent: int, env
     last: list[dict[int, int]] = [{}]
     cancel = threading.Event()
     link = NodeLink(env, channel, report_dir, lambda: tuple(files.trace_progress(report_dir, r) for r in env.ranks),
-                    cancel, done_marker=report_done_marker(Path(report_dir)))
+                    cancel, done_marker=files.report_done_marker(report_dir))
     published: list[frozenset] = [frozenset()]
 
     def live() -> dict[int, int]:

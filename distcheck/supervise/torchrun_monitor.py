@@ -19,29 +19,27 @@ import os
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 from distcheck.analysis.trace_align import provably_stuck
 from distcheck.analysis.trace_events import RankTrace, load_traces
-from distcheck.options import RunOptions
-from distcheck.rank.runtime import backstop, hard_exit
+from distcheck.options import RunOptions, backstop
 from distcheck.supervise import run_report
-from distcheck.supervise.procs import agent_pid
+from distcheck.processes import agent_pid
 from distcheck.supervise.watch import HUNG, STARTUP_TIMEOUT, STOPPED, WatchLoop
 
 log = logging.getLogger("distcheck")
 
 
-def report_done_marker(report_dir: Path) -> Path:
-    """The file rank 0 writes once the report is written (one per torchrun job: run id and port)."""
-    return report_dir / f".done-{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}-{os.environ.get('MASTER_PORT', '')}"
-
-
 class TorchrunMonitor(threading.Thread):
     def __init__(self, rank: int, world_size: int, report_dir: Path, opts: RunOptions, done_marker: Path,
-                 main_done: threading.Event) -> None:
+                 main_done: threading.Event, exit_rank: Callable[[int], None]) -> None:
         super().__init__(name="distcheck-run-monitor", daemon=True)
         self.rank, self.world_size, self.report_dir, self.opts = rank, world_size, report_dir, opts
         self.done_marker, self.main_done = done_marker, main_done
+        # How this rank ends at once (rank/runtime.hard_exit: its processes first), passed in by the rank: this
+        # thread runs in rank 0 but is supervisor code, which imports nothing of rank/.
+        self.exit_rank = exit_rank
         self.exit_code = 1
         self.started_at = time.monotonic()
         self._cache: tuple[tuple, dict[int, RankTrace]] | None = None
@@ -61,7 +59,7 @@ class TorchrunMonitor(threading.Thread):
         except Exception:  # the monitor must never be what breaks the run
             log.exception("distcheck run monitor failed")
             if self.rank == 0 and not self.main_done.is_set():
-                hard_exit(1)
+                self.exit_rank(1)
 
     def _follow(self) -> None:
         while not self.main_done.is_set():
@@ -69,7 +67,7 @@ class TorchrunMonitor(threading.Thread):
                 # Rank 0 wrote the report while our script is still inside it: stuck on a collective.
                 time.sleep(0.5)
                 if not self.main_done.is_set():
-                    hard_exit(1)
+                    self.exit_rank(1)
             time.sleep(0.2)
 
     def _traces(self) -> dict[int, RankTrace]:
@@ -166,7 +164,7 @@ class TorchrunMonitor(threading.Thread):
         traces = self._traces()
         if stopped_from_outside(self.report_dir, traces):
             # torchrun passed a stop signal on: the node watcher, outside the ranks, reports it with every stack.
-            hard_exit(1)
+            self.exit_rank(1)
         running = set(self._running(traces))
         outcomes = run_report.outcomes_from_traces(traces, self.world_size, result.state == HUNG, running)
         remote = None
@@ -199,7 +197,7 @@ class TorchrunMonitor(threading.Thread):
         self.done_marker.write_text("done\n")
         if not self.main_done.is_set():
             time.sleep(0.5)  # let the other ranks see the marker
-            hard_exit(self.exit_code)
+            self.exit_rank(self.exit_code)
 
 
     def _tell_other_nodes(self) -> None:

@@ -6,6 +6,8 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 PKG = ROOT / "distcheck"
 
@@ -50,3 +52,57 @@ def test_documented_paths_still_import():
     assert callable(distcheck.records.record) and callable(distcheck.records.tolerance)
     assert "distcheck.testing.pytest_plugin" in (ROOT / "pyproject.toml").read_text()
     assert sys.modules["distcheck.records"].record is sys.modules["distcheck.rank.records"].record
+
+
+def _imports(path: Path) -> list[str]:
+    """Every module ``path`` imports, at its top or inside a function (a lazy import is a dependency too)."""
+    names = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names += [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+    return names
+
+
+# Which packages each package may not import: the path says which process runs a module (README "Layout"), and
+# data flows one way, through the files and names in contract/. A rank never runs supervisor code, a supervisor
+# never runs rank code, and what both need (file formats, environment names, /proc) is in contract/ or
+# processes.py.
+FORBIDDEN = {
+    "supervise": ("distcheck.rank",),
+    "rank": ("distcheck.supervise", "distcheck.commands", "distcheck.testing"),
+    "checks": ("distcheck.supervise", "distcheck.commands", "distcheck.testing"),
+    "contract": ("distcheck.rank", "distcheck.supervise", "distcheck.checks", "distcheck.commands",
+                 "distcheck.testing", "torch"),
+    "analysis": ("distcheck.rank", "distcheck.supervise", "distcheck.checks", "distcheck.commands",
+                 "distcheck.testing", "torch.distributed"),
+}
+
+
+@pytest.mark.parametrize("package", sorted(FORBIDDEN))
+def test_import_directions(package):
+    wrong = [f"{path.relative_to(PKG)} imports {name}"
+             for path in sorted((PKG / package).rglob("*.py"))
+             for name in _imports(path) if name.startswith(FORBIDDEN[package])]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_processes_and_env_names_import_nothing_but_the_contract():
+    for path in (PKG / "processes.py", PKG / "contract" / "env.py"):
+        assert all(not n.startswith("distcheck") or n.startswith("distcheck.contract") for n in _imports(path)), path
+
+
+def test_environment_variable_names_are_written_only_in_contract_env():
+    """A DISTCHECK_* name as a string anywhere else is a second definition (the copier's mirror aside, which
+    tests/unit/test_rank_processes.py checks against contract/env.py)."""
+    mirrors = {PKG / "contract" / "env.py", PKG / "contract" / "stderr_file.py", PKG / "rank" / "stderr_tee.py"}
+    wrong = []
+    for path in sorted(PKG.rglob("*.py")):
+        if path in mirrors:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and \
+                    node.value.startswith("DISTCHECK_") and node.value.isidentifier():
+                wrong.append(f"{path.relative_to(PKG)}:{node.lineno} {node.value}")
+    assert not wrong, "\n".join(wrong)
