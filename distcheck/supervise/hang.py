@@ -111,7 +111,8 @@ def process_targets(rank_pids: dict[int, int], world_size: int | None,
                     report_dir: str | os.PathLike) -> tuple[list[Target], list[str]]:
     """Targets for the Python processes the ranks started (and their children), and one line for each process
     that is not dumped (not Python, or beyond MAX_PROCESSES_PER_RANK)."""
-    from distcheck.supervise.procs import is_python, proc_name, rank_processes
+    from distcheck.processes import is_python, proc_name
+    from distcheck.supervise.procs import rank_processes
 
     try:
         found = rank_processes(rank_pids)

@@ -34,7 +34,8 @@ from typing import TYPE_CHECKING, Sequence
 
 from distcheck.contract import files
 from distcheck.contract.findings import format_ranks
-from distcheck.supervise.procs import RUN_ID_ENV, RunTree, alive, read_environ, terminate
+from distcheck.processes import RUN_ID_ENV, alive, read_environ, terminate
+from distcheck.supervise.procs import RunTree
 from distcheck.supervise.watch import HUNG, HangDump, WatchLoop, script_ended
 
 if TYPE_CHECKING:

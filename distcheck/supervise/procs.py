@@ -14,11 +14,8 @@ import os
 import time
 from typing import Iterable
 
-# The supervisor's modules take the shared primitives from here too, so that each imports one module for processes.
-from distcheck.processes import (  # noqa: F401
-    AGENT_PID_ENV, LAUNCHER_ENV, NODE_WATCHER, ROLE_ENV, RUN_ID_ENV, STDERR_COPY, agent_pid, alive, children_map,
-    descendants, die_with_parent, is_python, launcher_id, new_run_id, proc_name, read_environ, reap, role_of,
-    safe_environ, start_ticks, tagged, terminate,
+from distcheck.processes import (
+    STDERR_COPY, alive, children_map, descendants, read_environ, reap, role_of, start_ticks, tagged, terminate,
 )
 
 

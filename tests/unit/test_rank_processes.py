@@ -289,10 +289,10 @@ def test_tail_reads_from_an_offset_unless_the_copy_was_cut_below_it(tmp_path, si
     assert stderr_file.tail(path, since=since) == expect
 
 
-def test_the_copier_names_the_variables_as_procs_does():
+def test_the_copier_names_the_variables_as_the_contract_does():
     # The copier runs without distcheck on its path (python -I -S): it spells the names out itself.
     assert (stderr_tee.RUN_ID_ENV, stderr_tee.ROLE_ENV, stderr_tee.LAUNCHER_ENV) == (
-        procs.RUN_ID_ENV, procs.ROLE_ENV, procs.LAUNCHER_ENV) == (env.RUN_ID, env.ROLE, env.LAUNCHER)
+        processes.RUN_ID_ENV, processes.ROLE_ENV, processes.LAUNCHER_ENV) == (env.RUN_ID, env.ROLE, env.LAUNCHER)
     assert stderr_file.KEEP_ENV == env.STDERR_KEEP  # the copier imports no distcheck: mirrored names, checked here
 
 
