@@ -55,7 +55,7 @@ def build_report(report_dir: Path, command: str, world_size: int, traces: dict[i
                            progress=progress)
     findings = merge_mesh_errors(findings + findings_file.collect(report_dir))
     # Zero-code checks: model_check (its time), and the first NaN/Inf merged from every rank's own record.
-    auto_findings, auto_checks = report_parts(report_dir)
+    auto_findings, auto_checks, auto_notes = report_parts(report_dir)
     findings = fold_first_bad(findings + auto_findings)
     # A script that calls check_model itself gets the same findings from the automatic check: report them once.
     seen: set[tuple] = set()
@@ -93,7 +93,7 @@ def build_report(report_dir: Path, command: str, world_size: int, traces: dict[i
                      for r, o in sorted(outcomes.items())}
     return Report(command=command, world_size=world_size, findings=findings, checks=checks, artifacts=artifacts,
                   data={"ranks": outcomes_json, "collectives": {str(r): p.started for r, p in progress.items()}},
-                  warnings=list(warnings or []) + incomplete_notes(traces))
+                  warnings=list(warnings or []) + auto_notes + incomplete_notes(traces))
 
 
 def without_contradicted(findings: list[Finding], remote: Any, local: set[int]) -> list[Finding]:
@@ -326,6 +326,18 @@ def load_autocheck_states(report_dir: str | os.PathLike) -> dict[int, dict[str, 
     return out
 
 
-def report_parts(report_dir: str | os.PathLike) -> tuple[list[Finding], list[CheckResult]]:
-    """The zero-code checks' findings and checks (model_check, bad_values), from the ranks' autocheck files."""
-    return merge_states(load_autocheck_states(report_dir))
+def report_parts(report_dir: str | os.PathLike) -> tuple[list[Finding], list[CheckResult], list[Note]]:
+    """The zero-code checks' findings, checks (model_check, bad_values, ...) and warnings (parameters on mixed
+    meshes in a correct model: what would break, and the fix), from the ranks' autocheck files; a warning every
+    rank wrote is reported once."""
+    states = load_autocheck_states(report_dir)
+    findings, checks = merge_states(states)
+    notes: dict[tuple, Note] = {}
+    for rank in sorted(states):
+        for data in states[rank].get("warnings") or []:
+            try:
+                note = Note.from_json(data)
+            except (KeyError, TypeError, ValueError):
+                continue
+            notes.setdefault((note.kind, note.message), note)
+    return findings, checks, list(notes.values())
