@@ -2,8 +2,6 @@
 frozen model. Each fixture is an unmodified script; its docstring holds the command and the expected report."""
 from __future__ import annotations
 
-import json
-
 import pytest
 from launch_helpers import FIXTURES, distcheck, load_report
 
