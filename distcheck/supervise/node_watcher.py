@@ -44,6 +44,24 @@ if TYPE_CHECKING:
 log = logging.getLogger("distcheck")
 
 
+class _LiveRanks:
+    """This node's live ranks (``{rank: pid}``) each time the watch loop asks; every ask also feeds the run's process
+    tree and ``seen`` (every rank ever found), and a change is logged."""
+
+    def __init__(self, report_dir: str | os.PathLike, host: str | None, tree: RunTree, seen: set[int]) -> None:
+        self.report_dir, self.host, self.tree, self.seen = report_dir, host, tree, seen
+        self.last: dict[int, int] = {}
+
+    def __call__(self) -> dict[int, int]:
+        ranks = local_ranks(self.report_dir, self.host)
+        self.tree.observe(ranks)
+        self.seen.update(ranks)
+        if ranks != self.last:
+            log.info("ranks running on this node: %s", ranks)
+            self.last = ranks
+        return ranks
+
+
 def local_ranks(report_dir: str | os.PathLike, host: str | None = None) -> dict[int, int]:
     """``{rank: pid}`` of this node's live ranks, from the hook files written by distcheck/rank/bootstrap.py.
 
@@ -97,17 +115,7 @@ def _watch(report_dir: str, timeout: float, native: bool, parent: int, world_siz
     out_dir = Path(report_dir) / f"node-{host}" if multi_node else Path(report_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     seen: set[int] = set()
-
-    last: list[dict[int, int]] = [{}]
-
-    def live() -> dict[int, int]:
-        ranks = local_ranks(report_dir, host)
-        tree.observe(ranks)
-        seen.update(ranks)
-        if ranks != last[0]:
-            log.info("ranks running on this node: %s", ranks)
-            last[0] = ranks
-        return ranks
+    live = _LiveRanks(report_dir, host, tree, seen)
 
     def finished() -> set[int]:
         return seen - set(live())
@@ -167,20 +175,11 @@ def _watch_nodes(report_dir: str, timeout: float, native: bool, parent: int, env
     out_dir = Path(report_dir) / f"node-{host}"  # this node's own artifacts (its stacks), named by host
     out_dir.mkdir(parents=True, exist_ok=True)
     seen: set[int] = set()
-    last: list[dict[int, int]] = [{}]
     cancel = threading.Event()
     link = NodeLink(env, channel, report_dir, lambda: tuple(files.trace_progress(report_dir, r) for r in env.ranks),
                     cancel, done_marker=files.report_done_marker(report_dir))
     published: list[frozenset] = [frozenset()]
-
-    def live() -> dict[int, int]:
-        ranks = local_ranks(report_dir, host)
-        tree.observe(ranks)
-        seen.update(ranks)
-        if ranks != last[0]:
-            log.info("ranks running on this node: %s", ranks)
-            last[0] = ranks
-        return ranks
+    live = _LiveRanks(report_dir, host, tree, seen)
 
     agent = agent or _parent_of(parent)
 
