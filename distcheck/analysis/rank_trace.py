@@ -9,13 +9,12 @@ directory beyond one rank's files.
 """
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from distcheck.analysis.ops import P2P_OPS
-from distcheck.contract import files
+from distcheck.contract import files, trace_lines
 from distcheck.contract import trace_records as records
 
 
@@ -208,39 +207,30 @@ class _Lines:
 def _read_lines(lines: Iterable[str | bytes], rank: int, out: _Lines | None = None) -> _Lines:
     """The JSON lines' records, added to ``out`` (a follower's, which reads a file's new lines at each poll)."""
     out = out if out is not None else _Lines({}, [], [], {}, {}, [], None)
-    for raw in lines:
-        raw = raw.strip()
-        if not raw:
-            continue
-        try:
-            rec = json.loads(raw)
-        except ValueError:
-            continue  # truncated last line of a killed rank
-        if not isinstance(rec, dict):
-            continue
+    for rec in trace_lines.read_records(lines):
         ev = rec.get("ev")
         try:
-            if ev == "sig":
+            if ev == trace_lines.SIG:
                 pg = rec.get("pg")
                 if isinstance(pg, str):  # one copy of a group's (long) rank string for every rank and sig
                     rec["pg"] = _PG_STRINGS.setdefault(pg, pg) if len(_PG_STRINGS) < _GROUPS_LIMIT else pg
                 out.sigs[int(rec["sig"])] = rec
-            elif ev == "start":
+            elif ev == trace_lines.START:
                 event = _event(rank, rec, int(rec["id"]), int(rec.get("seq", 0)), float(rec.get("t", 0.0)))
                 out.starts[event.id] = event
                 out.order.append(event)
-            elif ev == "end":
+            elif ev == trace_lines.END:
                 out.ends.append(rec)
-            elif ev == "error":
+            elif ev == trace_lines.ERROR:
                 context = rec.get("context")
                 out.errors.append(RankError(rank, str(rec.get("exc_type", "Error")), str(rec.get("message", "")),
                                             str(rec.get("traceback", "")), rec.get("site"), rec.get("file"),
                                             _opt_int(rec.get("line")), float(rec.get("t", 0.0)),
                                             context if isinstance(context, dict) else None))
-            elif ev == "meta":
+            elif ev == trace_lines.META:
                 files.check_format(rec, f"the trace of rank {rank}")
                 out.meta = rec
-            elif ev == "exit":
+            elif ev == trace_lines.EXIT:
                 out.finished = rec
         except files.FormatError:
             raise

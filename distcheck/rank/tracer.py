@@ -47,7 +47,6 @@ import errno
 import functools
 import inspect
 import itertools
-import json
 import logging
 import mmap
 import os
@@ -61,6 +60,7 @@ from typing import Any, Callable
 from distcheck.analysis.frame_owner import LIBRARY, location, owner
 from distcheck.analysis.ops import C10D_OPS, FUNCOL_OPS, P2P_OPS
 from distcheck.contract import env, files
+from distcheck.contract import trace_lines
 from distcheck.contract import trace_records as records
 from distcheck.processes import agent_pid
 from distcheck.rank import flight_recorder
@@ -100,47 +100,7 @@ _UNCACHED = frozenset({"batch_isend_irecv", "all_gather_object", "gather_object"
 _CACHE_LIMIT = 4096  # distinct call signatures kept; dynamic shapes must not grow memory without bound
 
 
-class _JsonLines:
-    """``trace-rank<R>.jsonl``: what does not repeat (meta, sig, error, exit lines), one O_APPEND write each, so
-    lines from several threads never interleave and a killed rank keeps every line it wrote.
-
-    A write the file system refuses (full, quota, I/O error) is dropped and told to ``on_lost`` (the record file's
-    header keeps it): a full disk must not break the user's training. Half a line written when the disk filled is
-    taken back, so the next line that fits stays readable."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_TRUNC, 0o644)
-        self.on_lost: Callable[[int], None] | None = None
-        self._lock = threading.Lock()  # only around a write: rare lines, never per collective
-
-    def write(self, record: dict[str, Any]) -> None:
-        fd = self.fd
-        if fd < 0:
-            return
-        data = (json.dumps(record, separators=(",", ":"), default=str) + "\n").encode()
-        with self._lock:
-            try:
-                n = os.write(fd, data)
-            except OSError as exc:
-                self._lost(exc.errno)
-                return
-            if n < len(data):  # the disk filled mid-line: cut the half line (no other thread appends meanwhile)
-                try:
-                    os.ftruncate(fd, max(0, os.fstat(fd).st_size - n))
-                except OSError:
-                    pass
-                self._lost(errno.ENOSPC)
-
-    def _lost(self, err: int | None) -> None:
-        on_lost = self.on_lost
-        if on_lost is not None:
-            on_lost(err or 0)
-
-    def close(self) -> None:
-        fd, self.fd = self.fd, -1
-        if fd >= 0:
-            os.close(fd)
+_JsonLines = trace_lines.LineWriter  # TODO(lead): the tests and bench name it here; the writer is contract/trace_lines
 
 
 # What the trace leaves free of its file system (_EventLog._allocate): a tenth of it, at most 64 MiB.
@@ -478,7 +438,7 @@ class Tracer:
         self._torch = torch
         self.rank = rank
         self.path = trace_path(report_dir, rank)
-        self.writer = _JsonLines(self.path)
+        self.writer = trace_lines.LineWriter(self.path)
         self.events = _EventLog(files.rank_file(report_dir, "trace_events", rank))
         self.writer.on_lost = functools.partial(self.events.lost, records.LOST_LINES)
         # Without a CUDA (or ROCm) build no tensor is on the GPU: keys leave the device out (~60 ns a tensor).
