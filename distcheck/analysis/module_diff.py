@@ -385,7 +385,7 @@ def describe(diff: ModuleDiff) -> str:
     before = ("it is the first module" if not diff.matched_before else "the one module before it matches"
               if diff.matched_before == 1 else f"all {diff.matched_before} modules before it match")
     text = (f"First module whose {what} differs from the 1-rank reference in the first step: '{diff.label}' "
-            f"({diff.cls}, {diff.site_kind} at {diff.site}): per-sample sums or norms differ by up to "
+            f"({diff.cls}{f', {diff.site_kind} at {diff.site}' if diff.file and diff.line else ''}): per-sample sums or norms differ by up to "
             f"{diff.max_abs:.3g} (relative {diff.max_rel:.2g}), compared as {mapping}; {before}")
     if diff.side == "backward":
         text += (" in backward order, and every module's output matched in forward: its backward computes a "

@@ -176,3 +176,13 @@ def test_element_error_reassembles_a_2d_mesh():
     parts[3]["tensor"] = parts[3]["tensor"] + torch.tensor([[0.0, 0.0, 0.0], [0.0, 0.7, 0.0]])
     e = element_error({"tensor": ref}, parts, "cat/sum")
     assert e["index"] == [3, 4] and abs(e["max_abs"] - 0.7) < 1e-6
+
+
+def test_a_module_whose_line_is_unknown_is_named_without_a_question_mark():
+    """A library module (torchtitan's FSDPEmbedding) has no user line: the class is named, never 'forward at ?'."""
+    from distcheck.analysis.module_diff import ModuleDiff
+
+    known = ModuleDiff("embed", "Embedding", "/x/train.py", 12, "forward", "cat", 1.0, 0.5, [0, 1], 0)
+    unknown = ModuleDiff("embed", "FSDPEmbedding", None, None, "forward", "cat", 1.0, 0.5, [0, 1], 0)
+    assert "(Embedding, forward at train.py:12)" in describe(known)
+    assert "(FSDPEmbedding)" in describe(unknown) and "?" not in describe(unknown)
