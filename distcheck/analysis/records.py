@@ -14,10 +14,8 @@ finding and table line built from them says "recorded automatically".
 """
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -26,23 +24,15 @@ from distcheck.analysis.module_diff import dp_groups
 from distcheck.analysis.replicas import Divergence, diff_chunk, divergence_finding
 from distcheck.analysis.tolerance import Comparison, compare, ratio_hint, tolerance_for
 from distcheck.contract.findings import Finding, format_ranks
-from distcheck.contract import files
+from distcheck.contract import records_file
 from distcheck.contract.files import AUTO_LOSS, AUTO_PARAMS
 
 # Python numbers usually come from ``loss.item()`` of a float32 tensor: float64 tolerances would flag rounding.
 NUMBER_TOL_DTYPE = torch.float32
 
 
-def index_path(report_dir: str | os.PathLike, rank: int) -> Path:
-    return files.rank_file(report_dir, "records_index", rank)
-
-
-def data_path(report_dir: str | os.PathLike, rank: int) -> Path:
-    return files.rank_file(report_dir, "records_data", rank)
-
-
-def record_files(report_dir: str | os.PathLike) -> list[Path]:
-    return [*files.rank_files(report_dir, "records_index").values(), *files.rank_files(report_dir, "records_data").values()]
+# The files' names and format are contract/records_file.py's; these are the analysis's names for them.
+index_path, data_path, record_files = records_file.index_path, records_file.data_path, records_file.paths
 
 
 @dataclass
@@ -92,67 +82,45 @@ def _dtype(name: str) -> torch.dtype:
     return dt
 
 
-def _tensor(data: bytes, meta: dict[str, Any]) -> torch.Tensor:
-    dt = _dtype(meta["dtype"])
-    raw = data[meta["offset"]:meta["offset"] + meta["nbytes"]]
-    if len(raw) != meta["nbytes"]:
-        raise ValueError("record data truncated")
-    if not raw:
-        return torch.empty(meta["shape"], dtype=dt)
-    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dt).reshape(meta["shape"])
+def _tensor(raw: memoryview, meta: records_file.PartMeta) -> torch.Tensor:
+    dt = _dtype(meta.dtype)
+    if not len(raw):
+        return torch.empty(meta.shape, dtype=dt)
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dt).reshape(meta.shape)
 
 
-def parse_entry(entry: dict[str, Any], data: bytes) -> Record:
-    kind = entry["kind"]
-    if kind == "number":
-        v = entry["value"]
+def to_record(stored: records_file.StoredRecord) -> Record:
+    """The record of one index line, its tensors made from their bytes."""
+    entry = stored.entry
+    if entry.kind == "number":
+        v = entry.value
         if isinstance(v, bool) or isinstance(v, int):
             parts = [Part("", "number", torch.tensor(int(v), dtype=torch.int64), torch.int64)]
         else:
             parts = [Part("", "number", torch.tensor(float(v), dtype=torch.float64), NUMBER_TOL_DTYPE)]
     else:
         parts = []
-        for meta in entry["parts"]:
-            t = _tensor(data, meta)
-            parts.append(Part(meta.get("key", ""), meta.get("role", "tensor"), t, t.dtype))
-    return Record(entry["name"], int(entry["step"]), int(entry.get("seq", 0)), int(entry.get("rank", 0)), kind,
-                  parts, entry.get("replicated"), entry.get("rtol"), entry.get("atol"), entry.get("file"),
-                  entry.get("line"), bool(entry.get("auto", False)), _dp(entry.get("dp")))
-
-
-def _dp(value: Any) -> tuple[int, int] | None:
-    if isinstance(value, list) and len(value) == 2 and all(isinstance(v, int) for v in value) \
-            and 0 <= value[0] < value[1]:
-        return value[0], value[1]
-    return None
+        for meta, raw in zip(entry.parts, stored.data):
+            t = _tensor(raw, meta)
+            parts.append(Part(meta.key, meta.role, t, t.dtype))
+    return Record(entry.name, entry.step, entry.seq, entry.rank, entry.kind, parts, entry.replicated, entry.rtol,
+                  entry.atol, entry.file, entry.line, entry.auto, entry.dp)
 
 
 def load_rank(report_dir: str | os.PathLike, rank: int) -> list[Record]:
-    """One rank's records; a truncated last line or data cut short by a crash is skipped, not fatal."""
-    try:
-        lines = index_path(report_dir, rank).read_text(encoding="utf-8").splitlines()
-    except FileNotFoundError:
-        return []
-    try:
-        data = data_path(report_dir, rank).read_bytes()
-    except FileNotFoundError:
-        data = b""
+    """One rank's records; a truncated last line, data cut short by a crash or a dtype this torch lacks is skipped,
+    not fatal."""
     out = []
-    path = index_path(report_dir, rank)
-    for line in lines:
+    for stored in records_file.read(report_dir, rank):
         try:
-            entry = json.loads(line)
-            files.check_format(entry, path)
-            out.append(parse_entry(entry, data))
-        except files.FormatError:
-            raise
-        except (ValueError, KeyError, TypeError, RuntimeError):
+            out.append(to_record(stored))
+        except (ValueError, TypeError, RuntimeError):
             continue
     return out
 
 
 def load_run(report_dir: str | os.PathLike) -> dict[int, list[Record]]:
-    return {r: load_rank(report_dir, r) for r in files.rank_files(report_dir, "records_index")}
+    return {r: load_rank(report_dir, r) for r in records_file.ranks(report_dir)}
 
 
 def has_explicit(*runs: dict[int, list[Record]]) -> bool:

@@ -15,7 +15,8 @@ values to ``<report_dir>/records-rank<R>.bin`` and one JSON line per record to `
 unbuffered ``os.write`` on O_APPEND descriptors: the data goes first, the index line last, so a rank that crashes
 or is killed keeps every record whose index line was written and never indexes half-written data. A write the file
 system refuses (full, quota, I/O error) never reaches the script: recording stops there for good (the records stay
-a prefix), the rank says so once on stderr, and its trace header keeps it for the report.
+a prefix), the rank says so once on stderr, and its trace header keeps it for the report. The files' format, and
+the writing itself, are contract/records_file.py's; this module turns values into tensors' bytes.
 
 Keyword-only extras of :func:`record` (not part of the public ``distcheck.record`` signature):
 
@@ -37,13 +38,11 @@ lines carry ``"auto": true``; the analysis drops them when the script records an
 """
 from __future__ import annotations
 
-import errno
-import json
 import logging
 import os
-from typing import Any
+from typing import Any, Iterator
 
-from distcheck.contract import env, files
+from distcheck.contract import env, files, records_file
 from distcheck.rank.usersite import caller_site
 
 ENV_REPORT_DIR = env.REPORT_DIR  # same variable as distcheck.rank.sink: set by run/compare in each rank
@@ -130,119 +129,92 @@ def normalize_key(name: str) -> str:
 
 
 class _Recorder:
+    """This rank's records: values become tensors' bytes here, the files' format is contract/records_file.py's."""
+
     def __init__(self, report_dir: str, rank: int) -> None:
-        os.makedirs(report_dir, exist_ok=True)
         self.rank = rank
-        flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND
-        self._data_fd = os.open(files.rank_file(report_dir, "records_data", rank), flags, 0o644)
-        self._index_fd = os.open(files.rank_file(report_dir, "records_index", rank), flags, 0o644)
-        # Appending to a reused file: offsets continue from its current end.
-        self._offset = os.fstat(self._data_fd).st_size
-        self._seq = 0
+        self._writer = records_file.Writer(report_dir, rank)
         self._steps: dict[str, int] = {}
-        self._failed = False  # a write failed: nothing more is recorded
 
     def close(self) -> None:
-        for fd in (self._data_fd, self._index_fd):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-
-    def _write_tensor(self, t: Any) -> dict[str, Any]:
-        import torch
-
-        full = getattr(t, "full_tensor", None)
-        if callable(full):  # DTensor: the collective every rank takes part in
-            t = full()
-        t = t.detach()
-        if t.device.type != "cpu":
-            t = t.cpu()
-        t = t.contiguous()
-        raw = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
-        meta = {"dtype": str(t.dtype).replace("torch.", ""), "shape": list(t.shape), "offset": self._offset,
-                "nbytes": len(raw)}
-        view = memoryview(raw)
-        while view:  # os.write may write less than asked for large buffers
-            n = os.write(self._data_fd, view)
-            view = view[n:]
-        self._offset += len(raw)
-        return meta
+        self._writer.close()
 
     def add(self, name: str, value: Any, step: int | None, rtol: float | None, atol: float | None,
             replicated: bool | None, auto: bool = False,
             site: tuple[str | None, int | None] | None = None, dp: tuple[int, int] | None = None) -> None:
-        if self._failed:  # a prefix, not a sieve: after a lost record nothing later is indexed
+        if self._writer.failed:  # a prefix, not a sieve: after a lost record nothing later is gathered or indexed
             return
-        start = self._offset
-        try:
-            self._add(name, value, step, rtol, atol, replicated, auto, site, dp)
-        except OSError as exc:
-            self._fail(name, start, exc)
+        entry, parts = self._entry(name, value, step, rtol, atol, replicated, auto, site, dp)
+        exc = self._writer.append(entry, parts)
+        if exc is not None:
+            self._fail(name, exc)
 
-    def _fail(self, name: str, start: int, exc: OSError) -> None:
-        """A write failed (a full disk): give back the record's half-written data and stop recording."""
+    def _fail(self, name: str, exc: OSError) -> None:
+        """A write failed (a full disk): the writer gave back the record's half-written data and stopped."""
         from distcheck.contract.trace_records import LOST_RECORDS, write_failure
         from distcheck.rank.tracer import note_lost
 
-        self._failed = True
-        try:
-            os.ftruncate(self._data_fd, start)
-        except OSError:
-            pass
-        self._offset = start
         note_lost(LOST_RECORDS, exc)
         log.warning("%s (%s): distcheck.record(%r) and every later record are not recorded; the script goes on",
                     write_failure(exc.errno), exc.strerror or exc, name)
 
-    def _add(self, name: str, value: Any, step: int | None, rtol: float | None, atol: float | None,
-             replicated: bool | None, auto: bool, site: tuple[str | None, int | None] | None,
-             dp: tuple[int, int] | None = None) -> None:
+    def _entry(self, name: str, value: Any, step: int | None, rtol: float | None, atol: float | None,
+               replicated: bool | None, auto: bool, site: tuple[str | None, int | None] | None,
+               dp: tuple[int, int] | None = None) -> tuple[records_file.IndexEntry, Iterator[_Part]]:
+        """The record's index entry (without its tensors' places) and its tensors, made one at a time as the writer
+        takes them: a module's full tensors never all live in memory together."""
         import torch
 
         if step is None:
             step = self._steps.get(name, 0)
         self._steps[name] = int(step) + 1
-        entry: dict[str, Any] = {files.FORMAT_KEY: files.FORMAT, "name": name, "step": int(step), "seq": self._seq, "rank": self.rank}
-        if auto:
-            entry["auto"] = True  # only on automatic records: explicit ones keep their old index lines
-        if dp is not None:
-            entry["dp"] = [int(dp[0]), int(dp[1])]
+        kind, parts, number = "number", iter(()), None
         if isinstance(value, torch.nn.Module):
-            parts = []
             named = [(n, "parameter", p) for n, p in value.named_parameters()]
             named += [(n, "buffer", b) for n, b in value.named_buffers() if b is not None]
             named += [(f"{n}.grad", "gradient", p.grad) for n, p in value.named_parameters() if p.grad is not None]
-            for n, role, t in named:
-                parts.append({"key": normalize_key(n), "role": role, **self._write_tensor(t)})
-            entry.update(kind="module", parts=parts, replicated=True)
+            kind, parts, replicated = "module", (_part(normalize_key(n), role, t) for n, role, t in named), True
         elif auto and isinstance(value, list):
             # Automatic parameter records: (name, parameter) pairs an optimizer updates, stored like a module.
-            parts = [{"key": normalize_key(n), "role": "parameter", **self._write_tensor(t)} for n, t in value]
-            entry.update(kind="module", parts=parts, replicated=True)
+            kind, replicated = "module", True
+            parts = (_part(normalize_key(n), "parameter", t) for n, t in value)
         elif isinstance(value, torch.Tensor):
-            is_dtensor = callable(getattr(value, "full_tensor", None))
-            entry.update(kind="tensor", parts=[{"key": "", "role": "tensor", **self._write_tensor(value)}],
-                         replicated=True if is_dtensor else replicated)
+            if callable(getattr(value, "full_tensor", None)):  # a DTensor: its full tensor is every rank's
+                replicated = True
+            kind, parts = "tensor", (_part("", "tensor", t) for t in (value,))
         elif isinstance(value, (bool, int, float)):
-            entry.update(kind="number", value=value, replicated=replicated)
+            number = value
         else:
             try:  # numpy scalars and other number-likes
                 number = float(value)
             except (TypeError, ValueError):
                 raise TypeError(f"distcheck.record({name!r}, ...) takes a tensor, DTensor, number or nn.Module, "
                                 f"not {type(value).__name__}") from None
-            entry.update(kind="number", value=number, replicated=replicated)
         own_rtol, own_atol = _tolerances.get(name, (None, None))
-        entry["rtol"] = rtol if rtol is not None else own_rtol
-        entry["atol"] = atol if atol is not None else own_atol
         if site is None:
             here = caller_site()
             site = (here.file, here.line)
-        entry["file"], entry["line"] = site
-        line = (json.dumps(entry) + "\n").encode()
-        n = os.write(self._index_fd, line)
-        if n < len(line):  # half an index line: the disk filled under it; take it back
-            os.ftruncate(self._index_fd, os.fstat(self._index_fd).st_size - n)
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        self._seq += 1
+        entry = records_file.IndexEntry(
+            name, int(step), kind, value=number, replicated=replicated,
+            rtol=rtol if rtol is not None else own_rtol, atol=atol if atol is not None else own_atol,
+            file=site[0], line=site[1], auto=auto, dp=(int(dp[0]), int(dp[1])) if dp is not None else None)
+        return entry, parts
+
+
+_Part = tuple[records_file.PartMeta, "bytes | memoryview"]
+
+
+def _part(key: str, role: str, t: Any) -> _Part:
+    """One tensor's bytes as the record files hold them: the full tensor of a DTensor, on the CPU, contiguous."""
+    import torch
+
+    full = getattr(t, "full_tensor", None)
+    if callable(full):  # DTensor: the collective every rank takes part in
+        t = full()
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous()
+    # The tensor's own memory, not a copy: the writer writes it before the next tensor is made.
+    raw = memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else b""
+    return records_file.PartMeta(key, role, str(t.dtype).replace("torch.", ""), list(t.shape)), raw

@@ -104,7 +104,7 @@ def compare(opts: CompareOptions, interrupt: Interrupt | None = None) -> tuple[R
                                             record_files, render_table)
     from distcheck.analysis.module_diff import explain_mismatch
     from distcheck.contract.env import AUTO_RECORD_STEPS
-    from distcheck.supervise.run_report import load_autocheck_states
+    from distcheck.contract.autocheck_file import read_all as load_autocheck_states
 
     report_dir = prepare_report_dir(opts.run.report_dir).resolve()
     for name in ("report.json", "report.txt"):

@@ -9,7 +9,6 @@ diagnosis of the watch loop become one Report, written by :func:`publish` (contr
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sys
@@ -26,7 +25,7 @@ from distcheck.contract import files
 from distcheck.contract.chrome_trace import write_chrome_trace
 from distcheck.contract.findings import CheckResult, Finding, Note, format_ranks
 from distcheck.contract.report import Report, render_text, write_report
-from distcheck.contract import findings_file
+from distcheck.contract import autocheck_file, findings_file
 from distcheck.contract.stderr_file import tail
 
 log = logging.getLogger("distcheck")
@@ -312,25 +311,15 @@ def publish(report: Report, report_dir: Path) -> int:
     return report.exit_code
 
 
-def load_autocheck_states(report_dir: str | os.PathLike) -> dict[int, dict[str, Any]]:
-    out: dict[int, dict[str, Any]] = {}
-    for path in files.rank_files(report_dir, "autocheck").values():
-        try:
-            data = json.loads(path.read_text())
-            files.check_format(data, path)
-            out[int(data["rank"])] = data
-        except files.FormatError:
-            raise
-        except (OSError, ValueError, KeyError):
-            continue
-    return out
+# The tests' and older callers' name for the contract's reader.
+load_autocheck_states = autocheck_file.read_all
 
 
 def report_parts(report_dir: str | os.PathLike) -> tuple[list[Finding], list[CheckResult], list[Note]]:
     """The zero-code checks' findings, checks (model_check, bad_values, ...) and warnings (parameters on mixed
     meshes in a correct model: what would break, and the fix), from the ranks' autocheck files; a warning every
     rank wrote is reported once."""
-    states = load_autocheck_states(report_dir)
+    states = autocheck_file.read_all(report_dir)
     findings, checks = merge_states(states)
     notes: dict[tuple, Note] = {}
     for rank in sorted(states):

@@ -108,3 +108,40 @@ def test_a_frozen_model_is_its_own_check_and_hides_the_drift_check():
             row["cause"] = None
     findings, checks = merge_states(frozen)
     assert findings == [] and {c.name: c.ok for c in checks}["frozen_model"] is True
+
+
+def test_a_closure_step_is_one_step_whose_loss_belongs_to_it(tmp_path, monkeypatch):
+    """Lightning and LBFGS call optimizer.step(closure): forward and backward() run inside the step. The step is
+    still dispatched once (its params recorded, its replicas checked), its loss labelled with its own step; a step
+    that raised (caught by the user) does not make the next one count as nested."""
+    from distcheck.rank import autocheck
+
+    check = autocheck.install(tmp_path, 0)
+    try:
+        done, loss_steps = [], []
+        monkeypatch.setattr(check.records, "on_optimizer_step_done", lambda opt: done.append(type(opt).__name__))
+        monkeypatch.setattr(check.records, "on_backward", lambda loss: loss_steps.append(check.loss_step))
+        model = torch.nn.Linear(2, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+        def closure():
+            opt.zero_grad()
+            loss = model(torch.ones(1, 2)).sum()
+            loss.backward()
+            return loss
+
+        for _ in range(3):
+            opt.step(closure)
+        assert done == ["SGD"] * 3 and loss_steps == [0, 1, 2] and check.opt_steps == {id(opt): 3}
+
+        def failing():
+            raise RuntimeError("caught by the user")
+
+        try:
+            opt.step(failing)
+        except RuntimeError:
+            pass
+        opt.step(closure)  # a step of its own, not nested in the one that raised
+        assert done == ["SGD"] * 4 and loss_steps[-1] == 4
+    finally:
+        autocheck.uninstall()

@@ -18,17 +18,18 @@
 
 patches.py holds the hooks (fully_shard, DDP and its no_sync(), parallelize_module, optimizers, ``backward``) that
 feed these jobs through :class:`AutoCheck`, which also owns the step counters they share and the per-rank state file
-``autocheck-rank<R>.json`` the supervisor reads (supervise/run_report.py).
+``autocheck-rank<R>.json`` the supervisor reads (its format: contract/autocheck_file.py).
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
-from distcheck.contract import env, files
+from distcheck.contract import autocheck_file, env
+from distcheck.contract.autocheck_file import AutocheckState
 from distcheck.contract.findings import Finding
 from distcheck.rank.autocheck import patches
 from distcheck.rank.autocheck.auto_records import AutoRecords, record_steps_from_env
@@ -48,8 +49,24 @@ def enabled() -> bool:
     return os.environ.get(ENV_AUTOCHECK, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
-def state_path(out_dir: str | os.PathLike, rank: int) -> Path:
-    return files.rank_file(out_dir, "autocheck", rank)
+def _torch_step_frame() -> Any:
+    """The innermost frame of torch.optim's code on this thread's stack: the step wrapper that calls the hooks."""
+    frame = sys._getframe(2)
+    while frame is not None and "/torch/optim/" not in frame.f_code.co_filename.replace("\\", "/"):
+        frame = frame.f_back
+    return frame
+
+
+def _on_stack(frame: Any) -> bool:
+    """Whether ``frame`` still runs on this thread (unknown: assume it does, as a nested step)."""
+    if frame is None:
+        return True
+    here = sys._getframe(1)
+    while here is not None:
+        if here is frame:
+            return True
+        here = here.f_back
+    return False
 
 
 def current() -> AutoCheck | None:
@@ -65,6 +82,7 @@ class AutoCheck:
         self.opt_steps: dict[int, int] = {}  # id(optimizer) -> steps taken
         self._stepping: Any = None  # the optimizer whose step() is running (the outermost one)
         self._nested = 0  # inner step() calls running inside it
+        self._step_frame: Any = None  # torch's frame of the outermost step()
         self.backwards = 0
         self.optimizers = 0
         self.models = ModelWatch(self, self.out_dir, rank, emit)
@@ -86,8 +104,6 @@ class AutoCheck:
 
     def on_backward(self, loss: Any) -> None:
         self.backwards += 1
-        # A step that raised inside (the user caught it) never ran its post-hook: the next backward() starts anew.
-        self._stepping, self._nested = None, 0
         self.drift.on_backward()
         self.records.on_backward(loss)
         self.nan.on_backward(loss)
@@ -102,9 +118,13 @@ class AutoCheck:
         # (torchtitan's OptimizersContainer), a subclass calling super().step(): the hooks fire for each level.
         # The outermost step is the step; the inner ones are part of it.
         if self._stepping is not None:
-            self._nested += 1
-            return
-        self._stepping = optimizer
+            if _on_stack(self._step_frame):
+                self._nested += 1
+                return
+            self._nested = 0  # that step raised (the user caught it): its post-hook never ran
+        # The frame of torch's step wrapper: it stays on the stack while the step runs, closures included
+        # (Lightning's and LBFGS's optimizer.step(closure) run forward and backward() inside the step).
+        self._stepping, self._step_frame = optimizer, _torch_step_frame()
         step = self.opt_steps.get(id(optimizer), 0)
         self.opt_steps[id(optimizer)] = step + 1
         self.nan.on_optimizer_step(optimizer, step)
@@ -135,6 +155,14 @@ class AutoCheck:
         return self.records.count
 
     @property
+    def loss_step(self) -> int:
+        """The optimizer step a loss computed now belongs to: the running step's when a closure computes it inside
+        optimizer.step() (Lightning, LBFGS), else the next step's."""
+        if self._stepping is not None and _on_stack(self._step_frame):
+            return self.opt_steps.get(id(self._stepping), 1) - 1
+        return max(self.opt_steps.values(), default=0)
+
+    @property
     def steps_done(self) -> int:
         return max(self.opt_steps.values()) if self.opt_steps else self.backwards
 
@@ -143,24 +171,20 @@ class AutoCheck:
         return "optimizer.step" if self.opt_steps else "backward"
 
     def state(self) -> dict[str, Any]:
-        return {files.FORMAT_KEY: files.FORMAT, "rank": self.rank, "model_checks": self.models.model_checks,
-                "steps": self.steps_done, "counter": self.counter, "backwards": self.backwards,
-                "first_bad": self.nan.first_bad.to_json() if self.nan.first_bad else None,
-                "step_check_seconds": self.nan.seconds, "auto_records": self.records.count,
-                "replica_drift": self.drift.state(), "modules": self.module_summaries.state(),
-                "prewrap": self.prewrap.state(), "frozen": self.frozen.state(), "warnings": self.models.warnings}
+        return AutocheckState(
+            self.rank, self.models.model_checks, self.steps_done, self.counter, self.backwards,
+            self.nan.first_bad.to_json() if self.nan.first_bad else None, self.nan.seconds, self.records.count,
+            self.drift.state(), self.module_summaries.state(), self.prewrap.state(), self.frozen.state(),
+            self.models.warnings).to_json()
 
     def write_state(self) -> None:
-        from distcheck.contract.report import atomic_write
-
-        try:
-            atomic_write(state_path(self.out_dir, self.rank), json.dumps(self.state()) + "\n")
-        except OSError as exc:  # a full disk: the report says what is missing (the trace header keeps it)
+        exc = autocheck_file.write(self.out_dir, self.rank, self.state())
+        if exc is not None:  # a full disk: the report says what is missing (the trace header keeps it)
             from distcheck.contract.trace_records import LOST_AUTOCHECK
             from distcheck.rank.tracer import note_lost
 
             note_lost(LOST_AUTOCHECK, exc)
-            log.warning("distcheck: cannot write %s: %s", state_path(self.out_dir, self.rank).name,
+            log.warning("distcheck: cannot write %s: %s", autocheck_file.path(self.out_dir, self.rank).name,
                         exc.strerror or exc)
 
     def finish(self) -> None:

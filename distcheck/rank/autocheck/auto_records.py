@@ -57,7 +57,7 @@ class AutoRecords:
         # A step is an optimizer step when the script has an optimizer (several backward() calls per step under
         # gradient accumulation are occurrences of one step), else one backward() call.
         owner = self.owner
-        step = max(owner.opt_steps.values(), default=0) if owner.optimizers else owner.backwards - 1
+        step = owner.loss_step if owner.optimizers else owner.backwards - 1
         if step >= self.steps or loss.numel() != 1 or not loss.is_floating_point():
             return
         try:
