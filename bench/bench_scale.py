@@ -2,8 +2,10 @@
 
     .venv/bin/python bench/bench_scale.py --world 512 --coll 1000
     .venv/bin/python bench/bench_scale.py --world 4096 --coll 20000 --dir /tmp/dcscale   # ~2 GB of records
+    .venv/bin/python bench/bench_scale.py --world 512 --coll 1000 --flight   # with every rank's Flight dump
+    .venv/bin/python bench/bench_scale.py --world 512 --coll 1000 --flight entries   # ... holding its ring
 
-Writes a report directory per shape with the project's own writers (rank/tracer.py's ``_JsonLines`` for the
+Writes a report directory per shape with the project's own writers (contract/trace_lines.py's ``LineWriter`` for the
 meta/sig/exit lines, contract/trace_records.py's header and record layout for ``trace-rank<R>.bin``), FSDP2-like on
 the world group: per step, a forward all_gather per layer, then per layer in reverse a backward all_gather and a
 reduce_scatter, then an all_reduce. Three shapes:
@@ -20,7 +22,12 @@ the dumps (hang), the report (run_report.build_report: alignment, findings, trac
 
 where seconds is that analysis end to end, peak_mb the process's peak RSS (``ru_maxrss``) and report_mb the size of
 everything the analysis wrote. ``--poll`` adds ``poll ... seconds=X``: one more stop check of the watch loop
-(load_traces and provably_stuck) after that, with nothing appended, which reads only what was appended. Targets (2 cores): W=4096 C=20000: <= 30 s, <= 2048 MB, <= 20 MB each;
+(load_traces and provably_stuck) after that, with nothing appended, which reads only what was appended.
+``--flight`` also writes every rank's Flight Recorder dump, as a rank whose ring holds nothing untraced writes it
+(rank/flight_recorder.py: counters and ``all_traced``), and prints ``flight_check ... seconds=X``: rank 0's check
+of its ring (its last 10000 entries) against its trace files, what the exit dump adds to a rank; ``--flight
+entries`` writes the dumps with their entries, as every rank did before that check (the load is then not
+summarized). Targets (2 cores): W=4096 C=20000: <= 30 s, <= 2048 MB, <= 20 MB each;
 W=512 C=1000: <= 3 s.
 """
 from __future__ import annotations
@@ -80,13 +87,14 @@ def sig_line(call: tuple, layer: int, world: int, pg: str, odd: bool = False) ->
             "file": file, "line": line}
 
 
-def generate(report_dir: Path, world: int, coll: int, shape: str) -> dict:
-    """Write every rank's trace files (and, for the hang, the stack dumps); returns what the bench needs to know."""
+def generate(report_dir: Path, world: int, coll: int, shape: str, flight: str | None = None) -> dict:
+    """Write every rank's trace files (and, for the hang, the stack dumps; with ``flight``, the Flight Recorder
+    dumps of rings that hold nothing untraced); returns what the bench needs to know."""
     import numpy as np
 
     from distcheck.contract import files
     from distcheck.contract import trace_records as records
-    from distcheck.rank.tracer import _JsonLines
+    from distcheck.contract.trace_lines import LineWriter
 
     report_dir.mkdir(parents=True, exist_ok=True)
     pg = ",".join(map(str, range(world)))
@@ -108,7 +116,7 @@ def generate(report_dir: Path, world: int, coll: int, shape: str) -> dict:
     base["t_end"] = base["t"] + 5e-4
     header = np.frombuffer(records.header(files.FORMAT), dtype)
     for rank in range(world):
-        lines = _JsonLines(files.rank_file(report_dir, "trace", rank))
+        lines = LineWriter(files.rank_file(report_dir, "trace", rank))
         lines.write({"ev": "meta", files.FORMAT_KEY: files.FORMAT, "rank": rank, "pid": 100_000 + rank,
                      "ppid": 1, "t": t0 - 1, "argv": ["fsdp_step.py"], "torch": "2.13.0", "hot_path": "c"})
         recs = base
@@ -141,7 +149,57 @@ def generate(report_dir: Path, world: int, coll: int, shape: str) -> dict:
         from _scale_hang import write_dumps
 
         write_dumps(report_dir, world, loader_rank=stop_rank, barrier_rank=world - 1)
-    return {"odd_rank": odd_rank, "odd_at": odd_at + 1, "stop_rank": stop_rank}
+    out = {"odd_rank": odd_rank, "odd_at": odd_at + 1, "stop_rank": stop_rank}
+    if flight:
+        out["check_s"] = write_flight_dumps(report_dir, world, calls, base, stop_rank if shape == "hang" else None,
+                                            "requested" if shape == "hang" else "exit", flight == "entries")
+    return out
+
+
+RING = 10000  # TORCH_FR_BUFFER_SIZE's default under distcheck (rank/flight_recorder.DEFAULT_ENTRIES)
+
+
+def write_flight_dumps(report_dir: Path, world: int, calls: list, base, short_rank: int | None, reason: str,
+                       keep_entries: bool = False) -> float:
+    """Every rank's ``flight-rank<R>.json`` as rank/flight_recorder.py writes it for a ring that recorded exactly
+    the traced calls: rank 0's ring (its last RING entries, as gloo records them) is held against rank 0's trace
+    files by analysis/flight_recorder.all_traced, which must say all traced; every rank then writes the document
+    rank/flight_recorder.document makes of it (with a world-sized group list and a backward phase per step, which
+    an all-traced dump leaves out; ``keep_entries``: the whole document, as every dump was before all_traced).
+    Returns the seconds rank 0's check took (what the exit dump adds)."""
+    from distcheck.analysis import flight_recorder as fr
+    from distcheck.contract import files
+    from distcheck.rank import flight_recorder as rank_fr
+
+    coll = len(calls)
+    first = max(0, coll - RING)
+    entries = [{"ring": "c10d", "record_id": i, "pg_id": 0, "process_group": ["0", "default_pg"],
+                "collective_seq_id": i + 1, "p2p_seq_id": 0, "is_p2p": False,
+                "profiling_name": "gloo:" + {"all_gather_into_tensor": "_allgather_base",
+                                             "reduce_scatter_tensor": "_reduce_scatter_base"}.get(calls[i][0][0],
+                                                                                                  calls[i][0][0]),
+                "input_sizes": [[layer_numel(max(calls[i][1], 0))]], "input_dtypes": ["BFloat16"],
+                "output_sizes": [[layer_numel(max(calls[i][1], 0))]], "output_dtypes": ["BFloat16"],
+                "time_created_ns": int((float(base["t"][i]) + 1e-4) * 1e9), "time_discovered_completed_ns": 0,
+                "state": "scheduled", "thread_id": "140000000000000"} for i in range(first, coll)]
+    status = {"c10d:0": {"last_enqueued_collective": str(coll), "last_completed_collective": str(coll),
+                         "last_started_collective": "-1"}}
+    steps = [{"kind": "backward", "file": USER_FILE, "line": 50, "t0": float(base["t"][i]), "t1": float(base["t"][i])}
+             for i in range(coll) if calls[i][0] is AR][-4096:]
+    snapshot = {"phases": steps, "graphs": {}, "seen": ["backward"]}
+    t0 = time.perf_counter()
+    traced = fr.all_traced(entries, status, files.rank_file(report_dir, "trace", 0).read_text().splitlines(),
+                           files.rank_file(report_dir, "trace_events", 0).read_bytes(), snapshot)
+    check_s = time.perf_counter() - t0
+    assert traced, "rank 0's ring, made of its own traced calls, was not found all traced"
+    groups = {"0": list(range(world))}
+    for rank in range(world):
+        rank_status = status
+        if rank == short_rank:
+            rank_status = {"c10d:0": {**status["c10d:0"], "last_enqueued_collective": str(coll - 1)}}
+        doc = rank_fr.document(rank, reason, entries, rank_status, groups, snapshot, not keep_entries)
+        files.rank_file(report_dir, "flight", rank).write_text(json.dumps(doc, separators=(",", ":")))
+    return check_s
 
 
 def _snapshot(report_dir: Path) -> dict[str, tuple[int, int]]:
@@ -207,6 +265,10 @@ def main() -> int:
     ap.add_argument("--verbose", action="store_true", help="print each shape's findings, first line")
     ap.add_argument("--poll", action="store_true",
                     help="also print the cost of one more stop check of the watch loop on the loaded traces")
+    ap.add_argument("--flight", nargs="?", const="traced", choices=("traced", "entries"),
+                    help="also write each rank's Flight Recorder dump (what every real run's ranks write at exit): "
+                         "all traced (counters only), or 'entries': with its ring's entries, as before all_traced; "
+                         "and print rank 0's check of its ring against its trace")
     args = ap.parse_args()
     if args.analyse:
         seconds, peak, written, findings = analyse(args.dir, args.world, args.analyse)
@@ -218,7 +280,10 @@ def main() -> int:
         for shape in args.shapes.split(","):
             report_dir = base / f"w{args.world}-c{args.coll}-{shape}"
             shutil.rmtree(report_dir, ignore_errors=True)
-            generate(report_dir, args.world, args.coll, shape)
+            made = generate(report_dir, args.world, args.coll, shape, args.flight)
+            if args.flight:
+                print(f"flight_check world={args.world} coll={args.coll} shape={shape} "
+                      f"seconds={made['check_s']:.3f}", flush=True)
             res = subprocess.run([sys.executable, __file__, "--analyse", shape, "--world", str(args.world),
                                   "--coll", str(args.coll), "--dir", str(report_dir)],
                                  capture_output=True, text=True, timeout=3600)

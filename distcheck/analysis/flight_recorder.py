@@ -30,8 +30,9 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
+from distcheck.analysis.ops import PEER_OPS
 from distcheck.contract import files
 
 # Traced calls that issue several backend collectives, and how many at most: the *_object helpers exchange sizes
@@ -93,6 +94,9 @@ class FlightDump:
     dropped: bool = False  # the ring overflowed: its oldest entries are gone
     window: dict[str, int] = field(default_factory=dict)  # group name -> first collective_seq_id still held
     seen: frozenset[str] = frozenset()  # every phase kind the rank went through (ddp_init: a DDP model exists)
+    # The rank found every collective its groups counted in its trace (all_traced) and wrote no entries: merging
+    # it adds nothing, so it does not keep a big job's traces from being summarized (trace_events.load_traces).
+    all_traced: bool = False
 
 
 def load_dump(report_dir: str | os.PathLike, rank: int) -> FlightDump | None:
@@ -115,7 +119,8 @@ def load_dump(report_dir: str | os.PathLike, rank: int) -> FlightDump | None:
                       {str(k): list(v) for k, v in (data.get("groups") or {}).items()},
                       dict(data.get("pg_status") or {}), str(data.get("reason", "")),
                       dropped=bool(entries) and int(entries[0].get("record_id") or 0) > 0, window=window,
-                      seen=frozenset(str(k) for k in data.get("seen") or ()))
+                      seen=frozenset(str(k) for k in data.get("seen") or ()),
+                      all_traced=bool(data.get("all_traced")) and not entries)
 
 
 def _group(entry: dict[str, Any]) -> str:
@@ -294,6 +299,108 @@ def merge(events: list[Any], dump: FlightDump | None, event_type: Callable[..., 
     for n, ev in enumerate(out, 1):
         ev.id = n
     return out
+
+
+# Phases inside which torch issues collectives of its own: a dump that saw one keeps its entries.
+_UNTRACED_PHASES = frozenset({"ddp_init", "ddp_forward", "join", "compiled"})
+# Traced calls a ring counter cannot be held against one for one: point-to-point ops (the ring numbers them apart)
+# and gloo's monitored_barrier (sends and receives underneath).
+_UNCOUNTED = PEER_OPS | {"monitored_barrier"}
+
+
+def all_traced(entries: list[dict[str, Any]], status: dict[str, Any], trace_lines: Iterable[str | bytes],
+               binary: bytes | None, snapshot: dict[str, Any]) -> bool:
+    """Whether every collective the rank's process groups counted is one its trace holds, so that :func:`merge`
+    would add nothing to the trace: the rank then writes its dump without the entries (rank/flight_recorder.py).
+
+    ``entries`` and ``status`` as the rank's dump holds them (``status`` keyed ``ring:group id``), ``trace_lines``
+    and ``binary`` the rank's ``trace-rank<R>.jsonl`` and ``.bin``, ``snapshot`` its phases. True only when, per
+    group, the ring's counter of collectives ever enqueued equals the traced calls on that group (groups whose
+    entries left the ring are counted together), every entry still held has the kind of the traced call at its
+    position and was created while that call was the group's latest (merge's own join), and nothing says torch
+    issued collectives of its own (DDP, compiled graphs), issued point-to-point ops, or that the ring completes
+    traced calls (NCCL). Anything unreadable, cut or failed: False (the dump keeps its entries)."""
+    import numpy as np
+
+    from distcheck.analysis.rank_trace import _read_lines
+    from distcheck.contract import trace_records as records
+
+    if snapshot.get("graphs") or _UNTRACED_PHASES & set(snapshot.get("seen") or ()):
+        return False
+    if any(e.get("is_p2p") or e.get("ring", "c10d") != "c10d" for e in entries):
+        return False
+    enqueued: dict[str, int] = {}  # c10d group id -> collectives it ever enqueued
+    for key, s in status.items():
+        ring, _, gid = str(key).rpartition(":")
+        n = int(s.get("last_enqueued_collective", -1))
+        if ring != "c10d":
+            if n > 0:
+                return False  # NCCL: its ring holds the ends of traced calls
+        elif n > 0:
+            enqueued[gid] = n
+    parsed = _read_lines(trace_lines, -1)
+    if parsed.order or any(e.get("error") is not None for e in parsed.ends):
+        return False  # JSON start lines of old, or a call that failed (it may have issued nothing)
+    state = records.read_state(binary or b"")
+    if state is None or state.cut or state.lost & records.LOST_LINES:
+        return False
+    recs = np.frombuffer(binary or b"", records.record_dtype(), offset=records.SIZE,
+                         count=len(binary or b"") // records.SIZE - 1)
+    written = np.flatnonzero(recs["kind"] != 0)
+    if written.size != (int(written[-1]) + 1 if written.size else 0):
+        return False  # a slot claimed but not written yet: a call on its way
+    recs = recs[:written.size]
+    names: dict[str, int] = {}  # traced group name -> its index
+    group_of = np.full(max(parsed.sigs, default=0) + 1, -1, np.int64)
+    for n, desc in parsed.sigs.items():
+        name = desc.get("pg_name")
+        if str(desc.get("op")) in _UNCOUNTED or desc.get("completion") == "flight_recorder" or name is None or n < 0:
+            continue  # any record of it makes the answer False below
+        group_of[n] = names.setdefault(str(name), len(names))
+    sig = recs["sig"].astype(np.int64)
+    if sig.size and (int(sig.max()) >= len(group_of) or (group_of[sig] < 0).any()):
+        return False
+    groups = group_of[sig]
+    traced = dict(zip(names, np.bincount(groups, minlength=len(names)).tolist()))
+    name_of: dict[str, str] = {}  # group id -> name, from the entries that still name both
+    for e in entries:
+        gid, name = str(e.get("pg_id")), _group(e)
+        if name_of.setdefault(gid, name) != name:
+            return False
+    if len(set(name_of.values())) != len(name_of) or any(gid not in enqueued for gid in name_of):
+        return False  # a group made again under an old name, or entries of a group without a counter
+    left_ring = 0
+    for gid, n in enqueued.items():
+        if gid in name_of:
+            if traced.get(name_of[gid], 0) != n:
+                return False
+        else:
+            left_ring += n
+    if left_ring != sum(n for name, n in traced.items() if name not in name_of.values()):
+        return False
+    since = float(parsed.meta.get("t", 0.0) or 0.0)
+    index = _PhaseIndex(list(snapshot.get("phases") or []))
+    t = recs["t"]
+    at: dict[str, Any] = {}
+    for e in entries:
+        name = _group(e)
+        slots = at.get(name)
+        if slots is None:
+            slots = at[name] = np.flatnonzero(groups == names[name])
+            if (np.diff(t[slots]) < 0).any():
+                return False  # calls of one group started out of order: merge's walk would not pair them so
+        seq, created = int(e.get("collective_seq_id") or 0), _created(e)
+        if not 1 <= seq <= len(slots) or created < since:
+            return False
+        slot = slots[seq - 1]
+        start = float(t[slot])
+        if not (start <= created and (seq == len(slots) or created < float(t[slots[seq]]))):
+            return False
+        if not same_kind(str(parsed.sigs[int(recs["sig"][slot])].get("op")), str(e.get("profiling_name", ""))):
+            return False
+        if index.began_between(start, created):
+            return False
+    return True
 
 
 def _assume_ends(events: list[Any]) -> list[Any]:

@@ -15,8 +15,8 @@ A trace cut short by a full (or failing) report file system is read as the clean
 files lost writes) or from the first record whose sig line was lost, where positions could no longer be counted.
 The header also holds how the script ended when the exit line itself could not be written.
 
-A big job's traces (beyond FULL_LIMIT records on a rank or TOTAL_LIMIT in all) are not made into an event per
-collective: :func:`load_traces` summarizes them (analysis/trace_summary.py, :attr:`RankTrace.summary`). A group's
+A big job's traces (beyond FULL_LIMIT records on a rank or TOTAL_LIMIT in all, and no rank's Flight Recorder dump
+holding entries) are not made into an event per collective: :func:`load_traces` summarizes them (analysis/trace_summary.py, :attr:`RankTrace.summary`). A group's
 rank list, which every sig line repeats, is parsed once per process (rank_trace._pg_tuple), and big groups are
 named, not listed, in JSON (:func:`pg_json`). The types and one rank's parse are in analysis/rank_trace.py.
 """
@@ -85,19 +85,26 @@ def load_traces(report_dir: str | os.PathLike, summarize: bool | None = None) ->
     from the first position every rank's ring still holds.
 
     A big job's traces (more than FULL_LIMIT records on a rank or TOTAL_LIMIT in all, and no Flight Recorder
-    dumps) are summarized (:attr:`RankTrace.summary`, analysis/trace_summary.py), one rank at a time, in time and
-    memory linear in the records; a later load of the same directory reads only what the ranks appended since
+    dump with entries: a rank whose trace held every collective its groups counted writes none) are summarized
+    (:attr:`RankTrace.summary`, analysis/trace_summary.py), one rank at a time, in time and memory linear in the
+    records; a later load of the same directory reads only what the ranks appended since
     (the watch loop's stop check asks every few seconds). ``summarize`` forces (True) or forbids (False) that."""
     paths = files.rank_files(report_dir, "trace")
     dumps = {rank: flight_recorder.load_dump(report_dir, rank) for rank in paths}
     if summarize is None:
         sizes = [_size(files.rank_file(report_dir, "trace_events", r)) // records.SIZE - 1 for r in paths]
-        summarize = not any(dumps.values()) and (max(sizes, default=0) > FULL_LIMIT or sum(sizes) > TOTAL_LIMIT)
+        # A dump without entries (every collective its groups counted was traced: flight_recorder.all_traced, or
+        # an empty ring) adds nothing to its trace: merge() would only assume the ends of NCCL calls left to the
+        # ring, which the summary does not take anyway (it reads such traces whole).
+        untraced = any(d is not None and d.entries for d in dumps.values())
+        summarize = not untraced and (max(sizes, default=0) > FULL_LIMIT or sum(sizes) > TOTAL_LIMIT)
     if summarize:
         from distcheck.analysis.trace_summary import follower
 
         traces = follower(report_dir).load(paths)
         if traces is not None:  # None: a trace the summary cannot take (see trace_summary.RankFollower)
+            for rank, trace in traces.items():
+                trace.flight_dumped = dumps.get(rank) is not None
             return traces
     traces = {rank: load_rank_records(path, rank, merge=False) for rank, path in paths.items()}
     floor = flight_recorder.common_floor(dumps)

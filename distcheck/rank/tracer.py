@@ -100,9 +100,6 @@ _UNCACHED = frozenset({"batch_isend_irecv", "all_gather_object", "gather_object"
 _CACHE_LIMIT = 4096  # distinct call signatures kept; dynamic shapes must not grow memory without bound
 
 
-_JsonLines = trace_lines.LineWriter  # TODO(lead): the tests and bench name it here; the writer is contract/trace_lines
-
-
 # What the trace leaves free of its file system (_EventLog._allocate): a tenth of it, at most 64 MiB.
 RESERVE_FRACTION = 0.1
 RESERVE_MAX = 64 << 20

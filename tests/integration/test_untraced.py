@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import shutil
 import sysconfig
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -116,9 +115,48 @@ def test_a_shape_mismatch_inside_a_compiled_step_names_the_compiled_line(tmp_pat
     assert [x["kind"] for x in report["findings"]] == ["collective_mismatch"]
 
 
+PLAIN_LOOP = """
+import torch, torch.distributed as dist
+dist.init_process_group("gloo")
+pair = dist.new_group([0, 1])
+x = torch.ones(64)
+for step in range(200):
+    dist.all_reduce(x)
+    if step % 10 == 0:
+        dist.broadcast(x, 0, group=pair)
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def test_a_ring_of_traced_calls_only_is_dumped_as_counters(tmp_path):
+    """Every rank dumps torch's ring at exit; a plain loop of Python collectives has nothing in it the trace lacks,
+    so the dump holds the real ring's per-group counters and ``all_traced`` instead of 221 entries (and a big job's
+    load stays summarized: analysis/trace_events.load_traces)."""
+    script = tmp_path / "plain_loop.py"
+    script.write_text(PLAIN_LOOP)
+    out = tmp_path / "report"
+    res = distcheck(["run", "--nproc", "2", "--timeout", "60", "--report-dir", str(out), "--", str(script)],
+                    timeout=240)
+    assert res.returncode == 0 and load_report(out)["ok"], res.output
+    for rank in (0, 1):
+        path = out / f"flight-rank{rank}.json"
+        doc = json.loads(path.read_text())
+        assert doc["all_traced"] is True and doc["entries"] == [] and path.stat().st_size < 1000, doc
+        # torch's own counters: 200 all-reduces and the barrier on the world, 20 broadcasts on the pair
+        assert sorted(int(s["last_enqueued_collective"]) for s in doc["pg_status"].values()) == [20, 201], doc
+    traces = load_traces(out)
+    assert all(t.flight_dumped for t in traces.values())
+    assert [len(t.events) for t in traces.values()] == [221, 221]
+    assert not any(e.extra.get("untraced") for t in traces.values() for e in t.events)
+
+
 def test_uneven_batches_under_ddp_are_a_count_mismatch_naming_ddps_all_reduce(tmp_path, line_of):
-    res, report, _ = run_fixture(tmp_path, "ddp_uneven_batches.py", timeout=30)
+    res, report, out = run_fixture(tmp_path, "ddp_uneven_batches.py", timeout=30)
     assert res.returncode == 1, res.output
+    for rank in (0, 1):  # DDP's Reducer issued what the trace lacks: the whole ring is dumped
+        doc = json.loads((out / f"flight-rank{rank}.json").read_text())
+        assert doc["all_traced"] is False and any(e["profiling_name"] == "gloo:all_reduce" for e in doc["entries"])
     (f,) = [x for x in report["findings"] if x["kind"] == "collective_mismatch"]
     backward = line_of("ddp_uneven_batches.py", "loss.backward()")
     assert f["ranks"] == [0], f

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from distcheck.analysis import flight_recorder as fr
 from distcheck.analysis.trace_events import TraceEvent, load_traces
-from distcheck.contract import files
+from distcheck.contract import files, trace_lines
 from distcheck.rank import flight_recorder as rank_fr
 from distcheck.rank import tracer as trace
 
@@ -300,3 +300,150 @@ def test_an_entry_of_a_phase_that_ended_is_completed_though_glooss_counter_lags(
               {"kind": "backward", "file": "/p/train.py", "line": 31, "t0": 101.9, "t1": None}]
     merged = fr.merge([], dump(ring, phases, done=4), TraceEvent)
     assert [(e.seq, e.t_end) for e in merged] == [(5, 101.1), (6, None)]
+
+
+# -- dumps of rings whose every collective was traced --------------------------------------------------------------
+def write_trace(report_dir, calls, errors=()) -> None:
+    """A rank's trace files as the tracer writes them: ``calls`` (op, group name, start time); ``errors``: indexes
+    of calls whose JSON end line carries an error."""
+    import numpy as np
+
+    from distcheck.contract import trace_records as records
+
+    lines = trace_lines.LineWriter(files.rank_file(report_dir, "trace", 0))
+    lines.write({"ev": "meta", files.FORMAT_KEY: files.FORMAT, "rank": 0, "t": 1.0})
+    sigs: dict[tuple, int] = {}
+    recs = np.zeros(len(calls), records.record_dtype())
+    for i, (op, group, t) in enumerate(calls):
+        if (op, group) not in sigs:
+            sigs[op, group] = len(sigs) + 1
+            lines.write({"ev": "sig", "sig": sigs[op, group], "op": op, "pg": "0,1", "pg_name": group,
+                         "shapes": [[4]], "dtypes": ["float32"], "reduce_op": None, "peer": 1 if "send" in op else None,
+                         "root": None, "site": "train.py:10", "file": "/p/train.py", "line": 10})
+        recs[i] = (records.START, 0, b"\0\0", sigs[op, group], t, t + 0.001)
+    for i in errors:
+        lines.write({"ev": "end", "id": i + 1, "t": calls[i][2] + 0.002, "error": "Connection reset by peer"})
+    lines.close()
+    with open(files.rank_file(report_dir, "trace_events", 0), "wb") as fh:
+        fh.write(records.header(files.FORMAT))
+        recs.tofile(fh)
+
+
+GIDS = {"0": 0, "7": 1}  # torch's group ids count the groups this process made; the names are the tracer's
+
+
+def ring_of(calls, untraced=(), held=None) -> tuple[list[dict], dict]:
+    """The c10d ring (entries, pg_status keyed ring:group id) of a rank that issued ``calls`` and then
+    ``untraced`` (op, group, time) from C++; ``held``: how many of the last entries the ring still holds."""
+    entries, count = [], {}
+    for rid, (op, group, t) in enumerate(sorted([*calls, *untraced], key=lambda c: c[2])):
+        count[group] = count.get(group, 0) + 1
+        entries.append({**entry(rid, count[group], f"gloo:{op}", t + 0.0001, group=group), "ring": "c10d",
+                        "pg_id": GIDS[group]})
+    if held is not None:
+        entries = entries[len(entries) - held:]
+    status = {f"c10d:{GIDS[g]}": {"last_enqueued_collective": str(n), "last_completed_collective": str(n)}
+              for g, n in count.items()}
+    return entries, status
+
+
+def all_traced(tmp_path, calls, untraced=(), held=None, snapshot=None, errors=(), issued=None,
+               more_status=None) -> bool:
+    """fr.all_traced on a trace of ``calls`` and the ring of a rank that issued ``issued`` (default: the same
+    calls) and ``untraced``."""
+    write_trace(tmp_path, calls, errors)
+    entries, status = ring_of(calls if issued is None else issued, untraced, held)
+    text = files.rank_file(tmp_path, "trace", 0).read_text().splitlines()
+    binary = files.rank_file(tmp_path, "trace_events", 0).read_bytes()
+    return fr.all_traced(entries, {**status, **(more_status or {})}, text, binary,
+                         snapshot or {"phases": [], "graphs": {}, "seen": []})
+
+
+STEPS = [("all_reduce", "0", 100.0 + i) if i % 3 else ("broadcast", "7", 100.0 + i) for i in range(12)]
+
+
+def test_a_ring_whose_every_collective_was_traced_is_all_traced(tmp_path):
+    assert all_traced(tmp_path, STEPS)
+    assert all_traced(tmp_path, STEPS, held=3)  # the ring overflowed: group 7's entries are gone, its counter stays
+    # gloo runs reduce_scatter as an all-reduce: the ring names what ran (same_kind, as merge)
+    assert all_traced(tmp_path, [("reduce_scatter", "0", 100.0), ("all_reduce", "0", 101.0)])
+
+
+@pytest.mark.parametrize("case", ["ddp_bucket", "evicted_untraced", "other_kind", "created_before_the_call",
+                                  "failed_call", "p2p", "ddp_model", "compiled_graph", "nccl", "other_group",
+                                  "call_without_entry"])
+def test_a_ring_with_anything_untraced_is_not(tmp_path, case):
+    """Each case is a ring where merge() finds (or could find) an untraced entry, or whose entries a trace cannot be
+    held against one for one: the dump keeps its entries."""
+    calls, kw = list(STEPS), {}
+    if case == "ddp_bucket":  # an all-reduce issued from C++ after the last traced call
+        kw = {"untraced": [("all_reduce", "0", 200.0)]}
+    elif case == "evicted_untraced":  # the same, but it left the ring: only group 0's counter says so
+        kw = {"untraced": [("all_reduce", "0", 99.0)], "held": len(STEPS)}
+    elif case == "other_kind":  # as many entries as calls, but one traced call issued nothing and C++ another op
+        calls[4] = ("broadcast", "0", calls[4][2])
+        kw = {"issued": STEPS}
+    elif case == "created_before_the_call":  # the counts and kinds agree, the order does not
+        calls[5] = (calls[5][0], calls[5][1], calls[5][2] + 0.5)
+        kw = {"issued": STEPS}
+    elif case == "failed_call":
+        kw = {"errors": (4,)}
+    elif case == "call_without_entry":  # the counters disagree the other way: which call is whose is unknown
+        calls.append(("all_reduce", "0", 300.0))
+        kw = {"issued": STEPS}
+    elif case == "p2p":
+        calls.append(("send", "0", 300.0))
+        kw = {"issued": STEPS}
+    elif case == "ddp_model":
+        kw = {"snapshot": {"phases": [], "graphs": {}, "seen": ["backward", "ddp_init"]}}
+    elif case == "compiled_graph":
+        kw = {"snapshot": {"phases": [], "graphs": {"1": {"fn": "step"}}, "seen": []}}
+    elif case == "nccl":
+        kw = {"more_status": {"nccl:0": {"last_enqueued_collective": "3", "last_completed_collective": "3"}}}
+    elif case == "other_group":  # a group only C++ used, whose entries left the ring
+        GIDS["9"] = 2
+        kw = {"untraced": [("all_reduce", "9", 50.0)], "held": len(calls)}
+    try:
+        assert not all_traced(tmp_path, calls, **kw)
+    finally:
+        GIDS.pop("9", None)
+    if case in ("ddp_bucket", "other_kind", "created_before_the_call"):  # what the full join finds there
+        entries, _ = ring_of(kw.get("issued") or calls, kw.get("untraced", ()))
+        doc = {"format": files.FORMAT, "entries": entries, "phases": [], "graphs": {}, "groups": {}, "pg_status": {},
+               "seen": []}
+        events = load_traces(tmp_path, summarize=False)[0].events  # no dump yet: the traced calls only
+        assert any(e.extra.get("untraced") for e in fr.merge(events, _load(doc, 0), TraceEvent))
+
+
+def test_the_rank_writes_an_all_traced_dump_without_entries_and_a_full_one_otherwise(tmp_path, monkeypatch):
+    """rank/flight_recorder.dump holds the ring (here as torch's dump function returns it) against the trace
+    files beside it: counters only when they agree, the whole ring when C++ issued one more."""
+    monkeypatch.setattr(rank_fr, "phases", rank_fr.Phases())
+    write_trace(tmp_path, STEPS)
+    ring: dict = {}
+
+    def fake_dump(with_entries: bool, only_active: bool) -> str:
+        status = {key.split(":")[1]: s for key, s in ring["status"].items()}  # torch keys them by group id
+        return json.dumps({"version": "2.10", "pg_config": {}, "pg_status": status,
+                           **({"entries": ring["entries"]} if with_entries else {})})
+
+    monkeypatch.setattr(rank_fr, "_rings", lambda: [("c10d", fake_dump)])
+    ring["entries"], ring["status"] = ring_of(STEPS)
+    for e in ring["entries"]:
+        e.pop("ring")  # torch's own entries do not name the ring
+    assert rank_fr.dump(tmp_path, 0, "exit")
+    path = files.rank_file(tmp_path, "flight", 0)
+    doc = json.loads(path.read_text())
+    assert doc["all_traced"] is True and doc["entries"] == [] and doc["pg_status"] == ring["status"]
+    assert path.stat().st_size < 600
+    loaded = fr.load_dump(tmp_path, 0)
+    assert loaded.all_traced and loaded.entries == [] and loaded.window == {}
+
+    ring["entries"], ring["status"] = ring_of(STEPS, [("all_reduce", "0", 200.0)])
+    for e in ring["entries"]:
+        e.pop("ring")
+    assert rank_fr.dump(tmp_path, 0, "exit")
+    doc = json.loads(path.read_text())
+    assert doc["all_traced"] is False and len(doc["entries"]) == len(STEPS) + 1
+    (extra,) = [e for e in load_traces(tmp_path)[0].events if e.extra.get("untraced")]
+    assert extra.seq == 9 and extra.t_start == pytest.approx(200.0001)

@@ -15,7 +15,7 @@ from distcheck.analysis.trace_events import RankError, load_traces
 from distcheck.contract import files
 from distcheck.contract import trace_records as records
 from distcheck.contract.report import write_report
-from distcheck.rank.tracer import _JsonLines
+from distcheck.contract.trace_lines import LineWriter
 from distcheck.supervise import run_report
 
 
@@ -30,7 +30,7 @@ def write_rank(report_dir: Path, rank: int, calls: list[dict], *, exit_ok: bool 
     """One rank's trace as the tracer writes it: meta and sig lines (rank/tracer.py's writer), one record per call
     (contract/trace_records.py's layout); calls from ``open_from`` on never ended; ``errors``: call index -> the
     error its JSON end line carries."""
-    lines = _JsonLines(files.rank_file(report_dir, "trace", rank))
+    lines = LineWriter(files.rank_file(report_dir, "trace", rank))
     lines.write({"ev": "meta", files.FORMAT_KEY: files.FORMAT, "rank": rank, "t": 1.0})
     sig_of: dict[int, int] = {}  # one sig per call dict, as the tracer's one per call site
     recs = np.zeros(len(calls), records.record_dtype())
@@ -230,3 +230,84 @@ def test_a_later_load_reads_only_what_was_appended_and_says_what_a_full_load_say
     fresh = load_traces(tmp_path, summarize=True)
     assert [t.summary.started for t in fresh.values()] == [10] * 4
     assert _said(fresh, outcomes) == _said(load_traces(tmp_path, summarize=False), outcomes)
+
+
+# -- Flight Recorder dumps of ranks whose every collective was traced ----------------------------------------------
+GROUP_NAMES = {"0,1,2,3": "0", "0,1": "1", "2,3": "2"}
+
+
+def _name_groups(report_dir: Path) -> None:
+    """Give each sig line its group's name, as the tracer writes it (the ring names groups by it)."""
+    for r in range(4):
+        path = files.rank_file(report_dir, "trace", r)
+        lines = [json.loads(line) for line in path.read_text().splitlines()]
+        for rec in lines:
+            if rec.get("ev") == "sig":
+                rec["pg_name"] = GROUP_NAMES[rec["pg"]]
+        path.write_text("".join(json.dumps(rec) + "\n" for rec in lines))
+
+
+def _write_dump(report_dir: Path, rank: int, untraced: tuple[str, float] | None = None) -> bool:
+    """The rank's flight-rank<R>.json as rank/flight_recorder.dump writes it, for a gloo ring that recorded each of
+    its traced calls (and ``untraced``: an op issued from C++ at a time); returns whether it was all traced."""
+    from distcheck.analysis import flight_recorder as fr
+    from distcheck.analysis.trace_events import load_rank_records
+    from distcheck.rank import flight_recorder as rank_fr
+
+    events = load_rank_records(files.rank_file(report_dir, "trace", rank), rank, merge=False).events
+    issued = [(e.op, e.pg_name, e.t_start) for e in events] + ([(untraced[0], "0", untraced[1])] if untraced else [])
+    gids = {name: i for i, name in enumerate(sorted(set(GROUP_NAMES.values())))}
+    count: dict[str, int] = {}
+    entries = []
+    for rid, (op, group, t) in enumerate(sorted(issued, key=lambda c: c[2])):
+        count[group] = count.get(group, 0) + 1
+        entries.append({"ring": "c10d", "record_id": rid, "pg_id": gids[group], "process_group": [group, "pg"],
+                        "collective_seq_id": count[group], "p2p_seq_id": 0, "is_p2p": False,
+                        "profiling_name": f"gloo:{op}", "time_created_ns": int((t + 1e-4) * 1e9),
+                        "time_discovered_completed_ns": 0, "state": "scheduled"})
+    status = {f"c10d:{gids[g]}": {"last_enqueued_collective": str(n), "last_completed_collective": str(n)}
+              for g, n in count.items()}
+    snapshot = {"phases": [{"kind": "backward", "file": "/w/train.py", "line": 30, "t0": 5.0, "t1": 6.0}],
+                "graphs": {}, "seen": ["backward"]}
+    traced = fr.all_traced(entries, status, files.rank_file(report_dir, "trace", rank).read_text().splitlines(),
+                           files.rank_file(report_dir, "trace_events", rank).read_bytes(), snapshot)
+    doc = rank_fr.document(rank, "exit", entries, status, {"0": [0, 1, 2, 3]}, snapshot, traced)
+    files.rank_file(report_dir, "flight", rank).write_text(json.dumps(doc))
+    return traced
+
+
+@pytest.mark.parametrize("name", ["same", "different", "missing", "hang", "subgroups"])
+def test_all_traced_flight_dumps_leave_a_big_job_summarized(tmp_path, monkeypatch, name):
+    """Every real run's ranks dump their ring at exit. A dump whose ring held nothing untraced has no entries, so a
+    big job's load stays summarized and says what the full load with the dumps merged says."""
+    from distcheck.analysis import trace_events
+
+    outcomes = _scenario(name, tmp_path)
+    _name_groups(tmp_path)
+    before = _said(load_traces(tmp_path, summarize=False), outcomes)  # no dumps yet
+    assert all(_write_dump(tmp_path, r) for r in range(4))
+    assert all(len(files.rank_file(tmp_path, "flight", r).read_text()) < 600 for r in range(4))
+    monkeypatch.setattr(trace_events, "FULL_LIMIT", 10)  # these 4 x 40 records are a "big job"
+    traces = load_traces(tmp_path)
+    assert all(t.summary is not None and t.flight_dumped for t in traces.values())
+    full = load_traces(tmp_path, summarize=False)
+    assert all(t.summary is None and t.flight_dumped for t in full.values())
+    assert _said(traces, outcomes) == _said(full, outcomes) == before
+
+
+def test_a_dump_with_untraced_entries_still_takes_the_full_load(tmp_path, monkeypatch):
+    """Rank 2's ring has an all-reduce Python never called (a DDP bucket, issued from C++) after its last traced
+    call: its dump keeps the entries, the load merges them (not summarized) and the extra collective is found."""
+    from distcheck.analysis import trace_events
+
+    _scenario("same", tmp_path)
+    _name_groups(tmp_path)
+    assert [_write_dump(tmp_path, r, ("all_reduce", 60.0) if r == 2 else None) for r in range(4)] == [
+        True, True, False, True]
+    monkeypatch.setattr(trace_events, "FULL_LIMIT", 10)
+    traces = load_traces(tmp_path)
+    assert all(t.summary is None for t in traces.values())
+    (extra,) = [e for e in traces[2].events if e.extra.get("untraced")]
+    assert (extra.op, extra.seq, extra.extra["origin"]) == ("all_reduce", 41, "torch")
+    (f,) = analyze_run(traces, {r: RankOutcome(r, STATE_OK, 0) for r in range(4)}, 4)
+    assert f.kind == "collective_mismatch" and f.ranks == [2], f.message
