@@ -30,19 +30,19 @@ STACKS_TXT = STACKS_STEM + ".txt"
 STACKS_JSON = STACKS_STEM + ".json"
 
 _PER_RANK = {
-    "trace": "trace-rank{rank}.jsonl",  # meta, call signatures, errors, exit line (rank/tracer.py)
+    "trace": "trace-rank{rank}.jsonl",  # meta, call signatures, errors, exit line (contract/trace_lines.py)
     "trace_events": "trace-rank{rank}.bin",  # collective start/end records (contract/trace_records.py)
-    "findings": "findings-rank{rank}.jsonl",  # findings of API calls inside the script (rank/sink.py)
-    "autocheck": "autocheck-rank{rank}.json",  # zero-code check state (rank/autocheck.py)
-    "records_index": "records-rank{rank}.jsonl",  # distcheck.record index (rank/records.py)
+    "findings": "findings-rank{rank}.jsonl",  # findings of API calls inside the script (contract/findings_file.py)
+    "autocheck": "autocheck-rank{rank}.json",  # zero-code check state (contract/autocheck_file.py)
+    "records_index": "records-rank{rank}.jsonl",  # distcheck.record index (contract/records_file.py)
     "records_data": "records-rank{rank}.bin",  # distcheck.record tensor bytes
     # compare's second look at the first divergent module: its whole local output or input gradient (torch.save)
     "module_capture": "module-capture-rank{rank}.pt",
     # torch's Flight Recorder ring with the rank's phases (rank/flight_recorder.py), and its progress counter
     "flight": "flight-rank{rank}.json",
     "flight_status": "flight-rank{rank}.status",
-    "faulthandler": "faulthandler-rank{rank}.txt",  # stack dump fallback (rank/stack_hooks.py)
-    "stderr": "stderr-rank{rank}.txt",  # a copy of the rank's stderr, for the failure reports (rank/stderr_tee.py)
+    "faulthandler": "faulthandler-rank{rank}.txt",  # stack dump fallback (contract/stack_dump_file.py)
+    "stderr": "stderr-rank{rank}.txt",  # the rank's stderr, bounded, for the failure reports (contract/stderr_file.py)
     # Every thread's stack, dumped by the rank itself when torchrun's agent passes on a stop signal.
     "stop_SIGTERM": "stop-rank{rank}-SIGTERM.txt",
     "stop_SIGINT": "stop-rank{rank}-SIGINT.txt",

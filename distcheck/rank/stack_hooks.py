@@ -20,7 +20,7 @@ import socket
 from pathlib import Path
 from typing import Any
 
-from distcheck.contract import env, files, stack_hook_file
+from distcheck.contract import env, files, stack_dump_file, stack_hook_file
 from distcheck.contract.stack_hook_file import HookInfo
 from distcheck.processes import yama_scope
 
@@ -89,10 +89,10 @@ def install_rank_hooks(report_dir: str | os.PathLike, rank: int | None = None,
     else:
         target = ptracer_pid
     _, reason = allow_ptrace_from(target)  # type: ignore[arg-type]
-    path = files.rank_file(report_dir, "faulthandler", rank)
     if _hook_file is not None:
         _hook_file.close()
-    _hook_file = open(path, "a", encoding="utf-8")
+    _hook_file = stack_dump_file.open_fallback(report_dir, rank)
+    path = _hook_file.name
     sig = stack_signal()
     faulthandler.register(sig, file=_hook_file, all_threads=True, chain=False)
     # A fatal signal (SIGSEGV in a custom op, SIGABRT in torch's teardown) prints every thread's Python stack to
@@ -105,7 +105,7 @@ def install_rank_hooks(report_dir: str | os.PathLike, rank: int | None = None,
         # for a rank blocked in a collective to return to Python, which it never does.
         for name in files.STOP_SIGNAL_NAMES:
             try:
-                stop_file = open(files.rank_file(report_dir, f"stop_{name}", rank), "w", encoding="utf-8")
+                stop_file = stack_dump_file.open_stop(report_dir, rank, name)
             except OSError as exc:  # a full or failing report disk costs this dump, never the rank
                 log.debug("no stop-signal dump file for %s: %s", name, exc)
                 continue

@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
-from distcheck.contract import files
+from distcheck.contract import files, stack_dump_file
 from distcheck.contract.findings import format_ranks
 from distcheck.processes import RUN_ID_ENV, alive, read_environ, terminate
 from distcheck.supervise.procs import RunTree
@@ -423,11 +423,10 @@ def stop_finding(report_dir: str, out_dir: Path, native: bool, world_size: int |
     host = socket.gethostname()
     traces = load_traces(report_dir)
     stacks, signals = [], set()
-    for name in files.STOP_SIGNAL_NAMES:
-        for rank, path in files.rank_files(report_dir, f"stop_{name}").items():
-            text = path.read_text(errors="replace") if path.stat().st_size else ""
+    for name, texts in stack_dump_file.stop_dumps(report_dir).items():
+        for rank, text in texts.items():
             trace = traces.get(rank)
-            if not text or (trace is not None and trace.finished is not None):
+            if trace is not None and trace.finished is not None:
                 continue
             threads = parse_faulthandler(text)
             if threads:

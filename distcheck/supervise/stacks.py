@@ -34,7 +34,7 @@ from distcheck.analysis.stack_groups import (
 from distcheck.contract.findings import format_ranks
 
 from distcheck.contract import env as env_names
-from distcheck.contract import stack_hook_file
+from distcheck.contract import stack_dump_file, stack_hook_file
 from distcheck.contract.stack_hook_file import HookInfo
 from distcheck.processes import alive, children_map, is_python, proc_name, read_environ, safe_environ, yama_scope
 from distcheck.supervise.procs import rank_descendants
@@ -214,8 +214,7 @@ def faulthandler_dump(target: Target, hook: HookInfo, timeout: float = 3.0,
     path = Path(hook.file)
     marker = f"{FAULTHANDLER_MARKER} pid {target.pid} t={time.time():.6f} ===\n"
     try:
-        with open(path, "a", encoding="utf-8") as fh:
-            fh.write(marker)
+        stack_dump_file.mark(path, marker)
         os.kill(target.pid, hook.signal)
     except ProcessLookupError:
         return DumpError(target.pid, "exited", f"pid {target.pid} exited during the dump", target.rank)
@@ -227,8 +226,7 @@ def faulthandler_dump(target: Target, hook: HookInfo, timeout: float = 3.0,
     deadline = time.monotonic() + timeout
     last_size, stable_since = -1, time.monotonic()
     while time.monotonic() < deadline:
-        text = path.read_text(encoding="utf-8", errors="replace")
-        tail = text[text.rfind(marker):] if marker in text else ""
+        tail = stack_dump_file.after_mark(path, marker)
         size = len(tail)
         if size > len(marker) and size == last_size and time.monotonic() - stable_since > 0.1:
             threads = parse_faulthandler(tail)

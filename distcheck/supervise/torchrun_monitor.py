@@ -216,12 +216,12 @@ class TorchrunMonitor(threading.Thread):
 
 def stopped_from_outside(report_dir: Path, traces: dict[int, RankTrace]) -> bool:
     """Whether a rank that did not finish its script dumped its stacks on a stop signal (rank/stack_hooks.py)."""
-    from distcheck.contract import files
+    from distcheck.contract import stack_dump_file
 
-    for name in files.STOP_SIGNAL_NAMES:
-        for rank, path in files.rank_files(report_dir, f"stop_{name}").items():
+    for texts in stack_dump_file.stop_dumps(report_dir).values():
+        for rank in texts:
             trace = traces.get(rank)
-            if (trace is None or trace.finished is None) and path.stat().st_size:
+            if trace is None or trace.finished is None:
                 return True
     return False
 
