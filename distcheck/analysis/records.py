@@ -378,8 +378,7 @@ class Tolerances:
 
 def compare_records(ref: Record, run: Record, tol: Tolerances) -> Row:
     key = (run.name, run.step, 0)
-    ref_parts = {p.key: p for p in ref.parts}
-    run_parts = {p.key: p for p in run.parts}
+    ref_parts, run_parts = aligned_parts({p.key: p for p in ref.parts}, {p.key: p for p in run.parts})
     worst: tuple[float, float] | None = None
     first_bad: tuple[Part, Part, Comparison] | None = None
     missing = [k for k in ref_parts if k not in run_parts]
@@ -408,6 +407,23 @@ def compare_records(ref: Record, run: Record, tol: Tolerances) -> Row:
         row.note = (f"{p.role} '{k}' is in the reference but not in the N-rank run" if missing
                     else f"{p.role} '{k}' is in the N-rank run but not in the reference")
     return row
+
+
+def aligned_parts(ref: dict[str, Any], run: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The two runs' parts keyed alike where a wrapper only added a prefix to every name on one side: under
+    Lightning the N-rank run names parameters from the LightningModule ('net.0.weight', DDP wraps it) and the 1-rank
+    reference from the module that ran ('0.weight'); accelerate, torch.compile ('_orig_mod.') and user wrappers do
+    the same. Otherwise the keys are left as they are."""
+    if ref.keys() == run.keys() or not ref or not run:
+        return ref, run
+    for longer, shorter, swap in ((run, ref, False), (ref, run, True)):
+        first = next(iter(longer))
+        for cut in [i + 1 for i, ch in enumerate(first) if ch == "."]:
+            prefix = first[:cut]
+            if all(k.startswith(prefix) for k in longer) and {k[cut:] for k in longer} == shorter.keys():
+                stripped = {k[cut:]: v for k, v in longer.items()}
+                return (stripped, shorter) if swap else (shorter, stripped)
+    return ref, run
 
 
 @dataclass

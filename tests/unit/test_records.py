@@ -458,3 +458,16 @@ def test_a_sum_that_matches_while_the_parameters_differ_says_the_gradients_must_
     run = {r: [dp_loss(0, [2.0, 3.0][r], r, (r, 2)), params_rec(0, [1.5, 2.5], rank=r)] for r in (0, 1)}
     (f,) = compare_runs(ref, run, 2).findings
     assert "match the reference as their sum" not in f.message
+
+
+def test_parameter_names_a_wrapper_prefixed_on_one_side_are_matched():
+    """Lightning: the N-rank run names parameters from the LightningModule ('net.0.weight'), the reference from the
+    module that ran ('0.weight'); a prefix on every name of one side is no difference, a real difference still is."""
+    from distcheck.analysis.records import aligned_parts
+
+    ref, run = {"0.weight": 1, "0.bias": 2}, {"net.0.weight": 1, "net.0.bias": 2}
+    assert aligned_parts(ref, run) == (ref, {"0.weight": 1, "0.bias": 2})
+    assert aligned_parts(run, ref) == ({"0.weight": 1, "0.bias": 2}, ref)
+    other = {"net.0.weight": 1, "net.1.bias": 2}
+    assert aligned_parts(ref, other) == (ref, other)  # not only a prefix: reported as today
+    assert aligned_parts({"a.x": 1, "b.x": 2}, {"x": 1}) == ({"a.x": 1, "b.x": 2}, {"x": 1})
