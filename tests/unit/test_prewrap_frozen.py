@@ -133,6 +133,8 @@ def test_a_closure_step_is_one_step_whose_loss_belongs_to_it(tmp_path, monkeypat
         for _ in range(3):
             opt.step(closure)
         assert done == ["SGD"] * 3 and loss_steps == [0, 1, 2] and check.opt_steps == {id(opt): 3}
+        # The gradients come from the closure, inside the step: no step is taken for one with nothing to update.
+        assert [r["cause"] for r in check.frozen.rows] == [None, None, None]
 
         def failing():
             raise RuntimeError("caught by the user")

@@ -128,7 +128,6 @@ class AutoCheck:
         step = self.opt_steps.get(id(optimizer), 0)
         self.opt_steps[id(optimizer)] = step + 1
         self.nan.on_optimizer_step(optimizer, step)
-        self.frozen.on_optimizer_step(optimizer, step)
 
     def on_optimizer_step_done(self, optimizer: Any) -> None:
         if self._nested:
@@ -137,8 +136,11 @@ class AutoCheck:
         if self._stepping is not optimizer:  # a step whose pre-hook ran before the check was installed
             return
         self._stepping = None
+        step = self.opt_steps.get(id(optimizer), 1) - 1
+        # After the step, not before: a closure (LBFGS, Lightning) computes the gradients inside it.
+        self.frozen.on_optimizer_step(optimizer, step)
         self.records.on_optimizer_step_done(optimizer)
-        self.drift.on_optimizer_step_done(self.opt_steps.get(id(optimizer), 1) - 1)
+        self.drift.on_optimizer_step_done(step)
         self.module_summaries.finish_step()
 
     # -- results --------------------------------------------------------------------------------------------------

@@ -2,7 +2,8 @@
 
     python -m distcheck run --nproc 2 -- train.py      # the first 3 optimizer steps (DISTCHECK_DRIFT_STEPS)
 
-Before each of the first K optimizer steps (a global step pre-hook, rank/autocheck/patches.py), this rank looks at
+After each of the first K optimizer steps (the global step post-hook, rank/autocheck/patches.py: a closure
+computes the gradients inside the step), this rank looks at
 the optimizer's parameters, without reading a single value: none at all, none with ``requires_grad``, or not one
 with a gradient means this step changes nothing. Why, where distcheck can see it: FSDP2's
 ``set_requires_gradient_sync(False)`` (patched to note its line) never switched back on, no backward() before the
