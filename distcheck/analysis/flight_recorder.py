@@ -8,7 +8,8 @@ A rank's ``flight-rank<R>.json`` (rank/flight_recorder.py) holds the ring's entr
 forward, ``backward()``, ``join()``'s exit, each run of a compiled graph, with the user's line) and the compiled
 graphs' collectives with their lines. NCCL keeps a ring of its own, with the time each op completed: the
 tracer leaves the ends of synchronous NCCL collectives to it (``completion: flight_recorder`` in their sig), and the
-join stores them into the traced events.
+join stores them into the traced events (or the rank itself into its trace at the dump, when :func:`traced_ring`
+finds nothing untraced: its dump then has no entries to join).
 
 **The join.** Per process group, entries in sequence order against the traced events in issue order: an entry is
 the traced call's own when it was created after that call started and before the next traced call on the group
@@ -30,7 +31,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, NamedTuple
 
 from distcheck.analysis.ops import PEER_OPS
 from distcheck.contract import files
@@ -200,6 +201,37 @@ def _describe(entry: dict[str, Any], dump: FlightDump, index: _PhaseIndex,
     return {"origin": origin, "via": via.format(op=op.replace("_", "-")), "file": file, "line": line}
 
 
+def _status_done(status: dict[str, Any]) -> dict[str, int]:
+    """{ring:group id: last completed collective_seq_id} of a dump's pg_status."""
+    out = {}
+    for gid, s in status.items():  # keyed "ring:group id" (a dump before rings were named: "group id")
+        try:
+            out[str(gid) if ":" in str(gid) else f"c10d:{gid}"] = int(s.get("last_completed_collective", -1))
+        except (TypeError, ValueError, AttributeError):
+            continue
+    return out
+
+
+def _completion(entry: dict[str, Any], status_done: dict[str, int], index: _PhaseIndex) -> float | None:
+    """When the entry's op completed (its time, or its creation when only the group's counter says so), else
+    None. NCCL's ring has completion times; gloo's only the counter."""
+    t_done = int(entry.get("time_discovered_completed_ns") or 0) / 1e9
+    if t_done:
+        return t_done
+    seq = int(entry.get("collective_seq_id") or 0)
+    if entry.get("state") == "completed" or (seq and seq <= status_done.get(
+            f"{entry.get('ring', 'c10d')}:{entry.get('pg_id')}", -1)):
+        return _created(entry)
+    # gloo's completed counter lags (it skipped the DDP broadcasts and bucket all-reduces a rank had long
+    # finished). A phase that has ended waited for what it issued: DDP's forward and construction run their
+    # broadcasts synchronously, its backward returns once every bucket's all-reduce is done, join()'s exit and
+    # a compiled graph wait for theirs.
+    phase = index.at(_created(entry))
+    if phase is not None and phase.get("t1") is not None:
+        return float(phase["t1"])
+    return None
+
+
 def merge(events: list[Any], dump: FlightDump | None, event_type: Callable[..., Any], since: float = 0.0,
           floor: dict[str, int] | None = None) -> list[Any]:
     """The rank's traced events plus an event for each untraced ring entry created at or after ``since`` (the
@@ -220,31 +252,10 @@ def merge(events: list[Any], dump: FlightDump | None, event_type: Callable[..., 
     cursor: dict[str, int] = {}
     untraced: list[Any] = []
     graph_pos: dict[int, int] = {}
-    status_done = {}
-    for gid, s in dump.status.items():  # keyed "ring:group id" (a dump before rings were named: "group id")
-        try:
-            status_done[str(gid) if ":" in str(gid) else f"c10d:{gid}"] = int(s.get("last_completed_collective", -1))
-        except (TypeError, ValueError, AttributeError):
-            continue
+    status_done = _status_done(dump.status)
 
     def done(entry: dict[str, Any]) -> float | None:
-        """When the entry's op completed (its time, or the dump's when only the group's counter says so), else
-        None. NCCL's ring has completion times; gloo's only the counter."""
-        t_done = int(entry.get("time_discovered_completed_ns") or 0) / 1e9
-        if t_done:
-            return t_done
-        seq = int(entry.get("collective_seq_id") or 0)
-        if entry.get("state") == "completed" or (seq and seq <= status_done.get(
-                f"{entry.get('ring', 'c10d')}:{entry.get('pg_id')}", -1)):
-            return _created(entry)
-        # gloo's completed counter lags (it skipped the DDP broadcasts and bucket all-reduces a rank had long
-        # finished). A phase that has ended waited for what it issued: DDP's forward and construction run their
-        # broadcasts synchronously, its backward returns once every bucket's all-reduce is done, join()'s exit and
-        # a compiled graph wait for theirs.
-        phase = index.at(_created(entry))
-        if phase is not None and phase.get("t1") is not None:
-            return float(phase["t1"])
-        return None
+        return _completion(entry, status_done, index)
 
     for entry in sorted(dump.entries, key=lambda e: (int(e.get("time_created_ns") or 0),
                                                       int(e.get("record_id") or 0))):
@@ -308,10 +319,20 @@ _UNTRACED_PHASES = frozenset({"ddp_init", "ddp_forward", "join", "compiled"})
 _UNCOUNTED = PEER_OPS | {"monitored_barrier"}
 
 
+class TracedRing(NamedTuple):
+    """A ring every collective of which the rank's trace holds (:func:`traced_ring`)."""
+
+    pairs: dict[int, dict[str, Any]]  # slot (the traced record's id) -> the held ring entry that is its run
+    # slot of a traced NCCL record still open (t_end 0) -> when the ring says it completed: what merge() would
+    # store into it. Open ones the ring has not seen complete are not here: merge leaves them open too.
+    ends: dict[int, float]
+
+
 def all_traced(entries: list[dict[str, Any]], status: dict[str, Any], trace_lines: Iterable[str | bytes],
                binary: bytes | None, snapshot: dict[str, Any]) -> bool:
     """Whether every collective the rank's process groups counted is one its trace holds, so that :func:`merge`
     would add nothing to the trace: the rank then writes its dump without the entries (rank/flight_recorder.py).
+    False for a ring that completes traced calls (NCCL): merge stores their ends, which :func:`traced_ring` gives.
 
     ``entries`` and ``status`` as the rank's dump holds them (``status`` keyed ``ring:group id``), ``trace_lines``
     and ``binary`` the rank's ``trace-rank<R>.jsonl`` and ``.bin``, ``snapshot`` its phases. True only when, per
@@ -320,87 +341,123 @@ def all_traced(entries: list[dict[str, Any]], status: dict[str, Any], trace_line
     position and was created while that call was the group's latest (merge's own join), and nothing says torch
     issued collectives of its own (DDP, compiled graphs), issued point-to-point ops, or that the ring completes
     traced calls (NCCL). Anything unreadable, cut or failed: False (the dump keeps its entries)."""
+    return traced_ring(entries, status, trace_lines, binary, snapshot, nccl=False) is not None
+
+
+def traced_ring(entries: list[dict[str, Any]], status: dict[str, Any], trace_lines: Iterable[str | bytes],
+                binary: bytes | None, snapshot: dict[str, Any], nccl: bool = True) -> TracedRing | None:
+    """:func:`all_traced`'s check, with its pairing of each held entry to the traced record at its
+    ``collective_seq_id``; None where that check fails. With ``nccl``, NCCL's ring passes too, on one more
+    condition: every traced NCCL record still open is paired with a held entry (one whose entry left the ring
+    cannot get its end), and once the ends of those the ring saw complete are stored (``ends``), each group keeps
+    at most one open: a load of the all-traced dump then assumes no end (``_assume_ends``) and reads the
+    trace as merge() would have left it (a rank stuck in a collective keeps it open, for the hang diagnosis)."""
     import numpy as np
 
     from distcheck.analysis.rank_trace import _read_lines
     from distcheck.contract import trace_records as records
 
     if snapshot.get("graphs") or _UNTRACED_PHASES & set(snapshot.get("seen") or ()):
-        return False
-    if any(e.get("is_p2p") or e.get("ring", "c10d") != "c10d" for e in entries):
-        return False
-    enqueued: dict[str, int] = {}  # c10d group id -> collectives it ever enqueued
+        return None
+    rings = ("c10d", "nccl") if nccl else ("c10d",)
+    if any(e.get("is_p2p") or e.get("ring", "c10d") not in rings for e in entries):
+        return None
+    enqueued: dict[str, int] = {}  # ring:group id -> collectives it ever enqueued
     for key, s in status.items():
         ring, _, gid = str(key).rpartition(":")
         n = int(s.get("last_enqueued_collective", -1))
-        if ring != "c10d":
+        if ring not in rings:
             if n > 0:
-                return False  # NCCL: its ring holds the ends of traced calls
+                return None  # NCCL: its ring holds the ends of traced calls
         elif n > 0:
-            enqueued[gid] = n
+            enqueued[f"{ring}:{gid}"] = n
     parsed = _read_lines(trace_lines, -1)
     if parsed.order or any(e.get("error") is not None for e in parsed.ends):
-        return False  # JSON start lines of old, or a call that failed (it may have issued nothing)
+        return None  # JSON start lines of old, or a call that failed (it may have issued nothing)
     state = records.read_state(binary or b"")
     if state is None or state.cut or state.lost & records.LOST_LINES:
-        return False
+        return None
     recs = np.frombuffer(binary or b"", records.record_dtype(), offset=records.SIZE,
                          count=len(binary or b"") // records.SIZE - 1)
     written = np.flatnonzero(recs["kind"] != 0)
     if written.size != (int(written[-1]) + 1 if written.size else 0):
-        return False  # a slot claimed but not written yet: a call on its way
+        return None  # a slot claimed but not written yet: a call on its way
     recs = recs[:written.size]
     names: dict[str, int] = {}  # traced group name -> its index
     group_of = np.full(max(parsed.sigs, default=0) + 1, -1, np.int64)
+    ring_sig = np.zeros(len(group_of), bool)  # sigs whose end the ring holds (the tracer left their records open)
     for n, desc in parsed.sigs.items():
         name = desc.get("pg_name")
-        if str(desc.get("op")) in _UNCOUNTED or desc.get("completion") == "flight_recorder" or name is None or n < 0:
-            continue  # any record of it makes the answer False below
+        on_ring = desc.get("completion") == "flight_recorder"
+        if str(desc.get("op")) in _UNCOUNTED or (on_ring and not nccl) or name is None or n < 0:
+            continue  # any record of it makes the answer None below
         group_of[n] = names.setdefault(str(name), len(names))
+        ring_sig[n] = on_ring
     sig = recs["sig"].astype(np.int64)
     if sig.size and (int(sig.max()) >= len(group_of) or (group_of[sig] < 0).any()):
-        return False
+        return None
     groups = group_of[sig]
     traced = dict(zip(names, np.bincount(groups, minlength=len(names)).tolist()))
-    name_of: dict[str, str] = {}  # group id -> name, from the entries that still name both
+    name_of: dict[str, str] = {}  # ring:group id -> name, from the entries that still name both
     for e in entries:
-        gid, name = str(e.get("pg_id")), _group(e)
+        gid, name = f"{e.get('ring', 'c10d')}:{e.get('pg_id')}", _group(e)
         if name_of.setdefault(gid, name) != name:
-            return False
+            return None
     if len(set(name_of.values())) != len(name_of) or any(gid not in enqueued for gid in name_of):
-        return False  # a group made again under an old name, or entries of a group without a counter
+        return None  # a group made again under an old name (or run on two rings), or entries without a counter
     left_ring = 0
     for gid, n in enqueued.items():
         if gid in name_of:
             if traced.get(name_of[gid], 0) != n:
-                return False
+                return None
         else:
             left_ring += n
     if left_ring != sum(n for name, n in traced.items() if name not in name_of.values()):
-        return False
+        return None
     since = float(parsed.meta.get("t", 0.0) or 0.0)
     index = _PhaseIndex(list(snapshot.get("phases") or []))
     t = recs["t"]
     at: dict[str, Any] = {}
+    pairs: dict[int, dict[str, Any]] = {}
     for e in entries:
         name = _group(e)
         slots = at.get(name)
         if slots is None:
             slots = at[name] = np.flatnonzero(groups == names[name])
             if (np.diff(t[slots]) < 0).any():
-                return False  # calls of one group started out of order: merge's walk would not pair them so
+                return None  # calls of one group started out of order: merge's walk would not pair them so
         seq, created = int(e.get("collective_seq_id") or 0), _created(e)
         if not 1 <= seq <= len(slots) or created < since:
-            return False
+            return None
         slot = slots[seq - 1]
         start = float(t[slot])
         if not (start <= created and (seq == len(slots) or created < float(t[slots[seq]]))):
-            return False
+            return None
         if not same_kind(str(parsed.sigs[int(recs["sig"][slot])].get("op")), str(e.get("profiling_name", ""))):
-            return False
+            return None
         if index.began_between(start, created):
-            return False
-    return True
+            return None
+        if int(slot) + 1 in pairs:
+            return None  # two entries at one position (a group's ids restarted): merge would not pair them so
+        pairs[int(slot) + 1] = e  # slot 0 of the file is the header
+    ends: dict[int, float] = {}
+    waiting = np.flatnonzero(ring_sig[sig] & (recs["t_end"] == 0))
+    if waiting.size:
+        status_done = _status_done(status)
+        still_open: set[int] = set()  # groups with a record left open
+        for i in waiting.tolist():
+            e = pairs.get(i + 1)
+            if e is None:
+                return None  # its entry left the ring (or never was in it): no end to give it
+            ended = _completion(e, status_done, index)
+            if ended is not None:
+                ends[i + 1] = max(ended, float(t[i]))
+                continue
+            g = int(groups[i])
+            if g in still_open:  # a load without entries would assume an end for all but its group's last one
+                return None
+            still_open.add(g)
+    return TracedRing(pairs, ends)
 
 
 def _assume_ends(events: list[Any]) -> list[Any]:

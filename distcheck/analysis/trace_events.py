@@ -94,8 +94,9 @@ def load_traces(report_dir: str | os.PathLike, summarize: bool | None = None) ->
     if summarize is None:
         sizes = [_size(files.rank_file(report_dir, "trace_events", r)) // records.SIZE - 1 for r in paths]
         # A dump without entries (every collective its groups counted was traced: flight_recorder.all_traced, or
-        # an empty ring) adds nothing to its trace: merge() would only assume the ends of NCCL calls left to the
-        # ring, which the summary does not take anyway (it reads such traces whole).
+        # an empty ring) adds nothing to its trace: an NCCL rank stored the ring's ends in its record file at the
+        # dump, and a trace still waiting on the ring for more than one end per group is read whole
+        # (trace_summary.RankFollower._ends_assumed).
         untraced = any(d is not None and d.entries for d in dumps.values())
         summarize = not untraced and (max(sizes, default=0) > FULL_LIMIT or sum(sizes) > TOTAL_LIMIT)
     if summarize:

@@ -20,9 +20,11 @@ and the supervisor needs:
   raises, and when the supervisor asks (``flight-request``: the same thread answers it while the main thread is
   stuck in a collective).
   When the rank's own trace holds every collective the ring's per-group counters say were issued (no DDP, no
-  compiled graph, no point-to-point op, no NCCL ring completing traced calls: analysis/flight_recorder.all_traced),
-  the dump keeps only the counters and says ``"all_traced": true``: nothing in it would name an untraced call, and
-  a big job's analysis stays summarized.
+  compiled graph, no point-to-point op: analysis/flight_recorder.traced_ring), the dump keeps only the counters and
+  says ``"all_traced": true``: nothing in it would name an untraced call, and a big job's analysis stays
+  summarized. On NCCL the tracer leaves each synchronous collective's record open for the ring's completion time:
+  the dump first stores those ends into the rank's ``trace-rank<R>.bin`` (what the analysis's merge would store),
+  and keeps its entries when any open record has no entry left in the ring.
   A rank SIGKILLed, or stuck holding the GIL, leaves no dump: the memory-mapped trace still has every collective
   Python called. Dumping reads the whole ring: about 35 µs an entry on gloo (0.7 s for 20000, held with the GIL),
   84 ms for 2000 NCCL entries on an H100 host; hence only at the end, on error and on request.
@@ -45,6 +47,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from distcheck.contract import env, files
+from distcheck.contract import trace_records as records
 
 log = logging.getLogger("distcheck")
 
@@ -334,18 +337,41 @@ _KEEP = ("record_id", "pg_id", "process_group", "collective_seq_id", "p2p_seq_id
 
 def _all_traced(report_dir: str | os.PathLike, rank: int, entries: list[dict[str, Any]], status: dict[str, Any],
                 snapshot: dict[str, Any]) -> bool:
-    """Whether the rank's own trace holds every collective its groups counted (analysis/flight_recorder.all_traced,
+    """Whether the rank's own trace holds every collective its groups counted (analysis/flight_recorder.traced_ring,
     from the trace files as they are now: the records are in the page cache, the sig lines written one by one).
-    Costs the dump a read of the record file (24 bytes a collective, with numpy) and one look per held entry."""
-    try:
-        text = files.rank_file(report_dir, "trace", rank).read_text(encoding="utf-8", errors="replace")
-        binary = files.rank_file(report_dir, "trace_events", rank).read_bytes()
-        from distcheck.analysis.flight_recorder import all_traced
+    Costs the dump a read of the record file (24 bytes a collective, with numpy) and one look per held entry.
 
-        return all_traced(entries, status, text.splitlines(), binary, snapshot)
+    On NCCL, the ends the ring knows of traced records left open for it are stored into the record file first
+    (a failed store: False, the dump keeps its entries and the analysis's merge stores them)."""
+    try:
+        trace_file = files.rank_file(report_dir, "trace_events", rank)
+        text = files.rank_file(report_dir, "trace", rank).read_text(encoding="utf-8", errors="replace")
+        binary = trace_file.read_bytes()
+        from distcheck.analysis.flight_recorder import traced_ring
+
+        ring = traced_ring(entries, status, text.splitlines(), binary, snapshot)
+        if ring is None:
+            return False
+        if ring.ends:
+            _store_ends(trace_file, ring.ends)
+        return True
     except Exception as exc:  # no trace (recorder without tracer), a format of another version: keep the entries
         log.debug("distcheck: cannot hold the ring against the trace: %s", exc)
         return False
+
+
+def _store_ends(path: Path, ends: dict[int, float]) -> None:
+    """Store each record's end (slot -> time) in place. Through the file, not the tracer's map: the same page
+    cache, and it also works once the tracer has unmapped it. Only records the tracer leaves open forever (their
+    sig says ``completion: flight_recorder``) are written, so no other thread stores into these bytes."""
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        for slot, t_end in ends.items():
+            data = records.END_TIME.pack(t_end)
+            if os.pwrite(fd, data, slot * records.SIZE + records.END_OFFSET) != len(data):
+                raise OSError(f"short write into {path}")
+    finally:
+        os.close(fd)
 
 
 def document(rank: int, reason: str, entries: list[dict[str, Any]], status: dict[str, Any],

@@ -303,9 +303,10 @@ def test_an_entry_of_a_phase_that_ended_is_completed_though_glooss_counter_lags(
 
 
 # -- dumps of rings whose every collective was traced --------------------------------------------------------------
-def write_trace(report_dir, calls, errors=()) -> None:
+def write_trace(report_dir, calls, errors=(), nccl=False) -> None:
     """A rank's trace files as the tracer writes them: ``calls`` (op, group name, start time); ``errors``: indexes
-    of calls whose JSON end line carries an error."""
+    of calls whose JSON end line carries an error; ``nccl``: synchronous NCCL calls, whose records the tracer
+    leaves open for the ring's completion times (``completion: flight_recorder``)."""
     import numpy as np
 
     from distcheck.contract import trace_records as records
@@ -319,8 +320,9 @@ def write_trace(report_dir, calls, errors=()) -> None:
             sigs[op, group] = len(sigs) + 1
             lines.write({"ev": "sig", "sig": sigs[op, group], "op": op, "pg": "0,1", "pg_name": group,
                          "shapes": [[4]], "dtypes": ["float32"], "reduce_op": None, "peer": 1 if "send" in op else None,
-                         "root": None, "site": "train.py:10", "file": "/p/train.py", "line": 10})
-        recs[i] = (records.START, 0, b"\0\0", sigs[op, group], t, t + 0.001)
+                         "root": None, "site": "train.py:10", "file": "/p/train.py", "line": 10,
+                         **({"completion": "flight_recorder"} if nccl else {})})
+        recs[i] = (records.START, 0, b"\0\0", sigs[op, group], t, 0.0 if nccl else t + 0.001)
     for i in errors:
         lines.write({"ev": "end", "id": i + 1, "t": calls[i][2] + 0.002, "error": "Connection reset by peer"})
     lines.close()
@@ -447,3 +449,112 @@ def test_the_rank_writes_an_all_traced_dump_without_entries_and_a_full_one_other
     assert doc["all_traced"] is False and len(doc["entries"]) == len(STEPS) + 1
     (extra,) = [e for e in load_traces(tmp_path)[0].events if e.extra.get("untraced")]
     assert extra.seq == 9 and extra.t_start == pytest.approx(200.0001)
+
+
+# -- NCCL: the ring's completion times stored into the trace at the dump ---------------------------------------------
+def nccl_ring_of(calls, untraced=(), held=None, pending=0) -> tuple[list[dict], dict]:
+    """NCCL's ring as torch's dump function returns it (entries without a ring name, pg_status keyed by group id)
+    for a rank that issued ``calls`` and ``untraced``; each op completed 0.5 ms after its start but the last
+    ``pending`` (still on the GPU: no completion time, the group's counter below them)."""
+    issued = sorted([*calls, *untraced], key=lambda c: c[2])
+    entries, count, completed = [], {}, {}
+    for rid, (op, group, t) in enumerate(issued):
+        count[group] = count.get(group, 0) + 1
+        done = rid < len(issued) - pending
+        if done:
+            completed[group] = count[group]
+        entries.append({**entry(rid, count[group], f"nccl:{op}", t + 0.0001, group=group), "pg_id": GIDS[group],
+                        "time_discovered_completed_ns": int((t + 0.0005) * 1e9) if done else 0,
+                        "state": "completed" if done else "started"})
+    if held is not None:
+        entries = entries[len(entries) - held:]
+    status = {str(GIDS[g]): {"last_enqueued_collective": str(n), "last_completed_collective": str(completed.get(g, -1))}
+              for g, n in count.items()}
+    return entries, status
+
+
+def nccl_dump(tmp_path, monkeypatch, full: bool = False, **ring) -> dict:
+    """rank/flight_recorder.dump of an NCCL ring (``ring``: nccl_ring_of's arguments) against the trace files in
+    ``tmp_path``; ``full``: as every dump was before the ends were stored (the entries kept). The document."""
+    monkeypatch.setattr(rank_fr, "phases", rank_fr.Phases())
+    entries, status = nccl_ring_of(STEPS, **ring)
+
+    def fake_dump(with_entries: bool, only_active: bool) -> str:
+        return json.dumps({"version": "2.10", "pg_config": {}, "pg_status": status,
+                           **({"entries": entries} if with_entries else {})})
+
+    monkeypatch.setattr(rank_fr, "_rings", lambda: [("nccl", fake_dump)])
+    with monkeypatch.context() as m:
+        if full:
+            m.setattr(rank_fr, "_all_traced", lambda *args: False)
+        assert rank_fr.dump(tmp_path, 0, "exit")
+    return json.loads(files.rank_file(tmp_path, "flight", 0).read_text())
+
+
+def _said(tmp_path) -> list[tuple]:
+    from distcheck.analysis.progress import progress_by_rank
+
+    traces = load_traces(tmp_path)
+    return [(e.id, e.seq, e.op, e.pg_name, e.t_start, e.t_end, sorted(e.extra.items()))
+            for e in traces[0].events] + [progress_by_rank(traces)[0].to_json()]
+
+
+def _ends(tmp_path) -> list[float | None]:
+    from distcheck.contract import trace_records as records
+
+    return [r.t_end for r in records.iter_records(files.rank_file(tmp_path, "trace_events", 0).read_bytes())]
+
+
+@pytest.mark.parametrize("pending", [0, 1])
+def test_an_nccl_rank_stores_the_rings_ends_into_its_trace_and_writes_an_all_traced_dump(tmp_path, monkeypatch,
+                                                                                        pending):
+    """The tracer leaves each synchronous NCCL collective's record open; at the dump the rank stores the ends
+    NCCL's ring knows into them, and the dump without entries then reads as the full one merged. With ``pending``,
+    the last collective has not completed (a rank stuck in it): its record stays open, as merge leaves it."""
+    write_trace(tmp_path, STEPS, nccl=True)
+    full = nccl_dump(tmp_path, monkeypatch, full=True, pending=pending)
+    assert full["all_traced"] is False and len(full["entries"]) == len(STEPS)
+    assert _ends(tmp_path) == [None] * len(STEPS)  # nothing stored: merge takes the ends from the entries
+    expected = _said(tmp_path)
+
+    doc = nccl_dump(tmp_path, monkeypatch, pending=pending)
+    assert doc["all_traced"] is True and doc["entries"] == [] and fr.load_dump(tmp_path, 0).all_traced
+    ends = _ends(tmp_path)
+    assert ends[:len(STEPS) - pending] == [pytest.approx(t + 0.0005) for _, _, t in STEPS[:len(STEPS) - pending]]
+    assert ends[len(STEPS) - pending:] == [None] * pending
+    assert _said(tmp_path) == expected
+    events = load_traces(tmp_path)[0].events
+    assert (events[-1].t_end is None) == bool(pending) and not any(e.extra.get("end_unknown") for e in events)
+
+
+def test_the_pairing_names_each_traced_record_and_its_ring_entry(tmp_path):
+    write_trace(tmp_path, STEPS, nccl=True)
+    entries, status = nccl_ring_of(STEPS, pending=1)
+    entries = [{**e, "ring": "nccl"} for e in entries]
+    status = {f"nccl:{gid}": s for gid, s in status.items()}
+    text = files.rank_file(tmp_path, "trace", 0).read_text().splitlines()
+    binary = files.rank_file(tmp_path, "trace_events", 0).read_bytes()
+    snapshot = {"phases": [], "graphs": {}, "seen": []}
+    ring = fr.traced_ring(entries, status, text, binary, snapshot)
+    assert ring is not None
+    assert {slot: e["record_id"] for slot, e in ring.pairs.items()} == {i + 1: i for i in range(len(STEPS))}
+    assert sorted(ring.ends) == list(range(1, len(STEPS)))  # the last is still on the GPU
+    assert not fr.all_traced(entries, status, text, binary, snapshot)  # the plain check still leaves NCCL out
+
+
+@pytest.mark.parametrize("case", ["untraced_entry", "entry_left_the_ring", "two_open_in_a_group"])
+def test_an_nccl_ring_that_cannot_give_every_end_keeps_its_entries_and_the_trace_its_records(tmp_path, monkeypatch,
+                                                                                          case):
+    """An entry Python did not call (a DDP bucket), an open record whose entry left the ring (no end for it), or a
+    group with two ops not yet completed (a load without entries would assume an end for the first): the dump
+    keeps its entries, nothing is stored into the trace, and merge reads it as before."""
+    write_trace(tmp_path, STEPS, nccl=True)
+    ring = {"untraced_entry": {"untraced": [("all_reduce", "0", 200.0)]},
+            "entry_left_the_ring": {"held": len(STEPS) - 1},
+            "two_open_in_a_group": {"pending": 3}}[case]  # the last three: two of them on group 0
+    doc = nccl_dump(tmp_path, monkeypatch, **ring)
+    assert doc["all_traced"] is False and doc["entries"]
+    assert _ends(tmp_path) == [None] * len(STEPS)
+    events = load_traces(tmp_path)[0].events
+    if case == "untraced_entry":
+        assert [e.seq for e in events if e.extra.get("untraced")] == [9]

@@ -311,3 +311,88 @@ def test_a_dump_with_untraced_entries_still_takes_the_full_load(tmp_path, monkey
     assert (extra.op, extra.seq, extra.extra["origin"]) == ("all_reduce", 41, "torch")
     (f,) = analyze_run(traces, {r: RankOutcome(r, STATE_OK, 0) for r in range(4)}, 4)
     assert f.kind == "collective_mismatch" and f.ranks == [2], f.message
+
+
+# -- NCCL: the ends the ring knows, stored into the trace at the dump ------------------------------------------------
+def _to_nccl(report_dir: Path) -> dict[int, list[float]]:
+    """Make each rank's trace what the tracer writes on NCCL: sigs whose end the ring holds, records left open.
+    Returns each rank's ends as they were (0: not completed), for the ring to know."""
+    _name_groups(report_dir)
+    ends = {}
+    for r in range(4):
+        path = files.rank_file(report_dir, "trace", r)
+        lines = [json.loads(line) for line in path.read_text().splitlines()]
+        path.write_text("".join(json.dumps({**rec, "completion": "flight_recorder"} if rec.get("ev") == "sig"
+                                           else rec) + "\n" for rec in lines))
+        bin_path = files.rank_file(report_dir, "trace_events", r)
+        data = bytearray(bin_path.read_bytes())
+        recs = np.frombuffer(data, records.record_dtype(), offset=records.SIZE)
+        ends[r] = recs["t_end"].tolist()
+        recs["t_end"] = 0.0
+        bin_path.write_bytes(bytes(data))
+    return ends
+
+
+def _write_nccl_dump(report_dir: Path, rank: int, ends: list[float], full: bool = False) -> bool:
+    """The rank's flight-rank<R>.json for an NCCL ring that completed each traced call at its old end (``ends``,
+    0: still on the GPU); with ``full``, as every NCCL dump was before the ends were stored (its entries kept),
+    else as rank/flight_recorder.py writes it now (the ends stored into the trace first). Whether all traced."""
+    from distcheck.analysis.trace_events import load_rank_records
+    from distcheck.rank import flight_recorder as rank_fr
+
+    events = load_rank_records(files.rank_file(report_dir, "trace", rank), rank, merge=False).events
+    gids = {name: i for i, name in enumerate(sorted(set(GROUP_NAMES.values())))}
+    names = {"all_gather_into_tensor": "_allgather_base", "reduce_scatter_tensor": "_reduce_scatter_base"}
+    count: dict[str, int] = {}
+    completed: dict[str, int] = {}
+    entries = []
+    for rid, (e, end) in enumerate(zip(events, ends)):
+        count[e.pg_name] = count.get(e.pg_name, 0) + 1
+        if end:
+            completed[e.pg_name] = count[e.pg_name]
+        entries.append({"ring": "nccl", "record_id": rid, "pg_id": gids[e.pg_name], "process_group": [e.pg_name, "pg"],
+                        "collective_seq_id": count[e.pg_name], "p2p_seq_id": 0, "is_p2p": False,
+                        "profiling_name": f"nccl:{names.get(e.op, e.op)}", "time_created_ns": int((e.t_start + 1e-4) * 1e9),
+                        "time_discovered_completed_ns": int(end * 1e9), "state": "completed" if end else "started"})
+    status = {f"nccl:{gids[g]}": {"last_enqueued_collective": str(n),
+                                  "last_completed_collective": str(completed.get(g, -1))} for g, n in count.items()}
+    snapshot = {"phases": [], "graphs": {}, "seen": []}
+    traced = not full and rank_fr._all_traced(report_dir, rank, entries, status, snapshot)
+    doc = rank_fr.document(rank, "exit", entries, status, {"0": [0, 1, 2, 3]}, snapshot, traced)
+    files.rank_file(report_dir, "flight", rank).write_text(json.dumps(doc))
+    return traced
+
+
+def _nccl_job(tmp_path: Path, name: str):
+    """A scenario's job on NCCL: what the full load of its full dumps says, then its all-traced dumps written."""
+    outcomes = _scenario(name, tmp_path)
+    ends = _to_nccl(tmp_path)
+    for r in range(4):
+        assert not _write_nccl_dump(tmp_path, r, ends[r], full=True)
+    expected = _said(load_traces(tmp_path, summarize=False), outcomes)
+    assert all(_write_nccl_dump(tmp_path, r, ends[r]) for r in range(4))
+    assert all(len(files.rank_file(tmp_path, "flight", r).read_text()) < 600 for r in range(4))
+    return outcomes, ends, expected
+
+
+@pytest.mark.parametrize("name", ["same", "hang", "subgroups"])
+def test_nccl_dumps_store_the_rings_ends_and_say_what_the_full_dumps_said(tmp_path, name):
+    """On NCCL the tracer leaves synchronous collectives open for the ring's completion times; the rank's dump stores
+    them into its trace and writes no entries, and the load then says what the full dumps merged said (a rank
+    waiting in its last collective: still open, the same hang)."""
+    outcomes, ends, expected = _nccl_job(tmp_path, name)
+    for r in range(4):
+        stored = [rec.t_end for rec in records.iter_records(files.rank_file(tmp_path, "trace_events", r).read_bytes())]
+        assert [t is not None for t in stored] == [bool(e) for e in ends[r]]
+    assert _said(load_traces(tmp_path, summarize=False), outcomes) == expected
+
+
+@pytest.mark.parametrize("name", ["same", "hang"])
+def test_nccl_all_traced_dumps_leave_a_big_job_summarized(tmp_path, monkeypatch, name):
+    from distcheck.analysis import trace_events
+
+    outcomes, _, expected = _nccl_job(tmp_path, name)
+    monkeypatch.setattr(trace_events, "FULL_LIMIT", 10)  # these 4 x 40 records are a "big job"
+    traces = load_traces(tmp_path)
+    assert all(t.summary is not None and t.flight_dumped for t in traces.values())
+    assert _said(traces, outcomes) == expected
