@@ -64,3 +64,15 @@ def test_mixed_meshes_in_a_correct_model_are_a_warning(tmp_path):
     [note] = report["warnings"]  # once, though every rank found it
     assert note["kind"] == "mixed_meshes" and note["detail"]["params"] == ["head.weight", "head.bias"]
     assert "clip_grad_norm_" in note["message"] and "head.weight" in (out / "report.txt").read_text()
+
+
+@pytest.mark.parametrize("fixture", [
+    "zc_meta_rank0_load_ok.py",  # meta on rank 1 at fully_shard: structure only, never "missing"
+    "zc_ddp_rank0_load_ok.py",  # values differ before DDP(...), whose construction broadcast makes them equal
+    "zc_fsdp2_load_after_shard_ok.py"])  # rank-seeded init overwritten by a load after fully_shard
+def test_correct_loading_patterns_pass(tmp_path, fixture):
+    res, report, _ = run_fixture(tmp_path, fixture)
+    assert res.returncode == 0, res.output
+    assert report["findings"] == []
+    checks = {c["name"]: c for c in report["checks"]}
+    assert checks["model_check"]["ok"]  # the model was checked (at the first forward), and found right

@@ -147,3 +147,34 @@ def test_a_closure_step_is_one_step_whose_loss_belongs_to_it(tmp_path, monkeypat
         assert done == ["SGD"] * 4 and loss_steps[-1] == 4
     finally:
         autocheck.uninstall()
+
+
+def test_prewrap_compares_meta_tensors_by_structure_only():
+    from distcheck.rank.autocheck.prewrap import _structure_divergences
+
+    real, meta = (None, (4, 2), "float32", "parameter"), (None, (4, 2), "float32", "parameter")
+    assert _structure_divergences({0: {"w": real}, 1: {"w": meta}}, {"w"}) == []  # never "missing", values unread
+    [missing] = _structure_divergences({0: {"w": real}, 1: {}}, {"w"})
+    assert missing.structural.startswith("missing on rank 1")
+    [wider] = _structure_divergences({0: {"w": real}, 1: {"w": (None, (5, 2), "float32", "parameter")}}, {"w"})
+    assert wider.structural and wider.name == "w"
+
+
+def test_prewrap_drops_values_overwritten_between_the_wrap_and_the_first_forward():
+    import weakref
+
+    import torch
+
+    from distcheck.rank.autocheck.prewrap import PreWrap
+
+    pw = PreWrap(owner=None)
+    m = torch.nn.Linear(2, 2)
+    pw.points.append({"how": "fully_shard"})
+    pw._modules.append((weakref.ref(m), 0))
+    kept, loaded = {"name": "weight", "point": 0}, {"name": "bias", "point": 0}
+    pw.pending, pw._after = [kept, loaded], [kept, loaded]
+    with pw.inside():  # the parallelizing call: its end notes each pending tensor's fingerprint
+        pass
+    with torch.no_grad():
+        m.bias.copy_(torch.tensor([3.0, 4.0]))  # a checkpoint loaded after the wrap
+    assert pw._still_pending() == [kept]

@@ -222,13 +222,16 @@ def patch_once() -> None:
         check = current()
         if check is not None:
             try:  # before DDP's construction broadcast copies rank 0's values over the others'
+                import inspect
+
                 import torch.distributed as dist
 
-                group = _arg(args, kwargs, 6, "process_group")
-                mesh = kwargs.get("device_mesh")
+                bound = inspect.signature(ddp_init).bind(self, *args, **kwargs).arguments
+                group, mesh = bound.get("process_group"), bound.get("device_mesh")
                 ranks = _mesh_ranks(mesh) if mesh is not None else \
                     dist.get_process_group_ranks(group) if group is not None else None
-                check.prewrap.before("ddp", _arg(args, kwargs, 0, "module"), ranks)
+                # init_sync (the default) broadcasts rank 0's values: only the structure must match before it
+                check.prewrap.before("ddp", bound.get("module"), ranks, values=not bound.get("init_sync", True))
             except Exception as exc:
                 log.debug("distcheck: could not compare a model before DDP: %s", exc)
             with check.prewrap.inside():

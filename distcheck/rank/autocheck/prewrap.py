@@ -8,12 +8,17 @@ not-yet-parallelized parameters and buffers: names, shapes, dtypes and fingerpri
 side-channel exchange, never the user's process group (no entry in the user's trace). That is the only point where
 rank-seeded init is visible: fully_shard slices each rank's own copy, DDP's construction broadcast copies rank 0's
 values over the others. A tensor-parallel DTensor is compared with the ranks holding the same shard (its
-coordinate on every non-Replicate mesh dim); meta tensors hold nothing yet and are compared at the first forward.
+coordinate on every non-Replicate mesh dim); a meta tensor holds nothing yet (rank 0 alone built real weights and
+broadcasts them later): its name, shape and dtype are compared, never its values, and it is never "missing".
+DDP's construction broadcast (``init_sync=True``, the default) copies rank 0's values to every rank, so before DDP
+only the structure counts; values too with ``init_sync=False``.
 
 A model whose structure differs (a vocabulary built from each rank's own data) is one finding at once, before
 torch's size error. Values that differ are kept until the first forward, where one exchange over every rank makes
 them one finding for the whole model, however many calls and groups saw them; the last ``torch.manual_seed`` of
-each rank (patched to note its seed and line) names the cause when the seeds differ.
+each rank (patched to note its seed and line) names the cause when the seeds differ. A tensor whose local values
+changed between the end of its parallelizing call and the first forward (pretrained weights loaded after
+fully_shard) was overwritten, so its init does not matter: it is dropped from the finding.
 """
 from __future__ import annotations
 
@@ -23,6 +28,7 @@ import time
 import weakref
 from typing import Any
 
+from distcheck.analysis.replicas import Divergence, Entry, Fingerprint, find_divergences
 from distcheck.contract.findings import Finding, format_names, format_ranks
 from distcheck.rank.autocheck.discovery import user_name
 from distcheck.rank.usersite import Site, caller_site
@@ -70,6 +76,7 @@ class PreWrap:
         self.reported = False
         self.seconds = 0.0
         self._modules: list[tuple[weakref.ref, int]] = []  # (module compared, index in points)
+        self._after: list[dict[str, Any]] = []  # pending rows not yet fingerprinted after their call returned
 
     # -- events -----------------------------------------------------------------------------------------------------
     def note_seed(self, seed: Any) -> None:
@@ -85,9 +92,40 @@ class PreWrap:
             yield
         finally:
             self.depth -= 1
+            if not self.depth:
+                self._note_after()
 
-    def before(self, how: str, module: Any, ranks: list[int] | None) -> None:
-        """Compare ``module`` across ``ranks`` (None: every rank) before ``how`` parallelizes it."""
+    def _note_after(self) -> None:
+        """The call returned: note each new pending tensor's local values, to see at the first forward whether
+        something (a checkpoint load) overwrote them since."""
+        rows, self._after = self._after, []
+        for row in rows:
+            try:
+                row["after"] = _local_fp(self._module_at(row["point"]), row["name"])
+            except Exception as exc:  # never break the user's training: the row stays reported
+                log.debug("distcheck: could not fingerprint %s after parallelizing: %s", row["name"], exc)
+
+    def _module_at(self, point: int) -> Any:
+        ref = next((r for r, i in self._modules if i == point), None)
+        return ref() if ref is not None else None
+
+    def _still_pending(self) -> list[dict[str, Any]]:
+        """Pending rows less those whose local tensor changed since their call returned (overwritten)."""
+        keep = []
+        for row in self.pending:
+            after = row.get("after")
+            try:
+                now = _local_fp(self._module_at(row["point"]), row["name"]) if after is not None else None
+            except Exception:
+                now = None
+            if after is not None and now is not None and now != after:
+                continue
+            keep.append(row)
+        return keep
+
+    def before(self, how: str, module: Any, ranks: list[int] | None, values: bool = True) -> None:
+        """Compare ``module`` across ``ranks`` (None: every rank) before ``how`` parallelizes it; ``values``
+        False: the call itself makes the values equal (DDP's construction broadcast), only the structure counts."""
         if self.depth:
             return
         from distcheck.rank.runtime import current_channel
@@ -100,38 +138,51 @@ class PreWrap:
             return
         started = time.perf_counter()
         try:
-            self._compare(how, module, ranks, channel)
+            self._compare(how, module, ranks, channel, values)
         except Exception as exc:  # the check must never break the user's training
             log.warning("distcheck: comparing the model before %s failed: %s: %s", how, type(exc).__name__, exc)
         finally:
             self.seconds += time.perf_counter() - started
 
     # -- the comparison ---------------------------------------------------------------------------------------------
-    def _compare(self, how: str, module: Any, ranks: list[int], channel: Any) -> None:
+    def _compare(self, how: str, module: Any, ranks: list[int], channel: Any, values: bool = True) -> None:
         import torch
 
         from distcheck.checks.replicas import compare_entries
 
         site = caller_site()
         items = _unwrapped_tensors(how, module)
+        real = [it for it in items if not _is_meta(it[2])]
+        meta = [(n, role, prewrap_key(t), _structure(t)) for n, role, t in items if _is_meta(t)]
         extra = {"seed": self.seed[0] if self.seed else None, "seed_site": _site_json(self.seed[1]) if self.seed
-                 else None}
+                 else None, "meta": meta}
         with torch.no_grad():
-            compared = compare_entries(f"prewrap/{how}", items, channel, ranks, key=prewrap_key, extra=extra)
-        point = {"how": how, "site": _site_json(site), "ranks": ranks, "count": len(items),
-                 "identical": not compared.divergences}
+            compared = compare_entries(f"prewrap/{how}", real, channel, ranks, key=prewrap_key, extra=extra)
+        # A tensor on meta on some rank holds no values there: its structure alone is compared, on every rank.
+        per_meta = {r: (e or {}).get("meta") or [] for r, e in zip(ranks, compared.extras)}
+        meta_names = {m[0] for ms in per_meta.values() for m in ms}
+        divergences = [d for d in compared.divergences if d.name not in meta_names]
+        shapes = {r: {e.name: (e.replica_key, e.fp.shape, e.fp.dtype, e.role) for e in entries}
+                  for r, entries in zip(ranks, compared.entries)}
+        for r, ms in per_meta.items():
+            for name, role, key, (shape, dtype) in ms:
+                shapes[r][name] = (key, tuple(shape), dtype, role)
+        if meta_names:
+            divergences += _structure_divergences(shapes, meta_names)
+        structural = [d for d in divergences if d.structural]
+        identical = not structural if not values else not divergences
+        point = {"how": how, "site": _site_json(site), "ranks": ranks, "count": len(items), "identical": identical}
         self.points.append(point)
         self._modules.append((weakref.ref(module), len(self.points) - 1))
-        if not compared.divergences:
+        if not divergences:
             return
         seeds = {r: e for r, e in zip(ranks, compared.extras)}
-        structural = [d for d in compared.divergences if d.structural]
         if structural:  # the values that differ too follow from it (each rank's RNG drew other amounts): one cause
-            self._report_structure(how, module, point, structural, compared, seeds)
+            self._report_structure(how, module, point, structural, shapes)
             return
-        for d in compared.divergences:
-            if d.structural:
-                continue
+        if not values:
+            return
+        for d in divergences:
             per = compared.summaries.get(d.name, {})
             worst = max(per.values(), key=lambda s: s.max_abs_diff, default=None)
             self.pending.append({
@@ -141,15 +192,16 @@ class PreWrap:
                 "built": _site_json(_param_site(module, d.name)),
                 "seeds": {str(r): s.get("seed") for r, s in seeds.items()},
                 "seed_sites": {str(r): s.get("seed_site") for r, s in seeds.items()}})
+            self._after.append(self.pending[-1])
 
-    def _report_structure(self, how: str, module: Any, point: dict, divs: list, compared: Any,
-                          seeds: dict) -> None:
+    def _report_structure(self, how: str, module: Any, point: dict, divs: list,
+                          structure: dict[int, dict[str, tuple]]) -> None:
         """Ranks built different models: say which tensors, with every rank's shape, before torch's size error."""
         ranks = point["ranks"]
         shapes: dict[str, dict[int, str]] = {}
-        for r, entries in zip(ranks, compared.entries):
-            for e in entries:
-                shapes.setdefault(e.name, {})[r] = f"{list(e.fp.shape)} {e.fp.dtype}"
+        for r, entries in structure.items():
+            for name, (_, shape, dtype, _) in entries.items():
+                shapes.setdefault(name, {})[r] = f"{list(shape)} {dtype}"
         parts, rows = [], []
         first_site = None
         for d in divs:
@@ -196,10 +248,10 @@ class PreWrap:
         self.reported = True
         prefixes = {id(m): n for n, m in root.named_modules()}
         rows = []
-        for row in self.pending:
-            ref = next((r for r, i in self._modules if i == row["point"]), None)
-            m = ref() if ref is not None else None
+        for row in self._still_pending():
+            m = self._module_at(row["point"])
             prefix = prefixes.get(id(m), "") if m is not None else ""
+            row = {k: v for k, v in row.items() if k != "after"}
             rows.append(dict(row, name=user_name(f"{prefix}.{row['name']}" if prefix else row["name"])))
         channel = current_channel()
         per_rank = {self.owner.rank: rows}
@@ -216,7 +268,7 @@ class PreWrap:
         if self.reported or not self.pending:
             return
         self.reported = True
-        mine = [r for r in self.pending if r["ranks"][0] == self.owner.rank]
+        mine = [r for r in self._still_pending() if r["ranks"][0] == self.owner.rank]
         finding = prewrap_finding({self.owner.rank: mine}) if mine else None
         if finding is not None:
             self.owner.models.keep([finding])
@@ -285,9 +337,43 @@ def _param_site(module: Any, name: str) -> Site | None:
         return None
 
 
+def _is_meta(t: Any) -> bool:
+    from distcheck.checks.fingerprint import local_tensor
+
+    return bool(t.is_meta or local_tensor(t).is_meta)
+
+
+def _structure(t: Any) -> tuple[tuple[int, ...], str]:
+    """(local shape, dtype) as a fingerprint spells them."""
+    from distcheck.checks.fingerprint import local_tensor
+
+    local = local_tensor(t)
+    return tuple(local.shape), str(local.dtype).replace("torch.", "")
+
+
+def _structure_divergences(shapes: dict[int, dict[str, tuple]], names: set[str]) -> list[Divergence]:
+    """Shape, dtype or presence differences of ``names`` (tensors on meta on some rank), values never compared."""
+    per_rank = {r: [Entry(n, role, key, Fingerprint(dtype, tuple(shape), (), ()))
+                    for n, (key, shape, dtype, role) in entries.items() if n in names]
+                for r, entries in shapes.items()}
+    return [d for d in find_divergences(per_rank) if d.structural]
+
+
+def _local_fp(module: Any, name: str) -> Any:
+    """The fingerprint of ``module``'s parameter or buffer ``name`` (a DTensor's local shard); None if absent."""
+    from distcheck.checks.fingerprint import fingerprint
+
+    if module is None:
+        return None
+    tensors = dict(module.named_parameters())
+    tensors.update(module.named_buffers())
+    t = tensors.get(name)
+    return fingerprint(t) if t is not None else None
+
+
 def _unwrapped_tensors(how: str, module: Any) -> list[tuple[str, str, Any]]:
-    """(name, role, tensor) of what ``how`` is about to parallelize: the module's parameters and buffers, less what
-    holds no data yet (meta) and what an earlier fully_shard call already sharded (it was compared there)."""
+    """(name, role, tensor) of what ``how`` is about to parallelize: the module's parameters and buffers (meta ones
+    too: their structure is compared), less what an earlier fully_shard call already sharded (compared there)."""
     import torch.nn as nn
 
     try:
@@ -301,7 +387,7 @@ def _unwrapped_tensors(how: str, module: Any) -> list[tuple[str, str, Any]]:
     ignored = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()) or ()) if how == "ddp" else set()
 
     def skip(name: str, t: Any) -> bool:
-        if t is None or t.device.type == "meta" or name in ignored:
+        if t is None or name in ignored:
             return True
         return any(name.startswith(s + ".") for s in sharded)
 
