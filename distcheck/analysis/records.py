@@ -9,8 +9,8 @@ one value (replicas must agree; per-rank values such as local losses are average
 records present in one run only, and ``tensor_divergence`` for replicated records the ranks disagree on.
 
 Records marked ``auto`` are the ones distcheck took by itself (the loss passed to ``backward()``, the parameters
-after ``optimizer.step()``): they are compared only when neither run recorded anything explicitly, and every row,
-finding and table line built from them says "recorded automatically".
+after ``optimizer.step()``, the gradients of the first step): they are compared only when neither run recorded
+anything explicitly, and every row, finding and table line built from them says "recorded automatically".
 """
 from __future__ import annotations
 
@@ -25,10 +25,13 @@ from distcheck.analysis.replicas import Divergence, diff_chunk, divergence_findi
 from distcheck.analysis.tolerance import Comparison, compare, ratio_hint, tolerance_for
 from distcheck.contract.findings import Finding, format_ranks
 from distcheck.contract import records_file
-from distcheck.contract.files import AUTO_LOSS, AUTO_PARAMS
+from distcheck.contract.files import AUTO_GRADS, AUTO_LOSS, AUTO_PARAMS
 
 # Python numbers usually come from ``loss.item()`` of a float32 tensor: float64 tolerances would flag rounding.
 NUMBER_TOL_DTYPE = torch.float32
+
+# The gradients of the first optimizer step (rank/autocheck/auto_records.py records them under this name, as a list
+# of parameter-named parts like auto/params': their role is "gradient" here).
 
 
 # The files' names and format are contract/records_file.py's; these are the analysis's names for them.
@@ -100,9 +103,10 @@ def to_record(stored: records_file.StoredRecord) -> Record:
             parts = [Part("", "number", torch.tensor(float(v), dtype=torch.float64), NUMBER_TOL_DTYPE)]
     else:
         parts = []
+        grads = entry.auto and entry.name == AUTO_GRADS
         for meta, raw in zip(entry.parts, stored.data):
             t = _tensor(raw, meta)
-            parts.append(Part(meta.key, meta.role, t, t.dtype))
+            parts.append(Part(meta.key, "gradient" if grads else meta.role, t, t.dtype))
     return Record(entry.name, entry.step, entry.seq, entry.rank, entry.kind, parts, entry.replicated, entry.rtol,
                   entry.atol, entry.file, entry.line, entry.auto, entry.dp)
 
@@ -452,11 +456,13 @@ class Convention:
 
 def loss_conventions(ref: dict[Key, Resolved], run: dict[Key, Resolved], keys: list[Key],
                      tol: Tolerances) -> dict[str, Convention]:
-    """Judge each per-rank loss by what the parameters prove. The convention is read at the first step that has
-    the loss and parameter records (a module record, or the parameters distcheck records after optimizer.step())
-    in both runs: the mean over the ranks when it matches there; the sum over the data-parallel ranks when that
-    matches and every parameter record of that step matches too (so the gradients were reduced to match). Without
-    matching parameters a sum is no proof: the loss is compared as the mean and explained as such."""
+    """Judge each per-rank loss by what the parameters and gradients prove. The convention is read at the first step
+    that has the loss and parameter records (a module record, or the parameters and gradients distcheck records at
+    optimizer.step()) in both runs: the mean over the ranks when it matches there and the gradients recorded at that
+    step match too; the sum over the data-parallel ranks when that matches and every parameter and gradient record
+    of that step matches too (so the gradients were reduced to match: parameters alone prove nothing under Adam,
+    which a constant scale of every gradient leaves unchanged). Without that proof a sum is none: the loss is
+    compared as the mean and explained as such."""
     out: dict[str, Convention] = {}
     names = list(dict.fromkeys(k[0] for k in keys if k in ref and k in run and _is_loss(k[0])
                                and run[k].sum_record is not None))
@@ -471,13 +477,15 @@ def loss_conventions(ref: dict[Key, Resolved], run: dict[Key, Resolved], keys: l
         def ok(record_of: Any) -> bool:
             return all(compare_records(ref[k].record, record_of(k), tol).status == STATUS_OK for k in at_step)
 
+        params = [e for e in evidence if e[1] == step]
+        grads = [e for e in params if any(p.role == "gradient" for p in ref[e].record.parts)]
         if ok(lambda k: run[k].record):
-            if run[at_step[0]].mode.startswith("mean"):  # ranks that agree at that step show no convention
+            if run[at_step[0]].mode.startswith("mean") and all(  # ranks that agree show no convention
+                    compare_records(ref[e].record, run[e].record, tol).status == STATUS_OK for e in grads):
                 out[name] = Convention("mean", run[at_step[0]].mode, step)
             continue
         if not proven or not all(run[k].sum_record is not None for k in at_step):
             continue
-        params = [e for e in evidence if e[1] == step]
         if ok(lambda k: run[k].sum_record) and all(
                 compare_records(ref[e].record, run[e].record, tol).status == STATUS_OK for e in params):
             out[name] = Convention("sum", run[at_step[0]].sum_mode, step,
@@ -534,6 +542,11 @@ def hints(row: Row, rows: list[Row], nproc: int) -> list[str]:
                      f"batch (summed over the local batch with reduction='sum', or divided by the global batch "
                      f"size or the world size), and FSDP/DDP average the gradients over the ranks, so every "
                      f"update is 1/{nproc} of the 1-rank update")
+        elif ratio and row.auto and row.name == AUTO_GRADS and ratio.startswith(f"the value is 1/{nproc} "):
+            ratio = (f"the gradients are 1/{nproc} of the reference: they were divided twice (each rank's loss "
+                     f"divided by the world size, or normalized by the global batch or token count, and FSDP/DDP "
+                     f"average the gradients over the ranks as well), or averaged where the loss was already "
+                     f"normalized globally (FSDP2: set_gradient_divide_factor(1.0) on every fully_shard module)")
         if ratio:
             out.append(ratio)
     if _is_grad(row):
@@ -589,10 +602,30 @@ def compare_runs(ref_run: dict[int, list[Record]], nproc_run: dict[int, list[Rec
         if first.convention != "sum" and _is_loss(first.name) and resolved.sum_record is not None:
             if compare_records(ref[first.key].record, resolved.sum_record, tol).status == STATUS_OK:
                 summed = resolved.sum_mode
-        result.findings.insert(0, mismatch_finding(first, result.rows, resolved, nproc, summed))
+        grads = _gradients_behind(first, result.rows) if summed else None
+        if grads is not None:  # the loss adds up and the parameters match: what differs is the gradients
+            finding = mismatch_finding(grads, result.rows, run[grads.key], nproc, extra=[
+                f"the ranks' losses match the reference as their {summed} and the parameters match too, but the "
+                f"gradients do not: the optimizer (Adam and its kind) is invariant to a constant scale of every "
+                f"gradient, so the parameters hide the factor here, but gradient-norm clipping, Adam's eps and any "
+                f"other optimizer see it"])
+        else:
+            finding = mismatch_finding(first, result.rows, resolved, nproc, summed)
+        result.findings.insert(0, finding)
     for (name, status), rows in missing.items():
         result.findings.append(missing_finding(name, status, rows, run, nproc))
     return result
+
+
+def _gradients_behind(loss: Row, rows: list[Row]) -> Row | None:
+    """The differing gradient record of the loss's step when every other module record of that step (the
+    parameters) matches: a loss that matches as the sum over the ranks, with 1/N of the gradients (divided twice)."""
+    at_step = [r for r in rows if r.step == loss.step and r is not loss]
+    grads = [r for r in at_step if r.status == STATUS_DIFF and r.part_role == "gradient"]
+    params = [r for r in at_step if r.auto and r.name == AUTO_PARAMS]
+    if not grads or not params or any(r.status != STATUS_OK for r in params):
+        return None
+    return grads[0]
 
 
 def describe_row(row: Row) -> str:
@@ -603,12 +636,17 @@ def describe_row(row: Row) -> str:
     if row.auto and row.name == AUTO_PARAMS:
         what = f"parameter '{row.part}'" if row.part else "the parameters"
         return f"{what} after optimizer.step(){at} ({AUTO_TEXT} as '{AUTO_PARAMS}')"
+    if row.auto and row.name == AUTO_GRADS:
+        what = f"the gradient of parameter '{row.part}'" if row.part else "the gradients"
+        return f"{what} at the first optimizer.step(){at} ({AUTO_TEXT} as '{AUTO_GRADS}')"
     what = f"{row.part_role} '{row.part}' of record '{row.name}'" if row.part else f"record '{row.name}'"
     return what + (f" ({row.site})" if row.site else "")
 
 
-def mismatch_finding(row: Row, rows: list[Row], resolved: Resolved, nproc: int, summed: str | None = None) -> Finding:
-    """``summed``: the per-rank losses match the reference as this sum (while the parameters do not)."""
+def mismatch_finding(row: Row, rows: list[Row], resolved: Resolved, nproc: int, summed: str | None = None,
+                     extra: list[str] | None = None) -> Finding:
+    """``summed``: the per-rank losses match the reference as this sum (while the parameters do not); ``extra``:
+    more hints, last."""
     what = describe_row(row)
     cmp = row.comparison
     text = row.note if cmp is None else cmp.describe()
@@ -622,6 +660,7 @@ def mismatch_finding(row: Row, rows: list[Row], resolved: Resolved, nproc: int, 
                      f"parameters do not: a loss normalized by the global batch or token count needs its gradients "
                      f"summed over the data-parallel ranks, not averaged (FSDP2: set_gradient_divide_factor(1.0) "
                      f"on every fully_shard module)")
+    found += extra or []
     if found:
         message += "; " + "; ".join(found)
     detail: dict[str, Any] = {"name": row.name, "step": row.step, "nproc": nproc, "mode": resolved.mode,
@@ -695,7 +734,9 @@ def render_table(rows: list[Row], conventions: dict[str, Convention] | None = No
     if auto_names:
         what = {AUTO_LOSS: f"{AUTO_LOSS} = the loss passed to backward() (each rank's own: compared as "
                            f"their mean, or as their sum where a loss convention below says so)",
-                AUTO_PARAMS: f"{AUTO_PARAMS} = every parameter after optimizer.step() (full tensors)"}
+                AUTO_PARAMS: f"{AUTO_PARAMS} = every parameter after optimizer.step() (full tensors)",
+                AUTO_GRADS: f"{AUTO_GRADS} = every parameter's gradient at the first optimizer.step() (full "
+                            f"tensors)"}
         lines.append(f"{AUTO_TEXT} (the script records nothing itself): "
                      + "; ".join(what.get(n, n) for n in auto_names))
     for name, convention in (conventions or {}).items():

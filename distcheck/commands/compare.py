@@ -14,15 +14,15 @@ run-to-run determinism check. Exit codes: 0 equal, 1 findings, 2 bad input.
 
 Zero code: a script with no ``distcheck.record`` call is compared on what distcheck records by itself in the ranks
 (distcheck/rank/autocheck.py) for the first ``--steps K`` steps (default 3): the loss passed to ``backward()``
-(``auto/loss``, each rank's own) and every parameter after each ``optimizer.step()`` (``auto/params``, full
-tensors). Explicit records take precedence: when the script records anything, the automatic records are not
+(``auto/loss``, each rank's own), every parameter after each ``optimizer.step()`` (``auto/params``, full
+tensors) and, at the first step, every gradient that step used (``auto/grads``). Explicit records take precedence: when the script records anything, the automatic records are not
 compared. Rows, findings and the table say which values were recorded automatically.
 
-The ranks' own losses are judged by what the parameters prove: a loss that matches the reference as the ranks'
-mean (each rank's mean over its own batch), or as their sum over the data-parallel ranks (each normalized by the
-global batch or token count, as torchtitan does) while the parameters of that step match, is no finding; the table
-names the convention found (``loss convention: ...``, report.json ``loss_conventions``). When the parameters differ,
-the loss row is explained as a mismatch.
+The ranks' own losses are judged by what the parameters and gradients prove: a loss that matches the reference as
+the ranks' mean (each rank's mean over its own batch), or as their sum over the data-parallel ranks (each normalized
+by the global batch or token count, as torchtitan does) while the parameters and gradients of that step match, is no
+finding; the table names the convention found (``loss convention: ...``, report.json ``loss_conventions``). When
+they differ, the loss row (or, where only the gradients differ, the ``auto/grads`` row) is explained as a mismatch.
 
 At a ``reference_mismatch`` the finding also names the first module whose output (or input gradient) differs in
 the first step, from per-sample summaries every run keeps (rank/autocheck/module_summaries.py,

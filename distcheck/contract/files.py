@@ -54,6 +54,7 @@ _RANK_OF = {kind: re.compile("^" + re.escape(pattern).replace(r"\{rank\}", r"(\d
 # The names of the records distcheck makes by itself in zero-code compare (rank/autocheck.py, analysis/records.py).
 AUTO_LOSS = "auto/loss"
 AUTO_PARAMS = "auto/params"
+AUTO_GRADS = "auto/grads"
 STACK_HOOK = "stackhook-pid{pid}.json"  # per process: "this pid takes the faulthandler signal"
 FLIGHT_REQUEST = "flight-request"  # touched by a supervisor: every live rank dumps its Flight Recorder ring
 

@@ -33,7 +33,8 @@ a collective: record it on every rank, in the same order.
 
 Automatic records (zero-code compare). ``distcheck compare`` sets DISTCHECK_AUTO_RECORD_STEPS=K in each rank; for
 the first K steps ``distcheck.rank.autocheck`` then records, through :func:`record_auto`, the loss passed to
-``backward()`` (``auto/loss``) and every parameter after each ``optimizer.step()`` (``auto/params``). Their index
+``backward()`` (``auto/loss``), every parameter after each ``optimizer.step()`` (``auto/params``) and the gradients
+the first step used (``auto/grads``). Their index
 lines carry ``"auto": true``; the analysis drops them when the script records anything itself.
 """
 from __future__ import annotations

@@ -7,8 +7,8 @@ watch loop, hang diagnosis with every rank's stack, rank failures) into its own 
 ``nproc<N>/``). A run that did not complete (it hung, a rank crashed) is reported with its own findings, and its
 records are not compared: half a run's records would only add "recorded in one run only" noise on top of the
 real cause. The comparison itself is pure (analysis/records.py: it also finds how the ranks' losses make the
-reference's, their mean or their sum, from what the parameters prove, and the table and ``loss_conventions`` in
-report.json name it); at a mismatch, analysis/module_diff.py names the first module whose output (or input
+reference's, their mean or their sum, from what the parameters and gradients prove, and the table and
+``loss_conventions`` in report.json name it); at a mismatch, analysis/module_diff.py names the first module whose output (or input
 gradient) differs in the first step.
 """
 from __future__ import annotations

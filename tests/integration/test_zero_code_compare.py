@@ -22,22 +22,26 @@ def test_unmodified_fsdp2_script_compares_equal(line_of, tmp_path):
     assert res.returncode == 0, res.output
     assert report["ok"] and report["findings"] == []
     rows = report["records"]["2"]
-    # 4 training steps, the default K = 3 recorded
-    assert [(r["name"], r["step"]) for r in rows] == [(n, s) for s in range(3) for n in ("auto/loss", "auto/params")]
+    # 4 training steps, the default K = 3 recorded; the gradients at the first step only
+    assert [(r["name"], r["step"]) for r in rows] == [("auto/loss", 0), ("auto/grads", 0), ("auto/params", 0)] + [
+        (n, s) for s in (1, 2) for n in ("auto/loss", "auto/params")]
     assert all(r["status"] == "ok" and r["auto"] and r["recorded"] == "recorded automatically" for r in rows)
     backward, step = line_of("zc_cmp_fsdp2_ok.py", "loss.backward()"), line_of("zc_cmp_fsdp2_ok.py", "opt.step()")
     assert {r["site"] for r in rows if r["name"] == "auto/loss"} == {f"zc_cmp_fsdp2_ok.py:{backward}"}
-    assert {r["site"] for r in rows if r["name"] == "auto/params"} == {f"zc_cmp_fsdp2_ok.py:{step}"}
+    assert {r["site"] for r in rows if r["name"] in ("auto/params", "auto/grads")} == {f"zc_cmp_fsdp2_ok.py:{step}"}
     assert {r["mode"] for r in rows if r["name"] == "auto/loss"} == {"mean of 2 ranks"}  # each rank's own loss
     assert {r["convention"] for r in rows if r["name"] == "auto/loss"} == {"mean"}
     assert report["loss_conventions"]["2"]["auto/loss"]["convention"] == "mean"
-    assert report["recorded_automatically"] == {"2": ["auto/loss", "auto/params"]}
+    assert report["recorded_automatically"] == {"2": ["auto/grads", "auto/loss", "auto/params"]}
     # Parameters are FSDP2 shards in the ranks: recorded gathered to full tensors, under the model's names.
     for rank in (0, 1):
         params = [r for r in load_rank(out / "nproc2", rank) if r.name == "auto/params"]
         assert [r.step for r in params] == [0, 1, 2] and all(r.auto for r in params)
         assert [(p.key, tuple(p.value.shape)) for p in params[0].parts] == [
             ("0.weight", (16, 8)), ("0.bias", (16,)), ("2.weight", (1, 16)), ("2.bias", (1,))]
+        (grads,) = [r for r in load_rank(out / "nproc2", rank) if r.name == "auto/grads"]
+        assert [(p.key, p.role, tuple(p.value.shape)) for p in grads.parts] == [
+            (p.key, "gradient", tuple(p.value.shape)) for p in params[0].parts]
     text = (out / "report.txt").read_text()
     assert "auto/loss = the loss passed to backward()" in text and "recorded automatically" in text
     assert "the script recorded nothing" not in text and "nothing was recorded" not in text
@@ -56,7 +60,8 @@ def test_loss_summed_over_local_batch_is_reference_mismatch(line_of, tmp_path):
                                    f"(recorded automatically as 'auto/loss') differs")
     assert "the loss is 1/2 of the reference" in f["message"] and detail["rel_err"] == pytest.approx(0.5, rel=1e-3)
     rows = report["records"]["2"]
-    assert [(r["name"], r["step"]) for r in rows] == [(n, s) for s in range(2) for n in ("auto/loss", "auto/params")]
+    assert [(r["name"], r["step"]) for r in rows] == [("auto/loss", 0), ("auto/grads", 0), ("auto/params", 0),
+                                                      ("auto/loss", 1), ("auto/params", 1)]
     params = [r for r in rows if r["name"] == "auto/params"]
     step = line_of("zc_cmp_loss_sum.py", "opt.step()")
     assert [r["status"] for r in params] == ["MISMATCH"] * 2 and params[0]["site"] == f"zc_cmp_loss_sum.py:{step}"
@@ -76,9 +81,32 @@ def test_a_loss_over_the_global_token_count_is_judged_by_the_parameters(line_of,
         ("ok", "sum over the 2 data-parallel ranks", "sum")] * 3
     assert losses[0]["site"] == f"zc_cmp_global_tokens.py:{line_of('zc_cmp_global_tokens.py', 'loss.backward()')}"
     assert report["loss_conventions"] == {"2": {"auto/loss": {
-        "convention": "sum", "mode": "sum over the 2 data-parallel ranks", "step": 0, "proven_by": ["auto/params"]}}}
+        "convention": "sum", "mode": "sum over the 2 data-parallel ranks", "step": 0,
+        "proven_by": ["auto/grads", "auto/params"]}}}
     assert ("loss convention: 'auto/loss' matches the reference as the sum over the 2 data-parallel ranks, not as "
             "their mean") in (out / "report.txt").read_text()
+
+
+def test_a_loss_divided_twice_under_adam_is_found_by_the_gradients(line_of, tmp_path):
+    """Adam makes the 1-rank updates from 1/2 of the gradients: the parameters match, the gradients do not."""
+    fixture = "zc_cmp_adam_divided_twice.py"
+    res, report, out = compare(tmp_path, fixture)
+    assert res.returncode == 1, res.output
+    (f,) = report["findings"]
+    step = line_of(fixture, "opt.step()")
+    detail = f["detail"]
+    assert f["kind"] == "reference_mismatch" and f["ranks"] == [0, 1]
+    assert (detail["name"], detail["step"], detail["part_role"], detail["line"]) == ("auto/grads", 0, "gradient", step)
+    assert detail["file"].endswith(fixture) and detail["rel_err"] == pytest.approx(0.5, rel=1e-3)
+    assert f["message"].startswith(f"step 0: the gradient of parameter '{detail['part']}' at the first "
+                                   f"optimizer.step() at {fixture}:{step} (recorded automatically as 'auto/grads')")
+    assert "the gradients are 1/2 of the reference: they were divided twice" in f["message"]
+    assert ("the ranks' losses match the reference as their sum over the 2 data-parallel ranks and the parameters "
+            "match too") in f["message"]
+    rows = report["records"]["2"]
+    assert [(r["name"], r["status"]) for r in rows if r["step"] == 0] == [
+        ("auto/loss", "MISMATCH"), ("auto/grads", "MISMATCH"), ("auto/params", "ok")]
+    assert report["loss_conventions"] == {} and "loss convention:" not in (out / "report.txt").read_text()
 
 
 def test_a_2d_mesh_compares_equal_with_the_sum_over_data_parallel_ranks(tmp_path):
@@ -87,7 +115,7 @@ def test_a_2d_mesh_compares_equal_with_the_sum_over_data_parallel_ranks(tmp_path
     assert res.returncode == 0, res.output
     assert report["ok"] and report["findings"] == [] and report["world_size"] == 4
     rows = report["records"]["4"]
-    assert all(r["status"] == "ok" for r in rows) and len(rows) == 6
+    assert all(r["status"] == "ok" for r in rows) and len(rows) == 7
     assert {r["mode"] for r in rows if r["name"] == "auto/loss"} == {
         "sum over the 2 data-parallel ranks (mean of each one's 2 ranks)"}
     assert "loss convention: 'auto/loss' matches the reference as the sum over the 2 data-parallel ranks" in \

@@ -47,23 +47,31 @@ def test_hooks_record_loss_per_backward_and_params_per_step(auto_recording):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x, y = torch.randn(4, 3), torch.randn(4, 1)
     before = model.module[0].weight.detach().clone()
-    losses = []
+    losses, grads = [], []
     for _ in range(3):  # K = 2: the third step is not recorded
         for half in (x[:2], x[2:]):  # gradient accumulation: two backward() calls per step
             loss = nn.functional.mse_loss(model(half), y[:2])
             losses.append(loss.item())
             loss.backward()  # LOSS LINE
+        grads.append([p.grad.clone() for p in model.parameters()])
         opt.step()  # STEP LINE
         opt.zero_grad()
     got = load_rank(out, 0)
     src = open(__file__).read().splitlines()
     loss_line = next(i for i, t in enumerate(src, 1) if t.strip() == "loss.backward()  # LOSS LINE")
     step_line = next(i for i, t in enumerate(src, 1) if t.strip() == "opt.step()  # STEP LINE")
-    assert [(r.name, r.step) for r in got] == [("auto/loss", 0), ("auto/loss", 0), ("auto/params", 0),
-                                              ("auto/loss", 1), ("auto/loss", 1), ("auto/params", 1)]
-    assert all(r.auto for r in got) and check.records.count == 6
+    # the gradients once, at the first step only (Adam hides a scale of them from the parameters)
+    assert [(r.name, r.step) for r in got] == [("auto/loss", 0), ("auto/loss", 0), ("auto/grads", 0),
+                                              ("auto/params", 0), ("auto/loss", 1), ("auto/loss", 1),
+                                              ("auto/params", 1)]
+    assert all(r.auto for r in got) and check.records.count == 7
     assert {(r.file, r.line) for r in got if r.name == "auto/loss"} == {(__file__, loss_line)}
-    assert {(r.file, r.line) for r in got if r.name == "auto/params"} == {(__file__, step_line)}
+    assert {(r.file, r.line) for r in got if r.name in ("auto/params", "auto/grads")} == {(__file__, step_line)}
+    (recorded_grads,) = [r for r in got if r.name == "auto/grads"]
+    assert [(p.key, p.role) for p in recorded_grads.parts] == [
+        (k, "gradient") for k in ("0.weight", "0.bias", "2.weight", "2.bias")]
+    # both accumulated halves, as the step used them (read before zero_grad())
+    assert all(torch.equal(p.value, g) for p, g in zip(recorded_grads.parts, grads[0]))
     assert [float(r.parts[0].value) for r in got if r.name == "auto/loss"] == pytest.approx(losses[:4])
     assert all(r.replicated is False for r in got if r.name == "auto/loss")  # per-rank values: compared as a mean
     params = [r for r in got if r.name == "auto/params"]
@@ -146,3 +154,30 @@ def test_the_data_parallel_coordinate_comes_from_the_wrapper(one_rank_group, aut
     assert loss.dp == (0, 1)
     rows = check.module_summaries.state()  # DDP and its module (one name): both rows carry the coordinate
     assert rows and all(row["dp"] == [0, 1] for row in rows)
+
+
+def test_gradients_of_a_closure_step_are_recorded_and_unused_parameters_skipped(auto_recording):
+    """optimizer.step(closure) computes the gradients inside the step: they are read after it; a parameter no loss
+    reached has no gradient and no part."""
+    out, check = auto_recording
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"used": nn.Linear(3, 1), "unused": nn.Linear(3, 1)})
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(4, 3), torch.randn(4, 1)
+    seen = []
+
+    def closure():
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model["used"](x), y)
+        loss.backward()
+        seen.append([p.grad.clone() for p in model["used"].parameters()])
+        return loss
+
+    for _ in range(2):
+        opt.step(closure)
+    got = load_rank(out, 0)
+    assert [(r.name, r.step) for r in got] == [("auto/loss", 0), ("auto/grads", 0), ("auto/params", 0),
+                                              ("auto/loss", 1), ("auto/params", 1)]
+    (grads,) = [r for r in got if r.name == "auto/grads"]
+    assert [p.key for p in grads.parts] == ["weight", "bias"]  # named from the module that ran forward
+    assert all(torch.equal(p.value, g) for p, g in zip(grads.parts, seen[0]))

@@ -402,6 +402,64 @@ def test_without_parameter_records_a_sum_proves_nothing():
     assert f.detail["name"] == "auto/loss" and f.detail["mode"] == "mean of 2 ranks"
 
 
+def grads_rec(grad, rank=0, seq=1):
+    g = torch.tensor(grad)
+    return Record("auto/grads", 0, seq, rank, "module", [Part("0.weight", "gradient", g, g.dtype)], True,
+                  file="/src/train.py", line=43, auto=True)
+
+
+def test_a_sum_is_proven_by_the_gradients_too():
+    ref = {0: [auto("auto/loss", 0, 3.0), grads_rec([0.5, -1.0]), params_rec(0, [1.0, 2.0], seq=2)]}
+    run = {r: [dp_loss(0, [1.25, 1.75][r], r, (r, 2)), grads_rec([0.5, -1.0], rank=r),
+               params_rec(0, [1.0, 2.0], rank=r, seq=2)] for r in (0, 1)}
+    result = compare_runs(ref, run, 2)
+    assert result.ok, [f.message for f in result.findings]
+    assert result.conventions["auto/loss"].proven_by == ["auto/grads", "auto/params"]
+    assert [(row.name, row.status) for row in result.rows] == [
+        ("auto/loss", STATUS_OK), ("auto/grads", STATUS_OK), ("auto/params", STATUS_OK)]
+    assert "auto/grads = every parameter's gradient at the first optimizer.step()" in render_table(result.rows)
+
+
+def test_a_loss_divided_twice_under_adam_is_found_by_the_gradients():
+    # loss = local mean / world size under gradient averaging: the ranks' losses add up to the reference's and Adam
+    # makes the same updates from 1/2 of the gradients, so only the gradients show the bug.
+    ref = {0: [auto("auto/loss", 0, 3.0), grads_rec([0.5, -1.0]), params_rec(0, [1.0, 2.0], seq=2)]}
+    run = {r: [dp_loss(0, [1.25, 1.75][r], r, (r, 2)), grads_rec([0.25, -0.5], rank=r),
+               params_rec(0, [1.0, 2.0], rank=r, seq=2)] for r in (0, 1)}
+    result = compare_runs(ref, run, 2)
+    assert result.conventions == {} and "loss convention:" not in render_table(result.rows, result.conventions)
+    assert [(row.name, row.status) for row in result.rows] == [
+        ("auto/loss", STATUS_DIFF), ("auto/grads", STATUS_DIFF), ("auto/params", STATUS_OK)]
+    (f,) = result.findings
+    assert f.kind == "reference_mismatch" and f.ranks == [0, 1]
+    assert (f.detail["name"], f.detail["part"], f.detail["part_role"], f.detail["line"]) == (
+        "auto/grads", "0.weight", "gradient", 43)
+    assert f.message.startswith("step 0: the gradient of parameter '0.weight' at the first optimizer.step() at "
+                                "train.py:43 (recorded automatically as 'auto/grads') differs")
+    assert "the gradients are 1/2 of the reference: they were divided twice" in f.message
+    assert ("the ranks' losses match the reference as their sum over the 2 data-parallel ranks and the parameters "
+            "match too, but the gradients do not") in f.message
+    # the parameters differing too (SGD): the loss row explains it, as without gradient records
+    run = {r: [dp_loss(0, [1.25, 1.75][r], r, (r, 2)), grads_rec([0.25, -0.5], rank=r),
+               params_rec(0, [1.5, 2.5], rank=r, seq=2)] for r in (0, 1)}
+    (f,) = compare_runs(ref, run, 2).findings
+    assert f.detail["name"] == "auto/loss" and "but the parameters do not" in f.message
+
+
+def test_the_mean_convention_needs_the_gradients_to_match():
+    ref = {0: [auto("auto/loss", 0, 1.5), grads_rec([0.5]), params_rec(0, [1.0], seq=2)]}
+    run = {r: [dp_loss(0, [1.0, 2.0][r], r, (r, 2)), grads_rec([1.0], rank=r), params_rec(0, [1.0], rank=r, seq=2)]
+           for r in (0, 1)}
+    result = compare_runs(ref, run, 2)
+    assert result.conventions == {}
+    (f,) = result.findings
+    assert f.detail["name"] == "auto/grads" and "2x the reference" in f.message
+    assert "the loss matches the reference at step 0 but the gradients do not" in f.message
+    run = {r: [dp_loss(0, [1.0, 2.0][r], r, (r, 2)), grads_rec([0.5], rank=r), params_rec(0, [1.0], rank=r, seq=2)]
+           for r in (0, 1)}
+    assert compare_runs(ref, run, 2).conventions["auto/loss"].how == "mean"
+
+
 def test_on_a_2d_mesh_the_sum_is_over_the_data_parallel_ranks_only():
     # dp=2 x tp=2: ranks 0-1 (dp index 0) hold loss a, ranks 2-3 (dp index 1) loss b; the reference's is a + b.
     ref = {0: [auto("auto/loss", 0, 3.0), params_rec(0, [1.0])]}

@@ -9,7 +9,8 @@
 * nan_watch.py: the first step whose loss or gradients hold NaN/Inf (``bad_values``);
 * replica_drift.py: after each of the first K optimizer steps, fingerprints of what data-parallel replicas must hold
   identically (compared by the supervisor: ``tensor_divergence``);
-* auto_records.py: under ``compare``, the loss and parameters of the first K steps (``auto/loss``, ``auto/params``);
+* auto_records.py: under ``compare``, the loss and parameters of the first K steps (``auto/loss``, ``auto/params``)
+  and the gradients of the first (``auto/grads``);
 * module_summaries.py: under ``compare``, per-sample summaries of every module's output and input gradient in the
   first step (the first divergent module);
 * prewrap.py: the model compared across ranks where it is parallelized, before torch runs (rank-seeded init, a

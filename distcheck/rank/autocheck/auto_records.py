@@ -1,4 +1,4 @@
-"""Automatic records for zero-code ``compare``: the loss and the parameters of the first K steps.
+"""Automatic records for zero-code ``compare``: the loss and parameters of the first K steps, the first one's gradients.
 
     python -m distcheck compare --nproc 2 -- train.py      # DISTCHECK_AUTO_RECORD_STEPS=K in the ranks
 
@@ -7,7 +7,11 @@ The first K steps record, marked automatic: the loss passed to ``backward()`` as
 over the ranks, as their mean or, where the parameters prove it, their sum over the data-parallel ranks, so the
 training loop waits for no other rank), and after each ``optimizer.step()`` (a global step post-hook) every
 parameter that optimizer updates as ``auto/params`` at the user's ``step()`` line, gathered to full tensors (a
-collective on the user's process group, which every rank reaches at the same step). Parameters are named from the outermost modules whose
+collective on the user's process group, which every rank reaches at the same step). At the first step, before the
+parameters, every gradient the step used is recorded as ``auto/grads`` (full tensors too, named like the parameters):
+an optimizer such as Adam is invariant to a constant scale of the gradients, so matching parameters alone cannot
+prove how the loss is reduced over the ranks (a loss divided twice, 1/N gradients, updates like the reference's).
+Parameters are named from the outermost modules whose
 forward ran before the first step (a global forward pre-hook, removed at that step), so the names agree with or
 without DDP/FSDP wrappers. Outside ``compare`` K is 0 and nothing here runs.
 """
@@ -18,9 +22,13 @@ import logging
 import weakref
 from typing import Any
 
+from distcheck.contract import files
 from distcheck.rank.usersite import caller_site
 
 log = logging.getLogger("distcheck")
+
+# The gradients of the first step, recorded once (one more gather of the full gradients); analysis/records.py
+# reads them under the same name.
 
 
 def record_steps_from_env() -> int:
@@ -83,12 +91,27 @@ class AutoRecords:
                 pairs = [(names.get(id(p)) or f"param_groups.{g}.{i}", p)
                          for g, group in enumerate(optimizer.param_groups) for i, p in enumerate(group["params"])]
                 site = caller_site()
+                if step == 0:
+                    self._record_grads(pairs, site)
                 records.record_auto(records.AUTO_PARAMS, pairs, step, site.file, site.line)
                 self.count += 1
             except Exception as exc:
                 log.warning("distcheck: recording the parameters failed: %s: %s", type(exc).__name__, exc)
         # Every model has run forward by the end of the first step: the naming hook has done its job.
         self.stop_naming()
+
+    def _record_grads(self, pairs: list[tuple[str, Any]], site: Any) -> None:
+        from distcheck.rank import records
+
+        try:
+            # After the step the gradients are still on the parameters (a closure computed them inside it); a
+            # DTensor's full_tensor() is a collective every rank reaches here, as for the parameters.
+            grads = [(n, p.grad) for n, p in pairs if p.grad is not None]
+            if grads:
+                records.record_auto(files.AUTO_GRADS, grads, 0, site.file, site.line)
+                self.count += 1
+        except Exception as exc:
+            log.warning("distcheck: recording the gradients failed: %s: %s", type(exc).__name__, exc)
 
     def _data_parallel(self) -> Any:
         """This rank's data-parallel coordinate (module_summaries.data_parallel), found once."""
