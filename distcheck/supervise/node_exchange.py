@@ -408,13 +408,21 @@ class StoreChannel:
     def progress_count(self) -> int | None:
         return self._call("progress", lambda: self.store.add(self.prefix + "progress", 0))
 
-    def announce_hang(self, host: str) -> None:
+    def announce_hang(self, node: int, host: str) -> None:
+        """The first node to see the job hung says so (its index: hosts may share a name)."""
         if not self._has("hang"):
-            self._call("set hang", lambda: self.store.set(self.prefix + "hang", host))
+            self._call("set hang", lambda: self.store.set(self.prefix + "hang", f"{node}:{host}"))
 
-    def hang_announced(self) -> str | None:
+    def hang_announced(self) -> tuple[int, str] | None:
+        """(node index, host) of the node that declared the job hung, if one did."""
         raw = self._get("hang")
-        return raw.decode(errors="replace") if raw is not None else None
+        if raw is None:
+            return None
+        node, _, host = raw.decode(errors="replace").partition(":")
+        try:
+            return int(node), host
+        except ValueError:
+            return None
 
     def summaries(self, nodes: Iterable[int]) -> dict[int, NodeSummary]:
         out: dict[int, NodeSummary] = {}
@@ -577,9 +585,9 @@ class NodeLink(threading.Thread):
             self._others = others
         if self.remote_hang is None:
             hang = self.channel.hang_announced()
-            if hang is not None and hang != self.env.host:
-                log.warning("node %s declared the job hung: dumping this node's ranks", hang)
-                self.remote_hang = hang
+            if hang is not None and hang[0] != self.env.node:
+                log.warning("node %d (%s) declared the job hung: dumping this node's ranks", *hang)
+                self.remote_hang = hang[1]
                 self.cancel.set()
         if self.env.reports:
             self._refresh_mirror()

@@ -242,7 +242,7 @@ def _watch_nodes(report_dir: str, timeout: float, native: bool, parent: int, env
         hung = result.state == HUNG or link.remote_hang is not None
         if hung:
             if link.remote_hang is None:
-                channel.announce_hang(host)
+                channel.announce_hang(env.node, host)
             pids = local_ranks(report_dir, host)
             findings = diagnose_hang(pids, report_dir, native=native, timeout=timeout, world_size=env.world_size,
                                      out_dir=out_dir)

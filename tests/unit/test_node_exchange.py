@@ -124,8 +124,8 @@ def test_store_channel_against_a_real_store():
     began = time.monotonic()
     assert zero.gather([1, 5], time.monotonic() + 0.5, ready=lambda s: s.hung).keys() == {1}
     assert time.monotonic() - began < 3
-    one.announce_hang("node-b")
-    assert zero.hang_announced() == "node-b"
+    one.announce_hang(1, "node-b")
+    assert zero.hang_announced() == (1, "node-b")
     zero.publish_report("node-a", "/scratch/rep/report.txt")
     assert zero.await_report_seen(1, time.monotonic() + 0.3) == 0
     assert one.report_location() == "node-a:/scratch/rep/report.txt"
@@ -212,12 +212,12 @@ def test_node_link_sees_other_nodes_progress_hang_and_report(tmp_path):
     token[0] = 1  # ours did too, within a second of the last bump: noted, not sent yet
     link.step()
     assert channel.count == 2
-    channel.hang = "node-b"  # our own announcement does not cancel us
+    channel.hang = (1, "node-b")  # our own announcement does not cancel us
     link.step()
     assert not cancel.is_set()
-    channel.hang = "node-a"
+    channel.hang = (0, "node-b")  # another node, though its host has our name: by index, never by hostname
     link.step()
-    assert cancel.is_set() and link.remote_hang == "node-a"
+    assert cancel.is_set() and link.remote_hang == "node-b"
     assert not marker.exists()
     channel.report = "node-a:/scratch/rep/report.txt"
     link.step()
