@@ -95,7 +95,11 @@ class TorchrunMonitor(threading.Thread):
                 out[r] = pid if isinstance(pid, int) else 0
         if self.multi_node:
             ended = self._remote_ended()
-            out.update({r: 0 for r in range(self.world_size) if r not in self.local_ranks and r not in ended})
+            for r in range(self.world_size):
+                trace = traces.get(r)
+                if r in self.local_ranks or r in ended or (trace is not None and trace.finished is not None):
+                    continue  # a report dir all nodes share holds the others' exit lines, mirror or not
+                out[r] = 0  # another node's rank not known to have ended (its pid means nothing here)
         return out
 
     def _finished(self) -> set[int]:
