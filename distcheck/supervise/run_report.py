@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -18,7 +19,7 @@ from typing import Any
 
 from distcheck.analysis.bad_values import fold_first_bad, merge_states
 from distcheck.analysis.trace_align import (STATE_DIED, STATE_ERROR, STATE_HUNG, STATE_OK, STATE_STOPPED,
-                                            STATE_UNKNOWN, RankOutcome, analyze_run)
+                                            STATE_UNKNOWN, UNFINISHED, RankOutcome, analyze_run)
 from distcheck.analysis.progress import RankProgress, progress_by_rank, rank_progress
 from distcheck.analysis.trace_events import RankTrace
 from distcheck.contract import files
@@ -160,6 +161,13 @@ def add_stderr_tails(report_dir: Path, findings: list[Finding], traces: dict[int
         tails = {str(r): lines for r in f.ranks if r in paths and (lines := tail(paths[r]))}
         if tails:
             f.detail["stderr_tail"] = tails
+        if f.kind == "rank_failure" and UNFINISHED in f.message and len(f.ranks) == 1:
+            # No exception reached the trace (it was raised before the script ran: an import in distcheck's own
+            # start-up, a broken environment), but Python printed it: say it.
+            raised = last_exception(tails.get(str(f.ranks[0]), []))
+            if raised is not None:
+                f.message += f"; its stderr ends with: {raised}"
+                f.detail["stderr_exception"] = raised
         if not (f.kind == "rank_failure" and f.detail.get("signal") and len(f.ranks) == 1 and f.ranks[0] in paths):
             continue
         trace = (traces or {}).get(f.ranks[0])
@@ -174,6 +182,19 @@ def add_stderr_tails(report_dir: Path, findings: list[Finding], traces: dict[int
             f.message = (f.message.replace(died, died + where, 1) if died in f.message
                          else f"{f.message}; it crashed{where}")
             f.detail.update(file=crash.file, line=crash.line, crashed_in=crash.name)
+
+
+_EXCEPTION_LINE = re.compile(r"^([A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit|Warning))(: .*)?$")
+
+
+def last_exception(lines: list[str]) -> str | None:
+    """The exception line of the last Python traceback in a stderr tail (``ImportError: cannot import name ...``)."""
+    if not any(line.startswith("Traceback (most recent call last)") for line in lines):
+        return None
+    for line in reversed(lines):
+        if _EXCEPTION_LINE.match(line.strip()):
+            return line.strip()[:300]
+    return None
 
 
 def crash_site(stderr_path: Path):
