@@ -348,8 +348,8 @@ def traced_ring(entries: list[dict[str, Any]], status: dict[str, Any], trace_lin
                 binary: bytes | None, snapshot: dict[str, Any], nccl: bool = True) -> TracedRing | None:
     """:func:`all_traced`'s check, with its pairing of each held entry to the traced record at its
     ``collective_seq_id``; None where that check fails. With ``nccl``, NCCL's ring passes too, on one more
-    condition: every traced NCCL record still open is paired with a held entry (one whose entry left the ring
-    cannot get its end), and once the ends of those the ring saw complete are stored (``ends``), each group keeps
+    condition: every traced NCCL record still open is paired with a held entry, or its entry left the ring and its
+    group's completed counter passed it (its end is then its start), and once the ends of those the ring saw complete are stored (``ends``), each group keeps
     at most one open: a load of the all-traced dump then assumes no end (``_assume_ends``) and reads the
     trace as merge() would have left it (a rank stuck in a collective keeps it open, for the hang diagnosis)."""
     import numpy as np
@@ -444,11 +444,27 @@ def traced_ring(entries: list[dict[str, Any]], status: dict[str, Any], trace_lin
     waiting = np.flatnonzero(ring_sig[sig] & (recs["t_end"] == 0))
     if waiting.size:
         status_done = _status_done(status)
+        # A record whose entry left the ring (a job longer than the ring) still has its group's completed counter:
+        # at or below it, the op completed (NCCL runs a group's ops in order); when, the ring no longer says, so
+        # its end is its start, as a load without the ring takes it (_assume_ends). Groups whose every entry left
+        # the ring are known only together: all of them must have completed everything they enqueued.
+        done_by_name = {name: status_done.get(gid, -1) for gid, name in name_of.items()}
+        old_done = all(status_done.get(gid, -1) >= n for gid, n in enqueued.items() if gid not in name_of)
+        position = np.zeros(len(recs), np.int64)  # each record's position in its group's sequence, from 1
+        for g in range(len(names)):
+            slots = np.flatnonzero(groups == g)
+            position[slots] = np.arange(1, slots.size + 1)
+        name_by_index = {i: name for name, i in names.items()}
         still_open: set[int] = set()  # groups with a record left open
         for i in waiting.tolist():
             e = pairs.get(i + 1)
             if e is None:
-                return None  # its entry left the ring (or never was in it): no end to give it
+                name = name_by_index[int(groups[i])]
+                completed = (int(position[i]) <= done_by_name[name] if name in done_by_name else old_done)
+                if not completed:
+                    return None  # its entry left the ring and nothing says it completed: no end to give it
+                ends[i + 1] = float(t[i])
+                continue
             ended = _completion(e, status_done, index)
             if ended is not None:
                 ends[i + 1] = max(ended, float(t[i]))

@@ -542,6 +542,30 @@ def test_the_pairing_names_each_traced_record_and_its_ring_entry(tmp_path):
     assert not fr.all_traced(entries, status, text, binary, snapshot)  # the plain check still leaves NCCL out
 
 
+def test_an_nccl_record_whose_entry_left_the_ring_ends_by_its_groups_counter(tmp_path, monkeypatch):
+    """A job longer than the ring: the first collective's entry is gone, but its group's completed counter passed
+    it, so the small dump still goes, with that record's end taken as its start (when, the ring no longer says)."""
+    write_trace(tmp_path, STEPS, nccl=True)
+    doc = nccl_dump(tmp_path, monkeypatch, held=len(STEPS) - 1)
+    assert doc["all_traced"] is True and doc["entries"] == []
+    ends = _ends(tmp_path)
+    assert ends[0] == pytest.approx(STEPS[0][2]) and all(e is not None for e in ends)
+
+
+def test_an_nccl_record_whose_entry_left_the_ring_and_whose_counter_is_below_it_keeps_the_entries(tmp_path):
+    """Nothing says the op whose entry left the ring completed (its group's counter is below it): no end to give."""
+    write_trace(tmp_path, STEPS, nccl=True)
+    entries, status = nccl_ring_of(STEPS, held=len(STEPS) - 1)  # the first op (group 7, position 1) left the ring
+    entries = [{**e, "ring": "nccl"} for e in entries]
+    status = {f"nccl:{gid}": s for gid, s in status.items()}
+    text = files.rank_file(tmp_path, "trace", 0).read_text().splitlines()
+    binary = files.rank_file(tmp_path, "trace_events", 0).read_bytes()
+    snapshot = {"phases": [], "graphs": {}, "seen": []}
+    assert fr.traced_ring(entries, status, text, binary, snapshot) is not None
+    status[f"nccl:{GIDS['7']}"]["last_completed_collective"] = "0"
+    assert fr.traced_ring(entries, status, text, binary, snapshot) is None
+
+
 @pytest.mark.parametrize("case", ["untraced_entry", "entry_left_the_ring", "two_open_in_a_group"])
 def test_an_nccl_ring_that_cannot_give_every_end_keeps_its_entries_and_the_trace_its_records(tmp_path, monkeypatch,
                                                                                           case):
@@ -550,7 +574,7 @@ def test_an_nccl_ring_that_cannot_give_every_end_keeps_its_entries_and_the_trace
     keeps its entries, nothing is stored into the trace, and merge reads it as before."""
     write_trace(tmp_path, STEPS, nccl=True)
     ring = {"untraced_entry": {"untraced": [("all_reduce", "0", 200.0)]},
-            "entry_left_the_ring": {"held": len(STEPS) - 1},
+            "entry_left_the_ring": {"held": len(STEPS) - 2, "pending": 2},  # and its group's counter is below it
             "two_open_in_a_group": {"pending": 3}}[case]  # the last three: two of them on group 0
     doc = nccl_dump(tmp_path, monkeypatch, **ring)
     assert doc["all_traced"] is False and doc["entries"]
