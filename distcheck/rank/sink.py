@@ -50,5 +50,3 @@ def _lost(exc: OSError) -> None:
     log.warning("%s (%s): findings of this rank could not be written", write_failure(exc.errno),
                 exc.strerror or exc)
 
-
-collect = findings_file.collect  # TODO(lead): tests still name sink.collect; the reader is contract/findings_file

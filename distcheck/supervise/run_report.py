@@ -332,10 +332,6 @@ def publish(report: Report, report_dir: Path) -> int:
     return report.exit_code
 
 
-# The tests' and older callers' name for the contract's reader.
-load_autocheck_states = autocheck_file.read_all
-
-
 def report_parts(report_dir: str | os.PathLike) -> tuple[list[Finding], list[CheckResult], list[Note]]:
     """The zero-code checks' findings, checks (model_check, bad_values, ...) and warnings (parameters on mixed
     meshes in a correct model: what would break, and the fix), from the ranks' autocheck files; a warning every

@@ -2,7 +2,7 @@
 The placement dump and coverage rules on torch's fake process group are in tests/unit/test_placement.py."""
 from __future__ import annotations
 
-from distcheck.rank import sink
+from distcheck.contract import findings_file
 from launch_helpers import FIXTURES, torchrun
 from test_mesh_live import findings_count
 
@@ -11,7 +11,7 @@ def test_check_model_under_torchrun_unwrapped_root(tmp_path):
     res = torchrun([str(FIXTURES / "placement_unwrapped_root.py")], nproc=2, timeout=150,
                    env={"DISTCHECK_REPORT_DIR": str(tmp_path)})
     assert res.returncode == 0, res.output
-    found = sink.collect(tmp_path)
+    found = findings_file.collect(tmp_path)
     uncovered = [(f.detail["params"], f.ranks) for f in found if f.kind == "uncovered_param"]
     assert uncovered == [(["scale", "head.weight", "head.bias"], [0, 1])]  # one cause, merged over the ranks
     # One cause (the unwrapped root's parameters drift), one finding naming them all.
@@ -26,4 +26,4 @@ def test_check_model_under_torchrun_fsdp_tp_4_ranks(tmp_path):
                    env={"DISTCHECK_REPORT_DIR": str(tmp_path)})
     assert res.returncode == 0, res.output
     assert findings_count(res.stdout) == [0], res.output
-    assert sink.collect(tmp_path) == []
+    assert findings_file.collect(tmp_path) == []

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from distcheck.analysis.module_diff import first_divergent_module
-from distcheck.supervise.run_report import load_autocheck_states
+from distcheck.contract.autocheck_file import read_all as load_autocheck_states
 from launch_helpers import FIXTURES, distcheck, load_report
 
 

@@ -7,7 +7,7 @@ from launch_helpers import FIXTURES, distcheck, load_report
 
 from distcheck.analysis.module_diff import search_modules
 from distcheck.analysis.records import load_rank
-from distcheck.supervise.run_report import load_autocheck_states
+from distcheck.contract.autocheck_file import read_all as load_autocheck_states
 
 
 def compare(tmp_path, fixture: str, extra: list[str] | None = None, nproc: int = 2):

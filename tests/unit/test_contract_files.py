@@ -8,8 +8,8 @@ import pytest
 from distcheck.analysis.records import load_run
 from distcheck.analysis.trace_events import load_traces
 from distcheck.contract import files
+from distcheck.contract import autocheck_file, findings_file
 from distcheck.rank import sink
-from distcheck.supervise.run_report import load_autocheck_states as load_states
 
 
 def test_names_round_trip():
@@ -41,20 +41,20 @@ def _write_all(tmp_path, fmt):
     files.rank_file(tmp_path, "autocheck", 0).write_text(json.dumps(state))
 
 
-@pytest.mark.parametrize("reader", [load_traces, sink.collect, load_run, load_states])
+@pytest.mark.parametrize("reader", [load_traces, findings_file.collect, load_run, autocheck_file.read_all])
 def test_readers_accept_this_format(tmp_path, reader):
     _write_all(tmp_path, files.FORMAT)
     assert reader(tmp_path)
 
 
-@pytest.mark.parametrize("reader", [load_traces, sink.collect, load_run, load_states])
+@pytest.mark.parametrize("reader", [load_traces, findings_file.collect, load_run, autocheck_file.read_all])
 def test_readers_name_unversioned_files_as_format_1(tmp_path, reader):
     _write_all(tmp_path, None)  # written before files carried a version; format 2 moved trace events to .bin
     with pytest.raises(files.FormatError, match=f"format 1.*reads format {files.FORMAT}"):
         reader(tmp_path)
 
 
-@pytest.mark.parametrize("reader", [load_traces, sink.collect, load_run, load_states])
+@pytest.mark.parametrize("reader", [load_traces, findings_file.collect, load_run, autocheck_file.read_all])
 def test_readers_name_a_file_from_another_format(tmp_path, reader):
     _write_all(tmp_path, files.FORMAT + 1)
     with pytest.raises(files.FormatError, match=f"format {files.FORMAT + 1}.*reads format {files.FORMAT}"):
