@@ -44,6 +44,19 @@ if TYPE_CHECKING:
 log = logging.getLogger("distcheck")
 
 
+def _cancel_when_orphaned(parent: int, seen: set[int], cancel: threading.Event) -> None:
+    """Set ``cancel`` (from a thread of its own) when the rank that started this watcher died before any rank
+    registered: there is nothing to watch."""
+
+    def watch() -> None:
+        began = time.monotonic()
+        while not cancel.wait(0.5):
+            if parent and not alive(parent) and not seen and time.monotonic() - began > 2.0:
+                cancel.set()
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
 class _LiveRanks:
     """This node's live ranks (``{rank: pid}``) each time the watch loop asks; every ask also feeds the run's process
     tree and ``seen`` (every rank ever found), and a change is logged."""
@@ -122,13 +135,7 @@ def _watch(report_dir: str, timeout: float, native: bool, parent: int, world_siz
 
     cancel = threading.Event()
 
-    def orphaned() -> None:  # the rank that started us died before any rank registered: nothing to watch
-        started = time.monotonic()
-        while not cancel.wait(0.5):
-            if parent and not alive(parent) and not seen and time.monotonic() - started > 2.0:
-                cancel.set()
-
-    threading.Thread(target=orphaned, daemon=True).start()
+    _cancel_when_orphaned(parent, seen, cancel)
     started = time.monotonic()
     started_wall = time.time()
     # Traces and hooks are read from the (possibly shared) report dir; this node's stacks and report go to out_dir.
@@ -197,13 +204,7 @@ def _watch_nodes(report_dir: str, timeout: float, native: bool, parent: int, env
             channel.publish(summarize_node(env, report_dir, set(running), final=bool(seen) and not running))
         return done
 
-    def orphaned() -> None:  # the rank that started us died before any rank registered: nothing to watch
-        began = time.monotonic()
-        while not cancel.wait(0.5):
-            if parent and not alive(parent) and not seen and time.monotonic() - began > 2.0:
-                cancel.set()
-
-    threading.Thread(target=orphaned, daemon=True).start()
+    _cancel_when_orphaned(parent, seen, cancel)
     link.start()
     started = time.monotonic()
     started_wall = time.time()
