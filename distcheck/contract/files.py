@@ -10,6 +10,7 @@ such instead of being misread.
 """
 from __future__ import annotations
 
+import errno
 import os
 import re
 from pathlib import Path
@@ -179,3 +180,16 @@ def report_done_marker(report_dir: str | os.PathLike) -> Path:
     """The file rank 0 writes under torchrun once the report is written (one per torchrun job: its run id and
     port): a failed rank waits for it before it exits, so that torchrun's kill does not cost the report."""
     return Path(report_dir) / f".done-{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}-{os.environ.get('MASTER_PORT', '')}"
+
+
+def append_whole(fd: int, data: bytes) -> None:
+    """Append ``data`` (whole lines) to an O_APPEND file in one write, or nothing of it: what a refused write (a full
+    disk) left of it is taken back, so the next lines that fit stay readable, and ENOSPC is raised. Every per-rank
+    line file is written through this (trace lines, findings, the records' index)."""
+    n = os.write(fd, data)
+    if n < len(data):
+        try:
+            os.ftruncate(fd, max(0, os.fstat(fd).st_size - n))
+        except OSError:
+            pass
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))

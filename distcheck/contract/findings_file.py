@@ -8,7 +8,6 @@ rank killed mid-write leaves whole lines (the reader skips a truncated last line
 """
 from __future__ import annotations
 
-import errno
 import json
 import os
 from pathlib import Path
@@ -33,10 +32,7 @@ def append(report_dir: str | os.PathLike, rank: int, findings: Iterable[Finding]
     except OSError as exc:
         return exc
     try:
-        n = os.write(fd, data)
-        if n < len(data):  # the disk filled mid-write: take the half back
-            os.ftruncate(fd, os.fstat(fd).st_size - n)
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        files.append_whole(fd, data)
     except OSError as exc:
         return exc
     finally:

@@ -190,10 +190,7 @@ class Writer:
         return meta
 
     def _write_index(self, line: bytes) -> None:
-        n = os.write(self._index_fd, line)
-        if n < len(line):  # half an index line: the disk filled under it; take it back
-            os.ftruncate(self._index_fd, os.fstat(self._index_fd).st_size - n)
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        files.append_whole(self._index_fd, line)
 
     def _give_back(self, start: int) -> None:
         try:

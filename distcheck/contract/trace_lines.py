@@ -11,12 +11,13 @@ One JSON object per line, each with ``ev``: ``meta`` (first: the format version,
 """
 from __future__ import annotations
 
-import errno
 import json
 import os
 import threading
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
+
+from distcheck.contract import files
 
 META, SIG, START, END, ERROR, EXIT = "meta", "sig", "start", "end", "error", "exit"
 
@@ -41,17 +42,10 @@ class LineWriter:
             return
         data = (json.dumps(record, separators=(",", ":"), default=str) + "\n").encode()
         with self._lock:
-            try:
-                n = os.write(fd, data)
+            try:  # under the lock: no other thread appends while a half line is taken back
+                files.append_whole(fd, data)
             except OSError as exc:
                 self._lost(exc.errno)
-                return
-            if n < len(data):  # the disk filled mid-line: cut the half line (no other thread appends meanwhile)
-                try:
-                    os.ftruncate(fd, max(0, os.fstat(fd).st_size - n))
-                except OSError:
-                    pass
-                self._lost(errno.ENOSPC)
 
     def _lost(self, err: int | None) -> None:
         on_lost = self.on_lost
