@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
-from distcheck.contract import files, stack_dump_file
+from distcheck.contract import files, stack_dump_file, stack_hook_file
 from distcheck.contract.findings import format_ranks
 from distcheck.processes import RUN_ID_ENV, alive, read_environ, terminate
 from distcheck.supervise.procs import RunTree
@@ -83,13 +83,9 @@ def local_ranks(report_dir: str | os.PathLike, host: str | None = None) -> dict[
     """
     host = host or socket.gethostname()
     out: dict[int, int] = {}
-    for path in files.hook_files(report_dir):
-        try:
-            data = json.loads(path.read_text())
-            pid, rank = int(data["pid"]), int(data["rank"])
-        except (OSError, ValueError, KeyError):
-            continue
-        if data.get("host", host) != host or not alive(pid):
+    for hook in stack_hook_file.read_all(report_dir):
+        pid, rank = hook.pid, hook.rank
+        if (hook.host or host) != host or not alive(pid):
             continue
         try:
             if int(read_environ(pid).get("RANK", rank)) != rank:
