@@ -416,8 +416,9 @@ def compare_records(ref: Record, run: Record, tol: Tolerances) -> Row:
 def aligned_parts(ref: dict[str, Any], run: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """The two runs' parts keyed alike where a wrapper only added a prefix to every name on one side: under
     Lightning the N-rank run names parameters from the LightningModule ('net.0.weight', DDP wraps it) and the 1-rank
-    reference from the module that ran ('0.weight'); accelerate, torch.compile ('_orig_mod.') and user wrappers do
-    the same. Otherwise the keys are left as they are."""
+    reference from the module that ran ('0.weight'). The known wrappers' parts (DDP's 'module.', torch.compile's
+    '_orig_mod.', anywhere in a name) are already gone (rank/records.normalize_key); this takes the prefixes nobody
+    can list, a user's or a framework's module holding the model. Otherwise the keys are left as they are."""
     if ref.keys() == run.keys() or not ref or not run:
         return ref, run
     for longer, shorter, swap in ((run, ref, False), (ref, run, True)):
