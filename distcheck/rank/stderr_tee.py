@@ -56,6 +56,8 @@ PIPE_SIZE = 1 << 20  # the rank's stderr pipe (Linux's default limit for F_SETPI
 READ_SIZE = PIPE_SIZE
 LINE_LIMIT = 1 << 16  # a line without its end is passed on once it is this long
 BATCH = 0.001  # seconds between reads that found little
+DRAIN = 0.2  # seconds of silence that end the copy once the rank and its launcher are gone and its processes ended
+DRAIN_MAX = 2.0  # seconds that drain may take at most
 
 _tee = None  # the copier's Popen, in the rank
 
@@ -131,7 +133,10 @@ def whole_line_chunks(block: bytes, limit: int = PIPE_BUF):
 def copy(src: int, dst: int, path: str, keep: int = KEEP, idle=None) -> None:
     """Read ``src`` to its end: whole lines to ``dst`` (at most PIPE_BUF bytes a write), everything to the bounded
     copy at ``path``. A console that goes away (a closed pipe) is dropped; the rank is never blocked by it.
-    ``idle()`` is called when nothing came for IDLE seconds, and ``idle(final=True)`` at the end."""
+    ``idle()`` is called when nothing came for IDLE seconds, and ``idle(final=True)`` at the end. Once it returns
+    True, what is still in ``src`` is drained (until it stays empty for DRAIN seconds, DRAIN_MAX at most) and the
+    copy ends, even if some writer still holds ``src`` open (a rank's last thread on its way out of the kernel, a
+    helper that escaped the sweep)."""
     import select
 
     out = BoundedCopy(path, keep)
@@ -148,14 +153,20 @@ def copy(src: int, dst: int, path: str, keep: int = KEEP, idle=None) -> None:
         except OSError:  # EPIPE: nobody reads the console any more; keep draining into the file
             console = False
 
+    closing, close_by = False, 0.0
     while True:
-        if (pending or idle) and not select.select([src], [], [], FLUSH_AFTER if pending else IDLE)[0]:
+        wait = DRAIN if closing else FLUSH_AFTER if pending else IDLE
+        if (pending or idle) and not select.select([src], [], [], wait)[0]:
             if pending:
                 emit(pending)  # the rank paused mid-line: pass it on as it is
                 pending = b""
-            elif idle:
-                idle()
+            elif closing:
+                break
+            elif idle and idle():
+                closing, close_by = True, time.monotonic() + DRAIN_MAX
             continue
+        if closing and time.monotonic() > close_by:  # a writer that escaped the sweep and keeps writing
+            break
         try:
             data = os.read(src, READ_SIZE)
         except InterruptedError:
@@ -180,7 +191,7 @@ def copy(src: int, dst: int, path: str, keep: int = KEEP, idle=None) -> None:
             time.sleep(BATCH)
     emit(pending)
     out.close()
-    if idle:
+    if idle and not closing:
         idle(final=True)
 
 
@@ -190,12 +201,27 @@ RUN_ID_ENV, ROLE_ENV, LAUNCHER_ENV = "DISTCHECK_RUN_ID", "DISTCHECK_ROLE", "DIST
 IDLE = 1.0  # seconds between checks that the rank and its launcher are still there
 
 
-def _start_ticks(pid: int) -> int | None:
+def _stat(pid: int) -> tuple[str, int] | None:
+    """(state, start ticks) of a process, None when there is none."""
     try:
         with open(f"/proc/{pid}/stat") as fh:
-            return int(fh.read().rsplit(")", 1)[1].split()[19])
+            fields = fh.read().rsplit(")", 1)[1].split()
+        return fields[0], int(fields[19])
     except (OSError, IndexError, ValueError):
         return None
+
+
+def _start_ticks(pid: int) -> int | None:
+    stat = _stat(pid)
+    return stat[1] if stat is not None else None
+
+
+def _has_ended(pid: int, ticks: int | None) -> bool:
+    """The process ``pid`` (started at ``ticks``) has ended, or its main thread has: a zombie leader. Python never
+    ends its main thread alone, so that is a process on its way out (killed, with a thread still leaving the
+    kernel); its children stay parented to its last thread until then, so a parent check alone would wait."""
+    stat = _stat(pid)
+    return stat is None or stat[0] in ("Z", "X") or (ticks is not None and stat[1] != ticks)
 
 
 def _environ(pid: int) -> list[bytes]:
@@ -219,24 +245,31 @@ class Orphaned:
 
     def __init__(self, env=os.environ) -> None:
         self.parent = os.getppid()
+        self.parent_ticks = _start_ticks(self.parent)
         self.run_id = env.get(RUN_ID_ENV, "")
         self.rank = env.get("RANK", "")
         pid, _, ticks = env.get(LAUNCHER_ENV, "").partition(":")
         self.launcher = (int(pid), int(ticks)) if pid.isdigit() and ticks.isdigit() else None
         self.done = False
 
-    def __call__(self, final: bool = False) -> None:
+    def __call__(self, final: bool = False) -> bool:
+        """True once this copier has ended the rank's processes: then nobody the run knows of writes to its input
+        any more, and it should drain what is there and end."""
         if self.done or not self.run_id or self.launcher is None:
-            return
+            return self.done
         if _start_ticks(self.launcher[0]) == self.launcher[1]:
-            return  # the launcher is there: it ends what the ranks left, once they have ended
+            return False  # the launcher is there: it ends what the ranks left, once they have ended
         deadline = time.monotonic() + (0.5 if final else 0.0)  # at the end of our input the rank may be exiting
-        while os.getppid() == self.parent and time.monotonic() < deadline:
+        while not self.rank_ended() and time.monotonic() < deadline:
             time.sleep(0.02)
-        if os.getppid() == self.parent:
-            return  # the rank still runs
+        if not self.rank_ended():
+            return False  # the rank still runs
         self.done = True
         self.sweep()
+        return True
+
+    def rank_ended(self) -> bool:
+        return os.getppid() != self.parent or _has_ended(self.parent, self.parent_ticks)
 
     def sweep(self) -> None:
         import signal

@@ -26,13 +26,15 @@ import pytest
 from launch_helpers import BIN, FRESH, TAG, env_for_ranks, load_report, tagged
 
 def describe(pids: list[int]) -> str:
+    """Each process with its parent and state (a leftover's parent says who failed to end it)."""
     out = []
     for pid in pids:
         try:
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            cmd = "?"
-        out.append(f"{pid}: {cmd[:150]}")
+            state, ppid = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[:2]
+        except (OSError, ValueError):
+            cmd, state, ppid = "?", "?", "?"
+        out.append(f"{pid} (parent {ppid}, {state}): {cmd[:150]}")
     return "\n".join(out)
 
 
@@ -325,3 +327,53 @@ def test_sigkill_of_the_launcher_takes_what_the_ranks_started_along(tmp_path, la
     finally:
         proc.kill()
         proc.wait(timeout=10)
+
+
+# A rank whose launcher is gone and whose main thread has ended while another thread of it is still on its way out
+# (a SIGKILLed rank with a thread held in the kernel): its children stay parented to that last thread, so the
+# copier's parent never changes. Seen once in CI as this file's SIGKILL test leaving a copier and a rank's helpers.
+LEADER_ENDS_FIRST = textwrap.dedent('''
+    import ctypes
+    import platform
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    from distcheck.rank.stderr_tee import tee_stderr
+
+    tee_stderr(sys.argv[1], 0)
+    subprocess.Popen(["sleep", "300"], stdout=subprocess.DEVNULL)  # keeps the rank's stderr open, as helpers do
+    threading.Thread(target=time.sleep, args=(300,)).start()  # the thread that outlives the main one
+    print("ready", flush=True)
+    ctypes.CDLL(None).syscall({"x86_64": 60, "aarch64": 93}[platform.machine()], 0)  # SYS_exit: this thread only
+''')
+
+
+@pytest.mark.skipif(os.uname().machine not in ("x86_64", "aarch64"), reason="SYS_exit's number")
+def test_a_copier_whose_rank_is_a_zombie_leader_ends_the_ranks_processes_and_itself(tmp_path, launch):
+    launcher = subprocess.Popen(["true"])
+    ticks = Path(f"/proc/{launcher.pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    launcher.wait(timeout=10)  # the launcher that started the rank, SIGKILLed: gone
+    script = tmp_path / "rank.py"
+    script.write_text(LEADER_ENDS_FIRST)
+    env = env_for_ranks({**FRESH, TAG: launch.tag, "DISTCHECK_RUN_ID": launch.tag, "RANK": "0",
+                         "DISTCHECK_LAUNCHER": f"{launcher.pid}:{ticks}"})
+    rank = subprocess.Popen([sys.executable, str(script), str(tmp_path)], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, env=env, start_new_session=True)
+    try:
+        assert rank.stdout.readline() == b"ready\n"
+        deadline = time.monotonic() + 20
+        while Path(f"/proc/{rank.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+            assert time.monotonic() < deadline, "the rank's main thread did not end"
+            time.sleep(0.05)
+        assert set(os.listdir(f"/proc/{rank.pid}/task")) - {str(rank.pid)}  # its other thread still runs
+        t0 = time.monotonic()
+        while launch.leftovers() and time.monotonic() - t0 < 10:
+            time.sleep(0.1)
+        launch.assert_none_left()  # the helper, and the copier (it drained and ended though the rank holds its pipe)
+        assert time.monotonic() - t0 < 5  # a copier checks for its rank and launcher every second
+        assert set(os.listdir(f"/proc/{rank.pid}/task")) - {str(rank.pid)}  # ended while the rank still had a thread
+    finally:
+        rank.kill()
+        rank.wait(timeout=10)

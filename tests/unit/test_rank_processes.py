@@ -309,15 +309,20 @@ def test_the_copier_as_a_script_loads_the_file_format_by_its_path(tmp_path):
     assert stderr_file.tail(tmp_path / "copy.txt") == ["a", "b"]
 
 
-@pytest.mark.parametrize("rank_gone, launcher_gone, swept", [(True, True, True), (True, False, False),
-                                                             (False, True, False)])
-def test_a_copier_ends_its_ranks_processes_only_when_rank_and_launcher_are_gone(monkeypatch, rank_gone,
-                                                                                 launcher_gone, swept):
+@pytest.mark.parametrize("rank, launcher_gone, swept", [("gone", True, True), ("gone", False, False),
+                                                        ("running", True, False), ("zombie leader", True, True)])
+def test_a_copier_ends_its_ranks_processes_only_when_rank_and_launcher_are_gone(monkeypatch, rank, launcher_gone,
+                                                                                 swept):
+    """A rank is gone when the copier's parent changed, or when the rank's main thread is a zombie: a killed rank
+    with a thread still in the kernel keeps its children parented to that thread."""
     env = {"DISTCHECK_RUN_ID": "r1", "RANK": "1", "DISTCHECK_LAUNCHER": "4000:77"}
     ppid = os.getppid()
     orphaned = stderr_tee.Orphaned(env)
-    monkeypatch.setattr(stderr_tee.os, "getppid", lambda: 1 if rank_gone else ppid)
-    monkeypatch.setattr(stderr_tee, "_start_ticks", lambda pid: None if launcher_gone else 77)
+    parent_ticks = orphaned.parent_ticks
+    assert parent_ticks is not None
+    monkeypatch.setattr(stderr_tee.os, "getppid", lambda: 1 if rank == "gone" else ppid)
+    monkeypatch.setattr(stderr_tee, "_stat", lambda pid: (None if launcher_gone else ("S", 77)) if pid == 4000 else
+                        ("Z" if rank == "zombie leader" else "S", parent_ticks))
     processes = {501: [b"DISTCHECK_RUN_ID=r1", b"RANK=1"],  # the rank's helper: ended
                  502: [b"DISTCHECK_RUN_ID=r1", b"RANK=0"],  # another rank's: not this copier's
                  503: [b"DISTCHECK_RUN_ID=r1", b"RANK=1", b"DISTCHECK_ROLE=stderr-copy"],  # distcheck's own
@@ -326,5 +331,37 @@ def test_a_copier_ends_its_ranks_processes_only_when_rank_and_launcher_are_gone(
     monkeypatch.setattr(stderr_tee, "_environ", lambda pid: processes[pid])
     killed = []
     monkeypatch.setattr(stderr_tee.os, "kill", lambda pid, sig: killed.append(pid))
-    orphaned()
+    assert orphaned() is swept
     assert killed == ([501] if swept else [])
+
+
+def test_a_copier_told_its_rank_is_gone_drains_and_ends_though_a_writer_holds_its_input(tmp_path):
+    """After the sweep nobody the run knows of writes to the copier's input; a writer that still holds it (a rank's
+    last thread on its way out) must not keep the copier, and distcheck's console, alive."""
+    read_end, write_end = os.pipe()
+    try:
+        os.write(write_end, b"last words\n")
+        calls = []
+
+        def idle(final=False):
+            calls.append(final)
+            return True
+
+        dst = tmp_path / "console"
+        with open(dst, "wb") as console:
+            copier = threading.Thread(target=stderr_tee.copy, args=(read_end, console.fileno(),
+                                                                    str(tmp_path / "copy.txt")), kwargs={"idle": idle})
+            copier.start()
+            copier.join(timeout=10)
+            ended = not copier.is_alive()
+            os.close(write_end)  # ends a copier that waits for the end of its input (the bug), so the test ends
+            write_end = None
+            copier.join(timeout=10)
+        assert ended, "the copier waited for its input's end"
+        assert dst.read_bytes() == b"last words\n"
+        assert stderr_file.tail(tmp_path / "copy.txt") == ["last words"]
+        assert calls == [False]  # no second, final call: the sweep is done
+    finally:
+        os.close(read_end)
+        if write_end is not None:
+            os.close(write_end)
