@@ -25,7 +25,7 @@ from distcheck.analysis.trace_align import provably_stuck
 from distcheck.analysis.trace_events import RankTrace, load_traces
 from distcheck.options import RunOptions, backstop
 from distcheck.supervise import run_report
-from distcheck.processes import agent_pid
+from distcheck.processes import agent_pid, alive
 from distcheck.supervise.watch import HUNG, STARTUP_TIMEOUT, STOPPED, WatchLoop
 
 log = logging.getLogger("distcheck")
@@ -233,10 +233,4 @@ def stopped_from_outside(report_dir: Path, traces: dict[int, RankTrace]) -> bool
 def _pid_alive(pid: object) -> bool:
     if not isinstance(pid, int):
         return True  # no pid in the trace: assume it runs, the hang limit bounds the wait
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    return alive(pid)  # a zombie (the agent has not reaped it yet, or a killed rank's thread lingers) has ended
