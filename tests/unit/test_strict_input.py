@@ -54,7 +54,8 @@ def test_a_syntax_error_is_bad_input_with_its_line(capsys, tmp_path):
                                          "script before running it")
 
 
-def test_a_negative_shape_dim_works_as_documented(capsys):
+def test_a_negative_shape_dim_works_as_documented(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the default report directory is made in the working directory, not the checkout's
     code, out, err = run_cli(capsys, ["mesh", "--world-size", "8", "--shape", "-1,4", "--names", "dp,tp"])
     assert code == 0, err
     assert "distcheck PASSED" in out and "command:    distcheck mesh --world-size 8 --shape -1,4" in out
