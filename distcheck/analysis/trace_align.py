@@ -316,6 +316,7 @@ def divergence_finding(d: Divergence, outcomes: dict[int, RankOutcome],
     detail: dict[str, Any] = {"group": group, "group_name": d.group_key, "position": shown,
                               "divergence": d.kind, "fields": d.fields, "issued": issued}
     fixes = ""
+    ranks = d.ranks
     if d.kind == "different":
         buckets: dict[tuple, list[int]] = {}
         for r, e in d.events.items():
@@ -341,6 +342,10 @@ def divergence_finding(d: Divergence, outcomes: dict[int, RankOutcome],
         fixes = UNEVEN_FIX if origin != "user" else (
             f"call {e.op} on every rank of the group or on none (no rank-dependent condition around it); or, if "
             f"the ranks ran different numbers of steps (uneven batches per rank): {UNEVEN_REMEDIES}")
+        if origin != "user" and len(fewer) == len(have):
+            # No majority, and no call of the user's to blame (torch issues these once per step): the ranks that
+            # ran more steps are as much in it as those that ran fewer.
+            ranks = sorted(fewer + have)
         detail.update(counts=dict(d.counts), fewer_ranks=fewer,
                       first_missing={**e.to_json(), "position": shown, "bytes": n, "origin": origin,
                                      "via": e.extra.get("via")},
@@ -358,7 +363,7 @@ def divergence_finding(d: Divergence, outcomes: dict[int, RankOutcome],
             message += f"; then {format_ranks(sorted(backend_errors))} failed: {said}"
     if fixes:
         message += f". Fix: {fixes}"
-    return Finding("collective_mismatch", d.ranks, message, detail)
+    return Finding("collective_mismatch", ranks, message, detail)
 
 
 def find_p2p_mismatches(traces: dict[int, RankTrace], outcomes: dict[int, RankOutcome]) -> list[Finding]:
@@ -434,7 +439,8 @@ def position_of(rank: int, progress: RankProgress | None, outcome: RankOutcome |
     }
 
 
-def describe_position(rank: int, progress: RankProgress | None, outcome: RankOutcome | None) -> str:
+def describe_position(rank: int, progress: RankProgress | None, outcome: RankOutcome | None,
+                      trace: RankTrace | None = None) -> str:
     p = progress if progress is not None else RankProgress(rank)
     if outcome is not None and outcome.state == STATE_OK:
         return f"rank {rank} finished its script"
@@ -452,6 +458,11 @@ def describe_position(rank: int, progress: RankProgress | None, outcome: RankOut
     done = p.last_completed
     if done is not None:
         return f"rank {rank} is outside collectives, last completed {done.op} #{done.seq}{_ref_where(done)}"
+    if trace is not None and not trace.flight_dumped:
+        # What DDP's Reducer or a compiled graph issued reaches the report through the ring's dump only (an
+        # os._exit or a SIGKILL skips it): not seen is not "none".
+        return (f"rank {rank} issued no traced collective (what torch issued for it, DDP's or compiled code's, "
+                "is unknown: its Flight Recorder ring was never dumped)")
     return f"rank {rank} issued no collective"
 
 
@@ -525,8 +536,8 @@ def failure_finding(o: RankOutcome, traces: dict[int, RankTrace], outcomes: dict
             detail.update(file=last.file, line=last.line)
     if len(ranks) == 1 and o.error is None:
         what += _cut_note(traces.get(o.rank))
-    positions = "; ".join(describe_position(r, progress.get(r), outcomes.get(r)) + _cut_note(traces.get(r))
-                          for r in others)
+    positions = "; ".join(describe_position(r, progress.get(r), outcomes.get(r), traces.get(r))
+                          + _cut_note(traces.get(r)) for r in others)
     message = f"{format_ranks(ranks)} {what}" + (f"; {positions}" if positions else "")
     if len(ranks) > 1:
         detail["errors"] = {r: outcomes[r].error.message for r in ranks
@@ -548,8 +559,8 @@ def hang_finding(traces: dict[int, RankTrace], outcomes: dict[int, RankOutcome],
             site = (pending.file, pending.line)
             break
     message = (f"no progress for {timeout:g}s: "
-               + "; ".join(describe_position(r, progress.get(r), outcomes.get(r)) + _cut_note(traces.get(r))
-                           for r in ranks))
+               + "; ".join(describe_position(r, progress.get(r), outcomes.get(r), traces.get(r))
+                           + _cut_note(traces.get(r)) for r in ranks))
     return make_hang_finding(hung, message, timeout=timeout, progress=progress, site=site, positions=positions)
 
 

@@ -159,10 +159,27 @@ def test_uneven_batches_under_ddp_are_a_count_mismatch_naming_ddps_all_reduce(tm
         assert doc["all_traced"] is False and any(e["profiling_name"] == "gloo:all_reduce" for e in doc["entries"])
     (f,) = [x for x in report["findings"] if x["kind"] == "collective_mismatch"]
     backward = line_of("ddp_uneven_batches.py", "loss.backward()")
-    assert f["ranks"] == [0], f
+    assert f["ranks"] == [0, 1] and f["detail"]["fewer_ranks"] == [1], f  # rank 1 got one batch fewer
     assert f"ddp_uneven_batches.py:{backward}" in f["message"] and "DDP" in f["message"]
     assert "join()" in f["message"] and "drop_last" in f["message"]
     assert not any(x["kind"] == "rank_failure" for x in report["findings"])
+
+
+def test_every_collective_ddp_issues_is_in_the_trace_at_the_users_line(tmp_path, line_of):
+    """DDP's construction broadcast, its buffer broadcast in every forward and each gradient bucket's all-reduce,
+    none called from Python: each in the trace with its size, at the DDP(...), model(x) and loss.backward() lines."""
+    res, report, out = run_fixture(tmp_path, "ddp_buffers_ok.py", timeout=30)
+    assert res.returncode == 0 and report["ok"] and report["findings"] == [], res.output
+    lines = {tag: line_of("ddp_buffers_ok.py", f"# {tag}") for tag in ("CONSTRUCT", "FORWARD", "BACKWARD")}
+    params, buffers = 16 * 32 + 32 + 2 * 32 + 32 * 4 + 4, 2 * 32  # BatchNorm's running mean and variance
+    for rank, trace in load_traces(out).items():
+        seen = [(e.op, e.shapes[0][0] if e.shapes and e.shapes[0] else None, e.line, e.extra.get("via"))
+                for e in trace.events if e.extra.get("origin") == "ddp"]
+        assert ("broadcast", params + buffers, lines["CONSTRUCT"], "DDP construction broadcast") in seen, seen
+        forward = [s for s in seen if s[:3] == ("broadcast", buffers, lines["FORWARD"])]
+        assert len(forward) == 3 and forward[0][3].startswith("DDP forward broadcast"), seen
+        assert seen.count(("all_reduce", params, lines["BACKWARD"], "DDP gradient bucket all-reduce")) == 3, seen
+        assert [e.seq for e in trace.events] == sorted(e.seq for e in trace.events), rank  # in issue order
 
 
 def test_join_with_uneven_batches_is_silent(tmp_path):
@@ -181,6 +198,8 @@ def test_a_hang_in_ddps_backward_names_the_all_reduce_and_the_backward_line(tmp_
     stuck = line_of("ddp_hang_backward.py", "time.sleep(600)")
     assert f"ddp_hang_backward.py:{backward}" in f["message"] and "DDP" in f["message"], f["message"]
     assert f"load_batch (ddp_hang_backward.py:{stuck})" in f["message"], f["message"]
+    assert f["ranks"] == [1], f  # the rank stuck outside every collective, not the one waiting in DDP's
+    assert f["detail"]["line"] == stuck and f["detail"]["file"].endswith("ddp_hang_backward.py")
     assert "distcheck" not in f["message"] and "flight_recorder.py" not in f["message"]
 
 

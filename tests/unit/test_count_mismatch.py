@@ -49,7 +49,8 @@ def test_uneven_ddp_steps_are_a_count_mismatch_naming_the_first_bucket_all_reduc
     findings = analyze_run(traces, {0: o0, 1: RankOutcome(1, STATE_OK, 0)}, 2)
     assert [f.kind for f in findings] == ["collective_mismatch"]  # the lost connection is no second finding
     (f,) = findings
-    assert f.ranks == [0] and f.detail["divergence"] == "extra" and f.detail["fewer_ranks"] == [1]
+    # One rank each way and torch's own collectives: both ranks are in it (a user's extra call names its caller)
+    assert f.ranks == [0, 1] and f.detail["divergence"] == "extra" and f.detail["fewer_ranks"] == [1]
     assert f.detail["counts"] == {0: 5, 1: 4}
     assert f.message.startswith(
         "rank 1 issued 4 collectives on group [0,1], rank 0 issued 5; the first collective rank 1 never issued: "
@@ -110,3 +111,20 @@ def test_a_rank_without_a_ring_dump_is_not_counted_as_having_issued_nothing():
                                                           [], {}, {"ev": "exit", "ok": True}, flight_dumped=False)}
     outcomes = {r: RankOutcome(r, STATE_OK, 0) for r in traces}
     assert find_divergences(traces, outcomes) == []
+
+
+def test_a_rank_whose_ring_was_never_dumped_is_not_said_to_have_issued_no_collective():
+    """DDP ranks that end with os._exit: nothing traced, and the ring that holds their bucket all-reduces was never
+    dumped. What they issued is unknown, not none; with a dump, none is none."""
+    def unfinished(rank: int, dumped: bool) -> RankTrace:
+        return RankTrace(rank, [], [], {}, None, flight_dumped=dumped)
+
+    outcomes = {r: RankOutcome(r, STATE_DIED, 0) for r in (0, 1)}
+    findings = analyze_run({0: unfinished(0, False), 1: unfinished(1, False)}, outcomes, 2)
+    assert [f.kind for f in findings] == ["rank_failure", "rank_failure"]
+    assert findings[0].ranks == [0] and findings[0].message == (
+        "rank 0 ended without finishing its script: os._exit or a signal (exit code 0); rank 1 issued no traced "
+        "collective (what torch issued for it, DDP's or compiled code's, is unknown: its Flight Recorder ring was "
+        "never dumped)")
+    dumped = analyze_run({0: unfinished(0, True), 1: unfinished(1, True)}, outcomes, 2)
+    assert dumped[0].message.endswith("; rank 1 issued no collective")
