@@ -257,8 +257,10 @@ class Orphaned:
         any more, and it should drain what is there and end."""
         if self.done or not self.run_id or self.launcher is None:
             return self.done
-        if _start_ticks(self.launcher[0]) == self.launcher[1]:
-            return False  # the launcher is there: it ends what the ranks left, once they have ended
+        if not _has_ended(*self.launcher):
+            # The launcher is there: it ends what the ranks left, once they have ended. A zombie is not: a parent
+            # that reads distcheck's output to its end (subprocess.run) reaps the launcher only after that.
+            return False
         deadline = time.monotonic() + (0.5 if final else 0.0)  # at the end of our input the rank may be exiting
         while not self.rank_ended() and time.monotonic() < deadline:
             time.sleep(0.02)

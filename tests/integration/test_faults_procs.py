@@ -318,12 +318,15 @@ def test_sigkill_of_the_launcher_takes_what_the_ranks_started_along(tmp_path, la
                 seen += os.read(proc.stdout.fileno(), 4096).decode(errors="replace")
         assert len(launch.leftovers()) >= 2 + 2 * 2  # ranks, their helpers (and the copies, the store host)
         proc.kill()
-        proc.wait(timeout=10)
+        # Not reaped yet: a parent reading the output to its end (subprocess.run(capture_output=True), a CI step)
+        # reaps the launcher only once every holder of the pipes has closed them.
         t0 = time.monotonic()
         while launch.leftovers() and time.monotonic() - t0 < 10:
             time.sleep(0.1)
+        assert Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
         launch.assert_none_left()
         assert time.monotonic() - t0 < 5  # a copier checks for its rank and launcher every second
+        out, _ = proc.communicate(timeout=10)  # the output closes
     finally:
         proc.kill()
         proc.wait(timeout=10)

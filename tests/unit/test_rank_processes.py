@@ -309,19 +309,21 @@ def test_the_copier_as_a_script_loads_the_file_format_by_its_path(tmp_path):
     assert stderr_file.tail(tmp_path / "copy.txt") == ["a", "b"]
 
 
-@pytest.mark.parametrize("rank, launcher_gone, swept", [("gone", True, True), ("gone", False, False),
-                                                        ("running", True, False), ("zombie leader", True, True)])
-def test_a_copier_ends_its_ranks_processes_only_when_rank_and_launcher_are_gone(monkeypatch, rank, launcher_gone,
-                                                                                 swept):
+@pytest.mark.parametrize("rank, launcher, swept", [("gone", "gone", True), ("gone", "running", False),
+                                                   ("running", "gone", False), ("zombie leader", "gone", True),
+                                                   ("gone", "zombie", True)])
+def test_a_copier_ends_its_ranks_processes_only_when_rank_and_launcher_are_gone(monkeypatch, rank, launcher, swept):
     """A rank is gone when the copier's parent changed, or when the rank's main thread is a zombie: a killed rank
-    with a thread still in the kernel keeps its children parented to that thread."""
+    with a thread still in the kernel keeps its children parented to that thread. A zombie launcher is gone too: a
+    parent reading distcheck's output to its end reaps it only after that."""
     env = {"DISTCHECK_RUN_ID": "r1", "RANK": "1", "DISTCHECK_LAUNCHER": "4000:77"}
     ppid = os.getppid()
     orphaned = stderr_tee.Orphaned(env)
     parent_ticks = orphaned.parent_ticks
     assert parent_ticks is not None
     monkeypatch.setattr(stderr_tee.os, "getppid", lambda: 1 if rank == "gone" else ppid)
-    monkeypatch.setattr(stderr_tee, "_stat", lambda pid: (None if launcher_gone else ("S", 77)) if pid == 4000 else
+    launcher_stat = {"gone": None, "running": ("S", 77), "zombie": ("Z", 77)}[launcher]
+    monkeypatch.setattr(stderr_tee, "_stat", lambda pid: launcher_stat if pid == 4000 else
                         ("Z" if rank == "zombie leader" else "S", parent_ticks))
     processes = {501: [b"DISTCHECK_RUN_ID=r1", b"RANK=1"],  # the rank's helper: ended
                  502: [b"DISTCHECK_RUN_ID=r1", b"RANK=0"],  # another rank's: not this copier's
