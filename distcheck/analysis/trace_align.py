@@ -221,6 +221,12 @@ def _group_label(group: Sequence[int] | None) -> str:
 
 # A rank that ended with neither its exit record nor a signal distcheck saw: it never got back from its script.
 UNFINISHED = "ended without finishing its script: os._exit or a signal"
+# Under torchrun the agent, not distcheck, reaps the ranks: a rank without its exit record has no exit code here.
+UNKNOWN_EXIT = "SIGKILL, the OOM killer, a hard crash; only torchrun's agent saw its exit code"
+
+
+def _unfinished(o: RankOutcome) -> str:
+    return f"{UNFINISHED} ({f'exit code {o.exit_code}' if o.exit_code is not None else UNKNOWN_EXIT})"
 
 
 def _state_phrase(o: RankOutcome | None) -> str:
@@ -527,7 +533,7 @@ def failure_finding(o: RankOutcome, traces: dict[int, RankTrace], outcomes: dict
         what = (f"raised an exception (exit code {o.exit_code}) whose traceback could not be written to the report "
                 "directory (see the rank's console output)")
     else:  # no exit record and no signal: os._exit(), or a signal handler that exited
-        what = f"{UNFINISHED} (exit code {o.exit_code})"
+        what = _unfinished(o)
     p = progress.get(o.rank)
     last = p.last_started if p is not None else None
     if o.error is None and last is not None:
@@ -593,7 +599,7 @@ def _failure_text(o: RankOutcome) -> str:
         return f"died from {o.signal} (exit code {o.exit_code})"
     if o.state == STATE_ERROR:
         return f"raised (exit code {o.exit_code})"
-    return f"{UNFINISHED} (exit code {o.exit_code})"
+    return _unfinished(o)
 
 
 def analyze_run(traces: dict[int, RankTrace], outcomes: dict[int, RankOutcome], world_size: int,

@@ -318,9 +318,7 @@ def summarize_node(env: NodeEnv, report_dir: str | os.PathLike, running: set[int
             states[r] = RankState(r, RUNNING)
         else:
             err = t.errors[-1] if t is not None and t.errors else None
-            states[r] = RankState(r, STATE_ERROR if err else STATE_DIED, error=_error_json(err),
-                                  signal=None if err else "a signal it could not report (SIGKILL, the OOM killer, "
-                                  "or a hard crash)")
+            states[r] = RankState(r, STATE_ERROR if err else STATE_DIED, error=_error_json(err))
         if states[r].state not in (RUNNING, STATE_OK):
             states[r].stderr_tail = tail(files.rank_file(report_dir, "stderr", r))
     stacks = None

@@ -310,11 +310,9 @@ def outcomes_from_traces(traces: dict[int, RankTrace], world_size: int, hung: bo
                 o = RankOutcome(r, STATE_HUNG if hung else STATE_STOPPED)
             else:
                 err = trace.errors[-1] if trace is not None and trace.errors else None
-                # Under torchrun only the trace says how a rank ended: no exit line and no stack dump means it
-                # was killed without a chance to write anything.
-                why = None if err is not None or trace is None else \
-                    "a signal it could not report (SIGKILL, the OOM killer, or a hard crash)"
-                o = RankOutcome(r, STATE_DIED if trace is not None else STATE_UNKNOWN, error=err, signal=why)
+                # Under torchrun only the trace says how a rank ended: no exit line means os._exit or a signal it
+                # could not write about (its exit code went to torchrun's agent: trace_align.UNKNOWN_EXIT).
+                o = RankOutcome(r, STATE_DIED if trace is not None else STATE_UNKNOWN, error=err)
         outcomes[r] = o
     return outcomes
 

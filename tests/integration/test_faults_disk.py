@@ -194,3 +194,25 @@ def test_a_rank_that_ends_with_os_exit_is_named_not_said_to_have_finished(tmp_pa
     assert report["ranks"]["0"]["state"] == "error"
     assert f"report: {out / 'report.json'}" in stdout
     assert_nothing_left(tag)
+
+
+def test_under_torchrun_a_rank_that_ends_with_os_exit_is_named_with_every_possible_cause(tmp_path, line_of):
+    """Under torchrun the agent, not distcheck, reaps the ranks: rank 1's os._exit(0) is named as a rank that ended
+    without finishing its script, by os._exit or a signal, never as a death by a signal alone, and never as a rank
+    that finished."""
+    from launch_helpers import torchrun
+
+    script = tmp_path / "exits_midway.py"
+    script.write_text(EXITS_MIDWAY)
+    out = tmp_path / "report"
+    res = torchrun(["-m", "distcheck", "run", "--timeout", "20", "--report-dir", str(out), "--", str(script)],
+                   timeout=120)
+    assert res.returncode != 0, res.output
+    report = load_report(out)
+    assert "finished its script" not in json.dumps(report["findings"])
+    (f,) = [f for f in report["findings"] if f["kind"] == "rank_failure" and f["ranks"] == [1]]
+    assert f["message"].startswith(
+        "rank 1 ended without finishing its script: os._exit or a signal (SIGKILL, the OOM killer, a hard crash; "
+        f"only torchrun's agent saw its exit code) after all_reduce #4 at exits_midway.py:{line_of(script, '# STEP')}"
+    ), f["message"]
+    assert report["ranks"]["1"]["state"] == "died"
