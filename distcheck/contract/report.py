@@ -160,11 +160,13 @@ def default_report_dir(now: float | None = None, suffix: str | int | None = None
 def prepare_report_dir(path: str | os.PathLike | None) -> Path:
     """Create the report directory and prove it is writable, or raise UsageError (exit 2) naming the fix."""
     target = Path(path) if path else default_report_dir()
+    probe = target / f".distcheck-write-test-{os.getpid()}"
     try:
         target.mkdir(parents=True, exist_ok=True)
-        probe = target / f".distcheck-write-test-{os.getpid()}"
-        probe.write_text("ok")
-        probe.unlink()
+        try:
+            probe.write_text("ok")
+        finally:  # a full disk creates the file and then fails the write: never leave it behind
+            probe.unlink(missing_ok=True)
     except OSError as exc:
         reason = exc.strerror or str(exc)
         raise UsageError(

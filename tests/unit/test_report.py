@@ -94,3 +94,19 @@ def test_clear_shared_removes_only_distchecks_earlier_report(tmp_path):
         (tmp_path / name).write_text("x")
     files.clear_shared(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.pt", "notes.txt"]
+
+
+def test_a_full_report_disk_is_bad_input_and_leaves_no_probe_file(tmp_path, monkeypatch):
+    """On a full file system the probe file is created and its write then fails (ENOSPC): the refusal names the
+    fix, and the empty probe is not left in the user's directory."""
+    import errno
+    from pathlib import Path
+
+    def full(self, *args, **kwargs):
+        self.touch()
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_text", full)
+    with pytest.raises(UsageError, match="No space left on device.*--report-dir"):
+        prepare_report_dir(tmp_path / "full")
+    assert list((tmp_path / "full").iterdir()) == []
