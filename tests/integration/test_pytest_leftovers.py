@@ -4,6 +4,7 @@ is innocent, starts on fresh ranks and passes. Each test asserts the outcomes, t
 no process is left once pytest has ended, found by an environment tag every process of the run inherits."""
 from __future__ import annotations
 
+import re
 import time
 import uuid
 
@@ -79,7 +80,7 @@ def test_a_test_that_leaves_a_thread_fails_itself_and_the_next_passes(pytester, 
     text = failure_of(out, "test_leaves_a_thread")
     target = line_of(None, "def broadcast_later", text=THREAD.strip("\n"))
     started = line_of(None, "# STARTED", text=THREAD.strip("\n"))
-    assert (f"the test left a thread running: Thread-" in text
+    assert ("the test left a thread running: Thread-" in text
             and f"(target broadcast_later at test_thread.py:{target}) on rank 0" in text), text
     assert f"started at test_thread.py:{started}" in text, text
     assert "the pool of ranks is retired" in text
@@ -107,3 +108,43 @@ def test_a_test_that_leaves_a_pending_collective_fails_itself(pytester, monkeypa
             f"test_pending.py:{issued}, never completed) on rank 0") in text, text
     assert seconds < 60
 
+
+
+LOADER_STUCK = '''
+import time, pytest, torch, torch.distributed as dist
+from torch.utils.data import DataLoader, Dataset
+
+def read_record(rank, i):
+    if rank == 1 and i == 2:
+        time.sleep(3600)  # STUCK: rank 1's worker never returns this record
+    return torch.full((4,), float(i))
+
+class Records(Dataset):
+    def __init__(self, rank):
+        self.rank = rank
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        return read_record(self.rank, i)
+
+@pytest.mark.distributed(nprocs=2, timeout=6)
+def test_loader(dist_ctx):
+    for x in DataLoader(Records(dist_ctx.rank), batch_size=2, num_workers=1):  # LOOP
+        dist.all_reduce(x)
+''' + INNOCENT
+
+
+def test_a_stuck_dataloader_worker_in_a_pool_test_is_named_and_ended(pytester, monkeypatch, line_of):
+    """The pool's hang diagnosis follows rank 1 to its DataLoader worker's line, the worker is ended with the pool
+    (none left once pytest has ended), and the next test passes on fresh ranks."""
+    result, out, seconds = run_tagged(pytester, monkeypatch, "test_loader_stuck", LOADER_STUCK)
+    result.assert_outcomes(passed=1, failed=1)
+    assert "test_innocent PASSED" in out
+    text = failure_of(out, "test_loader")
+    source = LOADER_STUCK.strip("\n")
+    stuck, loop = line_of(None, "# STUCK", text=source), line_of(None, "# LOOP", text=source)
+    assert re.search(rf"rank 1's DataLoader worker 0 \(pid \d+\) is in read_record \(test_loader_stuck.py:{stuck}\), "
+                     rf"which rank 1 waits for at test_loader_stuck.py:{loop}", text), text
+    assert seconds < 90
