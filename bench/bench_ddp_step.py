@@ -1,12 +1,14 @@
 """Cost of distcheck on a DDP training step: ``distcheck run --nproc 2`` against plain ``torchrun``, side by side.
 
-    .venv/bin/python bench/bench_ddp_step.py [--rounds 5] [--steps 60]
+    .venv/bin/python bench/bench_ddp_step.py [--rounds 5] [--steps 150]
 
 Each round runs bench/_ddp_step_train.py once under plain torchrun and once under ``distcheck run`` (tracer,
 Flight Recorder status thread and phase marks, zero-code checks: everything a user gets), in alternating order,
-so load drift on a shared machine hits both alike. A run's figure is the median step time of rank 0 after the
-first 10 steps (the first steps pay for DDP's bucket rebuild and distcheck's drift check on steps 1 to 3). The
-bench prints each mode's fastest round and median round, and three ratios; the target is within 3%. The verdict
+so load drift on a shared machine hits both alike. A run's figures are the median step times of rank 0 in two
+windows: steps 10 to 49, where distcheck checks every step's gradients for NaN/Inf (the first steps pay for DDP's
+bucket rebuild and distcheck's drift check on steps 1 to 3), and steps 50 on, the steady state, where it checks
+every 10th step's. Per window the bench prints each mode's fastest and median round, and three ratios; the target
+is within 3%. The verdict
 takes the median of the rounds' paired ratios (each round's two runs are back to back): this 2-core VM has slow
 spells of 10 to 20% that hit a whole run of either mode, and one such run moves the fastest-round ratio (it did:
 +5.2% fastest, -0.7% median rounds, +1.0% paired in one run of 9 rounds) but barely the paired median.
@@ -25,6 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "bench" / "_ddp_step_train.py"
 WARMUP = 10
+DENSE = 50  # rank/autocheck/nan_watch.GRAD_DENSE_STEPS (the bench imports nothing of distcheck)
 
 
 def one_run(mode: str, steps: int, workdir: Path, index: int) -> float:
@@ -42,32 +45,40 @@ def one_run(mode: str, steps: int, workdir: Path, index: int) -> float:
     if proc.returncode != 0:
         raise SystemExit(f"{mode} run failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     times = json.loads(out.read_text())["steps"]
-    return statistics.median(times[WARMUP:])
+    # Two windows: the steps where every step's gradients are checked for NaN/Inf (rank/autocheck/nan_watch.py:
+    # GRAD_DENSE_STEPS), and the steady state after them, where one step in GRAD_EVERY is.
+    return statistics.median(times[WARMUP:DENSE]), statistics.median(times[DENSE:] or times[WARMUP:])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--steps", type=int, default=150)
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="distcheck-bench-ddp-"))
-    figures: dict[str, list[float]] = {"torchrun": [], "distcheck": []}
+    runs: dict[str, list[tuple[float, float]]] = {"torchrun": [], "distcheck": []}
     for i in range(args.rounds):
         for mode in (("torchrun", "distcheck") if i % 2 == 0 else ("distcheck", "torchrun")):
-            figures[mode].append(one_run(mode, args.steps, workdir, i))
-    for mode, values in figures.items():
-        print(f"{mode:10s} step: fastest round {min(values) * 1e3:.2f} ms, median round "
-              f"{statistics.median(values) * 1e3:.2f} ms (rounds: {', '.join(f'{v * 1e3:.2f}' for v in values)})")
-    fastest = min(figures["distcheck"]) / min(figures["torchrun"])
-    median = statistics.median(figures["distcheck"]) / statistics.median(figures["torchrun"])
-    # Each round runs both modes back to back: the median of the rounds' own ratios is the figure a slow spell
-    # moves least (a spell covers both runs of a round, or is one outlier round among many).
-    paired = statistics.median(d / t for d, t in zip(figures["distcheck"], figures["torchrun"]))
-    print(f"ddp_step distcheck/torchrun = {paired:.3f} ({(paired - 1) * 100:+.1f}%, median of the rounds' paired "
-          f"ratios; target <= 3%), {fastest:.3f} ({(fastest - 1) * 100:+.1f}%, fastest rounds), {median:.3f} "
-          f"({(median - 1) * 100:+.1f}%, median rounds)")
-    print(json.dumps({"torchrun_s": figures["torchrun"], "distcheck_s": figures["distcheck"],
-                      "ratio_paired_median": paired, "ratio_fastest": fastest, "ratio_median": median}))
+            runs[mode].append(one_run(mode, args.steps, workdir, i))
+    summary = {}
+    for window, label in ((1, f"steady state (steps {DENSE}+: gradients checked every 10th step)"),
+                          (0, f"steps {WARMUP}-{DENSE - 1} (gradients checked every step)")):
+        figures = {mode: [r[window] for r in values] for mode, values in runs.items()}
+        print(label)
+        for mode, values in figures.items():
+            print(f"  {mode:10s} step: fastest round {min(values) * 1e3:.2f} ms, median round "
+                  f"{statistics.median(values) * 1e3:.2f} ms (rounds: {', '.join(f'{v * 1e3:.2f}' for v in values)})")
+        fastest = min(figures["distcheck"]) / min(figures["torchrun"])
+        median = statistics.median(figures["distcheck"]) / statistics.median(figures["torchrun"])
+        # Each round runs both modes back to back: the median of the rounds' own ratios is the figure a slow
+        # spell moves least (a spell covers both runs of a round, or is one outlier round among many).
+        paired = statistics.median(d / t for d, t in zip(figures["distcheck"], figures["torchrun"]))
+        print(f"  ddp_step distcheck/torchrun = {paired:.3f} ({(paired - 1) * 100:+.1f}%, median of the rounds' "
+              f"paired ratios; target <= 3%), {fastest:.3f} ({(fastest - 1) * 100:+.1f}%, fastest rounds), "
+              f"{median:.3f} ({(median - 1) * 100:+.1f}%, median rounds)")
+        summary["steady" if window else "dense"] = {**figures, "ratio_paired_median": paired,
+                                                    "ratio_fastest": fastest, "ratio_median": median}
+    print(json.dumps(summary))
 
 
 if __name__ == "__main__":
