@@ -267,26 +267,35 @@ class Orphaned:
         if not self.rank_ended():
             return False  # the rank still runs
         self.done = True
-        self.sweep()
+        # Until a pass finds nothing: a process whose /proc entry could not be read in one pass (one on its way
+        # out, or being set up) is looked at again.
+        for _ in range(5):
+            if not self.sweep():
+                break
+            time.sleep(0.1)
         return True
 
     def rank_ended(self) -> bool:
         return os.getppid() != self.parent or _has_ended(self.parent, self.parent_ticks)
 
-    def sweep(self) -> None:
+    def sweep(self) -> int:
+        """SIGKILL this rank's processes; how many were found."""
         import signal
 
         tag, rank = f"{RUN_ID_ENV}={self.run_id}".encode(), f"RANK={self.rank}".encode()
         role = f"{ROLE_ENV}=".encode()
+        found = 0
         for entry in os.listdir("/proc"):
             if not entry.isdigit() or int(entry) == os.getpid():
                 continue
             env = _environ(int(entry))
             if tag in env and rank in env and not any(item.startswith(role) for item in env):
+                found += 1
                 try:
                     os.kill(int(entry), signal.SIGKILL)
                 except OSError:
                     pass
+        return found
 
 
 def _main(argv: list[str]) -> int:

@@ -332,7 +332,8 @@ def test_a_copier_ends_its_ranks_processes_only_when_rank_and_launcher_are_gone(
     monkeypatch.setattr(stderr_tee.os, "listdir", lambda path: [str(p) for p in processes])
     monkeypatch.setattr(stderr_tee, "_environ", lambda pid: processes[pid])
     killed = []
-    monkeypatch.setattr(stderr_tee.os, "kill", lambda pid, sig: killed.append(pid))
+    monkeypatch.setattr(stderr_tee, "_environ", lambda pid: processes.get(pid, []))
+    monkeypatch.setattr(stderr_tee.os, "kill", lambda pid, sig: killed.append(processes.pop(pid) and pid))
     assert orphaned() is swept
     assert killed == ([501] if swept else [])
 
