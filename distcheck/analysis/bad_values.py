@@ -425,6 +425,14 @@ def merge_states(states: dict[int, dict[str, Any]]) -> tuple[list[Finding], list
     drift, compared = drift_finding(states)
     if frozen is not None:
         drift, compared = None, 0
+    differed_before = any(not p.get("identical", True) for s in states.values()
+                          for p in (s.get("prewrap") or {}).get("points", []))
+    if drift is not None and differed_before:
+        # The model already differed across ranks before it was parallelized (its own finding): replicas fed by
+        # those different layers get different gradients, a consequence and not a second cause.
+        checks.append(CheckResult("replica_drift", True, 0.0, note="not judged: the ranks' models differed "
+                                  "before parallelizing (see that finding), so their replicas' updates differ too"))
+        return findings, checks
     findings += [drift] if drift is not None else []
     if compared or drift is not None:
         drift_seconds = max(float((s.get("replica_drift") or {}).get("seconds", 0.0)) for s in states.values())

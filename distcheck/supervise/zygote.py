@@ -111,6 +111,8 @@ def _child(request: dict, fds: list[int], server_fds: list[int], server_env: dic
     sys.path[:] = [first, *_path_entries(request["env"]), *rest]
     if "numpy.random" in sys.modules:  # a fresh interpreter seeds numpy's global generator from the OS; so do we
         sys.modules["numpy.random"].seed()  # (`random` reseeds itself after a fork)
+    if "torch" in sys.modules:  # and torch's CPU generator (an unseeded model differs per rank, as under torchrun)
+        sys.modules["torch"].default_generator.seed()
     sys.argv = list(args[1:] if module else args)  # runpy puts the module's file first, as `python -m` does
     # Buffering as a fresh interpreter would choose it for these descriptors, not as the zygote's own were:
     # stdout line-buffered on a terminal only, stderr always. Under `python -u` both reach the descriptor line by

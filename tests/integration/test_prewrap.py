@@ -76,3 +76,39 @@ def test_correct_loading_patterns_pass(tmp_path, fixture):
     assert report["findings"] == []
     checks = {c["name"]: c for c in report["checks"]}
     assert checks["model_check"]["ok"]  # the model was checked (at the first forward), and found right
+
+
+@pytest.mark.parametrize("fixture,params,cause,line_text,why", [
+    # the plan scatters rank 0's fc1/fc2: only the head it leaves plain is per rank
+    ("tp_seeded_head_left_plain.py", ["head.weight", "head.bias"], "rank_seeded",
+     "torch.manual_seed(1234 + dist.get_rank())", "no ParallelStyle of the plan converts them"),
+    ("tp_style_src_none.py", ["0.weight", "0.bias", "2.weight", "2.bias"], "src_data_rank_none",
+     "parallelize_module(model, mesh, plan, src_data_rank=None)",
+     "parallelize_module(..., src_data_rank=None) keeps each rank's local values")])
+def test_tensor_parallel_init_follows_src_data_rank(line_of, tmp_path, fixture, params, cause, line_text, why):
+    res, report, _ = run_fixture(tmp_path, fixture)
+    assert res.returncode == 1, res.output
+    [f] = report["findings"]  # the replicas' later drift follows from it: not a second finding
+    assert f["kind"] == "tensor_divergence" and f["ranks"] == [0, 1]
+    assert f["detail"]["params"] == params and f["detail"]["cause"] == cause
+    line = line_of(fixture, line_text)
+    assert f["detail"]["line"] == line and f"{fixture}:{line}" in f["message"]
+    call = line_of(fixture, "parallelize_module(model, mesh")
+    assert f"parallelize_module at {fixture}:{call}" in f["message"] and why in f["message"]
+
+
+def test_distribute_tensor_without_src_rank_of_different_tensors_is_caught_at_its_line(line_of, tmp_path):
+    fixture = "dtensor_src_none_differs.py"
+    res, report, _ = run_fixture(tmp_path, fixture)
+    assert res.returncode == 1, res.output
+    [f] = report["findings"]  # the second call's tensor (ones on every rank) agrees
+    line = line_of(fixture, "proj = distribute_tensor(")
+    assert f["kind"] == "tensor_divergence" and f["ranks"] == [0, 1]
+    assert f["detail"]["cause"] == "src_data_rank_none" and f["detail"]["line"] == line
+    assert f"distribute_tensor(..., src_data_rank=None) at {fixture}:{line}" in f["message"]
+
+
+def test_rank_seeded_fully_shard_says_why_fully_shard_does_not_fix_it(tmp_path):
+    res, report, _ = run_fixture(tmp_path, "zc_rank_seeded_fsdp2.py")
+    [f] = report["findings"]
+    assert "fully_shard broadcasts nothing" in f["message"], f["message"]

@@ -178,3 +178,32 @@ def test_prewrap_drops_values_overwritten_between_the_wrap_and_the_first_forward
     with torch.no_grad():
         m.bias.copy_(torch.tensor([3.0, 4.0]))  # a checkpoint loaded after the wrap
     assert pw._still_pending() == [kept]
+
+
+def test_prewrap_settles_what_a_tensor_parallel_call_scattered_kept_or_left_plain():
+    """parallelize_module's styles scatter rank 0's values (src_data_rank=0): those rows go; a tensor converted with
+    src_data_rank=None or left plain by the plan stays, with the reason the message gives."""
+    import torch
+
+    from distcheck.rank.autocheck.prewrap import PreWrap, tensor_ident, why_text
+
+    pw = PreWrap(owner=None)
+    pw.points.append({"how": "parallelize_module", "identical": False})
+    scattered, kept, plain = torch.zeros(2), torch.zeros(3), torch.zeros(4)
+    rows = [{"name": n, "point": 0, "how": "parallelize_module", "site": ["t.py", 7]} for n in ("a", "b", "c")]
+    pw.pending = list(rows)
+    for row, t in zip(rows, (scattered, kept, plain)):
+        pw._idents[id(row)] = tensor_ident(t)
+    with pw.inside():
+        pw.note_distribute(scattered.detach(), None, None, 0)  # distribute_module passes param.data: an alias
+        pw.note_distribute(kept, None, None, None)
+    assert [(r["name"], r["why"]) for r in pw.pending] == [("b", "src_none"), ("c", "left_plain")]
+    assert not pw.points[0]["identical"]
+    text = why_text(pw.pending)
+    assert "src_data_rank=None" in text and "no ParallelStyle of the plan converts them" in text
+    pw.pending = [pw.pending[0]]  # a point whose every row was scattered counts as identical
+    pw._idents[id(pw.pending[0])] = tensor_ident(kept)
+    pw.pending[0].pop("why")
+    with pw.inside():
+        pw.note_distribute(kept, None, None, 0)
+    assert pw.pending == [] and pw.points[0]["identical"]

@@ -5,7 +5,8 @@
 The functions that parallelize a model are wrapped where users import them from:
 ``torch.distributed.fsdp.fully_shard`` (also reached as ``torch.distributed._composable.fsdp.fully_shard``),
 ``DistributedDataParallel.__init__`` (and its ``no_sync``),
-``torch.distributed.tensor.parallel.parallelize_module`` and ``torch.distributed.tensor.distribute_module``;
+``torch.distributed.tensor.parallel.parallelize_module``, ``torch.distributed.tensor.distribute_module`` and
+``distribute_tensor`` (which tensors a call scatters from rank 0, by ``src_data_rank``);
 ``torch.optim.Optimizer.__init__`` counts the optimizers, global optimizer step hooks and ``Tensor.backward`` mark
 the steps. The parallelizing calls first compare the model across ranks (prewrap.py), before torch's own code;
 ``torch.manual_seed`` notes each rank's seed and ``FSDPModule.set_requires_gradient_sync`` its line. The FSDP and DTensor modules cost seconds to import,
@@ -66,6 +67,12 @@ def _mesh_ranks(mesh: Any) -> list[int] | None:
         return None
 
 
+def _compiling() -> bool:
+    import torch
+
+    return bool(torch.compiler.is_compiling())
+
+
 def _arg(args: tuple, kwargs: dict, index: int, name: str) -> Any:
     return kwargs[name] if name in kwargs else args[index] if len(args) > index else None
 
@@ -78,6 +85,9 @@ def _before(how: str, args: tuple, kwargs: dict) -> None:
     try:
         modules = _arg(args, kwargs, 0, "module")
         ranks = _mesh_ranks(_arg(args, kwargs, 1, "mesh" if how == "fully_shard" else "device_mesh"))
+        if how == "parallelize_module":
+            check.prewrap.note_plan(_arg(args, kwargs, 2, "parallelize_plan"),
+                                    kwargs.get("src_data_rank", args[3] if len(args) > 3 else 0))
         for m in modules if isinstance(modules, (list, tuple)) else [modules]:
             check.prewrap.before(how, m, ranks)
     except Exception as exc:
@@ -138,6 +148,23 @@ def _patch_fsdp(_module: Any) -> None:
 
 def _patch_tensor(_module: Any) -> None:
     import torch.distributed.tensor as dt
+
+    distribute = dt.distribute_tensor
+    if not hasattr(distribute, "__distcheck_original__"):
+        @functools.wraps(distribute)
+        def distribute_wrapper(tensor: Any, device_mesh: Any = None, placements: Any = None, *args: Any,
+                               **kwargs: Any) -> Any:
+            check = current()
+            if check is not None and not _compiling():
+                try:  # which tensors a style scatters from rank 0 (src_data_rank, default 0) and which it keeps
+                    check.prewrap.note_distribute(tensor, device_mesh, placements, kwargs.get("src_data_rank", 0))
+                except Exception as exc:
+                    log.debug("distcheck: could not note a distribute_tensor call: %s", exc)
+            return distribute(tensor, device_mesh, placements, *args, **kwargs)
+
+        distribute_wrapper.__distcheck_original__ = distribute  # type: ignore[attr-defined]
+        # style.py and _api.py's distribute_module call it through their own module globals
+        _replace("distribute_tensor", distribute, distribute_wrapper, "torch.distributed")
 
     original = dt.distribute_module
     if not hasattr(original, "__distcheck_original__"):

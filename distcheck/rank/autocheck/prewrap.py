@@ -10,8 +10,20 @@ rank-seeded init is visible: fully_shard slices each rank's own copy, DDP's cons
 values over the others. A tensor-parallel DTensor is compared with the ranks holding the same shard (its
 coordinate on every non-Replicate mesh dim); a meta tensor holds nothing yet (rank 0 alone built real weights and
 broadcasts them later): its name, shape and dtype are compared, never its values, and it is never "missing".
-DDP's construction broadcast (``init_sync=True``, the default) copies rank 0's values to every rank, so before DDP
-only the structure counts; values too with ``init_sync=False``.
+What each call leaves per rank follows torch's own code (read in torch 2.13):
+- ``fully_shard`` broadcasts nothing: every rank keeps its slice of its own copy, so every value must agree.
+- ``DistributedDataParallel`` broadcasts rank 0's parameters and buffers at construction (``init_sync=True``, the
+  default): only the structure counts before it; values too with ``init_sync=False``.
+- ``parallelize_module`` / ``distribute_module``: every ``ParallelStyle`` (and distribute_module's default
+  replication) converts parameters with ``distribute_tensor(..., src_data_rank=...)``, default 0, which scatters (or
+  broadcasts) rank 0's values and discards the others' (torch/distributed/tensor/parallel/style.py, _api.py). The
+  comparison is made before the call, and what the call scattered is dropped when it returns (a wrapper of
+  ``distribute_tensor`` notes which tensors it converted and with which ``src_data_rank``); what the plan left as a
+  plain tensor, and what a style built with ``src_data_rank=None`` converted (each rank keeps its own values), must
+  agree.
+- ``distribute_tensor(t, mesh, placements, src_data_rank=None)`` called by the user keeps each rank's ``t``: the
+  ranks of the mesh compare ``t`` at that call (its first ``DIRECT_CHECKS`` such calls: they are collective over the
+  side channel, and one per training step would cost every step) and a difference is one finding at its line.
 
 A model whose structure differs (a vocabulary built from each rank's own data) is one finding at once, before
 torch's size error. Values that differ are kept until the first forward, where one exchange over every rank makes
@@ -36,9 +48,31 @@ from distcheck.rank.usersite import Site, caller_site
 log = logging.getLogger("distcheck")
 
 SHOWN = 4  # names a message spells out; detail.params has them all
+DIRECT_CHECKS = 16  # distribute_tensor(..., src_data_rank=None) calls compared per process (see the docstring)
 
 _LABEL = {"fully_shard": "fully_shard", "ddp": "DistributedDataParallel(...)",
-          "parallelize_module": "parallelize_module", "distribute_module": "distribute_module"}
+          "parallelize_module": "parallelize_module", "distribute_module": "distribute_module",
+          "distribute_tensor": "distribute_tensor(..., src_data_rank=None)"}
+
+# Why a call leaves these values as each rank built them (row["why"]), for the finding's message.
+_WHY = {
+    "fully_shard": "fully_shard broadcasts nothing: each rank keeps its own slice of its own copy",
+    "ddp_no_sync": "DistributedDataParallel(init_sync=False) skips the construction broadcast of rank 0's values",
+    "left_plain": "no ParallelStyle of the plan converts them, so they stay plain tensors with each rank's values",
+    "src_none": "they were converted with src_data_rank=None, which keeps each rank's local values instead of "
+                "scattering rank 0's",
+}
+_SCATTERING = ("parallelize_module", "distribute_module")  # calls whose distribute_tensor may scatter rank 0's values
+
+
+def tensor_ident(t: Any) -> tuple | None:
+    """Identifies a tensor's memory across aliases: distribute_module passes ``param.data``, not the parameter."""
+    try:
+        if t.is_meta or getattr(t, "placements", None) is not None:
+            return None
+        return (t.data_ptr(), tuple(t.shape), tuple(t.stride()), str(t.dtype))
+    except Exception:
+        return None
 
 
 def prewrap_key(t: Any) -> Any:
@@ -77,6 +111,10 @@ class PreWrap:
         self.seconds = 0.0
         self._modules: list[tuple[weakref.ref, int]] = []  # (module compared, index in points)
         self._after: list[dict[str, Any]] = []  # pending rows not yet fingerprinted after their call returned
+        self._converted: dict[tuple, int | None] = {}  # inside a call: tensor ident -> its src_data_rank
+        self._idents: dict[int, tuple | None] = {}  # id(pending row) -> the ident of its tensor before the call
+        self._styles_without_src: list[str] = []  # the plan's ParallelStyles built with src_data_rank=None
+        self.direct_checks = 0
 
     # -- events -----------------------------------------------------------------------------------------------------
     def note_seed(self, seed: Any) -> None:
@@ -93,7 +131,63 @@ class PreWrap:
         finally:
             self.depth -= 1
             if not self.depth:
+                self._settle()
                 self._note_after()
+
+    def note_plan(self, plan: Any, src_data_rank: Any = 0) -> None:
+        """parallelize_module's plan and its ``src_data_rank`` (which torch sets on every style of the plan): what
+        keeps each rank's values (src_data_rank=None), for the message."""
+        if src_data_rank is None:
+            self._styles_without_src = ["parallelize_module(..., src_data_rank=None)"]
+            return
+        styles = plan.values() if isinstance(plan, dict) else [plan]
+        self._styles_without_src = sorted({type(s).__name__ + "(src_data_rank=None)" for s in styles
+                                           if getattr(s, "src_data_rank", 0) is None})
+
+    def note_distribute(self, tensor: Any, mesh: Any, placements: Any, src_data_rank: Any) -> None:
+        """A ``distribute_tensor`` call: inside a parallelizing call, which tensor it converted and how; called by the
+        user with ``src_data_rank=None``, its tensor compared across the mesh at once."""
+        if self.depth:
+            ident = tensor_ident(tensor)
+            if ident is not None:
+                self._converted[ident] = src_data_rank
+            return
+        if src_data_rank is None and tensor_ident(tensor) is not None and self.direct_checks < DIRECT_CHECKS:
+            self.direct_checks += 1
+            started = time.perf_counter()
+            try:
+                self._compare_direct(tensor, mesh, placements)
+            except Exception as exc:  # the check must never break the user's training
+                log.warning("distcheck: comparing a tensor at distribute_tensor failed: %s: %s",
+                            type(exc).__name__, exc)
+            finally:
+                self.seconds += time.perf_counter() - started
+
+    def _settle(self) -> None:
+        """The outermost parallelizing call returned: drop the rows whose tensors it scattered from rank 0 (they are
+        rank 0's values now on every rank), and say for the others why the call left them per rank."""
+        converted, self._converted = self._converted, {}
+        keep = []
+        for row in self.pending:
+            ident = self._idents.pop(id(row), None) if "why" not in row else None
+            if "why" not in row:
+                if row.get("how") in _SCATTERING:
+                    src = converted.get(ident, "plain") if ident is not None else "plain"
+                    if src is not None and src != "plain":
+                        continue  # scattered from rank src_data_rank: consistent by construction
+                    row["why"] = "src_none" if src is None else "left_plain"
+                    if src is None and self._styles_without_src:
+                        row["styles"] = self._styles_without_src
+                else:
+                    row["why"] = "ddp_no_sync" if row.get("how") == "ddp" else "fully_shard"
+            keep.append(row)
+        kept = {id(r) for r in keep}
+        dropped = [r for r in self.pending if id(r) not in kept]
+        self.pending = keep
+        self._after = [r for r in self._after if id(r) in kept]
+        for point in {r["point"] for r in dropped}:
+            if not any(r["point"] == point for r in keep):
+                self.points[point]["identical"] = True
 
     def _note_after(self) -> None:
         """The call returned: note each new pending tensor's local values, to see at the first forward whether
@@ -182,6 +276,7 @@ class PreWrap:
             return
         if not values:
             return
+        idents = {n: tensor_ident(t) for n, _, t in items}
         for d in divergences:
             per = compared.summaries.get(d.name, {})
             worst = max(per.values(), key=lambda s: s.max_abs_diff, default=None)
@@ -192,7 +287,50 @@ class PreWrap:
                 "built": _site_json(_param_site(module, d.name)),
                 "seeds": {str(r): s.get("seed") for r, s in seeds.items()},
                 "seed_sites": {str(r): s.get("seed_site") for r, s in seeds.items()}})
+            self._idents[id(self.pending[-1])] = idents.get(d.name)
             self._after.append(self.pending[-1])
+
+    def _compare_direct(self, tensor: Any, mesh: Any, placements: Any) -> None:
+        """The user's ``distribute_tensor(tensor, mesh, ..., src_data_rank=None)``: torch keeps each rank's values, so
+        the mesh's ranks must all pass the same tensor; a difference is one finding at the call's line."""
+        import torch
+
+        from distcheck.checks.replicas import compare_entries
+        from distcheck.rank.runtime import current_channel
+
+        channel = current_channel()
+        if channel is None:
+            return
+        try:
+            ranks = sorted(int(r) for r in mesh.mesh.flatten().tolist()) if mesh is not None else []
+        except Exception:
+            ranks = []
+        ranks = ranks or list(range(channel.world_size))
+        if len(ranks) < 2 or channel.rank not in ranks:
+            return
+        site = caller_site()
+        with torch.no_grad():
+            compared = compare_entries("prewrap/distribute_tensor", [("tensor", "tensor", tensor)], channel, ranks,
+                                       key=prewrap_key)
+        if not compared.divergences or self.owner.rank != ranks[0]:
+            return
+        d = compared.divergences[0]
+        per = compared.summaries.get(d.name, {})
+        worst = max(per.values(), key=lambda s: s.max_abs_diff, default=None)
+        shapes = {str(e.fp.shape) for entries in compared.entries for e in entries}
+        what = ("shapes " + " vs ".join(sorted(shapes))) if d.structural else (
+            f"max abs diff {worst.max_abs_diff:.4g} on rank {worst.rank}" if worst else "values")
+        where = _where(_site_json(site))
+        placed = ", ".join(repr(p) for p in placements) if placements else "Replicate()"
+        message = (f"distribute_tensor(..., src_data_rank=None) at {where}: {format_ranks(ranks)} passed different "
+                   f"tensors ({what}; placements [{placed}]). With src_data_rank=None torch keeps each rank's own "
+                   f"values instead of scattering rank 0's, so the DTensor holds pieces of different tensors. Build "
+                   f"the tensor identically on every rank, leave src_data_rank at its default (0) to take rank 0's, "
+                   f"or use DTensor.from_local for per-rank shards.")
+        detail = {"cause": "src_data_rank_none", "when": "at distribute_tensor", "call": "distribute_tensor",
+                  "src_data_rank": None, "ranks_compared": ranks, "reference": d.reference,
+                  "max_abs_diff": worst.max_abs_diff if worst else None, "file": site.file, "line": site.line}
+        self.owner.models.keep([Finding("tensor_divergence", sorted(d.blamed or ranks), message, detail)])
 
     def _report_structure(self, how: str, module: Any, point: dict, divs: list,
                           structure: dict[int, dict[str, tuple]]) -> None:
@@ -304,6 +442,8 @@ def prewrap_finding(per_rank: dict[int, list[dict[str, Any]]]) -> Finding | None
                f"another init: {format_names(names, SHOWN)}")
     if worst.get("max_abs_diff") is not None:
         message += f"; max abs diff {worst['max_abs_diff']:.4g} ('{worst['name']}', rank {worst['diff_rank']})"
+    why = why_text(rows)
+    message += f". {why}" if why else ""
     seeds = {int(r): s for r, s in first.get("seeds", {}).items()}
     seed_sites = {int(r): s for r, s in first.get("seed_sites", {}).items() if s}
     file, line = (first["built"] or [None, None])
@@ -316,16 +456,41 @@ def prewrap_finding(per_rank: dict[int, list[dict[str, Any]]]) -> Finding | None
         cause = "rank_seeded"
         if site:
             file, line = site
+    elif all(r.get("why") == "src_none" for r in rows):
+        message += (". Build the model identically on every rank (the same torch.manual_seed before building), or "
+                    "leave src_data_rank at its default (0) so that torch scatters rank 0's values")
+        cause = "src_data_rank_none"
+        file, line = first["site"] or [file, line]
     else:
-        message += (f". The ranks built or initialized their copies differently (first built at "
-                    f"{_where(first['built'])}): an init that depends on the rank, or state loaded on some ranks "
-                    "only; initialize identically on every rank before parallelizing")
+        built = f" (first built at {_where(first['built'])})" if first["built"] else ""
+        message += (f". The ranks built or initialized their copies differently{built}: an init that depends on "
+                    "the rank, or state loaded on some ranks only; initialize identically on every rank before "
+                    "parallelizing")
         cause = "rank_dependent_init"
+        if not first["built"] and first["site"]:
+            file, line = first["site"]
     detail = {"cause": cause, "when": "before parallelizing", "params": names, "count": len(names),
+              "why": sorted({r.get("why") or "" for r in rows} - {""}),
               "max_abs_diff": worst.get("max_abs_diff"), "max_abs_diff_param": worst["name"],
               "wrap_sites": [r["site"] for r in rows], "seeds": {str(r): s for r, s in sorted(seeds.items())},
               "file": file, "line": line}
     return Finding("tensor_divergence", blamed or ranks, message + ".", detail)
+
+
+def why_text(rows: list[dict[str, Any]]) -> str:
+    """Why each call left these tensors as each rank built them ("Why: ..."), one clause per (call, reason)."""
+    clauses: dict[tuple, list[str]] = {}
+    for row in rows:
+        why = row.get("why") or ("fully_shard" if row["how"] == "fully_shard" else "")
+        label = f"{_LABEL.get(row['how'], row['how'])} at {_where(row['site'])}"
+        reason = _WHY.get(why, "")
+        if why == "src_none" and row.get("styles"):
+            reason = (f"{', '.join(row['styles'])} keep{'s' if len(row['styles']) == 1 else ''} each rank's local "
+                      "values instead of scattering rank 0's")
+        clauses.setdefault((label, reason), []).append(row["name"])
+    parts = [f"{label}: {reason}" + (f" ({format_names(names, SHOWN)})" if len(clauses) > 1 else "")
+             for (label, reason), names in clauses.items() if reason]
+    return ("Why the call does not make them equal: " + "; ".join(parts)) if parts else ""
 
 
 def _param_site(module: Any, name: str) -> Site | None:
