@@ -22,7 +22,7 @@ import torch
 
 from distcheck.analysis.module_diff import dp_groups
 from distcheck.analysis.replicas import Divergence, diff_chunk, divergence_finding
-from distcheck.analysis.tolerance import Comparison, compare, ratio_hint, tolerance_for
+from distcheck.analysis.tolerance import Comparison, Precision, Rule, compare, ratio_hint, rule_for
 from distcheck.contract.findings import Finding, format_ranks
 from distcheck.contract import records_file
 from distcheck.contract.files import AUTO_GRADS, AUTO_LOSS, AUTO_PARAMS
@@ -335,6 +335,7 @@ class Row:
     line: int | None = None
     auto: bool = False
     convention: str = ""  # a per-rank loss: "mean" or "sum" over the ranks, as compare_runs found it
+    rule: Rule | None = None  # the tolerance its (first differing, else first) part was judged with, and why
 
     @property
     def name(self) -> str:
@@ -361,6 +362,8 @@ class Row:
             out["site"] = self.site
         if self.convention:
             out["convention"] = self.convention
+        if self.rule is not None:
+            out["tolerance"] = self.rule.to_json()
         if self.auto:
             out["auto"] = True
             out["recorded"] = AUTO_TEXT
@@ -369,15 +372,19 @@ class Row:
 
 @dataclass
 class Tolerances:
-    """--rtol/--atol from the command line; None keeps the dtype default. A record's own tolerance wins."""
+    """--rtol/--atol from the command line; None keeps the default, which follows the precision the runs computed
+    in (``precision``: the lowest of both runs; analysis/tolerance.py). A record's own tolerance wins."""
 
     rtol: float | None = None
     atol: float | None = None
+    precision: Precision | None = None
 
-    def pick(self, ref: Record, run: Record, dtype: torch.dtype) -> tuple[float, float]:
+    def pick(self, ref: Record, run: Record, dtype: torch.dtype) -> Rule:
         rtol = next((v for v in (run.rtol, ref.rtol, self.rtol) if v is not None), None)
         atol = next((v for v in (run.atol, ref.atol, self.atol) if v is not None), None)
-        return tolerance_for(dtype, rtol, atol)
+        own = any(v is not None for v in (run.rtol, ref.rtol, run.atol, ref.atol))
+        why = "the record's own rtol/atol" if own else "--rtol/--atol"
+        return rule_for(dtype, rtol, atol, self.precision, why)
 
 
 def compare_records(ref: Record, run: Record, tol: Tolerances) -> Row:
@@ -385,20 +392,25 @@ def compare_records(ref: Record, run: Record, tol: Tolerances) -> Row:
     ref_parts, run_parts = aligned_parts({p.key: p for p in ref.parts}, {p.key: p for p in run.parts})
     worst: tuple[float, float] | None = None
     first_bad: tuple[Part, Part, Comparison] | None = None
+    first_rule: Rule | None = None
     missing = [k for k in ref_parts if k not in run_parts]
     extra = [k for k in run_parts if k not in ref_parts]
     for k, rp in ref_parts.items():
         ap = run_parts.get(k)
         if ap is None:
             continue
-        rtol, atol = tol.pick(ref, run, rp.tol_dtype)
-        cmp = compare(ap.value, rp.value, rtol, atol)
+        rule = tol.pick(ref, run, rp.tol_dtype)
+        first_rule = first_rule or rule
+        cmp = compare(ap.value, rp.value, rule.rtol, rule.atol, norm=rule.norm)
+        # the norm-wise error where the rule is norm-wise: one near-zero element's relative error says nothing there
+        rel = cmp.norm_rel if cmp.norm_rel is not None else cmp.max_rel
         if worst is None or cmp.max_abs > worst[0]:
-            worst = (cmp.max_abs, cmp.max_rel)
+            worst = (cmp.max_abs, rel)
         if not cmp.ok and first_bad is None:
             first_bad = (ap, rp, cmp)
+            first_rule = rule
     row = Row(key, STATUS_OK, worst[0] if worst else None, worst[1] if worst else None, file=run.file or ref.file,
-              line=run.line or ref.line, auto=run.auto and ref.auto)
+              line=run.line or ref.line, auto=run.auto and ref.auto, rule=first_rule)
     if first_bad is not None:
         ap, rp, cmp = first_bad
         row.status, row.comparison, row.actual, row.expected = STATUS_DIFF, cmp, ap.value, rp.value
@@ -531,6 +543,17 @@ def _is_grad(row: Row) -> bool:
     return row.part_role == "gradient" or (not row.part and "grad" in row.name.lower())
 
 
+def observed_factor(row: Row) -> float | None:
+    """The median ratio of the differing part to the reference (where the reference is not ~0), or None."""
+    if row.actual is None or row.expected is None or row.actual.shape != row.expected.shape:
+        return None
+    if row.actual.is_complex() or row.expected.is_complex():
+        return None
+    a, e = _wide(row.actual).double().reshape(-1), _wide(row.expected).double().reshape(-1)
+    mask = e.abs() > 1e-12
+    return float((a[mask] / e[mask]).median()) if bool(mask.any()) else None
+
+
 def hints(row: Row, rows: list[Row], nproc: int) -> list[str]:
     """Why the first differing record differs, where the pattern says so."""
     out = []
@@ -553,9 +576,17 @@ def hints(row: Row, rows: list[Row], nproc: int) -> list[str]:
     if _is_grad(row):
         losses = [r for r in rows if r.step == row.step and _is_loss(r.name) and r is not row]
         if losses and all(r.status == STATUS_OK for r in losses):
+            factor = observed_factor(row)
+            if factor is not None and abs(factor - nproc) < 0.05 * nproc:
+                why = f"they are {nproc}x the reference: summed over the ranks and not divided by {nproc}"
+            elif factor is not None and abs(factor * nproc - 1) < 0.05:
+                why = f"they are 1/{nproc} of the reference: divided by {nproc} once too often"
+            else:  # no factor of the world size: name none
+                seen = f"; they are {factor:.4g}x the reference, not a factor of the world size" \
+                    if factor is not None else ""
+                why = f"a missing or extra all-reduce, or gradients changed on some ranks{seen}"
             out.append(f"the loss matches the reference at step {row.step} but the gradients do not: the forward "
-                       f"pass agrees and the gradient reduction does not (gradients summed over ranks and not "
-                       f"divided by {nproc}, a missing or extra all-reduce, or a per-rank loss scale)")
+                       f"pass agrees and the gradient reduction does not ({why})")
     elif _is_loss(row.name) and not out:
         earlier = [r for r in rows if r.name == row.name and r.step < row.step]
         if not earlier:
@@ -742,4 +773,7 @@ def render_table(rows: list[Row], conventions: dict[str, Convention] | None = No
                      + "; ".join(what.get(n, n) for n in auto_names))
     for name, convention in (conventions or {}).items():
         lines.append(convention.text(name))
+    rules = list(dict.fromkeys(r.rule.text() for r in rows if r.rule is not None and r.rule.why != "exact: integers"))
+    if rules:
+        lines.append("tolerance: " + "; ".join(rules))
     return "\n".join(lines)

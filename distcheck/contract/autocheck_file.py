@@ -37,13 +37,15 @@ class AutocheckState:
     prewrap: dict[str, Any] = field(default_factory=dict)  # {"points", "seconds"}
     frozen: list[dict[str, Any]] = field(default_factory=list)  # the checked steps that had nothing to update
     warnings: list[dict[str, Any]] = field(default_factory=list)  # Notes for the report
+    precision: list[dict[str, Any]] = field(default_factory=list)  # 16-bit computation: {source, dtype, file, line}
 
     def to_json(self) -> dict[str, Any]:
         return {files.FORMAT_KEY: files.FORMAT, "rank": self.rank, "model_checks": self.model_checks,
                 "steps": self.steps, "counter": self.counter, "backwards": self.backwards,
                 "first_bad": self.first_bad, "step_check_seconds": self.step_check_seconds,
                 "auto_records": self.auto_records, "replica_drift": self.replica_drift, "modules": self.modules,
-                "prewrap": self.prewrap, "frozen": self.frozen, "warnings": self.warnings}
+                "prewrap": self.prewrap, "frozen": self.frozen, "warnings": self.warnings,
+                "precision": self.precision}
 
 
 def path(report_dir: str | os.PathLike, rank: int) -> Path:

@@ -99,6 +99,15 @@ def _second_look(opts: CompareOptions, report_dir: Path, nproc: int, auto_steps:
                               note=f"'{module['name']}' saved in a second run of each world size"))
 
 
+def run_precision(report_dir: Path, subs: tuple[str, ...]) -> "Precision | None":
+    """The lowest precision either run computed in (the ranks' precision notes), for the default tolerances."""
+    from distcheck.analysis.tolerance import Precision  # noqa: F811 (the annotation's name, imported lazily)
+    from distcheck.contract.autocheck_file import read_all
+
+    notes = [n for sub in subs for state in read_all(report_dir / sub).values() for n in state.get("precision") or []]
+    return Precision.from_notes(notes)
+
+
 def compare(opts: CompareOptions, interrupt: Interrupt | None = None) -> tuple[Report, Path]:
     from distcheck.analysis.records import (AUTO_TEXT, Tolerances, compare_runs, has_explicit, load_run,
                                             record_files, render_table)
@@ -174,6 +183,7 @@ def compare(opts: CompareOptions, interrupt: Interrupt | None = None) -> tuple[R
                                                              "did not complete (see its findings)"))
             continue
         started = time.monotonic()
+        tol.precision = run_precision(report_dir, (REFERENCE_DIR, f"nproc{nproc}"))
         result = compare_runs(loaded[REFERENCE_DIR], loaded[f"nproc{nproc}"], nproc, tol, opts.steps)
         mismatch = next((f for f in result.findings if f.kind == "reference_mismatch"), None)
         if mismatch is not None:  # which module first computes something else (analysis/module_diff.py)

@@ -233,8 +233,9 @@ def test_table_lists_every_record(tmp_path, monkeypatch):
     run = {0: [rec("loss", 0, 1.0), module(0, [1.0, 2.0], [0.2, 0.4])]}
     text = render_table(compare_runs(ref, run, 2).rows)
     lines = text.splitlines()
-    assert len(lines) == 3 and lines[1].split()[:3] == ["0", "loss", "ok"]
+    assert len(lines) == 4 and lines[1].split()[:3] == ["0", "loss", "ok"]
     assert "MISMATCH" in lines[2] and "first differing gradient 'w.grad'" in lines[2]
+    assert lines[3] == "tolerance: rtol 0.0001, atol 1e-05 (float32 defaults)"  # which tolerance, and why
 
 
 def test_round_trip_through_files(tmp_path, monkeypatch):
@@ -291,7 +292,7 @@ def test_auto_records_are_compared_and_marked_when_nothing_is_recorded_explicitl
     table = render_table(result.rows).splitlines()
     assert table[1].endswith("mean of 2 ranks, recorded automatically") and table[2].endswith(
         "recorded automatically")
-    assert table[-1].startswith("recorded automatically (the script records nothing itself): auto/loss = the loss")
+    assert table[-2].startswith("recorded automatically (the script records nothing itself): auto/loss = the loss")
 
 
 def test_explicit_records_take_precedence_over_auto_ones():

@@ -16,6 +16,8 @@
 * prewrap.py: the model compared across ranks where it is parallelized, before torch runs (rank-seeded init, a
   model whose structure differs: ``tensor_divergence``);
 * frozen_step.py: the first optimizer steps that have nothing to update (a frozen model);
+* precision.py: where the rank computed in bf16/fp16 (autocast, FSDP2 mixed precision, DDP compression hooks,
+  16-bit parameters), so that compare judges its records at that precision;
 
 patches.py holds the hooks (fully_shard, DDP and its no_sync(), parallelize_module, optimizers, ``backward``) that
 feed these jobs through :class:`AutoCheck`, which also owns the step counters they share and the per-rank state file
@@ -38,6 +40,7 @@ from distcheck.rank.autocheck.discovery import ModelWatch
 from distcheck.rank.autocheck.frozen_step import FrozenWatch
 from distcheck.rank.autocheck.module_summaries import ModuleSummaries
 from distcheck.rank.autocheck.nan_watch import NanWatch
+from distcheck.rank.autocheck.precision import PrecisionNotes
 from distcheck.rank.autocheck.prewrap import PreWrap
 from distcheck.rank.autocheck.replica_drift import ReplicaDrift, steps_from_env
 
@@ -91,6 +94,7 @@ class AutoCheck:
         self.records = AutoRecords(self)
         self.drift = ReplicaDrift(self)
         self.prewrap = PreWrap(self)
+        self.precision = PrecisionNotes()
         self.frozen = FrozenWatch(self, steps_from_env())
         self.module_summaries = ModuleSummaries(self, enabled=bool(record_steps_from_env()))
         self.models.on_watch.append(self.nan.forget_names)
@@ -102,6 +106,7 @@ class AutoCheck:
     # -- events from the hooks -------------------------------------------------------------------------------------
     def watch(self, module: Any) -> None:
         self.models.watch(module)
+        self.precision.note_module(module)
 
     def on_backward(self, loss: Any) -> None:
         self.backwards += 1
@@ -178,7 +183,7 @@ class AutoCheck:
             self.rank, self.models.model_checks, self.steps_done, self.counter, self.backwards,
             self.nan.first_bad.to_json() if self.nan.first_bad else None, self.nan.seconds, self.records.count,
             self.drift.state(), self.module_summaries.state(), self.prewrap.state(), self.frozen.state(),
-            self.models.warnings).to_json()
+            self.models.warnings, self.precision.state()).to_json()
 
     def write_state(self) -> None:
         exc = autocheck_file.write(self.out_dir, self.rank, self.state())

@@ -154,6 +154,7 @@ class ModelWatch:
         from distcheck.rank.usersite import caller_site
 
         forward = caller_site()
+        self.owner.precision.note_module(root)  # a model found at its first forward: 16-bit parameters?
         prewrap = self.owner.prewrap
         with torch.no_grad():
             # What differed before parallelizing is one finding (its cause is the init); the first forward's own

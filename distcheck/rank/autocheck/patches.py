@@ -9,7 +9,9 @@ The functions that parallelize a model are wrapped where users import them from:
 ``distribute_tensor`` (which tensors a call scatters from rank 0, by ``src_data_rank``);
 ``torch.optim.Optimizer.__init__`` counts the optimizers, global optimizer step hooks and ``Tensor.backward`` mark
 the steps. The parallelizing calls first compare the model across ranks (prewrap.py), before torch's own code;
-``torch.manual_seed`` notes each rank's seed and ``FSDPModule.set_requires_gradient_sync`` its line. The FSDP and DTensor modules cost seconds to import,
+``torch.manual_seed`` notes each rank's seed and ``FSDPModule.set_requires_gradient_sync`` its line;
+``torch.autocast.__enter__``, fully_shard's ``mp_policy`` and ``DistributedDataParallel.register_comm_hook`` note
+the precision the model computes in (precision.py). The FSDP and DTensor modules cost seconds to import,
 so they are patched when the script imports them (an import hook), not imported here. Every wrapper calls the
 original untouched.
 """
@@ -85,6 +87,8 @@ def _before(how: str, args: tuple, kwargs: dict) -> None:
     try:
         modules = _arg(args, kwargs, 0, "module")
         ranks = _mesh_ranks(_arg(args, kwargs, 1, "mesh" if how == "fully_shard" else "device_mesh"))
+        if how == "fully_shard":
+            check.precision.note_mp_policy(kwargs.get("mp_policy"))
         if how == "parallelize_module":
             check.prewrap.note_plan(_arg(args, kwargs, 2, "parallelize_plan"),
                                     kwargs.get("src_data_rank", args[3] if len(args) > 3 else 0))
@@ -269,6 +273,32 @@ def patch_once() -> None:
             current().watch(self)
 
     DistributedDataParallel.__init__ = ddp_wrapper
+
+    register_comm_hook = DistributedDataParallel.register_comm_hook
+
+    @functools.wraps(register_comm_hook)
+    def comm_hook_wrapper(self: Any, state: Any, hook: Any, *args: Any, **kwargs: Any) -> Any:
+        if current() is not None:  # a compression hook rounds the gradients: compare's tolerance follows it
+            current().precision.note_comm_hook(hook)
+        return register_comm_hook(self, state, hook, *args, **kwargs)
+
+    DistributedDataParallel.register_comm_hook = comm_hook_wrapper
+
+    from torch.amp.autocast_mode import autocast
+
+    autocast_enter = autocast.__enter__
+
+    @functools.wraps(autocast_enter)
+    def autocast_enter_wrapper(self: Any) -> Any:
+        check = current()
+        if check is not None and not _compiling():
+            try:  # the computation's precision, for compare's tolerance (rank/autocheck/precision.py)
+                check.precision.note_autocast(self)
+            except Exception as exc:
+                log.debug("distcheck: could not note an autocast region: %s", exc)
+        return autocast_enter(self)
+
+    autocast.__enter__ = autocast_enter_wrapper
 
     no_sync = DistributedDataParallel.no_sync
 
