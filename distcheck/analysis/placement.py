@@ -17,6 +17,11 @@ REPLICATING_STYLES = frozenset({"SequenceParallel", "PrepareModuleInput", "Prepa
 WEIGHT_SHARDING_STYLES = frozenset({"ColwiseParallel", "RowwiseParallel"})
 
 
+# The attribute the fully_shard hook (rank/autocheck/patches.py) sets on each parameter passed as ignored_params:
+# FSDP2 keeps no record of them, and they are unmanaged on purpose.
+FSDP_IGNORED = "_distcheck_fsdp_ignored"
+
+
 @dataclass
 class PlacementRow:
     name: str
@@ -36,6 +41,7 @@ class PlacementRow:
     fsdp: str | None = None  # fqn of the fully_shard module that manages it ("<root>" for the root)
     tp_style: str | None = None  # parallel style applied to the owning module
     ddp: bool = False
+    fsdp_ignored: bool = False  # passed to fully_shard(ignored_params=...): unmanaged on purpose
     file: str | None = None  # where the user's code defines it, when it is user code
     line: int | None = None
 
@@ -202,12 +208,14 @@ def coverage_findings(rows: list[PlacementRow], fsdp_modules: list[str], ranks: 
                 style=style)
     if fsdp_modules:
         for r in params:
-            if r.name in out or r.fsdp is not None or r.ddp:
+            # ignored_params is FSDP2's documented way to leave a parameter out (its user reduces its gradient;
+            # the replicas' drift check sees it if not): not a coverage gap
+            if r.name in out or r.fsdp is not None or r.ddp or r.fsdp_ignored:
                 continue
             anc = _nearest(r.module, fsdp_modules)
             if anc is not None:
                 why = (f"it sits under fully_shard module '{anc}' but FSDP2 does not manage it: it was added "
-                       f"after fully_shard (or passed as ignored_params)")
+                       f"after fully_shard")
                 reason = "added_after_fully_shard"
             else:
                 path = f"'{r.module}' nor the root module has" if r.module else "the root module has"

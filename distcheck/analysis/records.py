@@ -142,6 +142,35 @@ def with_precedence(*runs: dict[int, list[Record]]) -> list[dict[int, list[Recor
     return [{rank: [r for r in recs if not r.auto] for rank, recs in run.items()} for run in runs]
 
 
+def fold_accumulated_losses(run: dict[int, list[Record]]) -> dict[int, list[Record]]:
+    """The automatic loss of a step with several backward() calls (gradient accumulation) as one record, their sum.
+
+    Each micro-batch's loss depends on which rows the micro-batch holds, and that changes with the world size (the
+    1-rank run's first micro-batch is rows 0-3 of the global batch, rank 0's in a 2-rank run rows 0-1): only the
+    step's total is the same computation in both runs (each micro-batch loss divided by the number of
+    micro-batches, the total is the mean over the rank's rows). The gradients and parameters are compared per step
+    as before."""
+    out: dict[int, list[Record]] = {}
+    for rank, records in run.items():
+        groups: dict[int, list[Record]] = {}
+        for r in records:
+            if r.auto and r.name == AUTO_LOSS and r.kind != "module" and len(r.parts) == 1:
+                groups.setdefault(r.step, []).append(r)
+        kept: list[Record] = []
+        for r in records:
+            group = groups.get(r.step) if r.auto and r.name == AUTO_LOSS else None
+            if group is None or len(group) < 2:
+                kept.append(r)
+            elif r is group[0]:
+                total = sum(g.parts[0].value.double() for g in group)
+                part = r.parts[0]
+                kept.append(Record(r.name, r.step, r.seq, r.rank, r.kind,
+                                   [Part(part.key, part.role, total.to(part.value.dtype), part.tol_dtype)],
+                                   r.replicated, r.rtol, r.atol, r.file, r.line, r.auto, r.dp))
+        out[rank] = kept
+    return out
+
+
 def keyed(records: list[Record]) -> dict[Key, Record]:
     out: dict[Key, Record] = {}
     seen: dict[tuple[str, int], int] = {}
@@ -600,7 +629,7 @@ def compare_runs(ref_run: dict[int, list[Record]], nproc_run: dict[int, list[Rec
                  tol: Tolerances | None = None, steps: int | None = None) -> RunComparison:
     """Compare the N-rank run with the 1-rank reference: rows for every record, findings for what differs."""
     tol = tol or Tolerances()
-    ref_run, nproc_run = with_precedence(ref_run, nproc_run)
+    ref_run, nproc_run = with_precedence(fold_accumulated_losses(ref_run), fold_accumulated_losses(nproc_run))
     ref, _ = resolve_run(ref_run, 1)
     run, divergences = resolve_run(nproc_run, nproc)
     keys = _order(ref, run)
@@ -764,7 +793,8 @@ def render_table(rows: list[Row], conventions: dict[str, Convention] | None = No
                      f"{_num(row.rel_err):<9} {note}")
     auto_names = sorted({r.name for r in rows if r.auto})
     if auto_names:
-        what = {AUTO_LOSS: f"{AUTO_LOSS} = the loss passed to backward() (each rank's own: compared as "
+        what = {AUTO_LOSS: f"{AUTO_LOSS} = the loss passed to backward() (summed over a step's backward() calls "
+                           f"when there are several, gradient accumulation; each rank's own: compared as "
                            f"their mean, or as their sum where a loss convention below says so)",
                 AUTO_PARAMS: f"{AUTO_PARAMS} = every parameter after optimizer.step() (full tensors)",
                 AUTO_GRADS: f"{AUTO_GRADS} = every parameter's gradient at the first optimizer.step() (full "

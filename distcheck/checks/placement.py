@@ -21,8 +21,8 @@ from typing import Any, Iterable
 import torch
 import torch.nn as nn
 
-from distcheck.analysis.placement import (PlacementRow, coverage_findings, merge_rank_findings, mixed_mesh_notes,
-                                          render_placement_table)
+from distcheck.analysis.placement import (FSDP_IGNORED, PlacementRow, coverage_findings, merge_rank_findings,
+                                          mixed_mesh_notes, render_placement_table)
 from distcheck.analysis.replicas import group_findings
 from distcheck.contract.findings import Finding
 from distcheck.rank.usersite import param_site
@@ -167,7 +167,7 @@ def describe_model(model: nn.Module) -> list[PlacementRow]:
             fsdp=managed.get(id(t)) if role == "parameter" else None, tp_style=styles.get(mname),
             ddp=is_ddp and role == "parameter" and name.removeprefix("module.") not in ddp_ignored
             and inner not in ddp_ignored,
-            file=file, line=line))
+            fsdp_ignored=bool(getattr(t, FSDP_IGNORED, False)), file=file, line=line))
     return rows
 
 

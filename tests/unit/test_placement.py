@@ -153,3 +153,13 @@ def test_merge_rank_findings_unions_ranks():
 def test_short_placements():
     assert [short_placement(p) for p in ("Shard(dim=1)", "Replicate()", "_StridedShard(dim=0, sf=2)",
                                          "Partial(sum)")] == ["S(1)", "R", "SS(0,sf=2)", "P(sum)"]
+
+
+def test_fully_shard_ignored_params_are_not_a_coverage_gap():
+    """fully_shard(ignored_params=...) leaves a parameter out on purpose (the fully_shard hook marks it); one added
+    after fully_shard beside it is still flagged."""
+    rows = [_row("blocks.0.weight", fsdp="blocks.0"),
+            _row("blocks.0.temperature", cls="Tensor", fsdp_ignored=True),
+            _row("blocks.0.adapter", cls="Tensor")]
+    found = coverage_findings(rows, ["blocks.0"], [0, 1])
+    assert [f.detail["params"] for f in found] == [["blocks.0.adapter"]]

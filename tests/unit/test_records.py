@@ -530,3 +530,17 @@ def test_parameter_names_a_wrapper_prefixed_on_one_side_are_matched():
     other = {"net.0.weight": 1, "net.1.bias": 2}
     assert aligned_parts(ref, other) == (ref, other)  # not only a prefix: reported as today
     assert aligned_parts({"a.x": 1, "b.x": 2}, {"x": 1}) == ({"a.x": 1, "b.x": 2}, {"x": 1})
+
+
+def test_accumulated_micro_batch_losses_compare_as_the_steps_sum():
+    """Gradient accumulation: the micro-batches hold other rows at each world size, so each one's loss differs;
+    the step's sum is the same computation in both runs (fixtures/ok/ddp_no_sync_accumulation.py)."""
+    def auto_loss(step, value, rank=0, seq=0):
+        return rec("auto/loss", step, value, rank=rank, seq=seq, auto=True)
+
+    ref = {0: [auto_loss(0, 0.30, seq=0), auto_loss(0, 0.34, seq=1)]}  # rows 0-3, rows 4-7 (each / 2)
+    run = {0: [auto_loss(0, 0.31, 0, 0), auto_loss(0, 0.30, 0, 1)],  # rank 0: rows 0-1, 2-3
+           1: [auto_loss(0, 0.35, 1, 0), auto_loss(0, 0.32, 1, 1)]}  # rank 1: rows 4-5, 6-7
+    result = compare_runs(ref, run, 2)
+    assert result.findings == [] and [r.key for r in result.rows] == [("auto/loss", 0, 0)]
+    assert compare_runs(ref, {0: run[0], 1: [auto_loss(0, 0.7, 1, 0), auto_loss(0, 0.7, 1, 1)]}, 2).findings

@@ -89,6 +89,10 @@ def _before(how: str, args: tuple, kwargs: dict) -> None:
         ranks = _mesh_ranks(_arg(args, kwargs, 1, "mesh" if how == "fully_shard" else "device_mesh"))
         if how == "fully_shard":
             check.precision.note_mp_policy(kwargs.get("mp_policy"))
+            from distcheck.analysis.placement import FSDP_IGNORED
+
+            for p in kwargs.get("ignored_params") or ():  # left out on purpose: not a coverage gap
+                setattr(p, FSDP_IGNORED, True)
         if how == "parallelize_module":
             check.prewrap.note_plan(_arg(args, kwargs, 2, "parallelize_plan"),
                                     kwargs.get("src_data_rank", args[3] if len(args) > 3 else 0))
