@@ -15,7 +15,8 @@ from distcheck.processes import NODE_WATCHER, ROLE_ENV, agent_pid
 
 
 def rank_bootstrap(report_dir: str | os.PathLike, timeout: float, native: bool = False,
-                   trace: bool = True, watcher: bool = True, stop_dumps: bool = False) -> subprocess.Popen | None:
+                   trace: bool = True, watcher: bool = True, stop_dumps: bool = False,
+                   command: str | None = None) -> subprocess.Popen | None:
     """Call at the start of every rank under torchrun (consistency, the pytest marker, ``torchrun -m distcheck run``).
 
     On local rank 0 starts the node watcher (its Popen is returned there, None elsewhere); copies the rank's stderr
@@ -23,6 +24,7 @@ def rank_bootstrap(report_dir: str | os.PathLike, timeout: float, native: bool =
     last collectives). ``watcher=False``
     when a supervisor outside the ranks already watches them. ``stop_dumps``: dump every thread on a stop signal
     (torchrun passing on SIGTERM/SIGINT/SIGHUP), for a command that leaves its report to the node watcher then.
+    ``command``: the node watcher writes this ``distcheck run`` command's report (the ranks only write files).
     """
     from distcheck.rank import group_keepalive
     from distcheck.rank.stack_hooks import install_rank_hooks
@@ -42,7 +44,7 @@ def rank_bootstrap(report_dir: str | os.PathLike, timeout: float, native: bool =
         lws = os.environ.get("LOCAL_WORLD_SIZE")
         # Started before the stderr copy: the watcher prints its report to the job's console, not into the copy.
         node_watcher = start_node_watcher(report_dir, timeout, native, int(ws) if ws else None,
-                                          int(lws) if lws else None)
+                                          int(lws) if lws else None, command)
     tee_stderr(report_dir, rank)  # failure reports quote the last lines of this rank's stderr
     group_keepalive.install()  # a DDP script's end must not deadlock in torch's teardown (see the module)
     install_rank_hooks(report_dir, rank, stop_dumps=stop_dumps)
@@ -55,7 +57,8 @@ def rank_bootstrap(report_dir: str | os.PathLike, timeout: float, native: bool =
 
 
 def start_node_watcher(report_dir: str | os.PathLike, timeout: float, native: bool = False,
-                       world_size: int | None = None, local_world_size: int | None = None) -> subprocess.Popen:
+                       world_size: int | None = None, local_world_size: int | None = None,
+                       command: str | None = None) -> subprocess.Popen:
     """Start the node's watcher process (call from local rank 0 only). It ends by itself when the ranks end.
 
     Its own session keeps torchrun's teardown signals from killing it halfway through writing the report.
@@ -68,6 +71,8 @@ def start_node_watcher(report_dir: str | os.PathLike, timeout: float, native: bo
         cmd += ["--world-size", str(world_size)]
     if local_world_size:
         cmd += ["--local-world-size", str(local_world_size)]
+    if command:
+        cmd += ["--command", command]
     cmd += ["--log", str(Path(report_dir) / f"watcher-{socket.gethostname()}.log")]
     # stdout/stderr: the rank's, i.e. the job's console, where the report is printed; the log goes to a file.
     # Its role keeps the ranks' own sweeps (runtime.end_processes) from ending it with the script's processes.

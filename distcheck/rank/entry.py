@@ -5,7 +5,9 @@
 
 Each rank installs the tracer, the zero-code checks and the stack hooks, runs SCRIPT (sys.argv = [SCRIPT,
 ARGS...]), records an exception with the user's line in its trace, and writes its exit line. Supervised ranks
-end there; under torchrun, rank 0's monitor thread (supervise/torchrun_monitor.py) writes the report.
+end there. Under torchrun a failed rank exits at once with its own code; on one node the node watcher (a process
+outside the ranks, started by local rank 0) writes the report and local rank 0 waits for it after its script; on
+several nodes rank 0's monitor thread (supervise/torchrun_monitor.py) still writes it.
 """
 from __future__ import annotations
 
@@ -67,8 +69,11 @@ def run_in_rank(opts: RunOptions, monitor: Callable[..., Any]) -> int:
     checker = autocheck.install(report_dir, info.rank)
     # Stack hooks (ptrace permission for our launcher, faulthandler fallback); under plain torchrun also the node
     # watcher, a process outside the ranks that dumps their stacks on a hang even when one holds the GIL.
-    rank_bootstrap(report_dir, opts.timeout, native=opts.native, trace=False, watcher=not supervised,
-                   stop_dumps=not supervised)
+    # One node under torchrun: the node watcher, a process outside the ranks, writes the report once every rank
+    # has ended (or diagnoses the hang); the ranks only write files. Several nodes: rank 0's monitor still does.
+    one_node = int(os.environ.get("LOCAL_WORLD_SIZE", info.world_size)) >= info.world_size
+    watcher = rank_bootstrap(report_dir, opts.timeout, native=opts.native, trace=False, watcher=not supervised,
+                             stop_dumps=not supervised, command=opts.command if one_node else None)
     done_marker = files.report_done_marker(report_dir)
     if not supervised and info.rank == 0:
         done_marker.unlink(missing_ok=True)
@@ -76,7 +81,7 @@ def run_in_rank(opts: RunOptions, monitor: Callable[..., Any]) -> int:
     refuse_self_launch(opts.script)
     finalizer = None
     main_done = threading.Event()
-    if not supervised:
+    if not supervised and not one_node:
         finalizer = monitor(info.rank, info.world_size, report_dir, opts, done_marker, main_done, hard_exit)
         finalizer.start()
     ok, code = _execute(opts.script, list(opts.script_args), tracer)
@@ -94,21 +99,35 @@ def run_in_rank(opts: RunOptions, monitor: Callable[..., Any]) -> int:
     # (gloo threads destroyed while joinable: "terminate called without an active exception", SIGABRT) would
     # otherwise turn a correct script into a dead rank. A failed one ends through hard_exit, skipping its atexit
     # handlers too, which may wait on dead peers.
-    if supervised:
+    if supervised or not ok:
+        # Under torchrun a failed rank exits at once with its own code, as it would without distcheck: torchrun's
+        # agent ends the others (their stop dumps say where they were) and the node watcher writes the report.
         end(0 if ok else code or 1, returned=ok)
-    assert finalizer is not None
-    if info.rank == 0:
+    if finalizer is not None and info.rank == 0:
         finalizer.join()  # it writes the report once every rank has finished, failed or stopped progressing
         end(finalizer.exit_code, returned=True)
-    if not ok:
-        # Under torchrun a non-zero exit makes the agent kill every other rank at once: stay until rank 0 has
-        # written the report (bounded), so the report survives our failure.
-        deadline = time.monotonic() + opts.timeout + 30
-        while time.monotonic() < deadline and not done_marker.exists():
-            time.sleep(0.1)
-        end(code or 1, returned=False)
+    if watcher is not None:
+        # Local rank 0 waits for the report, so that it exists when torchrun returns, and exits with its verdict
+        # (torchrun's exit code then follows the report). The watcher ends once every rank's script has ended.
+        end(_report_verdict(watcher, report_dir, opts.timeout), returned=True)
     end(0, returned=True)
     return 0  # not reached
+
+
+def _report_verdict(watcher: Any, report_dir: Path, timeout: float) -> int:
+    """Wait (bounded) for the node watcher to write the report; 0 if it passed, 1 otherwise."""
+    import json
+    import subprocess
+
+    try:
+        watcher.wait(timeout=timeout + 60)
+    except subprocess.TimeoutExpired:
+        log.warning("distcheck: the node watcher did not write the report within %.0fs", timeout + 60)
+        return 1
+    try:
+        return 0 if json.loads((report_dir / files.REPORT_JSON).read_text()).get("ok") else 1
+    except (OSError, ValueError):
+        return 1
 
 
 class SelfLaunchError(RuntimeError):

@@ -97,10 +97,13 @@ def local_ranks(report_dir: str | os.PathLike, host: str | None = None) -> dict[
 
 
 def watch(report_dir: str, timeout: float, native: bool = False, parent: int = 0, world_size: int | None = None,
-          local_world_size: int | None = None, agent: int | None = None) -> int:
+          local_world_size: int | None = None, agent: int | None = None, command: str | None = None) -> int:
+    """``command``: the ``distcheck run`` command line when this watcher writes the run's report (one node: the
+    ranks only write files, and end as they would without distcheck); None for ``consistency``, whose rank 0
+    writes its own report."""
     tree = RunTree(os.environ.get(RUN_ID_ENV))
     try:
-        return _watch(report_dir, timeout, native, parent, world_size, local_world_size, tree, agent)
+        return _watch(report_dir, timeout, native, parent, world_size, local_world_size, tree, agent, command)
     finally:
         ended = tree.end()  # whatever the ranks left on this node, then their stderr copies once drained
         if ended:
@@ -108,7 +111,7 @@ def watch(report_dir: str, timeout: float, native: bool = False, parent: int = 0
 
 
 def _watch(report_dir: str, timeout: float, native: bool, parent: int, world_size: int | None,
-           local_world_size: int | None, tree: RunTree, agent: int | None = None) -> int:
+           local_world_size: int | None, tree: RunTree, agent: int | None = None, command: str | None = None) -> int:
     host = socket.gethostname()
     multi_node = bool(world_size and local_world_size and world_size > local_world_size)
     if multi_node:
@@ -125,9 +128,23 @@ def _watch(report_dir: str, timeout: float, native: bool, parent: int, world_siz
     out_dir.mkdir(parents=True, exist_ok=True)
     seen: set[int] = set()
     live = _LiveRanks(report_dir, host, tree, seen)
+    agent = agent or _parent_of(parent)
+    expected = None
+    if command is not None and world_size and not multi_node:
+        # This watcher writes the run's report: the run is over once every rank ended its script (its exit line:
+        # local rank 0 waits for this report after its own) or its process, seen or not (a short script can end
+        # before the first look).
+        expected = world_size
+        plain_live = live
+
+        def live() -> dict[int, int]:
+            return {r: pid for r, pid in plain_live().items() if not script_ended(report_dir, r)}
 
     def finished() -> set[int]:
-        return seen - set(live())
+        running = live()
+        if expected is not None:
+            seen.update(r for r in range(expected) if r not in seen and _traced_under(report_dir, r, agent))
+        return seen - set(running)
 
     cancel = threading.Event()
 
@@ -135,8 +152,8 @@ def _watch(report_dir: str, timeout: float, native: bool, parent: int, world_siz
     started = time.monotonic()
     started_wall = time.time()
     # Traces and hooks are read from the (possibly shared) report dir; this node's stacks and report go to out_dir.
-    loop = WatchLoop(report_dir, timeout, live=live, finished=finished, expected=None, ranks=None,
-                     startup_timeout=timeout, dump=HangDump(native, world_size, out_dir), poll=0.2, cancel=cancel)
+    loop = WatchLoop(report_dir, timeout, live=live, finished=finished, expected=expected, ranks=None,
+                     startup_timeout=timeout, dump=HangDump(native, world_size, out_dir), poll=0.1, cancel=cancel)
     result = loop.run()
     cancel.set()
     if result.state == HUNG:
@@ -149,13 +166,20 @@ def _watch(report_dir: str, timeout: float, native: bool, parent: int, world_siz
         return 1
     stopped = stop_finding(report_dir, out_dir, native, world_size)
     if stopped is not None:  # torchrun passed a stop signal on to the ranks: they dumped their stacks and died
-        dead = stopped.detail["died_first"]
-        note = (f"{format_ranks(dead)} ended first; torchrun stopped the others" if dead
+        dead, failed = stopped.detail["died_first"], stopped.detail.get("failed_first", [])
+        note = (f"{format_ranks(failed or dead)} ended first; torchrun stopped the others" if failed or dead
                 else f"stopped from outside by {stopped.detail['stopped_by']}")
-        write_node_report(report_dir, out_dir, [stopped], world_size or len(seen), timeout,
-                          time.monotonic() - started, "stopped", note, running=set(stopped.detail["stopped_ranks"]))
+        # After a rank's own failure the stop is its consequence: where the stopped ranks were is a warning,
+        # the failure is the finding.
+        findings, warnings = ([], [stopped_note(stopped)]) if failed else ([stopped], [])
+        write_node_report(report_dir, out_dir, findings, world_size or len(seen), timeout,
+                          time.monotonic() - started, "stopped", note, running=set(stopped.detail["stopped_ranks"]),
+                          warnings=warnings, command=command)
         files.tidy(report_dir)
         return 1
+    if expected is not None:  # the run's report: every rank ended by itself
+        return write_run_report(report_dir, command or "distcheck run", expected, timeout,
+                                time.monotonic() - started, agent)
     if 0 in seen and not _written_since(out_dir, started_wall):
         # Rank 0 died before it could write the report (SIGKILLed, or stopped by torchrun after another rank
         # died): the run's report, from the ranks' files, so that the death is still named.
@@ -439,16 +463,26 @@ def stop_finding(report_dir: str, out_dir: Path, native: bool, world_size: int |
     # A rank that ended unfinished without dumping got no stop signal: it died first (SIGKILL, the OOM killer),
     # and torchrun then stopped the others. That death is the cause, and this finding says it is the consequence.
     dead = sorted(r for r, t in traces.items() if t.finished is None and r not in dumped)
-    if dead:
+    failed = sorted(r for r, t in traces.items() if t.finished is not None and not t.finished.get("ok"))
+    if failed:
+        first = traces[failed[0]].errors[-1] if traces[failed[0]].errors else None
+        what = f" ({first.exc_type} at {os.path.basename(first.file)}:{first.line})" \
+            if first is not None and first.file else ""
+        prefix = (f"torchrun stopped {format_ranks(dumped)} ({cause}) after {format_ranks(failed)} failed{what}; "
+                  f"where each stopped rank was: ")
+    elif dead:
         prefix = (f"torchrun stopped {format_ranks(dumped)} ({cause}) after {format_ranks(dead)} ended without "
                   f"finishing its script: ")
     else:
         prefix = f"the run was stopped from outside by {cause} (torchrun passed it on to the ranks): "
-    diag = diagnose(stacks, progress, None if local_only else world_size, None, {}, prefix)
+    if failed:  # the ranks that failed by themselves have their own findings: this describes the stopped ones
+        progress = {r: p for r, p in progress.items() if r not in failed}
+    diag = diagnose(stacks, progress, None if local_only or failed else world_size, None, {}, prefix)
     finding = diag.to_finding(stacks, progress)
     finding.detail["stopped_by"] = cause
     finding.detail["stopped_ranks"] = dumped
     finding.detail["died_first"] = dead
+    finding.detail["failed_first"] = failed
     finding.detail["artifacts"] = write_stack_artifacts(out_dir, stacks, [], native, progress,
                                                         f"distcheck: stopped by {cause}", files.STACKS_STEM,
                                                         diag.groups, diag.message)
@@ -457,7 +491,8 @@ def stop_finding(report_dir: str, out_dir: Path, native: bool, world_size: int |
 
 def write_node_report(report_dir: str, out_dir: Path, findings: list, world_size: int, timeout: float,
                       seconds: float, check_name: str, note: str, check_seconds: float = 0.0,
-                      running: set[int] | None = None, ranks: set[int] | None = None) -> None:
+                      running: set[int] | None = None, ranks: set[int] | None = None, warnings: list | None = None,
+                      command: str | None = None) -> None:
     """This node's report on a hang or a stop signal, printed to the console (stderr) too. ``ranks``: this node's
     ranks where the others' files are on other nodes (their outcomes are not this node's to tell).
 
@@ -478,12 +513,15 @@ def write_node_report(report_dir: str, out_dir: Path, findings: list, world_size
     elif traces:
         if running is None:  # a hang: every rank without an exit line was still running
             running = {r for r, t in traces.items() if t.finished is None}
-        outcomes = run_report.outcomes_from_traces(traces, world_size, True, running)
+        # Still running at a hang or a stop from outside (the finding says where): hung; stopped by torchrun
+        # after a rank's own failure (no finding of their own, a warning says where): stopped
+        outcomes = run_report.outcomes_from_traces(traces, world_size, bool(findings), running)
         if ranks is not None:
             traces = {r: t for r, t in traces.items() if r in ranks}
             outcomes = {r: o for r, o in outcomes.items() if r in ranks}
-        report = run_report.build_report(Path(report_dir), command_of(traces), world_size, traces, outcomes,
-                                         timeout, seconds, hang_findings=findings, stop_reason=note)
+        report = run_report.build_report(Path(report_dir), command or command_of(traces), world_size, traces,
+                                         outcomes, timeout, seconds, hang_findings=findings, stop_reason=note,
+                                         warnings=warnings)
     else:
         report = Report(command="distcheck (under torchrun)", world_size=world_size, findings=findings,
                         checks=[check])
@@ -493,6 +531,30 @@ def write_node_report(report_dir: str, out_dir: Path, findings: list, world_size
         log.warning("[%s] %s", f.kind, f.message)
     sys.stderr.write(render_text(report, out_dir))  # the console of the job, through rank 0's stderr
     sys.stderr.flush()
+
+
+def write_run_report(report_dir: str, command: str, world_size: int, timeout: float, seconds: float,
+                     agent: int | None) -> int:
+    """The report of a ``run`` whose ranks all ended by themselves (passed, or failed with torchrun ending the
+    others without a stop dump), printed to the job's console; its exit code (rank 0 exits with it)."""
+    from distcheck.analysis.trace_events import load_traces
+    from distcheck.supervise import run_report
+
+    traces = {r: t for r, t in load_traces(report_dir).items()
+              if r < world_size and (agent is None or t.meta.get("ppid", agent) == agent)}
+    outcomes = run_report.outcomes_from_traces(traces, world_size, False, set())
+    report = run_report.build_report(Path(report_dir), command, world_size, traces, outcomes, timeout, seconds)
+    code = run_report.publish(report, Path(report_dir))
+    files.tidy(report_dir)
+    return code
+
+
+def stopped_note(stopped) -> "Note":
+    """Where each rank torchrun stopped was (its stop dump), as a warning: a rank failed first, and that failure
+    is the finding."""
+    from distcheck.contract.findings import Note
+
+    return Note("stopped_by_torchrun", stopped.ranks, stopped.message, stopped.detail)
 
 
 def command_of(traces: dict) -> str:
@@ -525,11 +587,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--world-size", type=int, default=None)
     parser.add_argument("--local-world-size", type=int, default=None)
     parser.add_argument("--log", default=None, help="log file (default: stderr)")
+    parser.add_argument("--command", default=None, help="write the report of this `distcheck run` command")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=f"[distcheck watcher {socket.gethostname()}] %(message)s",
                         filename=args.log)
     return watch(args.report_dir, args.timeout, args.native, args.parent, args.world_size, args.local_world_size,
-                 args.agent)
+                 args.agent, args.command)
 
 
 if __name__ == "__main__":

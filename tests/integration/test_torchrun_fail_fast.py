@@ -1,0 +1,40 @@
+"""Issue 31: under torchrun the ranks only write files. A rank whose script fails exits at once with its own code,
+torchrun's agent stops the others, and the node watcher (a process outside the ranks) writes the report: the job
+ends as it would without distcheck, not at the no-progress limit. (bench/bench_fail_fast.py times both ways.)"""
+from __future__ import annotations
+
+import time
+
+from launch_helpers import FIXTURES, FRESH, load_report, torchrun
+
+FIXTURE = "torchrun_rank_fails.py"
+
+
+def test_a_failing_rank_ends_the_torchrun_job_at_once_and_the_report_says_where_the_others_were(tmp_path, line_of):
+    out = tmp_path / "report"
+    started = time.monotonic()
+    # --timeout 300: the old rank-0 monitor waited out this limit; the job must end long before it
+    res = torchrun(["-m", "distcheck", "run", "--timeout", "300", "--report-dir", str(out), "--",
+                    str(FIXTURES / FIXTURE)], timeout=200, env=FRESH)
+    assert time.monotonic() - started < 100, res.output
+    assert res.returncode == 1, res.output
+    report = load_report(out)  # there when torchrun returns: local rank 0 or the watcher wrote it before
+    assert not report["ok"]
+    failures = [f for f in report["findings"] if f["kind"] == "rank_failure"]
+    assert [f["ranks"] for f in failures] == [[1]], report["findings"]
+    assert failures[0]["detail"]["line"] == line_of(FIXTURE, 'open(f"/nonexistent/shard')
+    assert not [f for f in report["findings"] if f["kind"] == "hang"], report["findings"]
+    [stopped] = [w for w in report["warnings"] if w["kind"] == "stopped_by_torchrun"]
+    sleep = line_of(FIXTURE, "time.sleep(30)")
+    assert stopped["ranks"] == [0] and f"rank 0 is in load_batch ({FIXTURE}:{sleep})" in stopped["message"]
+    assert "after rank 1 failed (FileNotFoundError" in stopped["message"]
+    assert report["ranks"]["0"]["state"] == "stopped"
+
+
+def test_a_passing_torchrun_job_has_its_report_when_torchrun_returns(tmp_path):
+    out = tmp_path / "report"
+    res = torchrun(["-m", "distcheck", "run", "--report-dir", str(out), "--", str(FIXTURES / "ok" / "ddp_unseeded.py")],
+                   timeout=200, env=FRESH)
+    assert res.returncode == 0, res.output
+    report = load_report(out)
+    assert report["ok"] and report["findings"] == [] and "distcheck PASSED" in res.stdout
