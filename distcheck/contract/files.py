@@ -118,6 +118,42 @@ def remove_empty_rank_files(report_dir: str | os.PathLike, rank: int) -> None:
             pass
 
 
+ATTEMPT_DIR = "attempt-{attempt}"  # a torchrun restart's earlier attempt, kept apart (``--max-restarts``)
+_ATTEMPT_OF = re.compile(r"^attempt-(\d+)$")
+
+
+def attempt_dirs(report_dir: str | os.PathLike) -> dict[int, Path]:
+    """``{attempt: dir}`` of the earlier attempts of a restarted torchrun job kept in ``report_dir``."""
+    out = {}
+    for path in Path(report_dir).glob("attempt-*"):
+        match = _ATTEMPT_OF.match(path.name)
+        if match and path.is_dir():
+            out[int(match.group(1))] = path
+    return dict(sorted(out.items()))
+
+
+def archive_rank_files(report_dir: str | os.PathLike, rank: int, dest: Path) -> None:
+    """Move every per-rank file of ``rank`` into ``dest`` (an earlier attempt's folder): a restarted rank starts its
+    files afresh, and the earlier attempt's collectives never mix into this one's."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for kind in _PER_RANK:
+        path = rank_file(report_dir, kind, rank)
+        try:
+            path.replace(dest / path.name)
+        except FileNotFoundError:
+            pass
+
+
+def archive_shared(report_dir: str | os.PathLike, dest: Path) -> None:
+    """Move the earlier attempt's report, Chrome trace and stack dumps into ``dest``."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in (REPORT_JSON, REPORT_TXT, CHROME_TRACE, STACKS_TXT, STACKS_JSON):
+        try:
+            (Path(report_dir) / name).replace(dest / name)
+        except FileNotFoundError:
+            pass
+
+
 def clear_shared(report_dir: str | os.PathLike) -> None:
     """Before a run writes into a reused directory: the earlier run's report, Chrome trace and stack dumps go
     (a stale stacks.txt next to a new PASSED report would contradict it). Only distcheck's own files."""

@@ -59,7 +59,7 @@ def run_in_rank(opts: RunOptions, monitor: Callable[..., Any]) -> int:
     report_dir = prepare_report_dir(report_dir).resolve()
     os.environ[sink.ENV_REPORT_DIR] = str(report_dir)
     if not supervised:
-        files.remove_rank_files(report_dir, [info.rank])
+        start_attempt(report_dir, info.rank)
     tracer = trace.install(report_dir, info.rank)
     from distcheck.rank import autocheck
     from distcheck.rank.autocheck.replica_drift import ENV_DRIFT_STEPS
@@ -77,7 +77,8 @@ def run_in_rank(opts: RunOptions, monitor: Callable[..., Any]) -> int:
     done_marker = files.report_done_marker(report_dir)
     if not supervised and info.rank == 0:
         done_marker.unlink(missing_ok=True)
-        files.clear_shared(report_dir)
+        if restart_count() == 0:  # a restart moved them into the earlier attempt's folder
+            files.clear_shared(report_dir)
     refuse_self_launch(opts.script)
     finalizer = None
     main_done = threading.Event()
@@ -112,6 +113,34 @@ def run_in_rank(opts: RunOptions, monitor: Callable[..., Any]) -> int:
         end(_report_verdict(watcher, report_dir, opts.timeout), returned=True)
     end(0, returned=True)
     return 0  # not reached
+
+
+def restart_count() -> int:
+    """torchrun's attempt number (``--max-restarts``): 0 for the first."""
+    try:
+        return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    except ValueError:
+        return 0
+
+
+def start_attempt(report_dir: Path, rank: int) -> None:
+    """This rank's files start afresh. After a torchrun restart the earlier attempt's files go to ``attempt-<N>/``
+    (each rank moves its own, local rank 0 the shared report), once the earlier attempt's node watcher has ended:
+    it may still be writing that attempt's report from them."""
+    attempt = restart_count()
+    if attempt == 0:
+        files.remove_rank_files(report_dir, [rank])
+        return
+    from distcheck.processes import NODE_WATCHER, tagged, torchrun_run_id
+
+    run_id = torchrun_run_id()
+    deadline = time.monotonic() + 20.0
+    while time.monotonic() < deadline and NODE_WATCHER in tagged(run_id).values():
+        time.sleep(0.1)
+    dest = report_dir / files.ATTEMPT_DIR.format(attempt=attempt - 1)
+    files.archive_rank_files(report_dir, rank, dest)
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        files.archive_shared(report_dir, dest)
 
 
 def _report_verdict(watcher: Any, report_dir: Path, timeout: float) -> int:

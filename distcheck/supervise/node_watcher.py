@@ -526,6 +526,7 @@ def write_node_report(report_dir: str, out_dir: Path, findings: list, world_size
         report = Report(command="distcheck (under torchrun)", world_size=world_size, findings=findings,
                         checks=[check])
     report.artifacts.update({files.STACKS_TXT: files.STACKS_TXT, files.STACKS_JSON: files.STACKS_JSON})
+    with_attempts(report, Path(report_dir))
     write_report(report, out_dir)
     for f in findings:
         log.warning("[%s] %s", f.kind, f.message)
@@ -544,9 +545,39 @@ def write_run_report(report_dir: str, command: str, world_size: int, timeout: fl
               if r < world_size and (agent is None or t.meta.get("ppid", agent) == agent)}
     outcomes = run_report.outcomes_from_traces(traces, world_size, False, set())
     report = run_report.build_report(Path(report_dir), command, world_size, traces, outcomes, timeout, seconds)
+    with_attempts(report, Path(report_dir))
     code = run_report.publish(report, Path(report_dir))
     files.tidy(report_dir)
     return code
+
+
+def with_attempts(report, report_dir: Path) -> None:
+    """A restarted torchrun job's report lists every attempt (the earlier ones from their folders); its verdict and
+    exit code are the last attempt's."""
+    from distcheck.contract.report import load_report
+
+    earlier = files.attempt_dirs(report_dir)
+    if not earlier:
+        return
+    rows = []
+    for attempt, folder in earlier.items():
+        try:
+            old = load_report(folder)
+        except Exception:  # that attempt ended before its report could be written
+            rows.append({"attempt": attempt, "ok": None, "summary": "no report (see its files)",
+                         "folder": folder.name})
+            continue
+        summary = "PASSED" if old.ok else (old.findings[0].message if old.findings else "FAILED")
+        rows.append({"attempt": attempt, "ok": old.ok, "summary": summary, "folder": folder.name})
+    rows.append({"attempt": len(earlier) and max(earlier) + 1, "ok": report.ok,
+                 "summary": "PASSED" if report.ok else (report.findings[0].message if report.findings else "FAILED"),
+                 "folder": "."})
+    report.data["attempts"] = rows
+    report.sections["attempts (torchrun --max-restarts; the verdict is the last one's)"] = "\n".join(
+        f"attempt {r['attempt']}: {r['summary'][:300]}" + (f" ({r['folder']}/)" if r["folder"] != "." else "")
+        for r in rows)
+    for attempt, folder in earlier.items():
+        report.artifacts.setdefault(folder.name, folder.name)
 
 
 def stopped_note(stopped) -> "Note":

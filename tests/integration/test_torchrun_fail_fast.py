@@ -38,3 +38,34 @@ def test_a_passing_torchrun_job_has_its_report_when_torchrun_returns(tmp_path):
     assert res.returncode == 0, res.output
     report = load_report(out)
     assert report["ok"] and report["findings"] == [] and "distcheck PASSED" in res.stdout
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_job_that_passes_on_its_second_attempt_passes_and_the_report_lists_both(tmp_path, line_of):
+    """Real torchrun restarts (static rendezvous: --standalone's c10d one reconnects gloo to the first attempt's
+    ranks with torch 2.13, plain torchrun too)."""
+    from launch_helpers import run_python
+
+    out = tmp_path / "report"
+    fixture = "torchrun_restart.py"
+    res = run_python(["-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2", "--master-port",
+                      str(_free_port()), "--max-restarts", "1", "-m", "distcheck", "run", "--report-dir", str(out),
+                      "--", str(FIXTURES / fixture)], timeout=200, env=FRESH)
+    assert res.returncode == 0, res.output  # the verdict and the exit code follow the last attempt
+    report = load_report(out)
+    assert report["ok"] and report["findings"] == []
+    first, last = report["attempts"]
+    assert (first["attempt"], first["ok"], last["attempt"], last["summary"]) == (0, False, 1, "PASSED")
+    line = line_of(fixture, 'open("/nonexistent/shard-0.bin"')
+    assert first["summary"].startswith(f"rank 1 raised FileNotFoundError") and f"{fixture}:{line}" in first["summary"]
+    assert "attempt 0: rank 1 raised FileNotFoundError" in res.stdout and "attempt 1: PASSED" in res.stdout
+    earlier = out / "attempt-0"
+    assert load_report(earlier)["ok"] is False and (earlier / "trace-rank1.jsonl").exists()
+    assert "FileNotFoundError" not in (out / "trace-rank1.jsonl").read_text()  # the attempts' files never mix
