@@ -107,7 +107,7 @@ def run_in_rank(opts: RunOptions, monitor: Callable[..., Any]) -> int:
     if finalizer is not None and info.rank == 0:
         finalizer.join()  # it writes the report once every rank has finished, failed or stopped progressing
         end(finalizer.exit_code, returned=True)
-    if watcher is not None:
+    if watcher is not None and one_node:
         # Local rank 0 waits for the report, so that it exists when torchrun returns, and exits with its verdict
         # (torchrun's exit code then follows the report). The watcher ends once every rank's script has ended.
         end(_report_verdict(watcher, report_dir, opts.timeout), returned=True)
