@@ -169,11 +169,22 @@ def start_ticks(pid: int) -> int | None:
         return None
 
 
-def torchrun_run_id() -> str:
+def torchrun_run_id(attempt: int | None = None) -> str:
     """The run id of the torchrun job this rank belongs to, the same on every local rank: its agent's pid and start
-    time (torchrun's own TORCHELASTIC_RUN_ID is "none" unless the user sets --rdzv-id)."""
+    time (torchrun's own TORCHELASTIC_RUN_ID is "none" unless the user sets --rdzv-id), and the attempt
+    (``--max-restarts``: TORCHELASTIC_RESTART_COUNT), so that one attempt's sweeps never reach the next one's."""
     agent = agent_pid()
-    return f"torchrun-{agent}-{start_ticks(agent)}"
+    if attempt is None:
+        attempt = restart_count()
+    return f"torchrun-{agent}-{start_ticks(agent)}" + (f"-attempt{attempt}" if attempt else "")
+
+
+def restart_count(environ: dict[str, str] | None = None) -> int:
+    """torchrun's attempt number (``--max-restarts``) in ``environ`` (this process's by default): 0 for the first."""
+    try:
+        return int((os.environ if environ is None else environ).get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    except ValueError:
+        return 0
 
 
 def launcher_id(pid: int) -> str:

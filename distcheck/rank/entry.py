@@ -30,7 +30,7 @@ from distcheck.rank.error_context import error_context
 from distcheck.rank.stack_hooks import remove_rank_hooks
 from distcheck.rank.usersite import traceback_site
 from distcheck.rank.runtime import end_rank, hard_exit
-from distcheck.processes import agent_pid
+from distcheck.processes import agent_pid, restart_count
 
 log = logging.getLogger("distcheck")
 
@@ -115,14 +115,6 @@ def run_in_rank(opts: RunOptions, monitor: Callable[..., Any]) -> int:
     return 0  # not reached
 
 
-def restart_count() -> int:
-    """torchrun's attempt number (``--max-restarts``): 0 for the first."""
-    try:
-        return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-    except ValueError:
-        return 0
-
-
 def start_attempt(report_dir: Path, rank: int) -> None:
     """This rank's files start afresh. After a torchrun restart the earlier attempt's files go to ``attempt-<N>/``
     (each rank moves its own, local rank 0 the shared report), once the earlier attempt's node watcher has ended:
@@ -133,8 +125,8 @@ def start_attempt(report_dir: Path, rank: int) -> None:
         return
     from distcheck.processes import NODE_WATCHER, tagged, torchrun_run_id
 
-    run_id = torchrun_run_id()
-    deadline = time.monotonic() + 20.0
+    run_id = torchrun_run_id(attempt - 1)
+    deadline = time.monotonic() + 60.0  # it is writing a report from files that are all there: seconds
     while time.monotonic() < deadline and NODE_WATCHER in tagged(run_id).values():
         time.sleep(0.1)
     dest = report_dir / files.ATTEMPT_DIR.format(attempt=attempt - 1)

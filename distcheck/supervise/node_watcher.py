@@ -34,9 +34,9 @@ from typing import TYPE_CHECKING, Sequence
 
 from distcheck.contract import files, stack_dump_file, stack_hook_file
 from distcheck.contract.findings import format_ranks
-from distcheck.processes import RUN_ID_ENV, alive, read_environ, terminate
+from distcheck.processes import RUN_ID_ENV, alive, read_environ, restart_count, terminate
 from distcheck.supervise.procs import RunTree
-from distcheck.supervise.watch import HUNG, HangDump, WatchLoop, script_ended
+from distcheck.supervise.watch import HUNG, STARTUP_TIMEOUT, HangDump, WatchLoop, script_ended
 
 if TYPE_CHECKING:
     from distcheck.supervise.node_exchange import NodeEnv, StoreChannel
@@ -79,16 +79,18 @@ def local_ranks(report_dir: str | os.PathLike, host: str | None = None) -> dict[
     """``{rank: pid}`` of this node's live ranks, from the hook files written by distcheck/rank/bootstrap.py.
 
     A stale hook file from an earlier job in the same directory is ignored: its pid is dead, or now belongs to a
-    process whose RANK differs.
+    process whose RANK differs. So is a rank of another torchrun attempt (``--max-restarts``) than this watcher's.
     """
     host = host or socket.gethostname()
     out: dict[int, int] = {}
+    attempt = restart_count()
     for hook in stack_hook_file.read_all(report_dir):
         pid, rank = hook.pid, hook.rank
         if (hook.host or host) != host or not alive(pid):
             continue
         try:
-            if int(read_environ(pid).get("RANK", rank)) != rank:
+            environ = read_environ(pid)
+            if int(environ.get("RANK", rank)) != rank or restart_count(environ) != attempt:
                 continue
         except (OSError, ValueError):
             continue
@@ -152,8 +154,11 @@ def _watch(report_dir: str, timeout: float, native: bool, parent: int, world_siz
     started = time.monotonic()
     started_wall = time.time()
     # Traces and hooks are read from the (possibly shared) report dir; this node's stacks and report go to out_dir.
+    # Before any rank opened its trace the ranks are still importing torch (seconds each on a loaded machine):
+    # the start-up limit, not --timeout, applies to them.
     loop = WatchLoop(report_dir, timeout, live=live, finished=finished, expected=expected, ranks=None,
-                     startup_timeout=timeout, dump=HangDump(native, world_size, out_dir), poll=0.1, cancel=cancel)
+                     startup_timeout=max(timeout, STARTUP_TIMEOUT), dump=HangDump(native, world_size, out_dir),
+                     poll=0.1, cancel=cancel)
     result = loop.run()
     cancel.set()
     if result.state == HUNG:
@@ -547,6 +552,7 @@ def write_run_report(report_dir: str, command: str, world_size: int, timeout: fl
     report = run_report.build_report(Path(report_dir), command, world_size, traces, outcomes, timeout, seconds)
     with_attempts(report, Path(report_dir))
     code = run_report.publish(report, Path(report_dir))
+    log.info("report written: %s", "PASSED" if report.ok else f"FAILED ({len(report.findings)} findings)")
     files.tidy(report_dir)
     return code
 
@@ -562,8 +568,9 @@ def with_attempts(report, report_dir: Path) -> None:
     rows = []
     for attempt, folder in earlier.items():
         try:
-            old = load_report(folder)
-        except Exception:  # that attempt ended before its report could be written
+            old = load_report(folder) if (folder / files.REPORT_JSON).exists() else _attempt_report(folder, report)
+        except Exception as exc:  # neither its report nor a readable trace
+            log.warning("attempt %d: no report: %s", attempt, exc)
             rows.append({"attempt": attempt, "ok": None, "summary": "no report (see its files)",
                          "folder": folder.name})
             continue
@@ -578,6 +585,22 @@ def with_attempts(report, report_dir: Path) -> None:
         for r in rows)
     for attempt, folder in earlier.items():
         report.artifacts.setdefault(folder.name, folder.name)
+
+
+def _attempt_report(folder: Path, current):
+    """An earlier attempt's report from its files, where its watcher could not leave one (it ended with the ranks
+    of that attempt before writing, or wrote it after the next attempt had moved the files): written there too."""
+    from distcheck.analysis.trace_events import load_traces
+    from distcheck.contract.report import write_report
+    from distcheck.supervise import run_report
+
+    traces = load_traces(folder)
+    if not traces:
+        raise FileNotFoundError(f"no trace in {folder}")
+    outcomes = run_report.outcomes_from_traces(traces, current.world_size, False, set())
+    report = run_report.build_report(folder, current.command, current.world_size, traces, outcomes, 0.0, 0.0)
+    write_report(report, folder)
+    return report
 
 
 def stopped_note(stopped) -> "Note":

@@ -95,7 +95,12 @@ class Progress:
 
     def starting(self, sizes: tuple[int, ...]) -> bool:
         """Some rank has not opened its trace yet (a trace that vanished later does not count: the report
-        directory was removed under the run, and the normal limit applies)."""
+        directory was removed under the run, and the normal limit applies). Without the list of ranks (the node
+        watcher): no rank has opened its trace yet."""
+        if self.ranks is None:
+            if sizes:
+                self._up.add(-1)
+            return not sizes and -1 not in self._up
         return any(s < 0 and i not in self._up for i, s in enumerate(sizes))
 
 

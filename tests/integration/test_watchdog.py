@@ -229,11 +229,17 @@ def test_node_watcher_under_torchrun_ends_the_job_and_writes_the_report(line_of,
     # the watcher is gone too (it exits after ending the ranks)
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and any(
-            "distcheck.supervise.node_watcher" in Path(f"/proc/{p}/cmdline").read_text(errors="replace").replace("\0", " ")
-            and str(report_dir) in Path(f"/proc/{p}/cmdline").read_text(errors="replace")
-            for p in _pids()):
+            "distcheck.supervise.node_watcher" in _cmdline(p) and str(report_dir) in _cmdline(p) for p in _pids()):
         time.sleep(0.2)
     assert time.monotonic() < deadline, "node watcher still running"
+
+
+def _cmdline(pid: int) -> str:
+    """A process's command line, "" once it has ended (it may end between the listing and the read)."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_text(errors="replace").replace("\0", " ")
+    except OSError:
+        return ""
 
 
 def _pids() -> list[int]:
