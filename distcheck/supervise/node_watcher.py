@@ -543,13 +543,9 @@ def write_run_report(report_dir: str, command: str, world_size: int, timeout: fl
                      agent: int | None) -> int:
     """The report of a ``run`` whose ranks all ended by themselves (passed, or failed with torchrun ending the
     others without a stop dump), printed to the job's console; its exit code (rank 0 exits with it)."""
-    from distcheck.analysis.trace_events import load_traces
     from distcheck.supervise import run_report
 
-    traces = {r: t for r, t in load_traces(report_dir).items()
-              if r < world_size and (agent is None or t.meta.get("ppid", agent) == agent)}
-    outcomes = run_report.outcomes_from_traces(traces, world_size, False, set())
-    report = run_report.build_report(Path(report_dir), command, world_size, traces, outcomes, timeout, seconds)
+    report = _ended_run_report(Path(report_dir), command, world_size, timeout, seconds, agent)
     with_attempts(report, Path(report_dir))
     code = run_report.publish(report, Path(report_dir))
     log.info("report written: %s", "PASSED" if report.ok else f"FAILED ({len(report.findings)} findings)")
@@ -574,10 +570,9 @@ def with_attempts(report, report_dir: Path) -> None:
             rows.append({"attempt": attempt, "ok": None, "summary": "no report (see its files)",
                          "folder": folder.name})
             continue
-        summary = "PASSED" if old.ok else (old.findings[0].message if old.findings else "FAILED")
-        rows.append({"attempt": attempt, "ok": old.ok, "summary": summary, "folder": folder.name})
+        rows.append({"attempt": attempt, "ok": old.ok, "summary": _verdict_line(old), "folder": folder.name})
     rows.append({"attempt": len(earlier) and max(earlier) + 1, "ok": report.ok,
-                 "summary": "PASSED" if report.ok else (report.findings[0].message if report.findings else "FAILED"),
+                 "summary": _verdict_line(report),
                  "folder": "."})
     report.data["attempts"] = rows
     report.sections["attempts (torchrun --max-restarts; the verdict is the last one's)"] = "\n".join(
@@ -587,20 +582,40 @@ def with_attempts(report, report_dir: Path) -> None:
         report.artifacts.setdefault(folder.name, folder.name)
 
 
+def _verdict_line(report) -> str:
+    """PASSED, or the finding that names a line of the user's code (the cause: a rank that raised, before a rank
+    torchrun killed before it could say where it was), else the first."""
+    if report.ok:
+        return "PASSED"
+    if not report.findings:
+        return "FAILED"
+    return next((f for f in report.findings if f.detail.get("line")), report.findings[0]).message
+
+
 def _attempt_report(folder: Path, current):
     """An earlier attempt's report from its files, where its watcher could not leave one (it ended with the ranks
     of that attempt before writing, or wrote it after the next attempt had moved the files): written there too."""
-    from distcheck.analysis.trace_events import load_traces
     from distcheck.contract.report import write_report
-    from distcheck.supervise import run_report
 
-    traces = load_traces(folder)
-    if not traces:
-        raise FileNotFoundError(f"no trace in {folder}")
-    outcomes = run_report.outcomes_from_traces(traces, current.world_size, False, set())
-    report = run_report.build_report(folder, current.command, current.world_size, traces, outcomes, 0.0, 0.0)
+    report = _ended_run_report(folder, current.command, current.world_size, 0.0, 0.0, None, require_traces=True)
     write_report(report, folder)
     return report
+
+
+def _ended_run_report(report_dir: Path, command: str, world_size: int, timeout: float, seconds: float,
+                      agent: int | None, require_traces: bool = False):
+    """The report of a run whose ranks have all ended, from their files (traces of torchrun ``agent``'s ranks only,
+    when given: a reused directory may hold another job's). ``require_traces``: no trace is an error, not a report
+    of ranks that never started."""
+    from distcheck.analysis.trace_events import load_traces
+    from distcheck.supervise import run_report
+
+    traces = {r: t for r, t in load_traces(report_dir).items()
+              if r < world_size and (agent is None or t.meta.get("ppid", agent) == agent)}
+    if require_traces and not traces:
+        raise FileNotFoundError(f"no trace in {report_dir}")
+    outcomes = run_report.outcomes_from_traces(traces, world_size, False, set())
+    return run_report.build_report(report_dir, command, world_size, traces, outcomes, timeout, seconds)
 
 
 def stopped_note(stopped) -> "Note":
