@@ -22,7 +22,8 @@ import torch
 
 from distcheck.analysis.module_diff import dp_groups
 from distcheck.analysis.replicas import Divergence, diff_chunk, divergence_finding
-from distcheck.analysis.tolerance import Comparison, Precision, Rule, compare, ratio_hint, rule_for
+from distcheck.analysis.tolerance import (Comparison, Precision, Rule, compare, element_ratios, ratio_hint,
+                                          rule_for)
 from distcheck.contract.findings import Finding, format_ranks
 from distcheck.contract import records_file
 from distcheck.contract.files import AUTO_GRADS, AUTO_LOSS, AUTO_PARAMS
@@ -578,9 +579,8 @@ def observed_factor(row: Row) -> float | None:
         return None
     if row.actual.is_complex() or row.expected.is_complex():
         return None
-    a, e = _wide(row.actual).double().reshape(-1), _wide(row.expected).double().reshape(-1)
-    mask = e.abs() > 1e-12
-    return float((a[mask] / e[mask]).median()) if bool(mask.any()) else None
+    ratio = element_ratios(_wide(row.actual), _wide(row.expected))
+    return float(ratio.median()) if ratio is not None else None
 
 
 def hints(row: Row, rows: list[Row], nproc: int) -> list[str]:

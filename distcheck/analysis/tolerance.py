@@ -202,17 +202,23 @@ def compare(actual: torch.Tensor, expected: torch.Tensor, rtol: float | None = N
                       unravel(worst, tuple(actual.shape)), float(e[worst]), float(a[worst]), rtol, atol)
 
 
-def ratio_hint(actual: torch.Tensor, expected: torch.Tensor, world_size: int) -> str:
-    """'N x the reference' / '1/N of the reference' when the mismatch is a sum-versus-mean reduction."""
-    if actual.is_complex() or expected.is_complex():  # a common real factor shows in both parts
+def element_ratios(actual: torch.Tensor, expected: torch.Tensor) -> torch.Tensor | None:
+    """``actual / expected`` element by element where the reference is not ~0 (a complex value's real and
+    imaginary parts each: a common real factor shows in both), in float64; None when every reference element is ~0."""
+    if actual.is_complex() or expected.is_complex():
         actual, expected = torch.view_as_real(actual.to(torch.complex128)), torch.view_as_real(
             expected.to(torch.complex128))
     a = actual.detach().double().reshape(-1)
     e = expected.detach().double().reshape(-1)
     mask = e.abs() > 1e-12
-    if world_size < 2 or not bool(mask.any()):
+    return a[mask] / e[mask] if bool(mask.any()) else None
+
+
+def ratio_hint(actual: torch.Tensor, expected: torch.Tensor, world_size: int) -> str:
+    """'N x the reference' / '1/N of the reference' when the mismatch is a sum-versus-mean reduction."""
+    ratio = element_ratios(actual, expected)
+    if world_size < 2 or ratio is None:
         return ""
-    ratio = (a[mask] / e[mask])
     r = float(ratio.median())
     if abs(r - world_size) < 0.02 * world_size and bool(((ratio - world_size).abs() < 0.05 * world_size).all()):
         return f"the value is {world_size}x the reference: a sum where a mean was meant (divide by world size)"

@@ -137,8 +137,9 @@ def start_attempt(report_dir: Path, rank: int) -> None:
 
 def _report_verdict(watcher: Any, report_dir: Path, timeout: float) -> int:
     """Wait (bounded) for the node watcher to write the report; 0 if it passed, 1 otherwise."""
-    import json
     import subprocess
+
+    from distcheck.contract.report import load_report
 
     try:
         watcher.wait(timeout=timeout + 60)
@@ -146,8 +147,8 @@ def _report_verdict(watcher: Any, report_dir: Path, timeout: float) -> int:
         log.warning("distcheck: the node watcher did not write the report within %.0fs", timeout + 60)
         return 1
     try:
-        return 0 if json.loads((report_dir / files.REPORT_JSON).read_text()).get("ok") else 1
-    except (OSError, ValueError):
+        return load_report(report_dir).exit_code  # the report file's one reader
+    except Exception:  # none, or not a report: the run did not pass
         return 1
 
 

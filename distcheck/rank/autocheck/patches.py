@@ -165,7 +165,8 @@ def _patch_tensor(_module: Any) -> None:
             check = current()
             if check is not None and not _compiling():
                 try:  # which tensors a style scatters from rank 0 (src_data_rank, default 0) and which it keeps
-                    check.prewrap.note_distribute(tensor, device_mesh, placements, kwargs.get("src_data_rank", 0))
+                    check.prewrap.note_distribute(tensor, _mesh_ranks(device_mesh), placements,
+                                                  kwargs.get("src_data_rank", 0))
                 except Exception as exc:
                     log.debug("distcheck: could not note a distribute_tensor call: %s", exc)
             return distribute(tensor, device_mesh, placements, *args, **kwargs)

@@ -144,9 +144,10 @@ class PreWrap:
         self._styles_without_src = sorted({type(s).__name__ + "(src_data_rank=None)" for s in styles
                                            if getattr(s, "src_data_rank", 0) is None})
 
-    def note_distribute(self, tensor: Any, mesh: Any, placements: Any, src_data_rank: Any) -> None:
-        """A ``distribute_tensor`` call: inside a parallelizing call, which tensor it converted and how; called by the
-        user with ``src_data_rank=None``, its tensor compared across the mesh at once."""
+    def note_distribute(self, tensor: Any, ranks: list[int] | None, placements: Any, src_data_rank: Any) -> None:
+        """A ``distribute_tensor`` call over a mesh of ``ranks`` (None: every rank): inside a parallelizing call,
+        which tensor it converted and how; called by the user with ``src_data_rank=None``, its tensor compared
+        across the mesh at once."""
         if self.depth:
             ident = tensor_ident(tensor)
             if ident is not None:
@@ -156,7 +157,7 @@ class PreWrap:
             self.direct_checks += 1
             started = time.perf_counter()
             try:
-                self._compare_direct(tensor, mesh, placements)
+                self._compare_direct(tensor, ranks, placements)
             except Exception as exc:  # the check must never break the user's training
                 log.warning("distcheck: comparing a tensor at distribute_tensor failed: %s: %s",
                             type(exc).__name__, exc)
@@ -290,7 +291,7 @@ class PreWrap:
             self._idents[id(self.pending[-1])] = idents.get(d.name)
             self._after.append(self.pending[-1])
 
-    def _compare_direct(self, tensor: Any, mesh: Any, placements: Any) -> None:
+    def _compare_direct(self, tensor: Any, ranks: list[int] | None, placements: Any) -> None:
         """The user's ``distribute_tensor(tensor, mesh, ..., src_data_rank=None)``: torch keeps each rank's values, so
         the mesh's ranks must all pass the same tensor; a difference is one finding at the call's line."""
         import torch
@@ -301,11 +302,7 @@ class PreWrap:
         channel = current_channel()
         if channel is None:
             return
-        try:
-            ranks = sorted(int(r) for r in mesh.mesh.flatten().tolist()) if mesh is not None else []
-        except Exception:
-            ranks = []
-        ranks = ranks or list(range(channel.world_size))
+        ranks = sorted(ranks) if ranks else list(range(channel.world_size))
         if len(ranks) < 2 or channel.rank not in ranks:
             return
         site = caller_site()
