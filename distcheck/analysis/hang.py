@@ -270,7 +270,7 @@ class HangDiagnosis:
     def to_finding(self, stacks: Sequence[RankStack], progress: dict[int, RankProgress],
                    errors: Sequence[str] = ()) -> Finding:
         site = self.primary.primary_site if self.primary is not None and self.primary.file else None
-        return hang_finding(self.odd_ranks or self.all_ranks, self.message, timeout=self.extra.get("timeout"),
+        return hang_finding(self.odd_ranks or self.extra.get("absent_ranks") or self.all_ranks, self.message, timeout=self.extra.get("timeout"),
                             stacks=stacks, progress=progress, site=site, odd_ranks=self.odd_ranks,
                             waiting_ranks=self.waiting.ranks if self.waiting else [], locations=self.locations,
                             groups=self.groups, errors=errors, processes=self.processes,
@@ -422,19 +422,41 @@ def diagnose(stacks: Sequence[RankStack], progress: dict[int, RankProgress] | No
     present = set(all_ranks)
     missing = [r for r in range(world) if r not in present] if world_size else []
     undumped = [r for r in unknown if r not in by_rank]  # a rank with a stack was dumped, whatever it shows
+    # Ranks the waiting side's collective lacks, whose stacks could not be taken (py-spy too slow on a loaded host,
+    # a rank that ended): they hold the others up, so the finding names them, not every rank.
+    absent = []
+    if waiting is not None and waiting.in_collective and not odd:
+        members = set(waiting.pg) if waiting.pg else set(range(world))
+        absent = [r for r in undumped if r in members and r not in waiting.ranks]
     if undumped and (known or by_rank):
         reasons = sorted({errors_by_rank.get(r, "") for r in undumped} - {""})
         shown = reasons[:MESSAGE_PARTS] + ([f"+{len(reasons) - MESSAGE_PARTS} more in stacks.txt"]
                                            if len(reasons) > MESSAGE_PARTS else [])
         message += f"; {format_ranks(undumped)} not dumped" + (f" ({'; '.join(shown)})" if reasons else "")
+        if absent:
+            message += (f": {format_ranks(absent)} never arrived in {waiting.collective}"
+                        + (f" #{waiting.seq}" if waiting.seq is not None else "") + _last_seen(absent, progress))
     if missing:
         message += f"; {format_ranks(missing)} not found"
     hint = self_launch_hint(processes)
     message += hint
     extra: dict[str, Any] = {"unknown_ranks": unknown, "missing_ranks": missing, "timeout": timeout}
+    if absent:
+        extra["absent_ranks"] = absent
     if hint:
         extra["self_launch"] = True
     return HangDiagnosis(message, odd, waiting, locations, groups, all_ranks, primary, extra, list(processes))
+
+
+def _last_seen(ranks: list[int], progress: dict[int, RankProgress]) -> str:
+    """``, after all_gather_single #27 (model.py:26)``: where the trace of the first of ``ranks`` last completed a
+    collective, the last that is known of it when its stack is not."""
+    last = progress.get(ranks[0]).last_completed if progress.get(ranks[0]) else None
+    if last is None:
+        return ""
+    seq = f" #{last.seq}" if last.seq is not None else ""
+    site = f" ({_site(last.file, last.line)})" if last.file else ""
+    return f" (rank {ranks[0]}'s trace ends after {last.op}{seq}{site})"
 
 
 MESSAGE_PARTS = 8  # the places the message names; a big job's many odd groups are all in the detail and stacks.txt

@@ -156,7 +156,10 @@ def test_rank_hang_is_diagnosed_by_the_watchdog(tmp_path):
     assert res.returncode != 0
     [f] = report["findings"]
     assert f["kind"] == "hang" and f["ranks"] == [1], f
-    assert "model_rank_hang.py:25" in f["message"] and f["detail"]["line"] == 25
+    if "1" in f["detail"]["stacks"]:
+        assert "model_rank_hang.py:25" in f["message"] and f["detail"]["line"] == 25
+    else:  # py-spy could not dump rank 1 in time on a loaded host: its absence from rank 0's collective names it
+        assert "rank 1 never arrived in all_gather" in f["message"], f["message"]
     assert "rank 0 waits in all_gather" in f["message"]
     names = [c["name"] for c in report["checks"]]
     assert names[:3] == ["environment", "collectives", "model_consistency"] and names[-1] == "watchdog"

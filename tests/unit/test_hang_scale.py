@@ -164,7 +164,9 @@ def test_ranks_that_could_not_be_dumped_are_named_in_a_bounded_message(tmp_path,
                                       "no progress for 60s: ")
     assert finding.message.startswith(f"no progress for 60s: all {W // 2} ranks wait in all_reduce #{SEQ} "
                                       f"(train.py:88); ranks {W // 2}-{W - 1} not dumped (pid {10_000 + W // 2} ")
-    assert finding.message.endswith(f"+{W // 2 - 8} more in stacks.txt)") and len(finding.message) < 1500
+    assert f"+{W // 2 - 8} more in stacks.txt): ranks {W // 2}-{W - 1} never arrived in all_reduce #{SEQ}" in \
+        finding.message and len(finding.message) < 1500
+    assert finding.ranks == list(range(W // 2, W))
     assert len(finding.detail["errors"]) == 65 and finding.detail["errors"][-1] == f"... and {W - 64} more (stacks.json)"
     assert len(json.dumps(finding.to_json())) < 60_000
     assert len(load_stacks_document(tmp_path / "stacks.json")[1]) == W  # every error stays in stacks.json

@@ -177,6 +177,24 @@ def test_gil_holder_and_undumped_rank_are_reported():
     assert d.message.endswith("; rank 3 not dumped (pid 1003 exited during the dump)")
 
 
+def test_an_undumped_rank_missing_from_the_others_collective_is_the_one_named():
+    # A loaded host: py-spy could not dump rank 1 in time, and its trace shows no open collective. Rank 0 waits in
+    # all_gather #28, which rank 1 never entered: the finding names rank 1, and says where its trace ends.
+    progress = {0: RankProgress(0, CollectiveRef("all_gather", 28, None, "train.py:88", TRAIN, 88)),
+                1: RankProgress(1, last_completed=CollectiveRef("all_gather", 27, None, "train.py:88", TRAIN, 88,
+                                                                completed=True))}
+    d = diagnose([rank_stack(0, in_allreduce())], progress, world_size=2, timeout=6,
+                 errors_by_rank={1: "pid 1001: py-spy did not finish within 8s"})
+    f = d.to_finding([], progress)
+    assert f.ranks == [1] and d.extra["absent_ranks"] == [1]
+    assert f.message == ("no progress for 6s: rank 0 waits in all_gather #28 (train.py:88); rank 1 not dumped "
+                         "(pid 1001: py-spy did not finish within 8s): rank 1 never arrived in all_gather #28 "
+                         "(rank 1's trace ends after all_gather #27 (train.py:88))")
+    # Every rank in the collective: nobody is singled out.
+    both = diagnose([rank_stack(r, in_allreduce()) for r in (0, 1)], {}, world_size=2)
+    assert "absent_ranks" not in both.extra and both.to_finding([], {}).ranks == [0, 1]
+
+
 def test_rank_without_stack_is_placed_by_its_trace():
     progress = {1: RankProgress(1, CollectiveRef("barrier", 3, None, "train.py:60", TRAIN, 60))}
     d = diagnose([rank_stack(0, in_load_shard()), rank_stack(2, in_load_shard())], progress, world_size=3,
