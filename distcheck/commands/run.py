@@ -12,9 +12,9 @@ issued there and each rank's source line; a rank that raised or died is a ``rank
 ``tensor_divergence`` (rank/autocheck/replica_drift.py). The report directory holds report.json, report.txt, trace-rank<R>.jsonl and trace.json (Perfetto).
 
 With --nproc, distcheck starts and supervises the ranks (distcheck/supervise/supervised_run.py) and writes the report
-itself, even when ranks crash or hang. Under torchrun each rank runs distcheck/rank/entry.py; the ranks share the
-report directory (one node, or a shared file system) and rank 0 writes the report once every rank has finished,
-failed, or stopped progressing (distcheck/supervise/torchrun_monitor.py).
+itself, even when ranks crash or hang. Under torchrun each rank runs distcheck/rank/entry.py and only writes files;
+each node's watcher (distcheck/supervise/node_watcher.py, a process outside the ranks) watches them, and the one
+on the node of rank 0 writes the report once every rank has finished, failed, or stopped progressing.
 Exit codes: 0 no findings, 1 findings (also when SIGTERM/SIGINT/SIGHUP stopped the run: the report then says so,
 with every rank's stack; a signal after every rank had finished stops nothing and is a warning; a second signal
 stops at once without a report: distcheck/supervise/signals.py), 2 bad input (missing script, not a Python file,
@@ -105,9 +105,8 @@ def main(args: argparse.Namespace) -> int:
             raise UsageError("--nproc is for launching ranks yourself; under torchrun drop it "
                              "(torchrun's --nproc-per-node sets the ranks)")
         from distcheck.rank.entry import run_in_rank
-        from distcheck.supervise.torchrun_monitor import TorchrunMonitor
 
-        return run_in_rank(opts, monitor=TorchrunMonitor)
+        return run_in_rank(opts)
     from distcheck.supervise.signals import StopNow, StopSignals
 
     try:

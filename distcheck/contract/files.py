@@ -212,12 +212,6 @@ def check_format(data: dict[str, Any], path: str | os.PathLike) -> None:
                           "read it with the distcheck version that wrote it")
 
 
-def report_done_marker(report_dir: str | os.PathLike) -> Path:
-    """The file rank 0 writes under torchrun once the report is written (one per torchrun job: its run id and
-    port): a failed rank waits for it before it exits, so that torchrun's kill does not cost the report."""
-    return Path(report_dir) / f".done-{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}-{os.environ.get('MASTER_PORT', '')}"
-
-
 def append_whole(fd: int, data: bytes) -> None:
     """Append ``data`` (whole lines) to an O_APPEND file in one write, or nothing of it: what a refused write (a full
     disk) left of it is taken back, so the next lines that fit stay readable, and ENOSPC is raised. Every per-rank

@@ -5,9 +5,10 @@
 
 Each rank installs the tracer, the zero-code checks and the stack hooks, runs SCRIPT (sys.argv = [SCRIPT,
 ARGS...]), records an exception with the user's line in its trace, and writes its exit line. Supervised ranks
-end there. Under torchrun a failed rank exits at once with its own code; on one node the node watcher (a process
-outside the ranks, started by local rank 0) writes the report and local rank 0 waits for it after its script; on
-several nodes rank 0's monitor thread (supervise/torchrun_monitor.py) still writes it.
+end there. Under torchrun a failed rank exits at once with its own code, and the ranks only write files: each
+node's watcher (a process outside the ranks, started by local rank 0) watches them, and the watcher of global
+rank 0's node writes the report (from the other nodes' summaries too); local rank 0 waits for its node's watcher
+after its script and exits with the verdict.
 """
 from __future__ import annotations
 
@@ -15,11 +16,10 @@ import logging
 import os
 import runpy
 import sys
-import threading
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from distcheck.contract import files
 from distcheck.contract.report import default_report_dir, prepare_report_dir
@@ -35,10 +35,9 @@ from distcheck.processes import agent_pid, restart_count
 log = logging.getLogger("distcheck")
 
 
-def run_in_rank(opts: RunOptions, monitor: Callable[..., Any]) -> int:
-    """Run the script in this rank, traced and checked; under torchrun rank 0 also writes the report, with
-    ``monitor`` (supervise/torchrun_monitor.TorchrunMonitor, passed in by commands/run.py: supervisor code that
-    runs in a rank, which rank/ does not import)."""
+def run_in_rank(opts: RunOptions) -> int:
+    """Run the script in this rank, traced and checked; under torchrun local rank 0 also starts its node's watcher
+    and waits for it after its script."""
     from distcheck.rank import tracer as trace
     from distcheck.rank.runtime import RankInfo, setup_logging
 
@@ -68,28 +67,17 @@ def run_in_rank(opts: RunOptions, monitor: Callable[..., Any]) -> int:
     # Finds the models (fully_shard/DDP/TP) and optimizers by itself; DISTCHECK_AUTOCHECK=0 turns it off.
     checker = autocheck.install(report_dir, info.rank)
     # Stack hooks (ptrace permission for our launcher, faulthandler fallback); under plain torchrun also the node
-    # watcher, a process outside the ranks that dumps their stacks on a hang even when one holds the GIL.
-    # One node under torchrun: the node watcher, a process outside the ranks, writes the report once every rank
-    # has ended (or diagnoses the hang); the ranks only write files. Several nodes: rank 0's monitor still does.
-    one_node = int(os.environ.get("LOCAL_WORLD_SIZE", info.world_size)) >= info.world_size
+    # watcher, a process outside the ranks that dumps their stacks on a hang even when one holds the GIL, and
+    # writes the report once every rank has ended (on several nodes: node 0's watcher); the ranks only write files.
     watcher = rank_bootstrap(report_dir, opts.timeout, native=opts.native, trace=False, watcher=not supervised,
-                             stop_dumps=not supervised, command=opts.command if one_node else None)
-    done_marker = files.report_done_marker(report_dir)
-    if not supervised and info.rank == 0:
-        done_marker.unlink(missing_ok=True)
-        if restart_count() == 0:  # a restart moved them into the earlier attempt's folder
-            files.clear_shared(report_dir)
+                             stop_dumps=not supervised, command=opts.command)
+    if not supervised and info.rank == 0 and restart_count() == 0:  # a restart moved them to the attempt's folder
+        files.clear_shared(report_dir)
     refuse_self_launch(opts.script)
-    finalizer = None
-    main_done = threading.Event()
-    if not supervised and not one_node:
-        finalizer = monitor(info.rank, info.world_size, report_dir, opts, done_marker, main_done, hard_exit)
-        finalizer.start()
     ok, code = _execute(opts.script, list(opts.script_args), tracer)
     if checker is not None:
         checker.finish()  # before the exit line: rank 0 reads every rank's autocheck file once all have exited
     tracer.note({"ev": "exit", "ok": ok, "code": code})
-    main_done.set()
 
     def end(code: int, returned: bool) -> None:
         # The stop-signal dump files stay until the very end: torchrun may still stop this rank while it waits.
@@ -104,13 +92,11 @@ def run_in_rank(opts: RunOptions, monitor: Callable[..., Any]) -> int:
         # Under torchrun a failed rank exits at once with its own code, as it would without distcheck: torchrun's
         # agent ends the others (their stop dumps say where they were) and the node watcher writes the report.
         end(0 if ok else code or 1, returned=ok)
-    if finalizer is not None and info.rank == 0:
-        finalizer.join()  # it writes the report once every rank has finished, failed or stopped progressing
-        end(finalizer.exit_code, returned=True)
-    if watcher is not None and one_node:
-        # Local rank 0 waits for the report, so that it exists when torchrun returns, and exits with its verdict
-        # (torchrun's exit code then follows the report). The watcher ends once every rank's script has ended.
-        end(_report_verdict(watcher, report_dir, opts.timeout), returned=True)
+    if watcher is not None:
+        # Local rank 0 waits for its node's watcher, so that the report exists when torchrun returns, and exits
+        # with its verdict (torchrun's exit code then follows the report). The watcher ends once every rank's
+        # script has ended (on several nodes: once node 0 published the report).
+        end(_report_verdict(watcher, report_dir, opts.timeout, info.rank == 0), returned=True)
     end(0, returned=True)
     return 0  # not reached
 
@@ -135,8 +121,9 @@ def start_attempt(report_dir: Path, rank: int) -> None:
         files.archive_shared(report_dir, dest)
 
 
-def _report_verdict(watcher: Any, report_dir: Path, timeout: float) -> int:
-    """Wait (bounded) for the node watcher to write the report; 0 if it passed, 1 otherwise."""
+def _report_verdict(watcher: Any, report_dir: Path, timeout: float, has_report: bool) -> int:
+    """Wait (bounded) for the node watcher to end; on the node of rank 0 (``has_report``) the report's exit code,
+    on another node the watcher's (0, unless it diagnosed a hang or a stop itself)."""
     import subprocess
 
     from distcheck.contract.report import load_report
@@ -146,6 +133,8 @@ def _report_verdict(watcher: Any, report_dir: Path, timeout: float) -> int:
     except subprocess.TimeoutExpired:
         log.warning("distcheck: the node watcher did not write the report within %.0fs", timeout + 60)
         return 1
+    if not has_report:
+        return 0 if watcher.returncode == 0 else 1
     try:
         return load_report(report_dir).exit_code  # the report file's one reader
     except Exception:  # none, or not a report: the run did not pass

@@ -212,29 +212,6 @@ def merge_summaries(summaries: Mapping[int, NodeSummary], expected: Iterable[int
     return merged
 
 
-def stuck_on_remote(local: Mapping[int, RankProgress], states: Mapping[int, RankState],
-                    remote: Mapping[int, RankProgress]) -> str | None:
-    """Why the job can no longer progress, from node 0's view, or None: a rank of this node waits in a collective
-    at a position of its group that a rank of another node, which has ended its script, never reached (its
-    progress summary counts what it issued on the group). The multi-node half of trace_align.provably_stuck,
-    whose traces are all on one node."""
-    for rank, p in sorted(local.items()):
-        ref = p.pending
-        if ref is None or ref.seq is None or not ref.pg:
-            continue
-        for member in ref.pg:
-            state = states.get(member)
-            if member in local or state is None or state.state == RUNNING:
-                continue
-            theirs = remote.get(member)
-            group = theirs.groups.get(ref.group or "") if theirs is not None else None
-            issued = group.issued if group is not None else 0
-            if issued < ref.seq:
-                return (f"rank {rank} waits in {ref.op} #{ref.seq} ({ref.site}), which rank {member} (on another "
-                        f"node) ended without issuing: it issued {issued} on that group")
-    return None
-
-
 def nodes_json(merged: MergedNodes, env: NodeEnv, report_dir: str) -> dict[str, Any]:
     """report.json's "nodes": where each node's files are (its ranks' traces and its stacks stay there)."""
     out = {env.host: {"node": env.node, "ranks": format_ranks(env.ranks), "report_dir": report_dir}}
@@ -474,61 +451,19 @@ class StoreChannel:
             time.sleep(poll)
 
 
-# --- node 0's mirror of the other nodes, for rank 0's report monitor ------------------------------------------
-
-
-def mirror_path(report_dir: str | os.PathLike, env: Mapping[str, str] | None = None) -> Path:
-    """Node 0's copy of the other nodes' latest summaries, read by rank 0's monitor (supervise/torchrun_monitor.py):
-    one per torchrun job, like its done marker."""
-    env = os.environ if env is None else env
-    return Path(report_dir) / f".nodes-{env.get('TORCHELASTIC_RUN_ID', 'run')}-{env.get('MASTER_PORT', '')}.json"
-
-
-@dataclass
-class Mirror:
-    summaries: dict[int, NodeSummary]
-    nodes: list[int]  # the other nodes
-    progressed_at: float  # wall time another node last reported progress (0: never)
-
-    def states(self) -> dict[int, RankState]:
-        return {r: s for summary in self.summaries.values() for r, s in summary.states.items()}
-
-    def ranks(self) -> set[int]:
-        return {r for summary in self.summaries.values() for r in summary.ranks}
-
-
-def write_mirror(path: Path, summaries: Mapping[int, NodeSummary], nodes: Sequence[int], progressed_at: float) -> None:
-    from distcheck.contract.report import atomic_write
-
-    atomic_write(path, json.dumps({"nodes": list(nodes), "progressed_at": progressed_at,
-                                   "summaries": [s.to_json() for s in summaries.values()]}))
-
-
-def read_mirror(path: Path) -> Mirror | None:
-    try:
-        data = json.loads(path.read_text())
-        summaries = [NodeSummary.from_json(s) for s in data.get("summaries") or []]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    return Mirror({s.node: s for s in summaries}, [int(n) for n in data.get("nodes") or []],
-                  float(data.get("progressed_at") or 0.0))
-
-
 # --- the watcher's side of the exchange, while its ranks run ---------------------------------------------------
 
 
 class NodeLink(threading.Thread):
     """Polls the store every POLL seconds for one node's watcher: bumps the progress counter when this node's
-    traces grew, notes when another node's did, sees a hang another node declared (and cancels the watch loop),
-    and on node 0 mirrors the other nodes' summaries for rank 0's monitor; on the other nodes it notes the
-    report's location and drops rank 0's done marker there, so ranks waiting for the report end as on node 0."""
+    traces grew, notes when another node's did, sees a hang another node declared (and cancels the watch loop);
+    on node 0 it publishes the report's location once the report is written, on the other nodes it notes it."""
 
     def __init__(self, env: NodeEnv, channel: StoreChannel, report_dir: str | os.PathLike,
-                 token: Callable[[], Any], cancel: threading.Event, done_marker: Path | None = None,
-                 poll: float = POLL) -> None:
+                 token: Callable[[], Any], cancel: threading.Event, poll: float = POLL) -> None:
         super().__init__(name="distcheck-node-link", daemon=True)
         self.env, self.channel, self.report_dir = env, channel, Path(report_dir)
-        self.token, self.cancel, self.done_marker, self.poll = token, cancel, done_marker, poll
+        self.token, self.cancel, self.poll = token, cancel, poll
         self.stop = threading.Event()
         self.remote_hang: str | None = None
         self.report: str | None = None
@@ -539,8 +474,6 @@ class NodeLink(threading.Thread):
         self._others: int | None = None
         self._last_token: Any = None
         self._last_bump = 0.0
-        self._version: int | None = None
-        self._mirror: dict[int, NodeSummary] = {}
         self.started_wall = time.time()
 
     def _report_written(self) -> bool:
@@ -548,9 +481,6 @@ class NodeLink(threading.Thread):
             return (self.report_dir / "report.json").stat().st_mtime >= self.started_wall - 1.0
         except OSError:
             return False
-
-    def others_progressed_within(self, seconds: float) -> bool:
-        return self.others_progressed > 0 and time.monotonic() - self.others_progressed < seconds
 
     def job_idle(self) -> float:
         """Seconds since any node's ranks last progressed (to this thread's poll's precision)."""
@@ -588,28 +518,12 @@ class NodeLink(threading.Thread):
                 self.remote_hang = hang[1]
                 self.cancel.set()
         if self.env.reports:
-            self._refresh_mirror()
             if self.report is None and self._report_written():
                 # Published at once: node 0's torchrun, and the store with it, ends soon after its ranks.
                 self.report = str(self.report_dir.resolve() / "report.txt")
                 self.channel.publish_report(self.env.host, self.report)
         elif self.report is None:
             self.report = self.channel.report_location()
-            if self.report is not None and self.done_marker is not None:
-                try:
-                    self.done_marker.write_text("done\n")
-                except OSError as exc:
-                    log.warning("cannot write %s: %s", self.done_marker, exc)
-
-    def _refresh_mirror(self) -> None:
-        version = self.channel.version()
-        if version is None or version == self._version and not self.others_progressed_within(2 * self.poll):
-            return
-        self._version = version
-        others = [n for n in range(self.env.nnodes) if n != self.env.node]
-        self._mirror.update(self.channel.summaries(others))
-        wall = time.time() - (time.monotonic() - self.others_progressed) if self.others_progressed else 0.0
-        write_mirror(mirror_path(self.report_dir), self._mirror, others, wall)
 
 
 def wait_for_report(channel: StoreChannel, link: NodeLink | None, deadline: float, poll: float = 0.2) -> str | None:

@@ -124,7 +124,7 @@ def _watch(report_dir: str, timeout: float, native: bool, parent: int, world_siz
         if env is not None and channel is not None:
             log.info("node %d of %d (ranks %s), exchanging through the store at %s:%d", env.node, env.nnodes,
                      format_ranks(env.ranks), env.store_host, env.store_port)
-            return _watch_nodes(report_dir, timeout, native, parent, env, channel, tree, agent)
+            return _watch_nodes(report_dir, timeout, native, parent, env, channel, tree, agent, command)
         # No store to reach: this node's own report, as before the exchange (the stacks stay named by host).
     out_dir = Path(report_dir) / f"node-{host}" if multi_node else Path(report_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -196,9 +196,13 @@ def _watch(report_dir: str, timeout: float, native: bool, parent: int, world_siz
 
 
 def _watch_nodes(report_dir: str, timeout: float, native: bool, parent: int, env: NodeEnv, channel: StoreChannel,
-                 tree: RunTree, agent: int | None = None) -> int:
+                 tree: RunTree, agent: int | None = None, command: str | None = None) -> int:
     """One node of several: watch this node's ranks, exchange summaries through torchrun's store
-    (supervise/node_exchange.py); node 0 writes the job's one report, the others print where it is."""
+    (supervise/node_exchange.py); node 0 writes the job's one report, the others print where it is.
+
+    ``command`` (``distcheck run``): node 0's watcher writes the run's report once every node's ranks ended their
+    scripts, from its own ranks' files and the other nodes' final summaries; its exit code is the verdict. Each
+    node's local rank 0 waits for its watcher after its script, so a script-ended rank counts as ended here."""
     from distcheck.supervise.node_exchange import (GATHER_TIMEOUT, NodeLink, summarize_node, wait_for_report,
                                                    where_line)
     from distcheck.supervise.hang import diagnose_hang
@@ -209,9 +213,14 @@ def _watch_nodes(report_dir: str, timeout: float, native: bool, parent: int, env
     seen: set[int] = set()
     cancel = threading.Event()
     link = NodeLink(env, channel, report_dir, lambda: tuple(files.trace_progress(report_dir, r) for r in env.ranks),
-                    cancel, done_marker=files.report_done_marker(report_dir))
+                    cancel)
     published: list[frozenset] = [frozenset()]
     live = _LiveRanks(report_dir, host, tree, seen)
+    if command is not None:
+        plain_live = live
+
+        def live() -> dict[int, int]:
+            return {r: pid for r, pid in plain_live().items() if not script_ended(report_dir, r)}
 
     agent = agent or _parent_of(parent)
 
@@ -222,7 +231,7 @@ def _watch_nodes(report_dir: str, timeout: float, native: bool, parent: int, env
         seen.update(r for r in env.ranks if r not in seen and _traced_under(report_dir, r, agent))
         done = seen - set(running)
         # A rank that ended its script (its exit line; a failed one waits for the report) or its process: node 0's
-        # report monitor learns how, not only that its files are elsewhere.
+        # report learns how, not only that its files are elsewhere.
         ended = frozenset(done | {r for r in running if script_ended(report_dir, r)})
         if not env.reports and ended != published[0]:
             published[0] = ended
@@ -301,6 +310,11 @@ def _watch_nodes(report_dir: str, timeout: float, native: bool, parent: int, env
                               "stopped", note, running=set(stopped.detail["stopped_ranks"]), ranks=set(env.ranks))
             files.tidy(report_dir)
             return 1
+        if env.reports and command is not None:  # the run's report: every rank of this node ended its script
+            code = write_job_report(report_dir, env, channel, native, timeout, time.monotonic() - started,
+                                    started_wall, hung=False, note=None, command=command)
+            files.tidy(report_dir)
+            return code
         if env.reports:
             if 0 in seen and not _written_since(Path(report_dir), started_wall):
                 # Rank 0 died before it could write the report: the job's report, from every node's summary.
@@ -321,10 +335,6 @@ def _watch_nodes(report_dir: str, timeout: float, native: bool, parent: int, env
     finally:
         link.stop.set()
         cancel.set()
-        if env.reports:
-            from distcheck.supervise.node_exchange import mirror_path
-
-            mirror_path(report_dir).unlink(missing_ok=True)
 
 
 def _parent_of(pid: int) -> int | None:
@@ -354,10 +364,10 @@ def _say(line: str) -> None:
 
 
 def write_job_report(report_dir: str, env: NodeEnv, channel: StoreChannel, native: bool, timeout: float, seconds: float,
-                     started_wall: float, hung: bool, note: str) -> None:
+                     started_wall: float, hung: bool, note: str | None, command: str | None = None) -> int:
     """Node 0's report of the whole job: its own ranks' files, and every other node's summary gathered through
     the store with a deadline. The stacks of all nodes are grouped together into the one hang finding; a node
-    that sent nothing is named once."""
+    that sent nothing is named once. Its exit code."""
     from distcheck.analysis.hang import diagnose
     from distcheck.analysis.progress import progress_by_rank
     from distcheck.analysis.trace_events import load_traces
@@ -403,13 +413,13 @@ def write_job_report(report_dir: str, env: NodeEnv, channel: StoreChannel, nativ
     outcomes = {r: o for r, o in run_report.outcomes_from_traces(traces, env.world_size, hung, running).items()
                 if r in set(env.ranks)}
     outcomes.update(merged.outcomes)
-    report = _report_so_far(Path(report_dir), started_wall)
+    report = _report_so_far(Path(report_dir), started_wall) if command is None else None
     if report is not None:  # consistency wrote what completed before: keep it, with the diagnosis added
         report.findings = [f for f in report.findings if not f.detail.get("partial")] + findings
         report.checks.append(CheckResult("watchdog" if hung else "report", False, 0.0, note=note))
     elif traces:
-        report = run_report.build_report(Path(report_dir), command_of(traces), env.world_size, traces, outcomes,
-                                         timeout, seconds, hang_findings=findings[:1] if hung else None,
+        report = run_report.build_report(Path(report_dir), command or command_of(traces), env.world_size, traces,
+                                         outcomes, timeout, seconds, hang_findings=findings[:1] if hung else None,
                                          stop_reason=note, remote=merged)
         # The run analysis keeps a hang finding only where a rank still ran: these are the job's own findings.
         report.findings += [f for f in findings if f not in report.findings]
@@ -427,6 +437,7 @@ def write_job_report(report_dir: str, env: NodeEnv, channel: StoreChannel, nativ
     for f in findings:
         log.warning("[%s] %s", f.kind, f.message)
     _say(render_text(report, Path(report_dir)))
+    return report.exit_code
 
 
 def _written_since(out_dir: Path, since: float) -> bool:

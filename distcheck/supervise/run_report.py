@@ -1,7 +1,7 @@
 """The report of a ``run``: from the per-rank files and how each rank ended, to report.json and report.txt.
 
     python -m distcheck run --nproc 2 -- train.py                    # the launcher builds it after the ranks end
-    torchrun --nproc-per-node 2 -m distcheck run -- train.py         # rank 0's monitor builds it
+    torchrun --nproc-per-node 2 -m distcheck run -- train.py         # the node watcher of rank 0's node builds it
 
 Every run-shaped command (``run`` with ``--nproc`` or under torchrun, each run of ``compare``) ends here: the
 outcomes of the ranks, the trace alignment, the findings the ranks emitted, the zero-code checks, and the hang

@@ -1,10 +1,9 @@
 """The one watch loop: every supervisor of ranks decides "progressing, done, stuck or hung" here, by one rule.
 
     python -m distcheck run --nproc 2 --timeout 60 -- train.py     # the launcher's loop
-    torchrun --nproc-per-node 2 -m distcheck run -- train.py       # the node watcher's and rank 0's monitor's loop
+    torchrun --nproc-per-node 2 -m distcheck run -- train.py       # the node watcher's loop
 
-Used by the launcher (``run``/``compare`` with ``--nproc``), the node watcher and rank 0's report monitor under
-torchrun, and the pytest pool (one loop per test). The callers differ only in how they learn which ranks are
+Used by the launcher (``run``/``compare`` with ``--nproc``), the node watcher under torchrun, and the pytest pool (one loop per test). The callers differ only in how they learn which ranks are
 still running and which have finished (process handles, pids from hook files, exit lines in the traces, pipe
 messages), which they pass in as two callables.
 
