@@ -182,13 +182,6 @@ def keyed(records: list[Record]) -> dict[Key, Record]:
     return out
 
 
-def key_label(key: Key) -> str:
-    name, step, occ = key
-    return f"'{name}'" + (f" (#{occ + 1})" if occ else "") + f" at step {step}"
-
-
-# -- one value per (name, step) of a run -----------------------------------------------------------------------
-
 @dataclass
 class Resolved:
     key: Key

@@ -180,47 +180,6 @@ def divergence_finding(div: Divergence, summaries: dict[int, DiffSummary], conte
 SHOWN = 4  # tensor names a grouped message spells out; detail.params lists them all
 
 
-def worst_diff(summaries: dict[str, dict[int, DiffSummary]]) -> tuple[str, DiffSummary] | None:
-    """The tensor and rank with the largest difference, over every compared tensor."""
-    best: tuple[str, DiffSummary] | None = None
-    for name, per_rank in summaries.items():
-        for s in per_rank.values():
-            if best is None or s.max_abs_diff > best[1].max_abs_diff:
-                best = (name, s)
-    return best
-
-
-def grouped_divergence(divs: list[Divergence], summaries: dict[str, dict[int, DiffSummary]], where: str,
-                       cause: str = "") -> Finding:
-    """One ``tensor_divergence`` for tensors that differ for one cause: the count, every name (``detail.params``), the
-    largest difference, and ``cause`` (where they became different, when that is known).
-
-    ``where`` says when they were compared ("before fully_shard at train.py:30", "at the first forward").
-    """
-    names = [d.name for d in divs]
-    roles = sorted({d.role for d in divs})
-    noun = roles[0] if len(roles) == 1 else "tensor"
-    compared = sorted({r for d in divs for r in d.ranks})
-    blamed = sorted({r for d in divs for r in d.blamed})
-    count = f"{len(names)} {noun}{'s' if len(names) != 1 else ''}"
-    message = (f"{count} that must be identical across ranks differ{'s' if len(names) == 1 else ''} between "
-               f"{format_ranks(compared)} {where}: {format_names(names, SHOWN)}")
-    detail: dict = {"params": names, "count": len(names), "groups": {d.name: d.groups for d in divs}}
-    worst = worst_diff(summaries)
-    if worst is not None:
-        name, s = worst
-        ref = next(d.reference for d in divs if d.name == name)
-        message += (f"; max abs diff {s.max_abs_diff:.4g} ('{name}' on rank {s.rank} vs rank {ref}, first differing "
-                    f"element {s.first_index}: {s.value:.6g} vs {s.ref_value:.6g})")
-        detail.update(max_abs_diff=s.max_abs_diff, max_abs_diff_param=name, reference_rank=ref)
-    detail["diffs"] = {n: {str(r): vars(s) for r, s in sorted(per.items())} for n, per in summaries.items() if per}
-    structural = {d.name: d.structural for d in divs if d.structural}
-    if structural:
-        detail["structural"] = structural
-    message += "." + (f" {cause}" if cause else "")
-    return Finding("tensor_divergence", blamed, message, detail)
-
-
 def group_findings(findings: list[Finding], where: str, cause: str = "") -> list[Finding]:
     """Per-tensor ``tensor_divergence`` findings (divergence_finding) as one finding for their one cause; other
     findings and a lone divergence pass unchanged (the lone one gains ``detail.params``)."""

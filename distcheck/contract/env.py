@@ -14,7 +14,6 @@ REPORT_DIR = "DISTCHECK_REPORT_DIR"  # where the rank's per-rank files go
 SUPERVISED = "DISTCHECK_SUPERVISED"  # "1": a distcheck supervisor watches this rank (run --nproc, compare)
 BACKEND = "DISTCHECK_BACKEND"  # force gloo or nccl
 LOG = "DISTCHECK_LOG"  # the ranks' logging level
-TRACE = "DISTCHECK_TRACE"  # "0": no collective tracer
 TRACE_HOT_PATH = "DISTCHECK_TRACE_HOT_PATH"  # "python": leave the tracer's C path out
 FLIGHT_RECORDER = "DISTCHECK_FLIGHT_RECORDER"  # "0": no Flight Recorder dumps
 AUTOCHECK = "DISTCHECK_AUTOCHECK"  # "0": no zero-code checks

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import os
-from pathlib import Path
 from typing import Iterable
 
 from distcheck.contract import env, findings_file
@@ -17,10 +16,6 @@ from distcheck.contract.findings import Finding
 
 ENV_REPORT_DIR = env.REPORT_DIR
 log = logging.getLogger("distcheck")
-
-
-def findings_path(report_dir: str | os.PathLike, rank: int) -> Path:
-    return findings_file.path(report_dir, rank)
 
 
 def emit(findings: Iterable[Finding], rank: int | None = None) -> None:

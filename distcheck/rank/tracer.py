@@ -1,7 +1,6 @@
 """Collective tracer: every collective a rank issues, with its user call site, recorded on disk as it happens.
 
-    DISTCHECK_TRACE=1 DISTCHECK_REPORT_DIR=out torchrun --nproc-per-node 2 train.py   # via distcheck.rank.tracer.install_from_env()
-    python -m distcheck run --nproc 2 -- train.py                                     # installs it in every rank
+    python -m distcheck run --nproc 2 -- train.py          # installs it in every rank
 
 ``install(report_dir, rank)`` replaces the collective functions of ``torch.distributed``,
 ``torch.distributed.distributed_c10d`` and ``torch.distributed._functional_collectives`` by thin wrappers.
@@ -81,7 +80,6 @@ if _tracefast is not None and (_tracefast.RECORD_SIZE, _tracefast.START_TIME_OFF
 
 log = logging.getLogger("distcheck")
 
-ENV_TRACE = env.TRACE
 ENV_REPORT_DIR = env.REPORT_DIR
 
 # Parameters that name the root of a rooted collective or the peer of a point-to-point op.
@@ -885,12 +883,3 @@ def current() -> Tracer | None:
     return _tracer
 
 
-def install_from_env() -> Tracer | None:
-    """Install when DISTCHECK_TRACE=1 and DISTCHECK_REPORT_DIR are set (the rank comes from RANK)."""
-    if os.environ.get(ENV_TRACE, "") not in ("1", "true", "yes") or not os.environ.get(ENV_REPORT_DIR):
-        return None
-    try:
-        rank = int(os.environ.get("RANK", "0"))
-    except ValueError:
-        rank = 0
-    return install(os.environ[ENV_REPORT_DIR], rank)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from typing import Sequence
 
 from distcheck.analysis.frame_owner import DISTCHECK, owner
 from distcheck.analysis.hang import diagnose, hang_finding
@@ -25,7 +26,8 @@ from distcheck.analysis.progress import RankProgress, progress_by_rank
 from distcheck.analysis.stack_groups import RankStack
 from distcheck.contract import files
 from distcheck.contract.findings import Finding, format_ranks
-from distcheck.supervise.stacks import DEFAULT_DUMP_TIMEOUT, DumpResult, Target, dump_all, write_stack_artifacts
+from distcheck.supervise.stacks import (DEFAULT_DUMP_TIMEOUT, DumpError, DumpResult, Target, dump_all,
+                                       write_stack_artifacts)
 
 log = logging.getLogger("distcheck")
 
@@ -169,17 +171,31 @@ def diagnose_dumped(result: DumpResult, processes: list[RankStack], others: list
     except Exception as exc:  # a broken trace must not cost us the stacks
         log.warning("could not read traces in %s: %s", report_dir, exc)
         progress = {}
-    errors_by_rank = {e.rank: e.message for e in result.errors if e.rank is not None}
-    diag = diagnose(result.stacks, progress, world_size, timeout, errors_by_rank, prefix, processes=processes)
-    finding = diag.to_finding(result.stacks, progress, [e.message for e in result.errors])
     title = f"distcheck watchdog: {prefix.rstrip(': ')}" if prefix else "distcheck watchdog"
-    artifacts = write_stack_artifacts(out_dir or report_dir, result.stacks, result.errors, native, progress, title,
-                                      stem, diag.groups, diag.message, processes, others,
-                                      finding.detail["last_collectives"])
-    finding.detail["artifacts"] = artifacts
+    finding = hang_from_stacks(result.stacks, result.errors, progress, world_size, timeout, prefix, native=native,
+                               out_dir=out_dir or report_dir, title=title, stem=stem, processes=processes,
+                               others=others)
     finding.detail["dump_seconds"] = round(result.seconds, 3)
     finding.detail["diagnose_seconds"] = round(time.monotonic() - t0, 3)
     return [finding]
+
+
+def hang_from_stacks(stacks: Sequence[RankStack], errors: Sequence[DumpError], progress: dict[int, RankProgress],
+                     world_size: int | None, timeout: float | None, prefix: str, *, native: bool,
+                     out_dir: str | os.PathLike, title: str, stem: str = files.STACKS_STEM,
+                     processes: Sequence[RankStack] = (), others: Sequence[str] = (),
+                     notes: Sequence[str] = ()) -> Finding:
+    """The one sequence from stacks to a ``hang`` finding, whoever took them (a watchdog's dump, the stop dumps
+    the ranks wrote on torchrun's SIGTERM, the stacks every node sent to node 0): diagnose, compose the finding,
+    write ``<stem>.txt``/``<stem>.json`` to ``out_dir`` with the same groups and summary. ``notes``: lines for the
+    finding's errors besides the dump errors (a node that sent no stacks, two nodes with the same host name)."""
+    errors_by_rank = {e.rank: e.message for e in errors if e.rank is not None}
+    diag = diagnose(stacks, progress, world_size, timeout, errors_by_rank, prefix, processes=list(processes))
+    finding = diag.to_finding(stacks, progress, [e.message for e in errors] + list(notes))
+    finding.detail["artifacts"] = write_stack_artifacts(out_dir, stacks, errors, native, progress, title, stem,
+                                                        diag.groups, diag.message, processes, others,
+                                                        finding.detail["last_collectives"])
+    return finding
 
 
 def _split(dumped: DumpResult, process_pids: set[int], others: list[str]) -> tuple[DumpResult, list[RankStack]]:

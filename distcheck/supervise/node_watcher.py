@@ -368,15 +368,15 @@ def write_job_report(report_dir: str, env: NodeEnv, channel: StoreChannel, nativ
     """Node 0's report of the whole job: its own ranks' files, and every other node's summary gathered through
     the store with a deadline. The stacks of all nodes are grouped together into the one hang finding; a node
     that sent nothing is named once. Its exit code."""
-    from distcheck.analysis.hang import diagnose
     from distcheck.analysis.progress import progress_by_rank
     from distcheck.analysis.trace_events import load_traces
     from distcheck.contract.findings import CheckResult
     from distcheck.contract.report import Report, render_text, write_report
     from distcheck.supervise import run_report
+    from distcheck.supervise.hang import hang_from_stacks
     from distcheck.supervise.node_exchange import (GATHER_TIMEOUT, merge_stack_documents, merge_summaries,
                                                    nodes_json, silent_nodes_finding, stacks_from_document)
-    from distcheck.supervise.stacks import load_stacks_document, write_stack_artifacts
+    from distcheck.supervise.stacks import load_stacks_document
 
     out_dir = Path(report_dir) / f"node-{env.host}"
     others = [n for n in range(env.nnodes) if n != env.node]
@@ -397,15 +397,11 @@ def write_job_report(report_dir: str, env: NodeEnv, channel: StoreChannel, nativ
             docs.append(load_stacks_document(local_stacks))
         docs += [stacks_from_document(d) for d in merged.stack_docs]
         stacks, errors, _, clashes = merge_stack_documents(docs)
-        diag = diagnose(stacks, progress, env.world_size, timeout,
-                        {e.rank: e.message for e in errors if e.rank is not None}, f"no progress for {timeout:g}s: ")
-        hang = diag.to_finding(stacks, progress, [e.message for e in errors] + clashes + merged.notes)
         hosts = {env.host: env.ranks, **{merged.hosts[n]: env.node_ranks(n) for n in merged.hosts}}
-        hang.detail["artifacts"] = write_stack_artifacts(
-            report_dir, stacks, errors, native, progress, f"distcheck watchdog: no progress for {timeout:g}s "
-            f"(stacks of {len(hosts)} nodes: {', '.join(sorted(hosts))})", files.STACKS_STEM, diag.groups,
-            diag.message)
-        findings.append(hang)
+        findings.append(hang_from_stacks(
+            stacks, errors, progress, env.world_size, timeout, f"no progress for {timeout:g}s: ", native=native,
+            out_dir=report_dir, title=f"distcheck watchdog: no progress for {timeout:g}s (stacks of {len(hosts)} "
+            f"nodes: {', '.join(sorted(hosts))})", notes=clashes + merged.notes))
     silent = silent_nodes_finding(merged.silent, waited, f"{env.store_host}:{env.store_port}")
     if silent is not None:
         findings.append(silent)
@@ -451,11 +447,9 @@ def stop_finding(report_dir: str, out_dir: Path, native: bool, world_size: int |
     """The ``hang`` finding for ranks that dumped their stacks on a stop signal (rank/stack_hooks.py), or None
     when no rank of this node got one (or every rank had finished its script anyway). ``local_only``: the other
     ranks are on other nodes, not missing."""
-    from distcheck.analysis.hang import diagnose
     from distcheck.analysis.stack_groups import RankStack, parse_faulthandler
     from distcheck.analysis.trace_events import load_traces
-    from distcheck.supervise.hang import load_progress
-    from distcheck.supervise.stacks import write_stack_artifacts
+    from distcheck.supervise.hang import hang_from_stacks, load_progress
 
     host = socket.gethostname()
     traces = load_traces(report_dir)
@@ -493,15 +487,12 @@ def stop_finding(report_dir: str, out_dir: Path, native: bool, world_size: int |
         prefix = f"the run was stopped from outside by {cause} (torchrun passed it on to the ranks): "
     if failed:  # the ranks that failed by themselves have their own findings: this describes the stopped ones
         progress = {r: p for r, p in progress.items() if r not in failed}
-    diag = diagnose(stacks, progress, None if local_only or failed else world_size, None, {}, prefix)
-    finding = diag.to_finding(stacks, progress)
+    finding = hang_from_stacks(stacks, [], progress, None if local_only or failed else world_size, None, prefix,
+                               native=native, out_dir=out_dir, title=f"distcheck: stopped by {cause}")
     finding.detail["stopped_by"] = cause
     finding.detail["stopped_ranks"] = dumped
     finding.detail["died_first"] = dead
     finding.detail["failed_first"] = failed
-    finding.detail["artifacts"] = write_stack_artifacts(out_dir, stacks, [], native, progress,
-                                                        f"distcheck: stopped by {cause}", files.STACKS_STEM,
-                                                        diag.groups, diag.message)
     return finding
 
 

@@ -90,14 +90,6 @@ def _is_tests(site: Site | None) -> bool:
 # --- processes -----------------------------------------------------------------------------------------------------
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except (OSError, IndexError):
-        return False
-
-
 def _processes(tag: str | None) -> set[int]:
     """Live processes that descend from this one or carry its tag (this process excluded)."""
     me = os.getpid()
