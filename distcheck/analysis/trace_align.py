@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from distcheck.analysis.call_signature import differing_fields, signature
+from distcheck.analysis.split_matrix import FIX as SPLIT_FIX, LIST_FIX as SPLIT_LIST_FIX, PairMismatch, blamed
+from distcheck.analysis.split_matrix import describe as describe_pairs, mismatched_pairs, split_of
 from distcheck.analysis.hang import hang_finding as make_hang_finding
 from distcheck.analysis.ops import PEER_OPS
 from distcheck.analysis.progress import (FAILED, ISSUED, ISSUED_NOTE, CollectiveRef, RankProgress, group_counts,
@@ -64,6 +66,7 @@ class Divergence:
     fields: list[str] = field(default_factory=list)  # what differs: op, shapes, dtypes, reduce_op, root, ...
     counts: dict[int, int] = field(default_factory=dict)  # extra/missing: collectives each member issued on the group
     sequence: str = ""  # TraceEvent.group_key of the events: the group's traced or untraced sequence
+    pairs: list[PairMismatch] = field(default_factory=list)  # "split": the per-peer sizes that do not pair up
 
 
 WINDOW = 4  # positions read back at once from a summarized trace (trace_summary.TraceSummary.events_at)
@@ -169,6 +172,11 @@ def find_divergences(traces: dict[int, RankTrace], outcomes: dict[int, RankOutco
                 events = {r: present.get(r) for r in members}
                 found = Divergence(members, seq.group, i + 1, "different", events, _odd_ranks(present),
                                    differing_fields(list(present.values())), sequence=key)
+                break
+            pairs = mismatched_pairs(present, members) if not absent else []
+            if pairs:  # the same exchange everywhere, but what one rank sends another does not expect
+                found = Divergence(members, seq.group, i + 1, "different", dict(present), blamed(pairs, members),
+                                   ["split"], sequence=key, pairs=pairs)
                 break
             if absent and any(_cut(traces.get(r)) for r in absent):
                 break  # a trace cut short by a full disk: what that rank issued from here on is unknown
@@ -332,6 +340,14 @@ def divergence_finding(d: Divergence, outcomes: dict[int, RankOutcome],
                  for (brief, site), rs in sorted(buckets.items(), key=lambda kv: kv[1][0])]
         primary = next((d.events[r] for r in d.ranks if d.events.get(r) is not None), None)
         message = f"{where} differs in {', '.join(d.fields) or 'signature'}: " + "; ".join(parts)
+        if d.pairs:
+            op = primary.op if primary is not None else "exchange"
+            message = (f"{where} ({op}): the per-peer sizes do not pair up: "
+                       f"{describe_pairs(d.pairs, d.events, d.group)}")
+            rows = (split_of(primary) or {}).get("unit") == "rows"
+            fixes = SPLIT_FIX if rows else SPLIT_LIST_FIX
+            detail["pairs"] = [p.to_json() for p in d.pairs]
+            detail["splits"] = {str(r): split_of(e) for r, e in d.events.items() if e is not None}
     else:
         # A count mismatch ("extra" or "missing" at the first position some member never reached): the ranks that
         # finished short, both counts, and the first collective they never issued, with who issued it.

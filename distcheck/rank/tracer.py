@@ -386,6 +386,62 @@ def _arg_key(value: Any, Tensor: type) -> Any:
     return value
 
 
+SPLIT_PEERS = 1024  # the per-peer sizes of an exchange are recorded for groups up to this size
+
+
+def _shape(t: Any, Tensor: type) -> list[int] | None:
+    return list(t.shape) if isinstance(t, Tensor) else None
+
+
+def _rows(splits: Any, tensor: Any, n: int, Tensor: type) -> list[list[int]] | None:
+    """all_to_all_single's per-peer blocks as shapes: ``splits[j]`` rows of the tensor's row shape, or dim 0 split
+    evenly over the ``n`` peers when no splits are given (what torch does)."""
+    if not isinstance(tensor, Tensor) or tensor.dim() == 0:
+        return None
+    row = list(tensor.shape[1:])
+    if splits is None:
+        return [[tensor.shape[0] // n, *row]] * n
+    try:
+        return [[int(k), *row] for k in splits]
+    except (TypeError, ValueError):
+        return None
+
+
+def _peer_split(op: str, params: dict[str, Any], n: int, Tensor: type) -> dict[str, Any] | None:
+    """What this rank sends to and expects from each peer of an exchange, by its place in the group: ``{"send":
+    [shape per peer], "recv": [shape per peer]}``. Recorded with the call's start, before the backend sees it, so
+    it survives a backend that aborts on sizes that do not pair up (gloo). Peer i's send to j must equal j's recv
+    from i (analysis/split_matrix.py). None for other ops, and past SPLIT_PEERS ranks."""
+    if n == 0 or n > SPLIT_PEERS:
+        return None
+    if op in ("all_to_all_single", "all_to_all_single_autograd"):
+        inp = params.get("input", params.get("self"))
+        out = params.get("output")
+        send = _rows(params.get("input_split_sizes"), inp, n, Tensor)
+        out_splits = params.get("output_split_sizes")
+        # The functional form allocates its output: its rows come from output_split_sizes, else from the input's.
+        recv = _rows(out_splits, out if out is not None else inp, n, Tensor)
+        if send is None or recv is None:
+            return None
+        return {"send": send, "recv": recv, "unit": "rows"}
+    if op == "all_to_all":
+        ins, outs = params.get("input_tensor_list"), params.get("output_tensor_list")
+        if not isinstance(ins, (list, tuple)) or not isinstance(outs, (list, tuple)):
+            return None
+        return {"send": [_shape(t, Tensor) for t in ins], "recv": [_shape(t, Tensor) for t in outs]}
+    if op == "all_gather":
+        outs, mine = params.get("tensor_list"), _shape(params.get("tensor"), Tensor)
+        if not isinstance(outs, (list, tuple)) or mine is None:
+            return None
+        return {"send": [mine] * n, "recv": [_shape(t, Tensor) for t in outs]}
+    if op == "reduce_scatter":
+        ins, mine = params.get("input_list"), _shape(params.get("output"), Tensor)
+        if not isinstance(ins, (list, tuple)) or mine is None:
+            return None
+        return {"send": [_shape(t, Tensor) for t in ins], "recv": [mine] * n}
+    return None
+
+
 def call_key(frame: Any, args: tuple, kwargs: dict, Tensor: type, gpu_build: bool) -> tuple:
     """The cache key of a call from ``frame`` (the user's): its site as ``(id(code), f_lasti)``, then each positional
     argument (an exact Tensor as shape, dtype[, is_cuda], flat), then each keyword's name and value. _tracefast.c
@@ -573,6 +629,9 @@ class Tracer:
             event["root"] = root
         if params.get("output_split_sizes") is not None or params.get("input_split_sizes") is not None:
             event["uneven"] = True
+        split = _peer_split(op, params, len(pg_ranks), Tensor)
+        if split is not None:
+            event["split"] = split
         if p2p is not None:
             event["p2p"] = p2p
         if funcol:

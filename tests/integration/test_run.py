@@ -314,3 +314,18 @@ def test_dtensor_mixed_with_a_plain_tensor_says_which_fix(line_of, tmp_path):
     assert f["ranks"] == [0, 1] and f["detail"]["line"] == line_of("dtensor_mixed_tensor.py", "# BUG")
     assert "aten.add.Tensor was given a DTensor and a plain torch.Tensor" in f["message"]
     assert "DTensor.from_local" in f["message"] and "need to convert all torch.Tensor" in f["detail"]["error"]
+
+
+def test_all_to_all_split_sizes_that_do_not_pair_up_name_the_pair_not_the_abort(line_of, tmp_path):
+    """An MoE dispatch: rank 1's output_split_sizes disagree with what rank 0 sends it. gloo aborts a rank; the
+    report names the pair, both sizes and the line, with the matrix of rows each rank sends each expert."""
+    res, report, _ = run_fixture(tmp_path, "a2a_split_mismatch.py")
+    assert res.returncode == 1, res.output
+    f = only(report, "collective_mismatch")
+    line = line_of("a2a_split_mismatch.py", "dist.all_to_all_single(out, x")
+    assert f["ranks"] == [0, 1] and f["detail"]["line"] == line and f["detail"]["position"] == 2
+    assert f["detail"]["pairs"] == [{"src": 0, "dst": 1, "sent": [5, 4], "expected": [4, 4]}]
+    assert (f"rank 0 sends 5 rows to rank 1 (a2a_split_mismatch.py:{line}), rank 1 expects 4 rows from rank 0 "
+            f"(a2a_split_mismatch.py:{line})") in f["message"]
+    assert "(input_split_sizes): rank 0 [3, 5]; rank 1 [4, 4]" in f["message"]
+    assert not any(x["kind"] == "rank_failure" for x in report["findings"])  # the abort is evidence, not the cause

@@ -201,3 +201,52 @@ def test_chrome_trace_has_one_row_per_rank_and_open_slices():
     assert {e["pid"] for e in slices} == {0, 1}
     assert any(e["name"] == "broadcast (never completed)" and e["dur"] > 0 for e in slices)
     assert {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"} == {"rank 0", "rank 1"}
+
+
+# --- the per-peer sizes of an exchange (analysis/split_matrix.py) ---------------------------------------------------
+
+
+def a2a(b, send, recv, line=25, row=4):
+    """An all_to_all_single as the tracer writes it: per-peer blocks as shapes, recorded with the start."""
+    shapes = ((sum(recv), row), (sum(send), row))
+    return b.coll("all_to_all_single", shapes=shapes, uneven=True, line=line,
+                  split={"send": [[n, row] for n in send], "recv": [[n, row] for n in recv], "unit": "rows"})
+
+
+def test_all_to_all_splits_that_pair_up_are_silent_and_a_pair_that_does_not_is_named():
+    good = {0: a2a(TraceBuilder(0), [3, 5], [3, 4]).exit().trace(),
+            1: a2a(TraceBuilder(1), [4, 4], [5, 4]).exit().trace()}
+    assert analyze_run(good, ok(0, 1), 2) == []
+    # Rank 1 sized its receive by its own routing: it expects 4 rows from rank 0, which sends 5. gloo aborts rank 1.
+    bad = {0: a2a(TraceBuilder(0), [3, 5], [3, 4]).exit(ok=False).trace(),
+           1: a2a(TraceBuilder(1), [4, 4], [4, 4], line=31, ).trace()}
+    outcomes = {0: RankOutcome(0, STATE_ERROR, 1), 1: RankOutcome(1, STATE_DIED, -6, signal="SIGABRT")}
+    (f,) = analyze_run(bad, outcomes, 2)
+    assert f.kind == "collective_mismatch" and f.ranks == [0, 1] and f.detail["line"] == 25
+    assert f.detail["pairs"] == [{"src": 0, "dst": 1, "sent": [5, 4], "expected": [4, 4]}]
+    assert f.message.startswith("collective #1 on group [0,1] (all_to_all_single): the per-peer sizes do not pair "
+                                "up: rank 0 sends 5 rows to rank 1 (train.py:25), rank 1 expects 4 rows from rank 0 "
+                                "(train.py:31). Rows (tokens) each rank sends to ranks 0, 1 in order "
+                                "(input_split_sizes): rank 0 [3, 5]; rank 1 [4, 4]; rows each expects from them "
+                                "(output_split_sizes): rank 0 [3, 4]; rank 1 [4, 4]")
+    assert "exchange the counts first" in f.message
+    assert set(f.detail["backend_errors"]) == {0, 1}  # the SIGABRT is evidence of the mismatch, not a finding
+
+
+def test_one_rank_wrong_with_every_peer_is_the_one_blamed():
+    # 4 ranks, each sends 1 row to every peer; rank 2 expects 2 rows from each: every mismatched pair has rank 2.
+    traces = {r: a2a(TraceBuilder(r, 4), [1] * 4, [2] * 4 if r == 2 else [1] * 4).exit().trace() for r in range(4)}
+    (f,) = analyze_run(traces, ok(0, 1, 2, 3), 4)
+    assert f.ranks == [2] and len(f.detail["pairs"]) == 4 and "+0 more" not in f.message
+
+
+def test_list_forms_pair_by_shape():
+    from distcheck.analysis.split_matrix import mismatched_pairs
+
+    def gather(b, mine, expected):  # all_gather(tensor_list, tensor): what it sends everyone, what it expects
+        return b.coll("all_gather", shapes=[*expected, mine], split={"send": [mine] * 2, "recv": expected})
+
+    t0 = gather(TraceBuilder(0), [3], [[3], [2]]).trace()
+    t1 = gather(TraceBuilder(1), [4], [[3], [4]]).trace()  # rank 0 expects [2] from rank 1, which sends [4]
+    pairs = mismatched_pairs({0: t0.events[0], 1: t1.events[0]}, [0, 1])
+    assert [p.to_json() for p in pairs] == [{"src": 1, "dst": 0, "sent": [4], "expected": [2]}]

@@ -332,3 +332,30 @@ def test_a_reduce_op_instance_is_named_by_its_type_not_its_address():
 
     assert _reduce_op_name(dist._make_nccl_premul_sum(0.5)) == "PREMUL_SUM"
     assert _reduce_op_name(dist.ReduceOp.SUM) == "SUM" and _reduce_op_name(dist.ReduceOp.AVG) == "AVG"
+
+
+def test_the_per_peer_sizes_of_an_exchange_are_described_as_torch_splits_them():
+    import torch
+
+    from distcheck.rank.tracer import SPLIT_PEERS, _peer_split
+
+    T = torch.Tensor
+    x, out = torch.zeros(8, 4), torch.zeros(7, 4)
+    given = {"output": out, "input": x, "output_split_sizes": [3, 4], "input_split_sizes": [3, 5]}
+    assert _peer_split("all_to_all_single", given, 2, T) == {"send": [[3, 4], [5, 4]], "recv": [[3, 4], [4, 4]],
+                                                             "unit": "rows"}
+    # No splits: dim 0 evenly over the group, as torch does; the functional form sizes its output from the input's.
+    even = _peer_split("all_to_all_single", {"output": x, "input": x}, 2, T)
+    assert even["send"] == even["recv"] == [[4, 4], [4, 4]]
+    funcol = _peer_split("all_to_all_single", {"self": x, "output_split_sizes": None, "input_split_sizes": [2, 6]},
+                         2, T)
+    assert funcol["send"] == [[2, 4], [6, 4]] and funcol["recv"] == [[4, 4], [4, 4]]
+    lists = _peer_split("all_to_all", {"output_tensor_list": [torch.zeros(2), torch.zeros(3)],
+                                       "input_tensor_list": [torch.zeros(1), torch.zeros(5)]}, 2, T)
+    assert lists == {"send": [[1], [5]], "recv": [[2], [3]]}
+    assert _peer_split("all_gather", {"tensor_list": [torch.zeros(3), torch.zeros(2)], "tensor": torch.zeros(3)},
+                       2, T) == {"send": [[3], [3]], "recv": [[3], [2]]}
+    assert _peer_split("reduce_scatter", {"output": torch.zeros(2), "input_list": [torch.zeros(2)] * 2}, 2,
+                       T) == {"send": [[2], [2]], "recv": [[2], [2]]}
+    assert _peer_split("all_reduce", {"tensor": x}, 2, T) is None
+    assert _peer_split("all_to_all_single", {"output": x, "input": x}, SPLIT_PEERS + 1, T) is None
