@@ -56,7 +56,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from distcheck.analysis.frame_owner import LIBRARY, location, owner
+from distcheck.analysis.frame_owner import LIBRARY, USER, location, owner
 from distcheck.analysis.ops import C10D_OPS, FUNCOL_OPS, P2P_OPS
 from distcheck.contract import env, files
 from distcheck.contract import trace_lines
@@ -508,6 +508,9 @@ class Tracer:
         self._backends: dict[str | None, str] = {}  # group name -> "nccl", "gloo", ...
         self._traced_code: Any = None  # the code object every wrapper shares (see _user_frame)
         self._patched: list[tuple[Any, str, Any]] = []
+        # Called with (works, op, args, kwargs, site) for each Work a call from the user's own line returned
+        # (rank/autocheck/async_work.py); None: nobody asks.
+        self.on_async: Callable[..., None] | None = None
         self.completions = _CudaCompletions(self._write_end, lambda: torch.cuda.Event(), self._sig_of)
 
     def _sig_of(self, eid: int) -> int:
@@ -801,6 +804,8 @@ class Tracer:
                         pack_end(mm, eid * SIZE + END_OFFSET, now())
                 else:
                     self._finish(eid, result, Work, funcol)
+                    if self.on_async is not None and Work is not None and not funcol:
+                        self._note_async(result, Work, op, args, kwargs)
             except Exception as exc:  # the trace closed under a running call (uninstall), a full disk, no CUDA
                 log.debug("trace of the end of %s failed: %s", op, exc)
             return result
@@ -810,6 +815,23 @@ class Tracer:
             begin = _tracefast.Recorder(fast, sigs, traced.__code__, _NESTED).begin
         traced.__distcheck_original__ = fn  # type: ignore[attr-defined]
         return traced
+
+    def _note_async(self, result: Any, Work: Any, op: str, args: tuple, kwargs: dict) -> None:
+        """Hand a Work the user's own line got back (``async_op=True``, ``isend``) to ``on_async`` with the call's
+        tensors and line: a call from torch or a library waits for its own Works."""
+        works = [result] if isinstance(result, Work) else [w for w in result if isinstance(w, Work)] \
+            if isinstance(result, list) else []
+        if not works:
+            return
+        try:
+            caller = sys._getframe(2)  # traced's caller
+        except ValueError:
+            return
+        if owner(caller.f_code.co_filename) != USER:
+            return
+        from distcheck.rank.usersite import Site
+
+        self.on_async(works, op, args, kwargs, Site(caller.f_code.co_filename, caller.f_lineno))
 
     def _finish(self, eid: int, result: Any, Work: Any, funcol: bool) -> None:
         events = self.events

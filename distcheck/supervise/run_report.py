@@ -53,7 +53,7 @@ def build_report(report_dir: Path, command: str, world_size: int, traces: dict[i
         progress.update({r: p for r, p in remote.progress.items() if r not in traces})
     findings = analyze_run(traces, outcomes, world_size, timeout=timeout, hang_findings=hang_findings,
                            progress=progress)
-    findings = merge_mesh_errors(findings + findings_file.collect(report_dir))
+    findings = merge_same_on_ranks(merge_mesh_errors(findings + findings_file.collect(report_dir)))
     # Zero-code checks: model_check (its time), and the first NaN/Inf merged from every rank's own record.
     auto_findings, auto_checks, auto_notes = report_parts(report_dir)
     findings = fold_first_bad(findings + auto_findings)
@@ -214,6 +214,28 @@ def crash_site(stderr_path: Path):
     threads = parse_faulthandler(text[cut:])
     current = next((t for t in threads if t.name == "current"), threads[-1] if threads else None)
     return innermost_user_frame(current)
+
+
+# Findings each rank writes for itself, about the same line of code, whose message does not name the rank.
+PER_RANK_CAUSES = frozenset({"async_not_waited"})
+
+
+def merge_same_on_ranks(findings: list[Finding]) -> list[Finding]:
+    """One finding for what several ranks each found at the same line (rank/autocheck/async_work.py), with every
+    one of those ranks."""
+    first: dict[tuple, Finding] = {}
+    out: list[Finding] = []
+    for f in findings:
+        if f.detail.get("cause") not in PER_RANK_CAUSES:
+            out.append(f)
+            continue
+        key = (f.kind, f.message, f.detail.get("file"), f.detail.get("line"))
+        if key in first:
+            first[key].ranks = sorted(set(first[key].ranks) | set(f.ranks))
+            continue
+        first[key] = f
+        out.append(f)
+    return out
 
 
 def merge_mesh_errors(findings: list[Finding]) -> list[Finding]:

@@ -1,4 +1,4 @@
-"""Zero-code checks in a rank: seven jobs behind one switch (DISTCHECK_AUTOCHECK=0 turns them off).
+"""Zero-code checks in a rank: nine jobs behind one switch (DISTCHECK_AUTOCHECK=0 turns them off).
 
     python -m distcheck run --nproc 2 -- train.py          # installed in every rank
     python -m distcheck compare --nproc 2 -- train.py      # plus the automatic records
@@ -18,6 +18,7 @@
 * frozen_step.py: the first optimizer steps that have nothing to update (a frozen model);
 * precision.py: where the rank computed in bf16/fp16 (autocast, FSDP2 mixed precision, DDP compression hooks,
   16-bit parameters), so that compare judges its records at that precision;
+* async_work.py: an optimizer step over gradients whose async all-reduce nobody waited for (``tensor_divergence``);
 
 patches.py holds the hooks (fully_shard, DDP and its no_sync(), parallelize_module, optimizers, ``backward``) that
 feed these jobs through :class:`AutoCheck`, which also owns the step counters they share and the per-rank state file
@@ -35,6 +36,7 @@ from distcheck.contract import autocheck_file, env
 from distcheck.contract.autocheck_file import AutocheckState
 from distcheck.contract.findings import Finding
 from distcheck.rank.autocheck import patches
+from distcheck.rank.autocheck.async_work import AsyncWatch, tensors_in
 from distcheck.rank.autocheck.auto_records import AutoRecords, record_steps_from_env
 from distcheck.rank.autocheck.discovery import ModelWatch
 from distcheck.rank.autocheck.frozen_step import FrozenWatch
@@ -77,6 +79,21 @@ def current() -> AutoCheck | None:
     return patches.active
 
 
+def _emit(findings: list[Finding]) -> None:
+    from distcheck.rank import sink
+
+    sink.emit(findings)
+
+
+def on_async(works: list[Any], op: str, args: tuple, kwargs: dict, site: Any) -> None:
+    """The tracer's hook for a Work the user's line got back (rank/tracer.py ``on_async``)."""
+    check = current()
+    if check is not None:
+        import torch
+
+        check.async_work.issued(works, op, tensors_in(args, kwargs, torch.Tensor), site)
+
+
 class AutoCheck:
     """The zero-code checks of one run (or one pytest test) in this rank: the hooks' events go to the jobs."""
 
@@ -98,6 +115,7 @@ class AutoCheck:
         self.frozen = FrozenWatch(self, steps_from_env())
         self.module_summaries = ModuleSummaries(self, enabled=bool(record_steps_from_env()))
         self.models.on_watch.append(self.nan.forget_names)
+        self.async_work = AsyncWatch(rank, _emit)
 
     @property
     def active(self) -> bool:
@@ -131,6 +149,7 @@ class AutoCheck:
         # The frame of torch's step wrapper: it stays on the stack while the step runs, closures included
         # (Lightning's and LBFGS's optimizer.step(closure) run forward and backward() inside the step).
         self._stepping, self._step_frame = optimizer, _torch_step_frame()
+        self.async_work.on_optimizer_step(optimizer)
         step = self.opt_steps.get(id(optimizer), 0)
         self.opt_steps[id(optimizer)] = step + 1
         self.nan.on_optimizer_step(optimizer, step)
@@ -212,6 +231,10 @@ def install(out_dir: str | os.PathLike, rank: int, emit: bool = False) -> AutoCh
         return None
     patches.patch_once()
     patches.active = AutoCheck(out_dir, rank, emit)
+    from distcheck.rank import tracer
+
+    if tracer.current() is not None:
+        tracer.current().on_async = on_async
     return patches.active
 
 

@@ -351,6 +351,27 @@ def patch_once() -> None:
         if current() is not None:
             current().on_optimizer_step_done(optimizer)
 
+    # A Work waited for (or seen completed) is no longer one the optimizer may race (async_work.py).
+    Work = torch.distributed.Work if hasattr(torch.distributed, "Work") else None
+    if Work is not None:
+        work_wait, work_done = Work.wait, Work.is_completed
+
+        @functools.wraps(work_wait)
+        def wait_wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+            result = work_wait(self, *args, **kwargs)
+            if current() is not None:
+                current().async_work.waited(self)
+            return result
+
+        @functools.wraps(work_done)
+        def done_wrapper(self: Any) -> Any:
+            done = work_done(self)
+            if done and current() is not None:
+                current().async_work.waited(self)
+            return done
+
+        Work.wait, Work.is_completed = wait_wrapper, done_wrapper
+
     from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
     register_optimizer_step_pre_hook(step_pre_hook)
