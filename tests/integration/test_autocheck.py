@@ -117,3 +117,14 @@ def test_marker_fails_a_passing_test_that_trips_bad_values(pytester):
     assert "test_clean PASSED" in out and "test_nan_but_no_assert FAILED" in out
     assert "distcheck's automatic checks found what the test's asserts did not" in out
     assert "[bad_values] rank 1: first NaN/Inf at step 1" in out
+
+
+def test_an_async_all_reduce_not_waited_before_the_step_is_named_at_both_lines(line_of, tmp_path):
+    res, report = run_fixture(tmp_path, "async_not_waited.py")
+    assert res.returncode == 1, res.output
+    (f,) = report["findings"]
+    line, step = line_of("async_not_waited.py", "# the bug"), line_of("async_not_waited.py", "opt.step()")
+    assert f["kind"] == "tensor_divergence" and f["ranks"] == [0, 1] and f["detail"]["cause"] == "async_not_waited"
+    assert f["detail"]["line"] == line and f["detail"]["step_line"] == step
+    assert f["message"].startswith(f"all_reduce(..., async_op=True) at async_not_waited.py:{line} reduces gradients "
+                                   f"that SGD.step() at async_not_waited.py:{step} read before its Work was waited")
