@@ -125,6 +125,6 @@ def test_an_async_all_reduce_not_waited_before_the_step_is_named_at_both_lines(l
     (f,) = report["findings"]
     line, step = line_of("async_not_waited.py", "# the bug"), line_of("async_not_waited.py", "opt.step()")
     assert f["kind"] == "tensor_divergence" and f["ranks"] == [0, 1] and f["detail"]["cause"] == "async_not_waited"
-    assert f["detail"]["line"] == line and f["detail"]["step_line"] == step
+    assert f["detail"]["line"] == line and f["detail"]["reader_line"] == step
     assert f["message"].startswith(f"all_reduce(..., async_op=True) at async_not_waited.py:{line} reduces gradients "
                                    f"that SGD.step() at async_not_waited.py:{step} read before its Work was waited")

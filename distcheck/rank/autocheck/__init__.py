@@ -215,6 +215,7 @@ class AutoCheck:
                         exc.strerror or exc)
 
     def finish(self) -> None:
+        self.async_work.finish()
         self.prewrap.finish()
         self.nan.finish(self.steps_done, self.counter)
         self.write_state()

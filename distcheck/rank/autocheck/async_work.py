@@ -8,11 +8,13 @@ calls ``optimizer.step()`` reads gradients the backend may still be writing: on 
 (or half-reduced) values and the replicas drift apart; on gloo it usually wins the race, so CPU tests pass.
 
 The tracer hands this watch every Work a call from the user's own code returned (rank/tracer.py, ``on_async``),
-with the tensors the call passed; ``Work.wait`` and ``Work.is_completed`` are patched to note that it was waited
-for. At each optimizer step (the global pre-hook, rank/autocheck/patches.py) a Work not waited for whose tensors
-share storage with a gradient of that optimizer's parameters is a finding, at the collective's line and the
-step's, once per line. Works whose tensors are no gradient (a loss reduced for logging and waited for later) are
-not the optimizer's business, and are never named.
+with the tensors the call passed; ``Work.wait``, ``Work.is_completed`` and ``Work.get_future`` are patched to note
+that it was waited for (a future handed on is waited for by whoever takes it: a DDP comm hook returns it to DDP). A Work not waited for is a finding, at the collective's line and the reader's, once per line, when
+- an optimizer steps (the global pre-hook, rank/autocheck/patches.py) over gradients that share storage with its
+  tensors (a loss reduced for logging and waited for after the step is no gradient: not named then);
+- the user's next async collective takes one of its tensors (the two race);
+- the script ends (nobody ever waited).
+Each op that reads a tensor is not watched: that would cost a hook on every tensor.
 """
 from __future__ import annotations
 
@@ -62,6 +64,10 @@ class AsyncWatch:
         storages = frozenset(s for s in (_storage(t) for t in tensors) if s)
         if not storages or not site.file:
             return
+        # A second async collective on a tensor an earlier one may still be writing: the two race.
+        again = [(key, w) for key, w in self.pending.items() if w.storages & storages]
+        self._report(again, lambda w: not_waited_finding(w.op, w.site, site, f"the next {op} on the same tensor",
+                                                         "the two reductions race on the tensor"))
         for work in works:
             self.pending[id(work)] = _Pending(work, op, storages, site)
             if len(self.pending) > PENDING_LIMIT:
@@ -83,27 +89,43 @@ class AsyncWatch:
                     if s:
                         grads.add(s)
         raced = [(key, w) for key, w in self.pending.items() if w.storages & grads]
-        if not raced:
-            return
-        step = caller_site()
+        if raced:
+            step = caller_site()
+            self._report(raced, lambda w: not_waited_finding(
+                w.op, w.site, step, f"{type(optimizer).__name__}.step()",
+                "the step can run on gradients the backend is still writing (on NCCL the replicas then drift "
+                "apart; gloo usually wins the race)", gradients=True))
+
+    def finish(self) -> None:
+        """The script ended: a Work nobody ever waited for leaves its tensor's value to chance wherever it was
+        read."""
+        self._report(list(self.pending.items()), lambda w: not_waited_finding(
+            w.op, w.site, Site(None, None), "the end of the script", "whatever read its tensor may have read it "
+            "before the reduction landed"))
+
+    def _report(self, works: list[tuple[int, _Pending]], finding: Callable[[_Pending], Finding]) -> None:
         findings = []
-        for key, w in raced:
-            del self.pending[key]
+        for key, w in works:
+            self.pending.pop(key, None)
             where = (w.site.file, w.site.line)
             if where in self.reported:
                 continue
             self.reported.add(where)
-            findings.append(not_waited_finding(self.rank, w.op, w.site, step, type(optimizer).__name__))
+            f = finding(w)
+            f.ranks = [self.rank]
+            findings.append(f)
         if findings:
             self.emit(findings)
 
 
-def not_waited_finding(rank: int, op: str, site: Site, step: Site, optimizer: str) -> Finding:
-    at = f" at {step.site}" if step.file else ""
-    message = (f"{op}(..., async_op=True) at {site.site} reduces gradients that {optimizer}.step()"
-               f"{at} read before its Work was waited for: the step can run on gradients the backend is still "
-               f"writing (on NCCL the replicas then drift apart; gloo usually wins the race). Fix: keep the Work "
-               f"and call work.wait() before optimizer.step()")
-    return Finding("tensor_divergence", [rank], message,
+def not_waited_finding(op: str, site: Site, reader: Site, what: str, why: str, gradients: bool = False) -> Finding:
+    """``all_reduce(..., async_op=True) at train.py:30 reduces gradients that SGD.step() at train.py:31 read before
+    its Work was waited for: <why>``; ``reader``: the line that read the tensor (unknown at the end)."""
+    at = f" at {reader.site}" if reader.file else ""
+    tensor = "gradients that" if gradients else "a tensor that"
+    message = (f"{op}(..., async_op=True) at {site.site} reduces {tensor} {what}{at} "
+               f"{'read' if gradients else 'reached'} before its Work was waited for: {why}. Fix: keep the Work "
+               f"and call work.wait() before {'optimizer.step()' if gradients else 'the tensor is used'}")
+    return Finding("tensor_divergence", [], message,
                    {"cause": "async_not_waited", "op": op, "file": site.file, "line": site.line,
-                    "step_file": step.file, "step_line": step.line, "optimizer": optimizer})
+                    "reader_file": reader.file, "reader_line": reader.line, "reader": what})

@@ -351,10 +351,17 @@ def patch_once() -> None:
         if current() is not None:
             current().on_optimizer_step_done(optimizer)
 
-    # A Work waited for (or seen completed) is no longer one the optimizer may race (async_work.py).
+    # A Work waited for (or seen completed, or handed on as a future: a DDP comm hook returns it to DDP, which
+    # waits for it) is no longer one the optimizer may race (async_work.py).
     Work = torch.distributed.Work if hasattr(torch.distributed, "Work") else None
     if Work is not None:
-        work_wait, work_done = Work.wait, Work.is_completed
+        work_wait, work_done, work_future = Work.wait, Work.is_completed, Work.get_future
+
+        @functools.wraps(work_future)
+        def future_wrapper(self: Any) -> Any:
+            if current() is not None:
+                current().async_work.waited(self)
+            return work_future(self)
 
         @functools.wraps(work_wait)
         def wait_wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -370,7 +377,7 @@ def patch_once() -> None:
                 current().async_work.waited(self)
             return done
 
-        Work.wait, Work.is_completed = wait_wrapper, done_wrapper
+        Work.wait, Work.is_completed, Work.get_future = wait_wrapper, done_wrapper, future_wrapper
 
     from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
