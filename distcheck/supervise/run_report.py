@@ -217,7 +217,7 @@ def crash_site(stderr_path: Path):
 
 
 # Findings each rank writes for itself, about the same line of code, whose message does not name the rank.
-PER_RANK_CAUSES = frozenset({"async_not_waited"})
+PER_RANK_CAUSES = frozenset({"async_not_waited", "state_dict_not_loaded"})
 
 
 def merge_same_on_ranks(findings: list[Finding]) -> list[Finding]:

@@ -128,3 +128,14 @@ def test_an_async_all_reduce_not_waited_before_the_step_is_named_at_both_lines(l
     assert f["detail"]["line"] == line and f["detail"]["reader_line"] == step
     assert f["message"].startswith(f"all_reduce(..., async_op=True) at async_not_waited.py:{line} reduces gradients "
                                    f"that SGD.step() at async_not_waited.py:{step} read before its Work was waited")
+
+
+def test_a_resume_that_loads_nothing_names_the_prefix_and_the_line(line_of, tmp_path):
+    res, report = run_fixture(tmp_path, "resume_loads_nothing.py")
+    assert res.returncode == 1, res.output
+    (f,) = report["findings"]
+    line = line_of("resume_loads_nothing.py", "# the bug")
+    assert f["kind"] == "bad_values" and f["ranks"] == [0, 1] and f["detail"]["cause"] == "state_dict_not_loaded"
+    assert f["detail"]["line"] == line and f["detail"]["missing"] == ["weight", "bias"]
+    assert f"load_state_dict(strict=False) at resume_loads_nothing.py:{line} left 2 of Linear's" in f["message"]
+    assert "under the prefix 'module.'" in f["message"]

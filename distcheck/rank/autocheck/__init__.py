@@ -1,4 +1,4 @@
-"""Zero-code checks in a rank: nine jobs behind one switch (DISTCHECK_AUTOCHECK=0 turns them off).
+"""Zero-code checks in a rank: ten jobs behind one switch (DISTCHECK_AUTOCHECK=0 turns them off).
 
     python -m distcheck run --nproc 2 -- train.py          # installed in every rank
     python -m distcheck compare --nproc 2 -- train.py      # plus the automatic records
@@ -19,6 +19,8 @@
 * precision.py: where the rank computed in bf16/fp16 (autocast, FSDP2 mixed precision, DDP compression hooks,
   16-bit parameters), so that compare judges its records at that precision;
 * async_work.py: an optimizer step over gradients whose async all-reduce nobody waited for (``tensor_divergence``);
+* checkpoint_load.py: a ``load_state_dict(strict=False)`` that loaded nothing, or missed keys under a wrapper's
+  prefix (``bad_values``);
 
 patches.py holds the hooks (fully_shard, DDP and its no_sync(), parallelize_module, optimizers, ``backward``) that
 feed these jobs through :class:`AutoCheck`, which also owns the step counters they share and the per-rank state file
@@ -38,6 +40,7 @@ from distcheck.contract.findings import Finding
 from distcheck.rank.autocheck import patches
 from distcheck.rank.autocheck.async_work import AsyncWatch, tensors_in
 from distcheck.rank.autocheck.auto_records import AutoRecords, record_steps_from_env
+from distcheck.rank.autocheck.checkpoint_load import LoadWatch
 from distcheck.rank.autocheck.discovery import ModelWatch
 from distcheck.rank.autocheck.frozen_step import FrozenWatch
 from distcheck.rank.autocheck.module_summaries import ModuleSummaries
@@ -116,6 +119,7 @@ class AutoCheck:
         self.module_summaries = ModuleSummaries(self, enabled=bool(record_steps_from_env()))
         self.models.on_watch.append(self.nan.forget_names)
         self.async_work = AsyncWatch(rank, _emit)
+        self.checkpoints = LoadWatch(rank, _emit)
 
     @property
     def active(self) -> bool:

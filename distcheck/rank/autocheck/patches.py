@@ -379,6 +379,23 @@ def patch_once() -> None:
 
         Work.wait, Work.is_completed, Work.get_future = wait_wrapper, done_wrapper, future_wrapper
 
+    load_state_dict = torch.nn.Module.load_state_dict
+
+    @functools.wraps(load_state_dict)
+    def load_wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = load_state_dict(self, *args, **kwargs)
+        strict = _arg(args, kwargs, 1, "strict")
+        if current() is not None and strict is False:  # strict=True raised already on any mismatch
+            from distcheck.rank.usersite import caller_site
+
+            try:
+                current().checkpoints.on_load(self, result, caller_site())
+            except Exception as exc:  # the check must never break the user's load
+                log.debug("distcheck: load check failed: %s", exc)
+        return result
+
+    torch.nn.Module.load_state_dict = load_wrapper
+
     from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
     register_optimizer_step_pre_hook(step_pre_hook)
