@@ -112,3 +112,14 @@ def test_rank_seeded_fully_shard_says_why_fully_shard_does_not_fix_it(tmp_path):
     res, report, _ = run_fixture(tmp_path, "zc_rank_seeded_fsdp2.py")
     [f] = report["findings"]
     assert "fully_shard broadcasts nothing" in f["message"], f["message"]
+
+
+def test_tp_ranks_fed_different_batches_are_named_at_the_forward_call(line_of, tmp_path):
+    res, report, _ = run_fixture(tmp_path, "tp_input_per_rank.py")
+    assert res.returncode == 1, res.output
+    (f,) = report["findings"]
+    line = line_of("tp_input_per_rank.py", "model(inp).sum().backward()")
+    assert f["kind"] == "tensor_divergence" and f["ranks"] == [0, 1] and f["detail"]["cause"] == "tp_input_differs"
+    assert f["detail"]["line"] == line and f["detail"]["module"] == "in_proj" and f["detail"]["group"] == [0, 1]
+    assert f["message"].startswith(f"ranks 0-1 (one TP group) fed 'in_proj' (ColwiseParallel, input Replicate) "
+                                   f"different inputs at its first forward at tp_input_per_rank.py:{line}")

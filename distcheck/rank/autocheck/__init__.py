@@ -1,4 +1,4 @@
-"""Zero-code checks in a rank: ten jobs behind one switch (DISTCHECK_AUTOCHECK=0 turns them off).
+"""Zero-code checks in a rank: eleven jobs behind one switch (DISTCHECK_AUTOCHECK=0 turns them off).
 
     python -m distcheck run --nproc 2 -- train.py          # installed in every rank
     python -m distcheck compare --nproc 2 -- train.py      # plus the automatic records
@@ -21,6 +21,7 @@
 * async_work.py: an optimizer step over gradients whose async all-reduce nobody waited for (``tensor_divergence``);
 * checkpoint_load.py: a ``load_state_dict(strict=False)`` that loaded nothing, or missed keys under a wrapper's
   prefix (``bad_values``);
+* tp_inputs.py: the ranks of a TP group feeding a replicated-input layer different batches (``tensor_divergence``);
 
 patches.py holds the hooks (fully_shard, DDP and its no_sync(), parallelize_module, optimizers, ``backward``) that
 feed these jobs through :class:`AutoCheck`, which also owns the step counters they share and the per-rank state file
@@ -48,6 +49,7 @@ from distcheck.rank.autocheck.nan_watch import NanWatch
 from distcheck.rank.autocheck.precision import PrecisionNotes
 from distcheck.rank.autocheck.prewrap import PreWrap
 from distcheck.rank.autocheck.replica_drift import ReplicaDrift, steps_from_env
+from distcheck.rank.autocheck.tp_inputs import TPInputs
 
 log = logging.getLogger("distcheck")
 
@@ -120,6 +122,7 @@ class AutoCheck:
         self.models.on_watch.append(self.nan.forget_names)
         self.async_work = AsyncWatch(rank, _emit)
         self.checkpoints = LoadWatch(rank, _emit)
+        self.tp_inputs = TPInputs(rank, _emit)
 
     @property
     def active(self) -> bool:

@@ -94,8 +94,10 @@ def _before(how: str, args: tuple, kwargs: dict) -> None:
             for p in kwargs.get("ignored_params") or ():  # left out on purpose: not a coverage gap
                 setattr(p, FSDP_IGNORED, True)
         if how == "parallelize_module":
-            check.prewrap.note_plan(_arg(args, kwargs, 2, "parallelize_plan"),
-                                    kwargs.get("src_data_rank", args[3] if len(args) > 3 else 0))
+            plan = _arg(args, kwargs, 2, "parallelize_plan")
+            check.prewrap.note_plan(plan, kwargs.get("src_data_rank", args[3] if len(args) > 3 else 0))
+            if not isinstance(modules, (list, tuple)) and not check.prewrap.depth:  # not its own nested calls
+                check.tp_inputs.note_plan(modules, plan, ranks)
         for m in modules if isinstance(modules, (list, tuple)) else [modules]:
             check.prewrap.before(how, m, ranks)
     except Exception as exc:
