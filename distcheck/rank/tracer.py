@@ -50,6 +50,7 @@ import logging
 import mmap
 import os
 import struct
+import socket
 import sys
 import threading
 import time
@@ -500,6 +501,7 @@ class Tracer:
         if self._fast is not None:
             self.events.attach(self._fast)
         self.writer.write({"ev": "meta", files.FORMAT_KEY: files.FORMAT, "rank": rank, "pid": os.getpid(),
+                           "host": socket.gethostname(),
                            "ppid": agent_pid(), "t": time.time(), "argv": list(sys.argv),
                            "torch": torch.__version__, "hot_path": "python" if self._fast is None else "c"})
         self._sig_ids = itertools.count(1)

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from distcheck.analysis.bad_values import fold_first_bad, merge_states
+from distcheck.analysis import stragglers
 from distcheck.analysis.trace_align import (STATE_DIED, STATE_ERROR, STATE_HUNG, STATE_OK, STATE_STOPPED,
                                             STATE_UNKNOWN, UNFINISHED, RankOutcome, analyze_run)
 from distcheck.analysis.progress import RankProgress, progress_by_rank, rank_progress
@@ -91,9 +92,12 @@ def build_report(report_dir: Path, command: str, world_size: int, traces: dict[i
             artifacts[path.stem] = path.name
     outcomes_json = {str(r): {"state": o.state, "exit_code": o.exit_code, "signal": o.signal}
                      for r, o in sorted(outcomes.items())}
+    late = stragglers.analyze(traces)
     return Report(command=command, world_size=world_size, findings=findings, checks=checks, artifacts=artifacts,
-                  data={"ranks": outcomes_json, "collectives": {str(r): p.started for r, p in progress.items()}},
-                  warnings=list(warnings or []) + auto_notes + incomplete_notes(traces))
+                  data={"ranks": outcomes_json, "collectives": {str(r): p.started for r, p in progress.items()},
+                        "stragglers": late.to_json()},
+                  warnings=list(warnings or []) + auto_notes + incomplete_notes(traces) + late.notes(),
+                  sections={"stragglers (who held the others up at each collective)": late.section()})
 
 
 def without_contradicted(findings: list[Finding], remote: Any, local: set[int]) -> list[Finding]:

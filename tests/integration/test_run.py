@@ -329,3 +329,16 @@ def test_all_to_all_split_sizes_that_do_not_pair_up_name_the_pair_not_the_abort(
             f"(a2a_split_mismatch.py:{line})") in f["message"]
     assert "(input_split_sizes): rank 0 [3, 5]; rank 1 [4, 4]" in f["message"]
     assert not any(x["kind"] == "rank_failure" for x in report["findings"])  # the abort is evidence, not the cause
+
+
+def test_a_slow_rank_is_named_as_the_straggler_and_a_balanced_job_names_none(tmp_path):
+    res, report, _ = run_fixture(tmp_path / "slow", "straggler_data_loading.py")
+    assert res.returncode == 0 and report["ok"], res.output
+    (note,) = [w for w in report["warnings"] if w["kind"] == "straggler"]
+    assert note["ranks"] == [1] and report["stragglers"]["named"] == [1]
+    assert note["message"].startswith("rank 1 arrived last at ")
+    assert "DDP gradient bucket all-reduce" in note["message"]  # untraced: the process group's own record
+    assert "stragglers (who held the others up at each collective)" in res.stdout
+    res, report, _ = run_fixture(tmp_path / "balanced", "hang_none.py", timeout=10)
+    assert report["ok"] and report["stragglers"]["named"] == [] and not any(
+        w["kind"] == "straggler" for w in report.get("warnings", []))

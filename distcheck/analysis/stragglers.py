@@ -1,0 +1,170 @@
+"""Who holds the job up: at each collective, the rank that arrived last and how long the others waited for it.
+
+    python -m distcheck run --nproc 2 -- fixtures/straggler_data_loading.py   # report.txt's "stragglers" part
+
+Every rank's trace holds each collective's start (the tracer's, or for what Python never called, DDP's buckets and
+compiled graphs, the time the process group enqueued it: analysis/flight_recorder.py). At a position of a group's
+sequence that every member reached, the member that started last held the others up: each waited from its own
+start to the last one's. Added up per rank over the run (and per window of positions), that names the straggler:
+"rank 1 arrived last at 15 of 16 collectives; the others waited 3.8 s for it in all (0.24 s a collective, 93% of
+rank 0's time in the run's collectives span)". Where it spent that time is told by the trace too: the collective it
+arrived late at and the one it came from (its line on each side of the gap).
+
+A warning, not a finding: the program is correct. A balanced job names nobody: the rank that arrives last changes
+from collective to collective, and the waits are small. Ranks on several hosts compare clocks that may disagree:
+positions whose members are on different hosts are left out. Big jobs' summarized traces (analysis/trace_summary.py)
+keep too few events for this and are skipped. Pure.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from distcheck.contract.findings import Note, format_ranks
+
+# A straggler arrives last at no fewer than MIN_LAST positions, and at least LAST_SHARE of those its groups reached,
+# and the others' waits for it add up to MIN_WAIT_SHARE of the run's collective span and MIN_WAIT seconds: a busy
+# machine (4 ranks on 2 cores) makes some rank late at a few collectives of a short job, never at most of them.
+LAST_SHARE = 0.75
+MIN_LAST = 6
+MIN_WAIT_SHARE = 0.2
+MIN_WAIT = 0.5
+WINDOWS = 8
+
+
+@dataclass
+class RankLateness:
+    rank: int
+    positions: int = 0  # positions of its groups that every member reached
+    last: int = 0  # of them, where it arrived last
+    held: float = 0.0  # seconds the others waited for it (each position: the mean of their waits), in all
+    waited: float = 0.0  # seconds it waited for the last one, in all
+    gaps: dict[tuple, list] = field(default_factory=dict)  # (came from, arrived late at) -> [count, seconds]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"positions": self.positions, "last": self.last, "others_waited_s": round(self.held, 6),
+                "waited_s": round(self.waited, 6)}
+
+
+@dataclass
+class Stragglers:
+    ranks: dict[int, RankLateness]
+    span: float  # seconds from the first collective's start to the last's end (on the ranks compared)
+    named: list[int]
+    windows: list[dict[str, Any]]
+    skipped: str = ""  # why nothing was compared (summarized traces, no shared positions)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"named": self.named, "span_s": round(self.span, 6), "skipped": self.skipped or None,
+                "ranks": {str(r): v.to_json() for r, v in sorted(self.ranks.items())}, "windows": self.windows}
+
+    def notes(self) -> list[Note]:
+        return [Note("straggler", [r], straggler_text(self.ranks[r], self.span), {"rank": r,
+                     **self.ranks[r].to_json(), "where": where_json(self.ranks[r])}) for r in self.named]
+
+    def section(self) -> str:
+        """report.txt's "stragglers" part: the named ones, then every rank's lateness."""
+        if self.skipped:
+            return f"not measured: {self.skipped}"
+        lines = [straggler_text(self.ranks[r], self.span) for r in self.named] or [
+            "none: the rank that arrives last changes from collective to collective, or the waits are small"]
+        for r, v in sorted(self.ranks.items()):
+            lines.append(f"  rank {r}: last at {v.last} of {v.positions} collectives; the others waited "
+                         f"{v.held:.3f} s for it, it waited {v.waited:.3f} s for them")
+        return "\n".join(lines)
+
+
+def straggler_text(v: RankLateness, span: float) -> str:
+    share = f" ({100 * v.held / span:.0f}% of the run's collective span, {span:.2f} s)" if span > 0 else ""
+    per = v.held / v.last if v.last else 0.0
+    text = (f"rank {v.rank} arrived last at {v.last} of {v.positions} collectives; the others waited {v.held:.2f} s "
+            f"for it in all, {per:.3f} s a time{share}")
+    top = _top_gap(v)
+    if top is not None:
+        (came_from, late_at), (count, seconds) = top
+        text += (f"; it spends that time between {came_from} and {late_at} ({count} times, {seconds:.2f} s "
+                 f"there)")
+    return text
+
+
+def _top_gap(v: RankLateness) -> tuple | None:
+    return max(v.gaps.items(), key=lambda kv: kv[1][1], default=None)
+
+
+def where_json(v: RankLateness) -> list[dict[str, Any]]:
+    return [{"from": a, "to": b, "count": n, "seconds": round(s, 6)}
+            for (a, b), (n, s) in sorted(v.gaps.items(), key=lambda kv: -kv[1][1])[:5]]
+
+
+def _label(e: Any) -> str:
+    via = e.extra.get("via")
+    what = f"{e.op}" + (f" ({via})" if via else "")
+    return f"{what} at {e.site}" if e.site else what
+
+
+def analyze(traces: Mapping[int, Any]) -> Stragglers:
+    """Each rank's lateness over the run, the stragglers among them and the per-window counts."""
+    if any(getattr(t, "summary", None) is not None for t in traces.values()):
+        return Stragglers({}, 0.0, [], [], "a big job's traces are summarized")
+    hosts = {r: t.meta.get("host") for r, t in traces.items()}
+    positions: dict[tuple, dict[int, Any]] = {}
+    previous: dict[tuple[int, int], Any] = {}  # (rank, event id) -> the rank's collective before it
+    first = last = None
+    for r, t in traces.items():
+        prev = None
+        for e in sorted(t.events, key=lambda e: e.t_start):
+            if e.is_p2p or e.op == "batch_isend_irecv" or not e.t_start:
+                continue
+            positions.setdefault((e.group_key, e.seq), {})[r] = e
+            previous[(r, e.id)] = prev
+            prev = e
+            first = e.t_start if first is None else min(first, e.t_start)
+            end = e.t_end if e.t_end is not None else e.t_start
+            last = end if last is None else max(last, end)
+    ranks = {r: RankLateness(r) for r in traces}
+    reached = []
+    for (key, seq), events in positions.items():
+        members = next(iter(events.values())).pg or tuple(sorted(events))
+        if len(members) < 2 or any(m not in events for m in members):
+            continue
+        if len({hosts.get(m) for m in members}) > 1:
+            continue  # clocks of several hosts: not comparable
+        starts = {m: events[m].t_start for m in members}
+        late = max(members, key=lambda m: (starts[m], m))
+        waits = [starts[late] - starts[m] for m in members if m != late]
+        held = sum(waits) / len(waits)
+        reached.append((starts[late], late, held))
+        for m in members:
+            ranks[m].positions += 1
+            ranks[m].waited += starts[late] - starts[m]
+        ranks[late].last += 1
+        ranks[late].held += held
+        before = previous.get((late, events[late].id))
+        gap = (_label(before) if before is not None else "the start", _label(events[late]))
+        entry = ranks[late].gaps.setdefault(gap, [0, 0.0])
+        entry[0] += 1
+        entry[1] += held
+    span = (last - first) if first is not None and last is not None else 0.0
+    if not reached:
+        return Stragglers({r: v for r, v in ranks.items() if v.positions}, span, [], [],
+                          "no collective was reached by every member of its group")
+    named = [r for r, v in sorted(ranks.items())
+             if v.last >= MIN_LAST and v.last >= LAST_SHARE * v.positions
+             and v.held >= max(MIN_WAIT, MIN_WAIT_SHARE * span)]
+    return Stragglers({r: v for r, v in ranks.items() if v.positions}, span, named, _windows(reached))
+
+
+def _windows(reached: list[tuple[float, int, float]]) -> list[dict[str, Any]]:
+    """The positions in time order, cut into WINDOWS windows: who was last how often, and the waits for each."""
+    reached.sort()
+    size = max(1, -(-len(reached) // WINDOWS))
+    out = []
+    for i in range(0, len(reached), size):
+        part = reached[i:i + size]
+        last: dict[str, int] = {}
+        held: dict[str, float] = {}
+        for _, rank, wait in part:
+            last[str(rank)] = last.get(str(rank), 0) + 1
+            held[str(rank)] = round(held.get(str(rank), 0.0) + wait, 6)
+        out.append({"positions": [i + 1, i + len(part)], "last": last, "others_waited_s": held})
+    return out

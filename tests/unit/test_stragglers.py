@@ -1,0 +1,50 @@
+"""Who held the others up (analysis/stragglers.py), on traces written the way the tracer writes them."""
+from __future__ import annotations
+
+import json
+import random
+
+from distcheck.analysis.stragglers import analyze
+from distcheck.analysis.trace_events import parse_lines
+from distcheck.contract.files import FORMAT, FORMAT_KEY
+
+
+def trace(rank: int, starts: list[float], host: str = "h", line: int = 30):
+    lines = [json.dumps({"ev": "meta", FORMAT_KEY: FORMAT, "rank": rank, "host": host})]
+    for i, t in enumerate(starts, start=1):
+        lines.append(json.dumps({"ev": "start", "id": i, "seq": i, "pg": "0,1", "op": "all_reduce", "shapes": [[4]],
+                                 "dtypes": ["float32"], "site": f"train.py:{line}", "file": "/w/train.py",
+                                 "line": line, "t": t}))
+        lines.append(json.dumps({"ev": "end", "id": i, "t": max(starts) + 0.001}))
+    return parse_lines(lines, rank)
+
+
+def test_the_rank_that_arrives_last_at_almost_every_collective_is_named_with_the_waits():
+    steps = [1000.0 + i for i in range(16)]
+    late = [t + 0.25 for t in steps]
+    late[3] = steps[3] - 0.01  # once, rank 0 is the late one
+    s = analyze({0: trace(0, steps), 1: trace(1, late)})
+    assert s.named == [1] and s.ranks[1].last == 15 and s.ranks[1].positions == 16
+    assert abs(s.ranks[1].held - 15 * 0.25) < 1e-6 and abs(s.ranks[0].waited - 15 * 0.25) < 1e-6
+    (note,) = s.notes()
+    assert note.kind == "straggler" and note.ranks == [1]
+    assert note.message.startswith("rank 1 arrived last at 15 of 16 collectives; the others waited 3.75 s for it")
+    assert "between all_reduce at train.py:30 and all_reduce at train.py:30" in note.message
+    assert sum(sum(w["last"].values()) for w in s.windows) == 16 and len(s.windows) == 8
+    assert "rank 1: last at 15 of 16" in s.section()
+
+
+def test_a_balanced_job_names_nobody():
+    rng = random.Random(0)
+    base = [1000.0 + i for i in range(40)]
+    s = analyze({r: trace(r, [t + rng.uniform(0, 0.002) for t in base]) for r in (0, 1)})
+    assert s.named == [] and s.notes() == [] and s.section().startswith("none:")
+
+
+def test_ranks_on_other_hosts_are_not_compared_and_summarized_traces_are_skipped():
+    steps = [1000.0 + i for i in range(8)]
+    s = analyze({0: trace(0, steps, host="a"), 1: trace(1, [t + 1 for t in steps], host="b")})
+    assert s.named == [] and s.skipped
+    t = trace(0, steps)
+    t.summary = object()
+    assert analyze({0: t}).skipped == "a big job's traces are summarized"
