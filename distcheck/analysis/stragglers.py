@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from distcheck.contract.findings import Note, format_ranks
+from distcheck.contract.findings import Note
 
 # A straggler arrives last at no fewer than MIN_LAST positions, and at least LAST_SHARE of those its groups reached,
 # and the others' waits for it add up to MIN_WAIT_SHARE of the run's collective span and MIN_WAIT seconds: a busy
