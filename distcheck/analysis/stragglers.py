@@ -7,8 +7,10 @@ compiled graphs, the time the process group enqueued it: analysis/flight_recorde
 sequence that every member reached, the member that started last held the others up: each waited from its own
 start to the last one's. Added up per rank over the run (and per window of positions), that names the straggler:
 "rank 1 arrived last at 15 of 16 collectives; the others waited 3.8 s for it in all (0.24 s a collective, 93% of
-rank 0's time in the run's collectives span)". Where it spent that time is told by the trace too: the collective it
-arrived late at and the one it came from (its line on each side of the gap).
+rank 0's time in the run's collectives span)". Where it spent that time comes from its samples (rank/sampler.py: its
+main thread's line and what it was doing, 20 times a second) inside those gaps: "in load_batch
+(train.py:22, its own code) 95%"; without samples, from the trace: the collective it came from and the one it
+arrived late at.
 
 A warning, not a finding: the program is correct. A balanced job names nobody: the rank that arrives last changes
 from collective to collective, and the waits are small. Ranks on several hosts compare clocks that may disagree:
@@ -40,6 +42,8 @@ class RankLateness:
     held: float = 0.0  # seconds the others waited for it (each position: the mean of their waits), in all
     waited: float = 0.0  # seconds it waited for the last one, in all
     gaps: dict[tuple, list] = field(default_factory=dict)  # (came from, arrived late at) -> [count, seconds]
+    # Where its main thread was while the others waited (its samples in those gaps): place -> samples
+    spent: dict[Any, int] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return {"positions": self.positions, "last": self.last, "others_waited_s": round(self.held, 6),
@@ -79,6 +83,12 @@ def straggler_text(v: RankLateness, span: float) -> str:
     per = v.held / v.last if v.last else 0.0
     text = (f"rank {v.rank} arrived last at {v.last} of {v.positions} collectives; the others waited {v.held:.2f} s "
             f"for it in all, {per:.3f} s a time{share}")
+    places = top_places(v)
+    if places:
+        total = sum(v.spent.values())
+        parts = [f"{p.func} ({p.site}, {p.kind}) {100 * n / total:.0f}%" for p, n in places]
+        text += f"; in those gaps its main thread was in {', '.join(parts)} of {total} samples"
+        return text
     top = _top_gap(v)
     if top is not None:
         (came_from, late_at), (count, seconds) = top
@@ -87,13 +97,19 @@ def straggler_text(v: RankLateness, span: float) -> str:
     return text
 
 
+def top_places(v: RankLateness, n: int = 3) -> list[tuple[Any, int]]:
+    return sorted(v.spent.items(), key=lambda kv: -kv[1])[:n]
+
+
 def _top_gap(v: RankLateness) -> tuple | None:
     return max(v.gaps.items(), key=lambda kv: kv[1][1], default=None)
 
 
-def where_json(v: RankLateness) -> list[dict[str, Any]]:
-    return [{"from": a, "to": b, "count": n, "seconds": round(s, 6)}
-            for (a, b), (n, s) in sorted(v.gaps.items(), key=lambda kv: -kv[1][1])[:5]]
+def where_json(v: RankLateness) -> dict[str, Any]:
+    return {"gaps": [{"from": a, "to": b, "count": n, "seconds": round(s, 6)}
+                     for (a, b), (n, s) in sorted(v.gaps.items(), key=lambda kv: -kv[1][1])[:5]],
+            "samples": [{"file": p.file, "line": p.line, "func": p.func, "kind": p.kind, "samples": n}
+                        for p, n in top_places(v, 5)]}
 
 
 def _label(e: Any) -> str:
@@ -102,8 +118,9 @@ def _label(e: Any) -> str:
     return f"{what} at {e.site}" if e.site else what
 
 
-def analyze(traces: Mapping[int, Any]) -> Stragglers:
-    """Each rank's lateness over the run, the stragglers among them and the per-window counts."""
+def analyze(traces: Mapping[int, Any], samples: Mapping[int, list] | None = None) -> Stragglers:
+    """Each rank's lateness over the run, the stragglers among them and the per-window counts. ``samples``: each
+    rank's (time, place) samples (contract/samples_file.py), to say where a late rank spent the others' wait."""
     if any(getattr(t, "summary", None) is not None for t in traces.values()):
         return Stragglers({}, 0.0, [], [], "a big job's traces are summarized")
     hosts = {r: t.meta.get("host") for r, t in traces.items()}
@@ -140,6 +157,9 @@ def analyze(traces: Mapping[int, Any]) -> Stragglers:
         ranks[late].last += 1
         ranks[late].held += held
         before = previous.get((late, events[late].id))
+        if samples and samples.get(late):
+            since = (before.t_end or before.t_start) if before is not None else starts[late] - held
+            _count_samples(ranks[late].spent, samples[late], since, starts[late])
         gap = (_label(before) if before is not None else "the start", _label(events[late]))
         entry = ranks[late].gaps.setdefault(gap, [0, 0.0])
         entry[0] += 1
@@ -152,6 +172,16 @@ def analyze(traces: Mapping[int, Any]) -> Stragglers:
              if v.last >= MIN_LAST and v.last >= LAST_SHARE * v.positions
              and v.held >= max(MIN_WAIT, MIN_WAIT_SHARE * span)]
     return Stragglers({r: v for r, v in ranks.items() if v.positions}, span, named, _windows(reached))
+
+
+def _count_samples(spent: dict, samples: list, since: float, until: float) -> None:
+    import bisect
+
+    i = bisect.bisect_left(samples, (since,))  # (since,) sorts before every sample taken at or after since
+    while i < len(samples) and samples[i][0] <= until:
+        place = samples[i][1]
+        spent[place] = spent.get(place, 0) + 1
+        i += 1
 
 
 def _windows(reached: list[tuple[float, int, float]]) -> list[dict[str, Any]]:

@@ -14,6 +14,7 @@ REPORT_DIR = "DISTCHECK_REPORT_DIR"  # where the rank's per-rank files go
 SUPERVISED = "DISTCHECK_SUPERVISED"  # "1": a distcheck supervisor watches this rank (run --nproc, compare)
 BACKEND = "DISTCHECK_BACKEND"  # force gloo or nccl
 LOG = "DISTCHECK_LOG"  # the ranks' logging level
+SAMPLE = "DISTCHECK_SAMPLE"  # "0": no sampling of where each rank's main thread is (rank/sampler.py)
 TRACE_HOT_PATH = "DISTCHECK_TRACE_HOT_PATH"  # "python": leave the tracer's C path out
 FLIGHT_RECORDER = "DISTCHECK_FLIGHT_RECORDER"  # "0": no Flight Recorder dumps
 AUTOCHECK = "DISTCHECK_AUTOCHECK"  # "0": no zero-code checks

@@ -60,6 +60,9 @@ def run_in_rank(opts: RunOptions) -> int:
     if not supervised:
         start_attempt(report_dir, info.rank)
     tracer = trace.install(report_dir, info.rank)
+    from distcheck.rank import sampler
+
+    sampler.install(report_dir, info.rank)  # where the main thread is, for a late rank's time (analysis/stragglers)
     from distcheck.rank import autocheck
     from distcheck.rank.autocheck.replica_drift import ENV_DRIFT_STEPS
 
@@ -77,6 +80,7 @@ def run_in_rank(opts: RunOptions) -> int:
     ok, code = _execute(opts.script, list(opts.script_args), tracer)
     if checker is not None:
         checker.finish()  # before the exit line: rank 0 reads every rank's autocheck file once all have exited
+    sampler.flush()
     tracer.note({"ev": "exit", "ok": ok, "code": code})
 
     def end(code: int, returned: bool) -> None:

@@ -19,6 +19,7 @@ from typing import Any
 
 from distcheck.analysis.bad_values import fold_first_bad, merge_states
 from distcheck.analysis import stragglers
+from distcheck.contract import samples_file
 from distcheck.analysis.trace_align import (STATE_DIED, STATE_ERROR, STATE_HUNG, STATE_OK, STATE_STOPPED,
                                             STATE_UNKNOWN, UNFINISHED, RankOutcome, analyze_run)
 from distcheck.analysis.progress import RankProgress, progress_by_rank, rank_progress
@@ -87,12 +88,12 @@ def build_report(report_dir: Path, command: str, world_size: int, traces: dict[i
         artifacts[files.CHROME_TRACE] = files.CHROME_TRACE
     except OSError as exc:
         log.warning("could not write %s: %s", files.CHROME_TRACE, exc)
-    for kind in ("findings", "autocheck", "stderr", "flight"):
+    for kind in ("findings", "autocheck", "stderr", "flight", "samples"):
         for path in files.rank_files(report_dir, kind).values():
             artifacts[path.stem] = path.name
     outcomes_json = {str(r): {"state": o.state, "exit_code": o.exit_code, "signal": o.signal}
                      for r, o in sorted(outcomes.items())}
-    late = stragglers.analyze(traces)
+    late = stragglers.analyze(traces, samples_file.read_all(report_dir))
     return Report(command=command, world_size=world_size, findings=findings, checks=checks, artifacts=artifacts,
                   data={"ranks": outcomes_json, "collectives": {str(r): p.started for r, p in progress.items()},
                         "stragglers": late.to_json()},

@@ -337,7 +337,10 @@ def test_a_slow_rank_is_named_as_the_straggler_and_a_balanced_job_names_none(tmp
     (note,) = [w for w in report["warnings"] if w["kind"] == "straggler"]
     assert note["ranks"] == [1] and report["stragglers"]["named"] == [1]
     assert note["message"].startswith("rank 1 arrived last at ")
-    assert "DDP gradient bucket all-reduce" in note["message"]  # untraced: the process group's own record
+    # Where: its samples inside the gaps the others waited through (DDP's bucket all-reduces are untraced: their
+    # starts come from the process group's own record).
+    assert "its main thread was in load_batch (straggler_data_loading.py:22, its own code)" in note["message"]
+    assert note["detail"]["where"]["samples"][0]["func"] == "load_batch"
     assert "stragglers (who held the others up at each collective)" in res.stdout
     res, report, _ = run_fixture(tmp_path / "balanced", "hang_none.py", timeout=10)
     assert report["ok"] and report["stragglers"]["named"] == [] and not any(

@@ -15,7 +15,7 @@ def trace(rank: int, starts: list[float], host: str = "h", line: int = 30):
         lines.append(json.dumps({"ev": "start", "id": i, "seq": i, "pg": "0,1", "op": "all_reduce", "shapes": [[4]],
                                  "dtypes": ["float32"], "site": f"train.py:{line}", "file": "/w/train.py",
                                  "line": line, "t": t}))
-        lines.append(json.dumps({"ev": "end", "id": i, "t": max(starts) + 0.001}))
+        lines.append(json.dumps({"ev": "end", "id": i, "t": t + 0.05}))
     return parse_lines(lines, rank)
 
 
@@ -48,3 +48,37 @@ def test_ranks_on_other_hosts_are_not_compared_and_summarized_traces_are_skipped
     t = trace(0, steps)
     t.summary = object()
     assert analyze({0: t}).skipped == "a big job's traces are summarized"
+
+
+def test_samples_inside_the_gaps_say_where_the_late_rank_was():
+    from distcheck.contract.samples_file import Place
+
+    steps = [1000.0 + i for i in range(8)]
+    load = Place("/w/train.py", 22, "load_batch", "its own code")
+    fwd = Place("/w/train.py", 34, "main", "forward")
+    # Rank 1 samples itself: mostly in load_batch inside each gap before its late start, once in forward.
+    samples = sorted([(t + 0.1, load) for t in steps] + [(t + 0.2, load) for t in steps] + [(steps[2] + 0.22, fwd)])
+    s = analyze({0: trace(0, steps), 1: trace(1, [t + 0.25 for t in steps])}, {1: samples})
+    (note,) = s.notes()
+    assert "its main thread was in load_batch (train.py:22, its own code) 94%, main (train.py:34, forward) 6% " \
+           "of 17 samples" in note.message
+    assert note.detail["where"]["samples"][0] == {"file": "/w/train.py", "line": 22, "func": "load_batch",
+                                                  "kind": "its own code", "samples": 16}
+
+
+def test_the_sampler_names_what_the_stack_is_doing():
+    import sys
+
+    import torch
+
+    from distcheck.rank.sampler import _kind
+
+    seen = {}
+
+    class Probe(torch.nn.Module):
+        def forward(self, x):
+            seen["forward"] = _kind(sys._getframe())
+            return x
+
+    Probe()(torch.zeros(1))
+    assert seen["forward"] == "forward" and _kind(sys._getframe()) == "its own code"

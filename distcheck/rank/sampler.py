@@ -1,0 +1,131 @@
+"""Where this rank's main thread is, SAMPLE_HZ times a second: the user's line and what it is doing there.
+
+    python -m distcheck run --nproc 2 -- train.py        # every rank samples itself (DISTCHECK_SAMPLE=0: off)
+
+A daemon thread reads the main thread's frame (``sys._current_frames``: no signal, no ptrace, the GIL for a few
+microseconds) and notes the innermost frame of the user's code with what the stack says it is in: data loading
+(torch.utils.data), forward (a module's call), backward (torch.autograd), an optimizer step (torch.optim), a
+collective (distcheck's tracer wrapper) or the user's own code (which includes host syncs such as ``.item()`` and
+sleeps: Python frames cannot tell those apart). Batches of samples are appended to ``samples-rank<R>.jsonl`` once a
+second (contract/samples_file.py); analysis/stragglers.py reads them to say where a late rank spent the time the
+others waited for it. Bounded: after MAX_SAMPLES samples the thread stops.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+from typing import Any
+
+from distcheck.analysis.frame_owner import DISTCHECK, USER, owner
+from distcheck.contract import env, files, samples_file
+from distcheck.contract.samples_file import Place
+
+SAMPLE_HZ = 20.0
+FLUSH_EVERY = 1.0
+MAX_SAMPLES = 200_000  # ~3 hours at 20 Hz; a line per second
+
+_thread: threading.Thread | None = None
+
+
+def _kind(frame: Any) -> str:
+    """What the stack from ``frame`` outwards is doing, by the innermost frame that says so."""
+    while frame is not None:
+        name = frame.f_code.co_filename.replace("\\", "/")
+        if "/torch/utils/data/" in name:
+            return "data loading"
+        if "/torch/autograd/" in name:
+            return "backward"
+        if "/torch/optim/" in name:
+            return "optimizer step"
+        if frame.f_code.co_name in ("_call_impl", "_wrapped_call_impl") and "/torch/nn/" in name:
+            return "forward"
+        if frame.f_code.co_name == "traced" and owner(name) == DISTCHECK:
+            return "a collective"
+        frame = frame.f_back
+    return "its own code"
+
+
+def _user_frame(frame: Any) -> Any:
+    while frame is not None:
+        if owner(frame.f_code.co_filename) == USER:
+            return frame
+        frame = frame.f_back
+    return None
+
+
+class Sampler(threading.Thread):
+    def __init__(self, report_dir: str | os.PathLike, rank: int) -> None:
+        super().__init__(name="distcheck-sampler", daemon=True)
+        self.path = samples_file.path(report_dir, rank)
+        self.main = threading.main_thread().ident
+        self.places: dict[Place, int] = {}
+        self.new: list[dict] = []
+        self.times: list[float] = []
+        self.sites: list[int] = []
+        self.count = 0
+        self.lock = threading.Lock()  # the rank's main thread flushes at its script's end
+
+    def sample(self) -> None:
+        frame = sys._current_frames().get(self.main)
+        user = _user_frame(frame)
+        if user is None:
+            return
+        kind = _kind(frame)
+        place = Place(user.f_code.co_filename, user.f_lineno, user.f_code.co_name, kind)
+        with self.lock:
+            index = self.places.get(place)
+            if index is None:
+                index = self.places[place] = len(self.places)
+                self.new.append(samples_file.place_line(index, place))
+            self.times.append(time.time())
+            self.sites.append(index)
+            self.count += 1
+
+    def flush(self) -> None:
+        with self.lock:
+            if not self.times and not self.new:
+                return
+            lines = self.new + ([samples_file.batch_line(self.times, self.sites)] if self.times else [])
+            self.new, self.times, self.sites = [], [], []
+        data = "".join(json.dumps(line, separators=(",", ":")) + "\n" for line in lines).encode()
+        try:
+            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            try:
+                files.append_whole(fd, data)
+            finally:
+                os.close(fd)
+        except OSError:  # a full disk: the samples are a nicety, never the run's problem
+            pass
+
+    def run(self) -> None:
+        interval, last_flush = 1.0 / SAMPLE_HZ, time.monotonic()
+        while self.count < MAX_SAMPLES:
+            time.sleep(interval)
+            try:
+                self.sample()
+            except Exception:  # the main thread ending under us, an interpreter shutting down
+                return
+            if time.monotonic() - last_flush >= FLUSH_EVERY:
+                self.flush()
+                last_flush = time.monotonic()
+        self.flush()
+
+
+def install(report_dir: str | os.PathLike, rank: int) -> Sampler | None:
+    """Start sampling this rank (once); None when DISTCHECK_SAMPLE=0."""
+    global _thread
+    if _thread is not None or os.environ.get(env.SAMPLE, "1").strip() in ("0", "false", "no", "off"):
+        return None
+    samples_file.path(report_dir, rank).unlink(missing_ok=True)
+    _thread = Sampler(report_dir, rank)
+    _thread.start()
+    return _thread
+
+
+def flush() -> None:
+    """Write what was sampled so far (the rank's script ended)."""
+    if _thread is not None:
+        _thread.flush()
