@@ -140,8 +140,7 @@ def test_ddp_unused_head_is_one_translated_failure(tmp_path, line_of):
 
 
 def test_rank_crash_keeps_the_report(tmp_path):
-    res, report = consistency_run(tmp_path, "--model", f"{FIXTURES}/model_rank_crash.py:build", "--timeout", "30",
-                                  env=FRESH)
+    res, report = consistency_run(tmp_path, "--model", f"{FIXTURES}/model_rank_crash.py:build", "--timeout", "30")
     assert res.returncode != 0
     [f] = report["findings"]
     assert f["kind"] == "rank_failure" and f["ranks"] == [1], f

@@ -181,7 +181,7 @@ def test_under_torchrun_rank0_writes_the_report(line_of, tmp_path):
 def test_under_torchrun_crash(line_of, tmp_path):
     out = tmp_path / "report"
     torchrun(["-m", "distcheck", "run", "--timeout", "30", "--report-dir", str(out), "--",
-              str(FIXTURES / "coll_crash.py")], timeout=150, env=FRESH)
+              str(FIXTURES / "coll_crash.py")], timeout=150)
     f = only(load_report(out), "rank_failure")
     assert f["ranks"] == [1] and f["detail"]["line"] == line_of("coll_crash.py", "# BUG")
 

@@ -15,7 +15,7 @@ def test_a_failing_rank_ends_the_torchrun_job_at_once_and_the_report_says_where_
     started = time.monotonic()
     # --timeout 300: the old rank-0 monitor waited out this limit; the job must end long before it
     res = torchrun(["-m", "distcheck", "run", "--timeout", "300", "--report-dir", str(out), "--",
-                    str(FIXTURES / FIXTURE)], timeout=200, env=FRESH)
+                    str(FIXTURES / FIXTURE)], timeout=200)
     assert time.monotonic() - started < 100, res.output
     assert res.returncode == 1, res.output
     report = load_report(out)  # there when torchrun returns: local rank 0 or the watcher wrote it before
@@ -34,7 +34,7 @@ def test_a_failing_rank_ends_the_torchrun_job_at_once_and_the_report_says_where_
 def test_a_passing_torchrun_job_has_its_report_when_torchrun_returns(tmp_path):
     out = tmp_path / "report"
     res = torchrun(["-m", "distcheck", "run", "--report-dir", str(out), "--", str(FIXTURES / "ok" / "ddp_unseeded.py")],
-                   timeout=200, env=FRESH)
+                   timeout=200)
     assert res.returncode == 0, res.output
     report = load_report(out)
     assert report["ok"] and report["findings"] == [] and "distcheck PASSED" in res.stdout
