@@ -25,7 +25,7 @@ from distcheck.analysis.trace_align import (STATE_DIED, STATE_ERROR, STATE_HUNG,
 from distcheck.analysis.progress import RankProgress, progress_by_rank, rank_progress
 from distcheck.analysis.trace_events import RankTrace
 from distcheck.contract import files
-from distcheck.contract.chrome_trace import write_chrome_trace
+from distcheck.supervise.chrome_trace import write_chrome_trace
 from distcheck.contract.findings import CheckResult, Finding, Note, format_ranks
 from distcheck.contract.report import Report, render_text, write_report
 from distcheck.contract import autocheck_file, findings_file

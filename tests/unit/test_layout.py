@@ -74,7 +74,7 @@ FORBIDDEN = {
     "rank": ("distcheck.supervise", "distcheck.commands", "distcheck.testing"),
     "checks": ("distcheck.supervise", "distcheck.commands", "distcheck.testing"),
     "contract": ("distcheck.rank", "distcheck.supervise", "distcheck.checks", "distcheck.commands",
-                 "distcheck.testing", "torch"),
+                 "distcheck.testing", "distcheck.analysis", "torch"),
     "analysis": ("distcheck.rank", "distcheck.supervise", "distcheck.checks", "distcheck.commands",
                  "distcheck.testing", "torch.distributed"),
 }

@@ -7,7 +7,7 @@ from distcheck.analysis.trace_align import (STATE_DIED, STATE_ERROR, STATE_HUNG,
                                             analyze_run, find_divergences, provably_stuck, signature)
 from distcheck.analysis.progress import rank_progress
 from distcheck.analysis.trace_events import load_rank_trace, parse_lines
-from distcheck.contract.chrome_trace import chrome_events
+from distcheck.supervise.chrome_trace import chrome_events
 
 
 class TraceBuilder:
