@@ -427,7 +427,8 @@ def diagnose(stacks: Sequence[RankStack], progress: dict[int, RankProgress] | No
     absent = []
     if waiting is not None and waiting.in_collective and not odd:
         members = set(waiting.pg) if waiting.pg else set(range(world))
-        absent = [r for r in undumped if r in members and r not in waiting.ranks]
+        absent = [r for r in undumped if r in members and r not in waiting.ranks
+                  and not _passed(progress.get(r), waiting)]
     if undumped and (known or by_rank):
         reasons = sorted({errors_by_rank.get(r, "") for r in undumped} - {""})
         shown = reasons[:MESSAGE_PARTS] + ([f"+{len(reasons) - MESSAGE_PARTS} more in stacks.txt"]
@@ -446,6 +447,13 @@ def diagnose(stacks: Sequence[RankStack], progress: dict[int, RankProgress] | No
     if hint:
         extra["self_launch"] = True
     return HangDiagnosis(message, odd, waiting, locations, groups, all_ranks, primary, extra, list(processes))
+
+
+def _passed(p: RankProgress | None, waiting: Location) -> bool:
+    """Whether the rank's trace shows it completed the collective the others wait in (or one after it)."""
+    last = p.last_completed if p is not None else None
+    return (last is not None and waiting.seq is not None and last.seq is not None and last.seq >= waiting.seq
+            and (last.pg or None) == (waiting.pg or None))
 
 
 def _last_seen(ranks: list[int], progress: dict[int, RankProgress]) -> str:

@@ -190,6 +190,13 @@ def test_an_undumped_rank_missing_from_the_others_collective_is_the_one_named():
     assert f.message == ("no progress for 6s: rank 0 waits in all_gather #28 (train.py:88); rank 1 not dumped "
                          "(pid 1001: py-spy did not finish within 8s): rank 1 never arrived in all_gather #28 "
                          "(rank 1's trace ends after all_gather #27 (train.py:88))")
+    # A trace that shows rank 1 completed #28 says it did arrive: then it is not named for it.
+    passed = dict(progress)
+    passed[1] = RankProgress(1, last_completed=CollectiveRef("all_gather", 28, None, "train.py:88", TRAIN, 88,
+                                                             completed=True))
+    d2 = diagnose([rank_stack(0, in_allreduce())], passed, world_size=2, timeout=6,
+                  errors_by_rank={1: "pid 1001: py-spy did not finish within 8s"})
+    assert "absent_ranks" not in d2.extra and "never arrived" not in d2.message
     # Every rank in the collective: nobody is singled out.
     both = diagnose([rank_stack(r, in_allreduce()) for r in (0, 1)], {}, world_size=2)
     assert "absent_ranks" not in both.extra and both.to_finding([], {}).ranks == [0, 1]
