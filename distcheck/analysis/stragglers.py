@@ -8,7 +8,7 @@ sequence that every member reached, the member that started last held the others
 start to the last one's. Added up per rank over the run (and per window of positions), that names the straggler:
 "rank 1 arrived last at 15 of 16 collectives; the others waited 3.8 s for it in all (0.24 s a collective, 93% of
 rank 0's time in the run's collectives span)". Where it spent that time comes from its samples (rank/sampler.py: its
-main thread's line and what it was doing, 20 times a second) inside those gaps: "in load_batch
+main thread's line and what it was doing, 10 times a second) inside those gaps: "in load_batch
 (train.py:22, its own code) 95%"; without samples, from the trace: the collective it came from and the one it
 arrived late at.
 

@@ -1,4 +1,4 @@
-"""Where this rank's main thread is, SAMPLE_HZ times a second: the user's line and what it is doing there.
+"""Where this rank's main thread is, SAMPLE_HZ (10) times a second: the user's line and what it is doing there.
 
     python -m distcheck run --nproc 2 -- train.py        # every rank samples itself (DISTCHECK_SAMPLE=0: off)
 
@@ -23,26 +23,38 @@ from distcheck.analysis.frame_owner import DISTCHECK, USER, owner
 from distcheck.contract import env, files, samples_file
 from distcheck.contract.samples_file import Place
 
-SAMPLE_HZ = 20.0
+SAMPLE_HZ = 10.0
 FLUSH_EVERY = 1.0
-MAX_SAMPLES = 200_000  # ~3 hours at 20 Hz; a line per second
+MAX_SAMPLES = 200_000  # ~5.5 hours at 10 Hz; a line per second
 
 _thread: threading.Thread | None = None
+
+
+_FILES: dict[str, tuple[bool, str | None, bool, bool]] = {}  # file -> (user's, kind, torch.nn, distcheck)
+
+
+def _file(name: str) -> tuple[bool, str | None, bool, bool]:
+    """What a file says about a frame in it, once per file: the sampler walks the same files 10 times a second."""
+    hit = _FILES.get(name)
+    if hit is None:
+        path = name.replace("\\", "/")
+        kind = ("data loading" if "/torch/utils/data/" in path else "backward" if "/torch/autograd/" in path
+                else "optimizer step" if "/torch/optim/" in path else None)
+        who = owner(name)
+        hit = _FILES[name] = (who == USER, kind, "/torch/nn/" in path, who == DISTCHECK)
+    return hit
 
 
 def _kind(frame: Any) -> str:
     """What the stack from ``frame`` outwards is doing, by the innermost frame that says so."""
     while frame is not None:
-        name = frame.f_code.co_filename.replace("\\", "/")
-        if "/torch/utils/data/" in name:
-            return "data loading"
-        if "/torch/autograd/" in name:
-            return "backward"
-        if "/torch/optim/" in name:
-            return "optimizer step"
-        if frame.f_code.co_name in ("_call_impl", "_wrapped_call_impl") and "/torch/nn/" in name:
+        code = frame.f_code
+        _, kind, nn, ours = _file(code.co_filename)
+        if kind is not None:
+            return kind
+        if nn and code.co_name in ("_call_impl", "_wrapped_call_impl"):
             return "forward"
-        if frame.f_code.co_name == "traced" and owner(name) == DISTCHECK:
+        if ours and code.co_name == "traced":
             return "a collective"
         frame = frame.f_back
     return "its own code"
@@ -50,7 +62,7 @@ def _kind(frame: Any) -> str:
 
 def _user_frame(frame: Any) -> Any:
     while frame is not None:
-        if owner(frame.f_code.co_filename) == USER:
+        if _file(frame.f_code.co_filename)[0]:
             return frame
         frame = frame.f_back
     return None
