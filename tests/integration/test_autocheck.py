@@ -139,3 +139,12 @@ def test_a_resume_that_loads_nothing_names_the_prefix_and_the_line(line_of, tmp_
     assert f["detail"]["line"] == line and f["detail"]["missing"] == ["weight", "bias"]
     assert f"load_state_dict(strict=False) at resume_loads_nothing.py:{line} left 2 of Linear's" in f["message"]
     assert "under the prefix 'module.'" in f["message"]
+
+
+def test_ddp_ranks_fed_the_same_batches_get_a_warning_naming_the_loader(line_of, tmp_path):
+    res, report = run_fixture(tmp_path, "dp_same_batches.py")
+    assert res.returncode == 0 and report["ok"] and report["findings"] == [], res.output
+    (note,) = [w for w in report["warnings"] if w["kind"] == "same_batches"]
+    call, loader = line_of("dp_same_batches.py", "model(x)"), line_of("dp_same_batches.py", "DataLoader(data")
+    assert note["ranks"] == [0, 1] and note["detail"]["line"] == call and note["detail"]["loader"][1] == loader
+    assert f"the DataLoader built at dp_same_batches.py:{loader} has no DistributedSampler" in note["message"]

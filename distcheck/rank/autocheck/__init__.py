@@ -1,4 +1,4 @@
-"""Zero-code checks in a rank: eleven jobs behind one switch (DISTCHECK_AUTOCHECK=0 turns them off).
+"""Zero-code checks in a rank: twelve jobs behind one switch (DISTCHECK_AUTOCHECK=0 turns them off).
 
     python -m distcheck run --nproc 2 -- train.py          # installed in every rank
     python -m distcheck compare --nproc 2 -- train.py      # plus the automatic records
@@ -22,6 +22,7 @@
 * checkpoint_load.py: a ``load_state_dict(strict=False)`` that loaded nothing, or missed keys under a wrapper's
   prefix (``bad_values``);
 * tp_inputs.py: the ranks of a TP group feeding a replicated-input layer different batches (``tensor_divergence``);
+* dp_inputs.py: DDP's ranks all fed the same first batch (a warning naming the DataLoader or the seed);
 
 patches.py holds the hooks (fully_shard, DDP and its no_sync(), parallelize_module, optimizers, ``backward``) that
 feed these jobs through :class:`AutoCheck`, which also owns the step counters they share and the per-rank state file
@@ -43,6 +44,7 @@ from distcheck.rank.autocheck.async_work import AsyncWatch, tensors_in
 from distcheck.rank.autocheck.auto_records import AutoRecords, record_steps_from_env
 from distcheck.rank.autocheck.checkpoint_load import LoadWatch
 from distcheck.rank.autocheck.discovery import ModelWatch
+from distcheck.rank.autocheck.dp_inputs import DPInputs
 from distcheck.rank.autocheck.frozen_step import FrozenWatch
 from distcheck.rank.autocheck.module_summaries import ModuleSummaries
 from distcheck.rank.autocheck.nan_watch import NanWatch
@@ -123,6 +125,7 @@ class AutoCheck:
         self.async_work = AsyncWatch(rank, _emit)
         self.checkpoints = LoadWatch(rank, _emit)
         self.tp_inputs = TPInputs(rank, _emit)
+        self.dp_inputs = DPInputs(self)
 
     @property
     def active(self) -> bool:

@@ -278,8 +278,28 @@ def patch_once() -> None:
             as_user(ddp_init, self, *args, **kwargs)
         if current() is not None:
             current().watch(self)
+            try:  # the data-parallel ranks' first batches (dp_inputs.py): the ranks of DDP's process group
+                import torch.distributed as dist
+
+                group = getattr(self, "process_group", None)
+                current().dp_inputs.watch(self, sorted(dist.get_process_group_ranks(group)) if group is not None
+                                          else list(range(dist.get_world_size())))
+            except Exception as exc:
+                log.debug("distcheck: could not watch DDP's first batch: %s", exc)
 
     DistributedDataParallel.__init__ = ddp_wrapper
+
+    from torch.utils.data import DataLoader
+
+    loader_init = DataLoader.__init__
+
+    @functools.wraps(loader_init)
+    def loader_wrapper(self: Any, *args: Any, **kwargs: Any) -> None:
+        loader_init(self, *args, **kwargs)
+        if current() is not None:  # where it was built and whether it splits the data by rank (dp_inputs.py)
+            current().dp_inputs.note_loader(self)
+
+    DataLoader.__init__ = loader_wrapper
 
     register_comm_hook = DistributedDataParallel.register_comm_hook
 
