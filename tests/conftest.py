@@ -49,3 +49,22 @@ def source_line(source: str | Path | ModuleType | None, marker: str, text: str |
 def line_of():
     """``line_of("coll_hang.py", "# BUG")`` -> the line number (see source_line)."""
     return source_line
+
+
+# The files whose tests launch the most (two torchrun agents, restarts, fresh interpreters, torch.compile, the
+# corpus): they go first. `make test` runs 3 xdist workers with worksteal on 2 cores; with these at the end of the
+# collection (alphabetical order puts test_multinode, test_torchrun_fail_fast and test_untraced there) the last
+# minute ran one long test on one worker while the others idled. Longest first, the tail is short tests.
+SLOW_FIRST = ("test_multinode.py", "test_torchrun_fail_fast.py", "test_untraced.py", "test_faults.py",
+              "test_faults_procs.py", "test_correct_corpus.py", "test_consistency.py", "test_faults_disk.py",
+              "test_pytest_plugin.py", "test_check_model_live.py", "test_watchdog.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    def weight(item) -> tuple[int, int]:
+        name = item.path.name
+        if name in SLOW_FIRST:
+            return 0, SLOW_FIRST.index(name)
+        return (1 if "integration" in item.path.parts else 2), 0
+
+    items.sort(key=weight)  # stable: each file keeps its own order
