@@ -125,7 +125,9 @@ def analyze(traces: Mapping[int, Any], samples: Mapping[int, list] | None = None
         return Stragglers({}, 0.0, [], [], "a big job's traces are summarized")
     hosts = {r: t.meta.get("host") for r, t in traces.items()}
     positions: dict[tuple, dict[int, Any]] = {}
-    previous: dict[tuple[int, int], Any] = {}  # (rank, event id) -> the rank's collective before it
+    # (rank, the event object's id) -> the rank's collective before it: what the process group ran that Python did
+    # not call (analysis/flight_recorder.py) all has trace id 0
+    previous: dict[tuple[int, int], Any] = {}
     first = last = None
     for r, t in traces.items():
         prev = None
@@ -133,7 +135,7 @@ def analyze(traces: Mapping[int, Any], samples: Mapping[int, list] | None = None
             if e.is_p2p or e.op == "batch_isend_irecv" or not e.t_start:
                 continue
             positions.setdefault((e.group_key, e.seq), {})[r] = e
-            previous[(r, e.id)] = prev
+            previous[(r, id(e))] = prev
             prev = e
             first = e.t_start if first is None else min(first, e.t_start)
             end = e.t_end if e.t_end is not None else e.t_start
@@ -156,7 +158,7 @@ def analyze(traces: Mapping[int, Any], samples: Mapping[int, list] | None = None
             ranks[m].waited += starts[late] - starts[m]
         ranks[late].last += 1
         ranks[late].held += held
-        before = previous.get((late, events[late].id))
+        before = previous.get((late, id(events[late])))
         if samples and samples.get(late):
             since = (before.t_end or before.t_start) if before is not None else starts[late] - held
             _count_samples(ranks[late].spent, samples[late], since, starts[late])
