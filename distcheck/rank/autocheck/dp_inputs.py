@@ -4,7 +4,8 @@
 
 Under DDP each rank must read its own share of the data (a DistributedSampler, or a loader sharded by rank); a
 DataLoader without one gives every rank the same batches, so N ranks do the work of one, and nothing fails. At
-the first forward of a model wrapped in ``DistributedDataParallel`` (patched, rank/autocheck/patches.py) the
+the first training forward (grad enabled, module in train mode: an evaluation pass may rightly feed every rank the
+whole validation set) of a model wrapped in ``DistributedDataParallel`` (patched, rank/autocheck/patches.py) the
 ranks of its process group compare fingerprints of its plain-tensor inputs in one side-channel exchange
 (checks/replicas.py; never the user's process group). When every rank fed the same values, the first rank of the
 group adds a warning (not a finding: replicated data can be intended, a tiny test, a benchmark) naming the line
@@ -58,6 +59,8 @@ class DPInputs:
 
             if torch.compiler.is_compiling():
                 return
+            if not torch.is_grad_enabled() or not mod.training:
+                return  # an evaluation pass: every rank may rightly see the whole validation set; wait for training
             handle.remove()
             started = time.perf_counter()
             try:
@@ -73,7 +76,7 @@ class DPInputs:
         import torch
 
         from distcheck.checks.replicas import compare_entries
-        from distcheck.rank.autocheck.tp_inputs import _plain_inputs, batch_site
+        from distcheck.rank.autocheck.tp_inputs import plain_inputs, batch_site
         from distcheck.rank.runtime import current_channel
 
         channel = current_channel()
@@ -81,7 +84,7 @@ class DPInputs:
             return
         from torch.distributed.tensor import DTensor
 
-        items = [it for it in _plain_inputs(args, kwargs, torch.Tensor, DTensor) if it[2].numel() > 0]
+        items = [it for it in plain_inputs(args, kwargs, torch.Tensor, DTensor) if it[2].numel() > 0]
         site = batch_site()
         with torch.no_grad():
             compared = compare_entries("dp_input", items, channel, ranks)

@@ -79,7 +79,7 @@ def batch_site() -> Site:
     return Site(inner.f_code.co_filename, inner.f_lineno) if inner is not None else caller_site()
 
 
-def _plain_inputs(args: tuple, kwargs: dict, Tensor: type, DTensor: type) -> list[tuple[str, str, Any]]:
+def plain_inputs(args: tuple, kwargs: dict, Tensor: type, DTensor: type) -> list[tuple[str, str, Any]]:
     items = []
     for i, value in enumerate(args):
         if isinstance(value, Tensor) and not isinstance(value, DTensor):
@@ -135,7 +135,7 @@ class TPInputs:
         channel = current_channel()
         if channel is None:
             return
-        items = _plain_inputs(args, kwargs, torch.Tensor, DTensor)
+        items = plain_inputs(args, kwargs, torch.Tensor, DTensor)
         if not items:
             return
         with torch.no_grad():
