@@ -59,10 +59,14 @@ def _cancel_when_orphaned(parent: int, seen: set[int], cancel: threading.Event) 
 
 class _LiveRanks:
     """This node's live ranks (``{rank: pid}``) each time the watch loop asks; every ask also feeds the run's process
-    tree and ``seen`` (every rank ever found), and a change is logged."""
+    tree and ``seen`` (every rank ever found), and a change is logged. ``script_end_ends``: a rank whose script
+    ended (its exit line) no longer runs, though its process may (under ``run``, local rank 0 waits for the report
+    after its script)."""
 
-    def __init__(self, report_dir: str | os.PathLike, host: str | None, tree: RunTree, seen: set[int]) -> None:
+    def __init__(self, report_dir: str | os.PathLike, host: str | None, tree: RunTree, seen: set[int],
+                 script_end_ends: bool = False) -> None:
         self.report_dir, self.host, self.tree, self.seen = report_dir, host, tree, seen
+        self.script_end_ends = script_end_ends
         self.last: dict[int, int] = {}
 
     def __call__(self) -> dict[int, int]:
@@ -72,6 +76,8 @@ class _LiveRanks:
         if ranks != self.last:
             log.info("ranks running on this node: %s", ranks)
             self.last = ranks
+        if self.script_end_ends:
+            return {r: pid for r, pid in ranks.items() if not script_ended(self.report_dir, r)}
         return ranks
 
 
@@ -129,18 +135,13 @@ def _watch(report_dir: str, timeout: float, native: bool, parent: int, world_siz
     out_dir = Path(report_dir) / f"node-{host}" if multi_node else Path(report_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     seen: set[int] = set()
-    live = _LiveRanks(report_dir, host, tree, seen)
+    # This watcher writes the run's report: the run is over once every rank ended its script (its exit line: local
+    # rank 0 waits for this report after its own) or its process, seen or not (a short script can end before the
+    # first look).
+    writes_run = command is not None and bool(world_size) and not multi_node
+    live = _LiveRanks(report_dir, host, tree, seen, script_end_ends=writes_run)
     agent = agent or _parent_of(parent)
-    expected = None
-    if command is not None and world_size and not multi_node:
-        # This watcher writes the run's report: the run is over once every rank ended its script (its exit line:
-        # local rank 0 waits for this report after its own) or its process, seen or not (a short script can end
-        # before the first look).
-        expected = world_size
-        plain_live = live
-
-        def live() -> dict[int, int]:
-            return {r: pid for r, pid in plain_live().items() if not script_ended(report_dir, r)}
+    expected = world_size if writes_run else None
 
     def finished() -> set[int]:
         running = live()
@@ -215,13 +216,7 @@ def _watch_nodes(report_dir: str, timeout: float, native: bool, parent: int, env
     link = NodeLink(env, channel, report_dir, lambda: tuple(files.trace_progress(report_dir, r) for r in env.ranks),
                     cancel)
     published: list[frozenset] = [frozenset()]
-    live = _LiveRanks(report_dir, host, tree, seen)
-    if command is not None:
-        plain_live = live
-
-        def live() -> dict[int, int]:
-            return {r: pid for r, pid in plain_live().items() if not script_ended(report_dir, r)}
-
+    live = _LiveRanks(report_dir, host, tree, seen, script_end_ends=command is not None)
     agent = agent or _parent_of(parent)
 
     def finished() -> set[int]:

@@ -15,11 +15,11 @@ the patched ``DataLoader.__init__``), else the same seed on every rank (the ``to
 from __future__ import annotations
 
 import logging
-import time
 import weakref
 from typing import Any
 
 from distcheck.contract.findings import Note, format_ranks
+from distcheck.rank.autocheck.tp_inputs import once_at_forward
 from distcheck.rank.usersite import Site, caller_site
 
 log = logging.getLogger("distcheck")
@@ -52,31 +52,15 @@ class DPInputs:
     def watch(self, module: Any, ranks: list[int]) -> None:
         if len(ranks) < 2 or self.owner.rank not in ranks:
             return
-        handle = None
-
-        def hook(mod: Any, args: tuple, kwargs: dict) -> None:
-            import torch
-
-            if torch.compiler.is_compiling():
-                return
-            if not torch.is_grad_enabled() or not mod.training:
-                return  # an evaluation pass: every rank may rightly see the whole validation set; wait for training
-            handle.remove()
-            started = time.perf_counter()
-            try:
-                self._compare(ranks, args, kwargs)
-            except Exception as exc:  # the check must never break the user's forward
-                log.warning("distcheck: comparing the data-parallel ranks' first batches failed: %s", exc)
-            finally:
-                self.seconds += time.perf_counter() - started
-
-        handle = module.register_forward_pre_hook(hook, prepend=True, with_kwargs=True)
+        # Evaluation passes are skipped: every rank may rightly see the whole validation set.
+        once_at_forward(self, module, "comparing the data-parallel ranks' first batches",
+                        lambda args, kwargs: self._compare(ranks, args, kwargs), training_only=True)
 
     def _compare(self, ranks: list[int], args: tuple, kwargs: dict) -> None:
         import torch
 
         from distcheck.checks.replicas import compare_entries
-        from distcheck.rank.autocheck.tp_inputs import plain_inputs, batch_site
+        from distcheck.rank.autocheck.tp_inputs import batch_site, plain_inputs
         from distcheck.rank.runtime import current_channel
 
         channel = current_channel()

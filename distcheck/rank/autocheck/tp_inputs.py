@@ -59,6 +59,33 @@ def plan_modules(root: Any, plan: Any) -> list[tuple[str, Any, Any]]:
     return out
 
 
+def once_at_forward(owner: Any, module: Any, what: str, run: Callable[[tuple, dict], None],
+                    training_only: bool = False) -> None:
+    """Call ``run(args, kwargs)`` with the inputs of ``module``'s first forward (``training_only``: its first with
+    grad enabled and the module in train mode), ahead of every other forward pre-hook (torch's TP input hooks), then
+    never again; compiled code is skipped (a side-channel exchange is nothing Dynamo can trace). Its time goes to
+    ``owner.seconds``; a failure is a warning, never the user's forward's."""
+    handle = None
+
+    def hook(mod: Any, args: tuple, kwargs: dict) -> None:
+        import torch
+
+        if torch.compiler.is_compiling():
+            return
+        if training_only and (not torch.is_grad_enabled() or not mod.training):
+            return
+        handle.remove()
+        started = time.perf_counter()
+        try:
+            run(args, kwargs)
+        except Exception as exc:  # the check must never break the user's forward
+            log.warning("distcheck: %s failed: %s", what, exc)
+        finally:
+            owner.seconds += time.perf_counter() - started
+
+    handle = module.register_forward_pre_hook(hook, prepend=True, with_kwargs=True)
+
+
 def batch_site() -> Site:
     """The user's line that called the model with this batch: the first user frame, outwards, that is not inside
     a module's forward (the training loop's ``model(inp)``, not the model's ``self.in_proj(x)``)."""
@@ -107,23 +134,8 @@ class TPInputs:
                 watched += 1
 
     def _watch(self, name: str, module: Any, style: str, ranks: list[int]) -> None:
-        handle = None
-
-        def hook(mod: Any, args: tuple, kwargs: dict) -> None:
-            import torch
-
-            if torch.compiler.is_compiling():
-                return
-            handle.remove()
-            started = time.perf_counter()
-            try:
-                self._compare(name, style, ranks, args, kwargs, batch_site())
-            except Exception as exc:  # the check must never break the user's forward
-                log.warning("distcheck: comparing the inputs of %s across the TP group failed: %s", name, exc)
-            finally:
-                self.seconds += time.perf_counter() - started
-
-        handle = module.register_forward_pre_hook(hook, prepend=True, with_kwargs=True)
+        once_at_forward(self, module, f"comparing the inputs of {name} across the TP group",
+                        lambda args, kwargs: self._compare(name, style, ranks, args, kwargs, batch_site()))
 
     def _compare(self, name: str, style: str, ranks: list[int], args: tuple, kwargs: dict, site: Site) -> None:
         import torch
