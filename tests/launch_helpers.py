@@ -10,6 +10,7 @@ import json
 import os
 import select
 import signal
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -94,6 +95,11 @@ def run_python(args: list[str], timeout: float = 120, cwd: str | os.PathLike | N
                     chunks[fd].append(data)
                 else:
                     reading.remove(fd)
+        if not reading:  # a process may close its output a moment before it exits (a torchrun agent leaving
+            try:         # its rendezvous): its own exit code, not the SIGKILL below
+                proc.wait(timeout=max(1.0, min(10.0, deadline - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                pass
     finally:
         try:  # ranks may outlive a crashed torchrun: end everything this launch started, by its process group
             os.killpg(proc.pid, signal.SIGKILL)

@@ -3,7 +3,7 @@ The placement dump and coverage rules on torch's fake process group are in tests
 from __future__ import annotations
 
 from distcheck.contract import findings_file
-from launch_helpers import FIXTURES, torchrun
+from launch_helpers import FIXTURES, distcheck, load_report, torchrun
 from test_mesh_live import findings_count
 
 
@@ -21,9 +21,12 @@ def test_check_model_under_torchrun_unwrapped_root(tmp_path):
     assert not any("blocks" in p for p in drift.detail["params"])
 
 
-def test_check_model_under_torchrun_fsdp_tp_4_ranks(tmp_path):
-    res = torchrun([str(FIXTURES / "placement_fsdp_tp_ok.py")], nproc=4, timeout=180,
-                   env={"DISTCHECK_REPORT_DIR": str(tmp_path)})
+def test_check_model_on_a_2d_fsdp_tp_mesh_of_4_ranks_finds_nothing(tmp_path):
+    """Under `distcheck run --nproc 4`, the fixture's own command: its ranks fork from the test session's zygote,
+    where plain torchrun would import torch in 4 fresh interpreters (about 15 s of CPU); check_model's path under
+    plain torchrun is the test above's."""
+    res = distcheck(["run", "--nproc", "4", "--timeout", "120", "--report-dir", str(tmp_path), "--",
+                     str(FIXTURES / "placement_fsdp_tp_ok.py")], timeout=180)
     assert res.returncode == 0, res.output
     assert findings_count(res.stdout) == [0], res.output
-    assert findings_file.collect(tmp_path) == []
+    assert findings_file.collect(tmp_path) == [] and load_report(tmp_path)["findings"] == []

@@ -334,7 +334,9 @@ def test_all_to_all_split_sizes_that_do_not_pair_up_name_the_pair_not_the_abort(
 def test_a_slow_rank_is_named_as_the_straggler_and_a_balanced_job_names_none(tmp_path):
     res, report, _ = run_fixture(tmp_path / "slow", "straggler_data_loading.py")
     assert res.returncode == 0 and report["ok"], res.output
-    (note,) = [w for w in report["warnings"] if w["kind"] == "straggler"]
+    notes = [w for w in report["warnings"] if w["kind"] == "straggler"]
+    assert len(notes) == 1, (report.get("stragglers"), sorted(report["artifacts"]), res.output)
+    (note,) = notes
     assert note["ranks"] == [1] and report["stragglers"]["named"] == [1]
     assert note["message"].startswith("rank 1 arrived last at ")
     # Where: its samples inside the gaps the others waited through (DDP's bucket all-reduces are untraced: their

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from launch_helpers import FIXTURES, FRESH, load_report, torchrun
+from launch_helpers import FIXTURES, load_report, torchrun
 
 FIXTURE = "torchrun_rank_fails.py"
 
@@ -57,14 +57,14 @@ def test_a_job_that_passes_on_its_second_attempt_passes_and_the_report_lists_bot
     fixture = "torchrun_restart.py"
     res = run_python(["-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2", "--master-port",
                       str(_free_port()), "--max-restarts", "1", "-m", "distcheck", "run", "--report-dir", str(out),
-                      "--", str(FIXTURES / fixture)], timeout=200, env=FRESH)
+                      "--", str(FIXTURES / fixture)], timeout=200)
     assert res.returncode == 0, res.output  # the verdict and the exit code follow the last attempt
     report = load_report(out)
     assert report["ok"] and report["findings"] == []
     first, last = report["attempts"]
     assert (first["attempt"], first["ok"], last["attempt"], last["summary"]) == (0, False, 1, "PASSED")
     line = line_of(fixture, 'open("/nonexistent/shard-0.bin"')
-    assert first["summary"].startswith(f"rank 1 raised FileNotFoundError") and f"{fixture}:{line}" in first["summary"]
+    assert first["summary"].startswith("rank 1 raised FileNotFoundError") and f"{fixture}:{line}" in first["summary"]
     assert "attempt 0: rank 1 raised FileNotFoundError" in res.stdout and "attempt 1: PASSED" in res.stdout
     earlier = out / "attempt-0"
     assert load_report(earlier)["ok"] is False and (earlier / "trace-rank1.jsonl").exists()
