@@ -34,8 +34,41 @@ def describe(pids: list[int]) -> str:
             state, ppid = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[:2]
         except (OSError, ValueError):
             cmd, state, ppid = "?", "?", "?"
-        out.append(f"{pid} (parent {ppid}, {state}): {cmd[:150]}")
+        out.append(f"{pid} (parent {ppid}, {state}, {_waits_in(pid)}): {cmd[:150]}")
+        if "stderr_tee" in cmd:  # a copier left: the launcher and rank it watches for, as it sees them
+            env = dict(e.split("=", 1) for e in _environ(pid) if "=" in e)
+            launcher = env.get("DISTCHECK_LAUNCHER", "").partition(":")[0]
+            out.append(f"  its launcher {env.get('DISTCHECK_LAUNCHER')}: {_state(launcher)}; "
+                       f"rank {env.get('RANK')}; parent {ppid}: {_state(ppid)} {_cmd(ppid)[:80]}")
     return "\n".join(out)
+
+
+def _waits_in(pid) -> str:
+    try:
+        return "waits in " + Path(f"/proc/{pid}/wchan").read_text()
+    except OSError:
+        return "?"
+
+
+def _state(pid) -> str:
+    try:
+        return "state " + Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "gone"
+
+
+def _cmd(pid) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return "?"
+
+
+def _environ(pid) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return []
 
 
 class Tagged:
