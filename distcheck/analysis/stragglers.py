@@ -86,8 +86,10 @@ def straggler_text(v: RankLateness, span: float) -> str:
     places = top_places(v)
     if places:
         total = sum(v.spent.values())
+        what, count = activity(v)
         parts = [f"{p.func} ({p.site}, {p.kind}) {100 * n / total:.0f}%" for p, n in places]
-        text += f"; in those gaps its main thread was in {', '.join(parts)} of {total} samples"
+        text += (f"; in those gaps it was mostly {what} ({100 * count / total:.0f}%): its main thread was in "
+                 f"{', '.join(parts)} of {total} samples")
         return text
     top = _top_gap(v)
     if top is not None:
@@ -95,6 +97,23 @@ def straggler_text(v: RankLateness, span: float) -> str:
         text += (f"; it spends that time between {came_from} and {late_at} ({count} times, {seconds:.2f} s "
                  f"there)")
     return text
+
+
+# What a late rank was doing, by the sampler's kinds (rank/sampler.py): the three causes users tell apart first.
+ACTIVITIES = {"data loading": "loading data", "forward": "computing (forward, backward, optimizer step)",
+              "backward": "computing (forward, backward, optimizer step)",
+              "optimizer step": "computing (forward, backward, optimizer step)",
+              "host sync": "in host syncs (.item(), .tolist(), .cpu(), synchronize, printing a tensor)",
+              "a collective": "in other collectives"}
+
+
+def activity(v: RankLateness) -> tuple[str, int]:
+    """The activity most of the late rank's samples were in, and how many samples that is."""
+    counts: dict[str, int] = {}
+    for place, n in v.spent.items():
+        what = ACTIVITIES.get(place.kind, "in its own code")
+        counts[what] = counts.get(what, 0) + n
+    return max(counts.items(), key=lambda kv: kv[1])
 
 
 def top_places(v: RankLateness, n: int = 3) -> list[tuple[Any, int]]:
@@ -106,7 +125,8 @@ def _top_gap(v: RankLateness) -> tuple | None:
 
 
 def where_json(v: RankLateness) -> dict[str, Any]:
-    return {"gaps": [{"from": a, "to": b, "count": n, "seconds": round(s, 6)}
+    return {"activity": activity(v)[0] if v.spent else None,
+            "gaps": [{"from": a, "to": b, "count": n, "seconds": round(s, 6)}
                      for (a, b), (n, s) in sorted(v.gaps.items(), key=lambda kv: -kv[1][1])[:5]],
             "samples": [{"file": p.file, "line": p.line, "func": p.func, "kind": p.kind, "samples": n}
                         for p, n in top_places(v, 5)]}

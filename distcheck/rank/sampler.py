@@ -5,8 +5,12 @@
 A daemon thread reads the main thread's frame (``sys._current_frames``: no signal, no ptrace, the GIL for a few
 microseconds) and notes the innermost frame of the user's code with what the stack says it is in: data loading
 (torch.utils.data), forward (a module's call), backward (torch.autograd), an optimizer step (torch.optim), a
-collective (distcheck's tracer wrapper) or the user's own code (which includes host syncs such as ``.item()`` and
-sleeps: Python frames cannot tell those apart). Batches of samples are appended to ``samples-rank<R>.jsonl`` once a
+collective (distcheck's tracer wrapper), a host sync, or the user's own code (sleeps, Python work). A host sync is
+where the device hands a value to Python: a tensor being printed (torch/_tensor_str.py), or the user's line itself
+inside ``.item()``, ``.tolist()``, ``.cpu()``, ``.numpy()`` or ``torch.cuda.synchronize()``. Those are C calls with no
+frame of their own, so the sampler reads the user's line: one that calls one of those (``_on_a_sync_line``, from
+the code object's instructions, once per code object). Batches of samples
+are appended to ``samples-rank<R>.jsonl`` once a
 second (contract/samples_file.py); analysis/stragglers.py reads them to say where a late rank spent the time the
 others waited for it. Bounded: after MAX_SAMPLES samples the thread stops.
 """
@@ -39,16 +43,46 @@ def _file(name: str) -> tuple[bool, str | None, bool, bool]:
     if hit is None:
         path = name.replace("\\", "/")
         kind = ("data loading" if "/torch/utils/data/" in path else "backward" if "/torch/autograd/" in path
-                else "optimizer step" if "/torch/optim/" in path else None)
+                else "optimizer step" if "/torch/optim/" in path
+                else "host sync" if path.endswith("/torch/_tensor_str.py") else None)  # printing a tensor
         who = owner(name)
         hit = _FILES[name] = (who == USER, kind, "/torch/nn/" in path, who == DISTCHECK)
     return hit
 
 
+# Calls that make the host wait for the device (on a GPU; on a CPU they are conversions): a rank that is late because
+# it logs a metric with .item() every step spends the others' wait here.
+SYNC_CALLS = frozenset({"item", "tolist", "cpu", "numpy", "synchronize"})
+_SYNC_LINES: dict[Any, frozenset] = {}  # code object -> its lines that call one of SYNC_CALLS
+
+
+def _on_a_sync_line(frame: Any) -> bool:
+    """The innermost frame is on a line that calls one of SYNC_CALLS (``total += loss.item()``,
+    ``torch.cuda.synchronize()``). By line, not by instruction: the sampler gets the GIL when the main thread
+    lets go of it, at a call or a loop's jump as often as inside the sync itself, and all of those are the sync's
+    line."""
+    lines = _SYNC_LINES.get(frame.f_code)
+    if lines is None:
+        import dis
+
+        if len(_SYNC_LINES) > 4096:  # bounded: a program that makes code objects on the fly
+            _SYNC_LINES.clear()
+        lines, line = set(), None
+        for ins in dis.get_instructions(frame.f_code):
+            line = ins.starts_line or line
+            if ins.opname in ("LOAD_METHOD", "LOAD_ATTR") and ins.argval in SYNC_CALLS and line is not None:
+                lines.add(line)
+        lines = _SYNC_LINES[frame.f_code] = frozenset(lines)
+    return frame.f_lineno in lines
+
+
 def _kind(frame: Any) -> str:
     """What the stack from ``frame`` outwards is doing, by the innermost frame that says so."""
+    innermost = frame
     while frame is not None:
         code = frame.f_code
+        if frame is innermost and _file(code.co_filename)[0] and _on_a_sync_line(frame):
+            return "host sync"
         _, kind, nn, ours = _file(code.co_filename)
         if kind is not None:
             return kind

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from launch_helpers import FIXTURES, FRESH, distcheck, load_report, torchrun
+from launch_helpers import FIXTURES, distcheck, load_report, torchrun
 
 from distcheck.analysis.trace_events import load_traces
 
@@ -331,19 +331,34 @@ def test_all_to_all_split_sizes_that_do_not_pair_up_name_the_pair_not_the_abort(
     assert not any(x["kind"] == "rank_failure" for x in report["findings"])  # the abort is evidence, not the cause
 
 
-def test_a_slow_rank_is_named_as_the_straggler_and_a_balanced_job_names_none(tmp_path):
-    res, report, _ = run_fixture(tmp_path / "slow", "straggler_data_loading.py")
+@pytest.mark.parametrize("fixture, rank, activity, places", [
+    ("straggler_data_loading.py", 1, "in its own code", [("load_batch", "its own code", "time.sleep(0.1)")]),
+    ("straggler_compute.py", 1, "computing", [("forward", "forward", "torch.tanh(layer(x))"),
+                                               ("main", "backward", "loss.backward()")]),
+    ("straggler_host_sync.py", 0, "in host syncs", [("log_logits", "host sync", 'print(f"step {step}')]),
+], ids=["data-loading", "compute", "host-sync"])
+def test_a_slow_rank_is_named_with_what_it_was_doing_and_where(tmp_path, line_of, fixture, rank, activity, places):
+    """The late rank, what kept it (data loading, compute, host syncs) and its lines, from its samples inside the
+    gaps the others waited through (DDP's bucket all-reduces are untraced: their starts come from the process
+    group's own record)."""
+    res, report, _ = run_fixture(tmp_path, fixture)
     assert res.returncode == 0 and report["ok"], res.output
     notes = [w for w in report["warnings"] if w["kind"] == "straggler"]
     assert len(notes) == 1, (report.get("stragglers"), sorted(report["artifacts"]), res.output)
     (note,) = notes
-    assert note["ranks"] == [1] and report["stragglers"]["named"] == [1]
-    assert note["message"].startswith("rank 1 arrived last at ")
-    # Where: its samples inside the gaps the others waited through (DDP's bucket all-reduces are untraced: their
-    # starts come from the process group's own record).
-    assert "its main thread was in load_batch (straggler_data_loading.py:22, its own code)" in note["message"]
-    assert note["detail"]["where"]["samples"][0]["func"] == "load_batch"
+    assert note["ranks"] == [rank] and report["stragglers"]["named"] == [rank]
+    assert note["message"].startswith(f"rank {rank} arrived last at ")
+    assert f"in those gaps it was mostly {activity}" in note["message"], note["message"]
+    assert note["detail"]["where"]["activity"].startswith(activity)
+    top = note["detail"]["where"]["samples"]
+    for func, kind, marker in places:
+        site = f"{fixture}:{line_of(fixture, marker)}"
+        assert f"{func} ({site}, {kind})" in note["message"], note["message"]
+        assert any(p["func"] == func and p["kind"] == kind and p["line"] == line_of(fixture, marker) for p in top)
     assert "stragglers (who held the others up at each collective)" in res.stdout
-    res, report, _ = run_fixture(tmp_path / "balanced", "hang_none.py", timeout=10)
+
+
+def test_a_balanced_job_names_no_straggler(tmp_path):
+    res, report, _ = run_fixture(tmp_path, "hang_none.py", timeout=10)
     assert report["ok"] and report["stragglers"]["named"] == [] and not any(
         w["kind"] == "straggler" for w in report.get("warnings", []))

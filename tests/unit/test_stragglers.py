@@ -64,7 +64,8 @@ def test_samples_inside_the_gaps_say_where_the_late_rank_was():
             e.id = 0
     s = analyze(traces, {1: samples})
     (note,) = s.notes()
-    assert "its main thread was in load_batch (train.py:22, its own code) 94%, main (train.py:34, forward) 6% " \
+    assert "mostly in its own code (94%): its main thread was in load_batch (train.py:22, its own code) 94%, "\
+           "main (train.py:34, forward) 6% " \
            "of 17 samples" in note.message
     assert note.detail["where"]["samples"][0] == {"file": "/w/train.py", "line": 22, "func": "load_batch",
                                                   "kind": "its own code", "samples": 16}
@@ -86,3 +87,44 @@ def test_the_sampler_names_what_the_stack_is_doing():
 
     Probe()(torch.zeros(1))
     assert seen["forward"] == "forward" and _kind(sys._getframe()) == "its own code"
+
+
+def test_the_sampler_tells_host_syncs_apart_from_the_users_own_code():
+    """A line that calls .item()/.tolist()/synchronize, and a tensor being printed (torch/_tensor_str.py), are host
+    syncs; the loop around them is the user's own code."""
+    import io
+    import sys
+    import threading
+
+    import torch
+
+    from distcheck.rank import sampler
+
+    main = threading.main_thread().ident
+    seen: dict[str, int] = {}
+    stop = threading.Event()
+
+    def probe() -> None:
+        while not stop.is_set():
+            kind = sampler._kind(sys._current_frames()[main])
+            seen[kind] = seen.get(kind, 0) + 1
+            stop.wait(0.002)
+
+    def user_code() -> None:  # the sampler takes frames of files outside torch and distcheck as the user's
+        total = 0.0
+        for x in torch.randn(20000):
+            total += x.item()
+        with torch._tensor_str.printoptions(threshold=100_000):
+            print(torch.randn(40, 100), file=io.StringIO())
+
+    user_code.__code__ = user_code.__code__.replace(co_filename="/w/train.py")
+    thread = threading.Thread(target=probe)
+    thread.start()
+    try:
+        for _ in range(3):
+            user_code()
+    finally:
+        stop.set()
+        thread.join()
+    assert seen.get("host sync", 0) >= 3, seen
+    assert sampler._on_a_sync_line(sys._getframe()) is False  # this line calls no sync
