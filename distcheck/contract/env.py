@@ -15,6 +15,7 @@ SUPERVISED = "DISTCHECK_SUPERVISED"  # "1": a distcheck supervisor watches this 
 BACKEND = "DISTCHECK_BACKEND"  # force gloo or nccl
 LOG = "DISTCHECK_LOG"  # the ranks' logging level
 SAMPLE = "DISTCHECK_SAMPLE"  # "0": no sampling of where each rank's main thread is (rank/sampler.py)
+STRAGGLER_LOOKS = "DISTCHECK_STRAGGLER_LOOKS"  # looks in a row before the live straggler line ("0": none)
 TRACE_HOT_PATH = "DISTCHECK_TRACE_HOT_PATH"  # "python": leave the tracer's C path out
 FLIGHT_RECORDER = "DISTCHECK_FLIGHT_RECORDER"  # "0": no Flight Recorder dumps
 AUTOCHECK = "DISTCHECK_AUTOCHECK"  # "0": no zero-code checks

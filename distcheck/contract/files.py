@@ -196,10 +196,9 @@ def trace_progress(report_dir: str | os.PathLike, rank: int, hint: dict[str, int
 def flight_progress(report_dir: str | os.PathLike, rank: int) -> int:
     """The rank's count of collectives the process group enqueued and completed, Python-called or not (DDP's
     buckets, compiled graphs): rank/flight_recorder.py rewrites it when it moves. 0 when unknown."""
-    try:
-        return int(rank_file(report_dir, "flight_status", rank).read_text().strip() or 0)
-    except (OSError, ValueError):
-        return 0
+    from distcheck.contract import flight_status_file
+
+    return flight_status_file.read(rank_file(report_dir, "flight_status", rank)).progress
 
 
 def check_format(data: dict[str, Any], path: str | os.PathLike) -> None:

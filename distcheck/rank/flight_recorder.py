@@ -46,7 +46,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from distcheck.contract import env, files
+from distcheck.contract import env, files, flight_status_file
 from distcheck.contract import trace_records as records
 
 log = logging.getLogger("distcheck")
@@ -446,9 +446,9 @@ class Sink:
         if status and status != self._last:
             self._last = status
             _group_names()  # new groups since the last poll: remembered before the script destroys them
-            total = sum(max(0, e) + max(0, c) for e, c in status.values())
-            try:  # one small write; the watch loop reads the number (files.flight_progress)
-                self.status_path.write_text(f"{total}\n")
+            try:  # one small write; the watch loop reads the progress (files.flight_progress), the live straggler
+                # look the groups' counts (contract/flight_status_file.py)
+                self.status_path.write_text(flight_status_file.text(status))
             except OSError:
                 pass
         try:

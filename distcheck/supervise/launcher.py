@@ -39,6 +39,7 @@ from distcheck.contract.findings import Finding
 from distcheck.processes import (
     LAUNCHER_ENV, RUN_ID_ENV, launcher_id, new_run_id, set_child_subreaper, start_ticks, terminate,
 )
+from distcheck.supervise.live_stragglers import LiveStragglers
 from distcheck.supervise.procs import RunTree
 from distcheck.supervise.signals import Interrupt, StopNow
 from distcheck.supervise.watch import HUNG, INTERRUPTED, STOP_GRACE, STOPPED, HangDump, WatchLoop
@@ -153,7 +154,8 @@ class Supervisor:
             loop = WatchLoop(self.report_dir, self.timeout, live=self._watched, expected=self.nproc,
                              finished=lambda: {r for r, p in self.procs.items() if p.poll() is not None},
                              should_stop=self._should_stop, dump=self.dump, startup_timeout=self.startup_timeout,
-                             stop_grace=self.stop_grace, poll=self.poll, interrupt=self.interrupt)
+                             stop_grace=self.stop_grace, poll=self.poll, interrupt=self.interrupt,
+                             stragglers=LiveStragglers(self.report_dir))
             result = loop.run()
             if result.state in (HUNG, STOPPED, INTERRUPTED):
                 alive = sorted(self.pids())

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Sequence
 from distcheck.contract import files, stack_dump_file, stack_hook_file
 from distcheck.contract.findings import format_ranks
 from distcheck.processes import RUN_ID_ENV, alive, read_environ, restart_count, terminate
+from distcheck.supervise.live_stragglers import LiveStragglers
 from distcheck.supervise.procs import RunTree
 from distcheck.supervise.watch import HUNG, STARTUP_TIMEOUT, HangDump, WatchLoop, script_ended
 
@@ -159,7 +160,7 @@ def _watch(report_dir: str, timeout: float, native: bool, parent: int, world_siz
     # the start-up limit, not --timeout, applies to them.
     loop = WatchLoop(report_dir, timeout, live=live, finished=finished, expected=expected, ranks=None,
                      startup_timeout=max(timeout, STARTUP_TIMEOUT), dump=HangDump(native, world_size, out_dir),
-                     poll=0.1, cancel=cancel)
+                     poll=0.1, cancel=cancel, stragglers=LiveStragglers(report_dir))
     result = loop.run()
     cancel.set()
     if result.state == HUNG:
@@ -244,13 +245,15 @@ def _watch_nodes(report_dir: str, timeout: float, native: bool, parent: int, env
         cancel.set()
 
     signal.signal(signal.SIGTERM, on_term)
+    stragglers = LiveStragglers(report_dir)  # one for the whole watch: its streaks outlive each loop below
     try:
         limit = timeout
         while True:
             # No dump inside the loop: a node whose ranks are idle while another node's progress (a pipeline
             # stage waiting for its input) is not hung; the job is hung once no node progressed for `timeout`.
             result = WatchLoop(report_dir, limit, live=live, finished=finished, expected=None, ranks=None,
-                               startup_timeout=limit, dump=None, poll=0.2, cancel=cancel).run()
+                               startup_timeout=limit, dump=None, poll=0.2, cancel=cancel,
+                               stragglers=stragglers).run()
             idle = link.job_idle()
             if result.state == HUNG and link.remote_hang is None and idle < timeout - link.poll:
                 log.info("no progress on this node, but another node progressed %.1fs ago: watching on",

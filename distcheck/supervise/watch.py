@@ -33,6 +33,7 @@ from typing import Callable, Iterable
 
 from distcheck.contract import files
 from distcheck.contract.findings import Finding, format_ranks
+from distcheck.supervise.live_stragglers import LiveStragglers
 from distcheck.supervise.signals import Interrupt, stop_finding
 
 log = logging.getLogger("distcheck")
@@ -115,7 +116,8 @@ class WatchLoop:
                  ranks: Iterable[int] | None = None, startup_timeout: float | None = None,
                  stop_grace: float = STOP_GRACE, failure_grace: float | None = None,
                  failed: Callable[[], bool] | None = None, poll: float = 0.1,
-                 cancel: threading.Event | None = None, interrupt: Interrupt | None = None) -> None:
+                 cancel: threading.Event | None = None, interrupt: Interrupt | None = None,
+                 stragglers: LiveStragglers | None = None) -> None:
         self.report_dir = str(report_dir)
         self.timeout = timeout
         self.live = live
@@ -134,6 +136,7 @@ class WatchLoop:
         self.interrupt = interrupt
         if interrupt is not None:
             self.cancel = interrupt.event
+        self.stragglers = stragglers  # the live straggler line (supervise/live_stragglers.py), looked at each poll
 
     def _over(self, done: set[int], seen: set[int], running: dict[int, int]) -> bool:
         if self.expected is not None:
@@ -164,6 +167,8 @@ class WatchLoop:
                 limit = min(limit, self.failure_grace)
             if idle >= limit:
                 return self._hang(idle, started)
+            if self.stragglers is not None and not starting:
+                self.stragglers.look(now)
             if (self.should_stop is not None and not starting and idle >= self.stop_grace
                     and now - last_stop_check >= self.stop_grace):
                 last_stop_check = now

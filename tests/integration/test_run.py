@@ -358,7 +358,19 @@ def test_a_slow_rank_is_named_with_what_it_was_doing_and_where(tmp_path, line_of
     assert "stragglers (who held the others up at each collective)" in res.stdout
 
 
+def test_the_supervisor_names_the_straggler_while_the_run_goes_on(tmp_path):
+    """The live line: 3 looks a second apart (DISTCHECK_STRAGGLER_LOOKS; 10 by default) at which rank 1 alone had
+    not reached the all-reduce rank 0 waited in, printed by the launcher while the ranks still run."""
+    res, report, _ = run_fixture(tmp_path, "straggler_data_loading.py", "--steps", "50",
+                                 env={"DISTCHECK_STRAGGLER_LOOKS": "3"})
+    assert res.returncode == 0 and report["ok"], res.output
+    lines = [line for line in res.stderr.splitlines() if "is the straggler" in line]
+    assert len(lines) == 1 and lines[0].startswith("distcheck: rank 1 is the straggler: at the last 3 looks (1 s "
+                                                   "apart) it alone had not reached the collective rank 0 waited in")
+
+
 def test_a_balanced_job_names_no_straggler(tmp_path):
-    res, report, _ = run_fixture(tmp_path, "hang_none.py", timeout=10)
+    res, report, _ = run_fixture(tmp_path, "hang_none.py", timeout=10, env={"DISTCHECK_STRAGGLER_LOOKS": "2"})
+    assert "is the straggler" not in res.output
     assert report["ok"] and report["stragglers"]["named"] == [] and not any(
         w["kind"] == "straggler" for w in report.get("warnings", []))

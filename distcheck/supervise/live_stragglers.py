@@ -1,0 +1,92 @@
+"""The live straggler line: while a run goes on, say once that a rank keeps the others waiting.
+
+    python -m distcheck run --nproc 2 -- train.py     # "distcheck: rank 1 is the straggler: ..." on the console
+
+The report's stragglers part (analysis/stragglers.py) comes at the end, from whole traces. A long job should show
+it before that. Every LOOK_S the supervisor reads each rank's ``flight-rank<R>.status`` (contract/
+flight_status_file.py: how many collectives each of its process groups enqueued, DDP's buckets and compiled graphs
+included, rewritten by the rank twice a second). A rank whose count in some group is below a peer's has not reached
+the collective that peer entered: the peer waits for it. When one rank, and only that rank, is behind at LOOKS
+looks in a row (10 s by default), and it moved at least twice meanwhile (a rank that does not move is stuck: the
+watch loop's hang), the supervisor logs one line naming it. Once per rank per run; DISTCHECK_STRAGGLER_LOOKS sets LOOKS ("0":
+no line). Without the Flight Recorder's counters (DISTCHECK_FLIGHT_RECORDER=0) there is nothing to look at.
+
+A node's supervisor sees its own ranks: a straggler on another node shows on that node's console.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Mapping
+
+from distcheck.contract import env, files, flight_status_file
+
+log = logging.getLogger("distcheck")
+
+LOOK_S = 1.0
+LOOKS = 10
+
+
+def behind(enqueued: Mapping[int, Mapping[str, int]]) -> set[int]:
+    """The ranks that have not reached a collective a peer of theirs has enqueued, in some group both are in."""
+    members: dict[str, dict[int, int]] = {}
+    for rank, groups in enqueued.items():
+        for group, count in groups.items():
+            members.setdefault(group, {})[rank] = count
+    late: set[int] = set()
+    for counts in members.values():
+        if len(counts) < 2:
+            continue
+        top = max(counts.values())
+        late.update(r for r, n in counts.items() if n < top)
+    return late
+
+
+class LiveStragglers:
+    """Call :meth:`look` as often as convenient; it reads the files every LOOK_S at most."""
+
+    def __init__(self, report_dir: str | os.PathLike, looks: int | None = None, every: float = LOOK_S) -> None:
+        self.report_dir = Path(report_dir)
+        self.looks = looks if looks is not None else _looks_from_env()
+        self.every = every
+        self.last_look: float | None = None
+        self.previous: dict[int, dict[str, int]] = {}
+        self.streak: tuple[int, int, int] | None = None  # (rank, looks in a row it alone was behind, of them moved)
+        self.announced: set[int] = set()
+
+    def look(self, now: float) -> str | None:
+        """The line logged at this look, if any."""
+        if self.looks <= 0 or (self.last_look is not None and now - self.last_look < self.every):
+            return None
+        self.last_look = now
+        current = {rank: flight_status_file.read(path).enqueued
+                   for rank, path in files.rank_files(self.report_dir, "flight_status").items()}
+        current = {r: g for r, g in current.items() if g}
+        late = behind(current)
+        moved = {r for r, g in current.items() if self.previous.get(r) not in (None, g)}
+        self.previous = current
+        if len(late) != 1:
+            self.streak = None
+            return None
+        (rank,) = late
+        count, moves = self.streak[1:] if self.streak is not None and self.streak[0] == rank else (0, 0)
+        count, moves = count + 1, moves + (rank in moved)
+        self.streak = (rank, count, moves)
+        # A rank that never moved while the others waited is stuck, not slow: the watch loop's hang, not this line.
+        if count < self.looks or moves < 2 or rank in self.announced:
+            return None
+        self.announced.add(rank)
+        others = ", ".join(str(r) for r in sorted(current) if r != rank)
+        line = (f"rank {rank} is the straggler: at the last {count} looks ({self.every:g} s apart) it alone had not "
+                f"reached the collective rank{'s' if len(current) > 2 else ''} {others} waited in, and it kept "
+                f"going; the report's stragglers part will say where it spends the time")
+        log.warning("distcheck: %s", line)  # unprompted, amid the ranks' output: say whose line it is
+        return line
+
+
+def _looks_from_env() -> int:
+    try:
+        return int(os.environ.get(env.STRAGGLER_LOOKS, LOOKS))
+    except ValueError:
+        return LOOKS

@@ -1,0 +1,68 @@
+"""The live straggler line (supervise/live_stragglers.py) over status files written as ranks write them."""
+from __future__ import annotations
+
+from distcheck.contract import files, flight_status_file
+from distcheck.supervise.live_stragglers import LiveStragglers, behind
+
+
+def write(report_dir, rank: int, enqueued: dict[str, int]) -> None:
+    path = files.rank_file(report_dir, "flight_status", rank)
+    path.write_text(flight_status_file.text({g: (n, n - 1) for g, n in enqueued.items()}))
+
+
+def test_behind_is_the_rank_whose_group_enqueued_fewer_collectives_than_a_peer():
+    assert behind({0: {"gloo:0": 5}, 1: {"gloo:0": 4}}) == {1}
+    assert behind({0: {"gloo:0": 5}, 1: {"gloo:0": 5}}) == set()
+    # groups only one rank is in say nothing; each group is compared on its own
+    assert behind({0: {"gloo:0": 5, "gloo:1": 9}, 1: {"gloo:0": 5}, 2: {"gloo:0": 3, "gloo:1": 2}}) == {2}
+
+
+def test_one_line_once_a_rank_alone_is_behind_and_moving_for_n_looks(tmp_path, caplog):
+    live = LiveStragglers(tmp_path, looks=4, every=1.0)
+    lines = []
+    for step in range(8):  # rank 0 always one collective ahead, waiting; rank 1 comes a step later each look
+        write(tmp_path, 0, {"gloo:0": step + 2})
+        write(tmp_path, 1, {"gloo:0": step + 1})
+        lines.append(live.look(float(step)))
+    said = [(i, line) for i, line in enumerate(lines) if line]
+    assert len(said) == 1 and said[0][0] == 3, lines  # the 4th look; once
+    assert said[0][1].startswith("rank 1 is the straggler: at the last 4 looks (1 s apart) it alone had not "
+                                 "reached the collective rank 0 waited in")
+    assert "rank 1 is the straggler" in caplog.text
+
+
+def test_a_balanced_job_and_a_stuck_rank_get_no_line(tmp_path):
+    live = LiveStragglers(tmp_path, looks=3, every=1.0)
+    for step in range(10):  # whoever is ahead changes from look to look
+        write(tmp_path, 0, {"gloo:0": step + (step % 2)})
+        write(tmp_path, 1, {"gloo:0": step + 1 - (step % 2)})
+        assert live.look(float(step)) is None
+    stuck = LiveStragglers(tmp_path / "stuck", looks=3, every=1.0)
+    (tmp_path / "stuck").mkdir()
+    write(tmp_path / "stuck", 1, {"gloo:0": 3})  # rank 1 never moves: a hang, the watch loop's
+    for step in range(10):
+        write(tmp_path / "stuck", 0, {"gloo:0": 4})
+        assert stuck.look(float(step)) is None
+
+
+def test_looks_closer_than_the_interval_read_nothing_and_zero_looks_is_off(tmp_path, monkeypatch):
+    write(tmp_path, 0, {"gloo:0": 2})
+    write(tmp_path, 1, {"gloo:0": 1})
+    live = LiveStragglers(tmp_path, looks=1, every=1.0)
+    assert live.look(0.0) is None and live.previous  # the first look: nothing moved yet
+    assert live.look(0.5) is None and live.last_look == 0.0
+    monkeypatch.setenv("DISTCHECK_STRAGGLER_LOOKS", "0")
+    off = LiveStragglers(tmp_path)
+    assert off.looks == 0 and off.look(100.0) is None
+
+
+def test_the_status_file_keeps_its_progress_token_and_reads_an_older_one_line_file(tmp_path):
+    path = tmp_path / "flight-rank0.status"
+    path.write_text(flight_status_file.text({"gloo:0": (7, 6), "gloo:1": (2, -1)}))
+    status = flight_status_file.read(path)
+    assert status.progress == 15 and status.enqueued == {"gloo:0": 7, "gloo:1": 2}
+    assert files.flight_progress(tmp_path, 0) == 15
+    path.write_text("12\n")
+    assert flight_status_file.read(path).enqueued == {} and files.flight_progress(tmp_path, 0) == 12
+    path.write_text("")
+    assert flight_status_file.read(path).progress == 0
