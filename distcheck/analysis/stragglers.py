@@ -138,9 +138,47 @@ def _label(e: Any) -> str:
     return f"{what} at {e.site}" if e.site else what
 
 
-def analyze(traces: Mapping[int, Any], samples: Mapping[int, list] | None = None) -> Stragglers:
+# A node's summary carries the durations of its ranks' last this many positions (supervise/node_exchange.py).
+DURATION_POSITIONS = 4096
+
+
+def position_key(e: Any) -> str:
+    """A collective's position, the same string on every rank of its group: its group's key and sequence number."""
+    return f"{e.group_key}#{e.seq}"
+
+
+def _completed(e: Any) -> bool:
+    """The event's end is when it completed on this rank: a traced, synchronous, completed call. Not an untraced
+    one (gloo's ring has no completion time: its end is a guess) nor a functional one (its end is the issue)."""
+    return (e.t_start and e.t_end is not None and not e.issued_only and not e.extra.get("untraced")
+            and not e.is_p2p and e.op != "batch_isend_irecv")
+
+
+def durations(traces: Mapping[int, Any], limit: int = DURATION_POSITIONS) -> dict[str, dict[str, float]]:
+    """Per position, each rank's time inside the collective (end minus start), for the last ``limit`` positions:
+    what a node sends node 0 so that ranks on several hosts can be compared. Clock-free: the members of a collective
+    leave it together, so the one that spent the least time inside arrived last, and each other waited about the
+    difference, whatever each host's clock says."""
+    out: dict[str, dict[str, float]] = {}
+    order: dict[str, float] = {}
+    for r, t in traces.items():
+        for e in t.events:
+            if _completed(e):
+                key = position_key(e)
+                out.setdefault(key, {})[str(r)] = round(e.t_end - e.t_start, 6)
+                order[key] = max(order.get(key, 0.0), e.t_start)
+    if len(out) > limit:
+        keep = set(sorted(order, key=order.get)[-limit:])
+        out = {k: v for k, v in out.items() if k in keep}
+    return out
+
+
+def analyze(traces: Mapping[int, Any], samples: Mapping[int, list] | None = None,
+            remote: Mapping[str, Mapping[str, float]] | None = None) -> Stragglers:
     """Each rank's lateness over the run, the stragglers among them and the per-window counts. ``samples``: each
-    rank's (time, place) samples (contract/samples_file.py), to say where a late rank spent the others' wait."""
+    rank's (time, place) samples (contract/samples_file.py), to say where a late rank spent the others' wait.
+    ``remote``: the other nodes' ranks' :func:`durations` (node 0 of a multi-node job): a position whose members
+    are on several hosts is compared by time inside the collective instead of by start."""
     if any(getattr(t, "summary", None) is not None for t in traces.values()):
         return Stragglers({}, 0.0, [], [], "a big job's traces are summarized")
     hosts = {r: t.meta.get("host") for r, t in traces.items()}
@@ -161,23 +199,34 @@ def analyze(traces: Mapping[int, Any], samples: Mapping[int, list] | None = None
             end = e.t_end if e.t_end is not None else e.t_start
             last = end if last is None else max(last, end)
     ranks = {r: RankLateness(r) for r in traces}
+    for times in (remote or {}).values():
+        for r in times:
+            ranks.setdefault(int(r), RankLateness(int(r)))
     reached = []
     for (key, seq), events in positions.items():
         members = next(iter(events.values())).pg or tuple(sorted(events))
-        if len(members) < 2 or any(m not in events for m in members):
+        if len(members) < 2:
             continue
-        if len({hosts.get(m) for m in members}) > 1:
-            continue  # clocks of several hosts: not comparable
-        starts = {m: events[m].t_start for m in members}
-        late = max(members, key=lambda m: (starts[m], m))
-        waits = [starts[late] - starts[m] for m in members if m != late]
+        waits_of = _waits_by_start(members, events, hosts) or _waits_by_time_inside(members, events, remote)
+        if waits_of is None:
+            continue  # a member's record is missing, or clocks of several hosts without the time inside
+        late = max(m for m in members if waits_of[m] == 0.0)  # the one the others waited for (a tie: the higher)
+        waits = [waits_of[m] for m in members if m != late]
         held = sum(waits) / len(waits)
-        reached.append((starts[late], late, held))
+        local = next(events[m] for m in members if m in events)
+        reached.append((local.t_start, late, held))
         for m in members:
             ranks[m].positions += 1
-            ranks[m].waited += starts[late] - starts[m]
+            ranks[m].waited += waits_of[m]
         ranks[late].last += 1
         ranks[late].held += held
+        if late not in events:  # a rank of another node: its samples and trace stay there
+            gap = ("its previous collective (its trace and samples are on its node)", _label(local))
+            entry = ranks[late].gaps.setdefault(gap, [0, 0.0])
+            entry[0] += 1
+            entry[1] += held
+            continue
+        starts = {m: events[m].t_start for m in members if m in events}
         before = previous.get((late, id(events[late])))
         if samples and samples.get(late):
             since = (before.t_end or before.t_start) if before is not None else starts[late] - held
@@ -194,6 +243,38 @@ def analyze(traces: Mapping[int, Any], samples: Mapping[int, list] | None = None
              if v.last >= MIN_LAST and v.last >= LAST_SHARE * v.positions
              and v.held >= max(MIN_WAIT, MIN_WAIT_SHARE * span)]
     return Stragglers({r: v for r, v in ranks.items() if v.positions}, span, named, _windows(reached))
+
+
+def _waits_by_start(members: tuple, events: Mapping[int, Any], hosts: Mapping[int, Any]) -> dict[int, float] | None:
+    """Each member's wait for the last one, from their starts: every member's record here, on one host's clock."""
+    if any(m not in events for m in members) or len({hosts.get(m) for m in members}) > 1:
+        return None
+    last = max(events[m].t_start for m in members)
+    return {m: last - events[m].t_start for m in members}
+
+
+def _waits_by_time_inside(members: tuple, events: Mapping[int, Any],
+                          remote: Mapping[str, Mapping[str, float]] | None) -> dict[int, float] | None:
+    """Each member's wait for the last one, from the time each spent inside the collective (local records and the
+    other nodes' durations): the one with the least time inside arrived last, the others waited the difference."""
+    if not remote:
+        return None
+    local = next((events[m] for m in members if m in events), None)
+    if local is None:
+        return None
+    sent = remote.get(position_key(local)) or {}
+    inside: dict[int, float] = {}
+    for m in members:
+        if m in events:
+            if not _completed(events[m]):
+                return None
+            inside[m] = events[m].t_end - events[m].t_start
+        elif str(m) in sent:
+            inside[m] = float(sent[str(m)])
+        else:
+            return None
+    least = min(inside.values())
+    return {m: t - least for m, t in inside.items()}
 
 
 def _count_samples(spent: dict, samples: list, since: float, until: float) -> None:

@@ -140,29 +140,33 @@ class NodeSummary:
     final: bool = False  # every rank of the node has ended
     note: str = ""
     report_dir: str = ""  # on that node: its ranks' files and its stacks (node-<host>/)
+    # {position: {rank: seconds inside the collective}} of its ranks' last positions (analysis/stragglers.durations):
+    # node 0 compares ranks of several hosts by it, their clocks being another matter
+    durations: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return {"format": SUMMARY_FORMAT, "node": self.node, "host": self.host, "ranks": self.ranks,
                 "states": [s.to_json() for s in self.states.values()], "progress": self.progress,
                 "stacks": self.stacks, "hung": self.hung, "final": self.final, "note": self.note,
-                "report_dir": self.report_dir}
+                "report_dir": self.report_dir, "durations": self.durations}
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> NodeSummary:
         states = [RankState.from_json(s) for s in d.get("states") or []]
         return cls(int(d["node"]), str(d.get("host", "")), [int(r) for r in d.get("ranks") or []],
                    {s.rank: s for s in states}, dict(d.get("progress") or {}), d.get("stacks"),
-                   bool(d.get("hung")), bool(d.get("final")), str(d.get("note", "")), str(d.get("report_dir", "")))
+                   bool(d.get("hung")), bool(d.get("final")), str(d.get("note", "")), str(d.get("report_dir", "")),
+                   {str(k): dict(v) for k, v in (d.get("durations") or {}).items()})
 
     def encode(self, limit: int = MAX_SUMMARY_BYTES) -> bytes:
         """The JSON, bounded: past ``limit`` the stacks stay on the node (its stacks.json) and a note says so."""
         data = json.dumps(self.to_json(), separators=(",", ":")).encode()
-        if len(data) <= limit or self.stacks is None:
+        if len(data) <= limit or (self.stacks is None and not self.durations):
             return data
-        slim = dataclasses.replace(self, stacks=None,
+        slim = dataclasses.replace(self, stacks=None, durations={},
                                    note=(self.note + "; " if self.note else "") +
-                                   f"its stacks ({len(data)} bytes) are too large to send: see stacks.txt on "
-                                   f"{self.host}")
+                                   f"its stacks and collective times ({len(data)} bytes) are too large to send: "
+                                   f"see stacks.txt and the traces on {self.host}")
         return json.dumps(slim.to_json(), separators=(",", ":")).encode()
 
 
@@ -181,6 +185,7 @@ class MergedNodes:
     dirs: dict[int, str] = field(default_factory=dict)  # node -> its report dir (on that node)
     silent: dict[int, list[int]] = field(default_factory=dict)  # node -> its ranks, for nodes that sent nothing
     notes: list[str] = field(default_factory=list)
+    durations: dict[str, dict[str, float]] = field(default_factory=dict)  # position -> {rank: seconds inside}
 
     @property
     def ranks(self) -> set[int]:
@@ -205,6 +210,8 @@ def merge_summaries(summaries: Mapping[int, NodeSummary], expected: Iterable[int
             if state.stderr_tail:
                 merged.stderr_tails[rank] = state.stderr_tail
         merged.progress.update({int(r): RankProgress.from_json(int(r), p) for r, p in summary.progress.items()})
+        for position, times in summary.durations.items():
+            merged.durations.setdefault(position, {}).update(times)
         if summary.stacks is not None:
             merged.stack_docs.append(summary.stacks)
         if summary.note:
@@ -277,6 +284,7 @@ def summarize_node(env: NodeEnv, report_dir: str | os.PathLike, running: set[int
                    stacks_path: Path | None = None, final: bool = False) -> NodeSummary:
     """This node's ranks as its files tell: the exit line of each rank's trace, else RUNNING when its process
     still runs, else died; progress from the traces; the stacks document when a dump was written."""
+    from distcheck.analysis import stragglers
     from distcheck.analysis.progress import progress_by_rank
     from distcheck.analysis.trace_events import load_traces
     from distcheck.contract import files
@@ -306,8 +314,9 @@ def summarize_node(env: NodeEnv, report_dir: str | os.PathLike, running: set[int
             log.warning("cannot read %s: %s", stacks_path, exc)
     # One node's ranks (LOCAL_WORLD_SIZE of them): each rank's progress as is, a few KiB each.
     progress = {str(r): p.to_json() for r, p in progress_by_rank(traces).items()}
+    late = stragglers.durations(traces) if final else {}  # the whole run's, once it is over
     return NodeSummary(env.node, env.host, env.ranks, states, progress, stacks, hung, final,
-                       report_dir=str(Path(report_dir).resolve()))
+                       report_dir=str(Path(report_dir).resolve()), durations=late)
 
 
 def _error_json(err: RankError | None) -> dict[str, Any] | None:

@@ -308,6 +308,9 @@ def _watch_nodes(report_dir: str, timeout: float, native: bool, parent: int, env
                               "stopped", note, running=set(stopped.detail["stopped_ranks"]), ranks=set(env.ranks))
             files.tidy(report_dir)
             return 1
+        # Every rank of this node has ended: cut their trace records' unwritten tails before reading them, or a
+        # record file still at its preallocated size reads as a big job's, whose traces are only summarized.
+        files.tidy(report_dir)
         if env.reports and command is not None:  # the run's report: every rank of this node ended its script
             code = write_job_report(report_dir, env, channel, native, timeout, time.monotonic() - started,
                                     started_wall, hung=False, note=None, command=command)

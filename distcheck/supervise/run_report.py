@@ -93,7 +93,8 @@ def build_report(report_dir: Path, command: str, world_size: int, traces: dict[i
             artifacts[path.stem] = path.name
     outcomes_json = {str(r): {"state": o.state, "exit_code": o.exit_code, "signal": o.signal}
                      for r, o in sorted(outcomes.items())}
-    late = stragglers.analyze(traces, samples_file.read_all(report_dir))
+    late = stragglers.analyze(traces, samples_file.read_all(report_dir),
+                              remote=remote.durations if remote is not None else None)
     return Report(command=command, world_size=world_size, findings=findings, checks=checks, artifacts=artifacts,
                   data={"ranks": outcomes_json, "collectives": {str(r): p.started for r, p in progress.items()},
                         "stragglers": late.to_json()},

@@ -71,7 +71,7 @@ def unshare_refused() -> str | None:
     return None if probe.returncode == 0 else f"unshare --uts --mount is not permitted: {probe.stderr.strip()}"
 
 
-def run_two_nodes(tmp_path: Path, script: str, timeout: float, tag: str) -> dict[str, str]:
+def run_two_nodes(tmp_path: Path, script: str, timeout: float, tag: str, *args: str) -> dict[str, str]:
     """Two torchrun agents, one per namespaced node, each with 1 rank and a node-local report dir
     (tmp_path/<host>); the consoles by host."""
     hosts_file = tmp_path / "hosts"
@@ -81,7 +81,8 @@ def run_two_nodes(tmp_path: Path, script: str, timeout: float, tag: str) -> dict
     for host in HOSTS:
         torchrun = [str(BIN / "torchrun"), "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
                     "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"mn-{port}", "-m", "distcheck", "run",
-                    "--timeout", str(timeout), "--report-dir", str(tmp_path / host), "--", str(FIXTURES / script)]
+                    "--timeout", str(timeout), "--report-dir", str(tmp_path / host), "--", str(FIXTURES / script),
+                    *args]
         inner = f"hostname {host} && mount --bind {hosts_file} /etc/hosts && exec \"$@\""
         procs[host] = subprocess.Popen(["unshare", "--uts", "--mount", "bash", "-c", inner, "node", *torchrun],
                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -138,14 +139,20 @@ def test_two_nodes_one_report_names_the_stuck_rank_and_the_waiting_collective(tm
     assert tagged(tag) == []
 
 
-def test_two_nodes_without_a_bug_pass_with_every_rank_accounted_for(tmp_path):
+def test_two_nodes_without_a_bug_pass_with_every_rank_accounted_for_and_the_straggler_named(tmp_path):
+    """Rank 1, on the other node, reads slowly: node 0's report names it from the time each rank spent inside
+    each all-reduce (its node's summary carries rank 1's), since the two hosts' clocks need not agree."""
     reason = unshare_refused()
     if reason:
         pytest.skip(reason)
     tag = f"multinode-{uuid.uuid4().hex[:8]}"
-    consoles = run_two_nodes(tmp_path, "hang_none.py", 10, tag)
+    consoles = run_two_nodes(tmp_path, "hang_none.py", 10, tag, "--slow-rank", "1")
     host, report = one_report(tmp_path, consoles)
     assert report["ok"], report["findings"]
+    assert report["stragglers"]["named"] == [1], report["stragglers"]
+    (note,) = [w for w in report["warnings"] if w["kind"] == "straggler"]
+    assert note["ranks"] == [1] and note["message"].startswith("rank 1 arrived last at 14 of 14 collectives")
+    assert "its trace and samples are on its node" in note["message"]
     assert report["ranks"] == {"0": {"state": "ok", "exit_code": 0, "signal": None},
                                "1": {"state": "ok", "exit_code": 0, "signal": None}}
     assert report["collectives"] == {"0": 14, "1": 14}  # rank 1's count came from its node

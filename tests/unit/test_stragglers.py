@@ -9,14 +9,35 @@ from distcheck.analysis.trace_events import parse_lines
 from distcheck.contract.files import FORMAT, FORMAT_KEY
 
 
-def trace(rank: int, starts: list[float], host: str = "h", line: int = 30):
+def trace(rank: int, starts: list[float], host: str = "h", line: int = 30, ends: list[float] | None = None):
     lines = [json.dumps({"ev": "meta", FORMAT_KEY: FORMAT, "rank": rank, "host": host})]
     for i, t in enumerate(starts, start=1):
         lines.append(json.dumps({"ev": "start", "id": i, "seq": i, "pg": "0,1", "op": "all_reduce", "shapes": [[4]],
                                  "dtypes": ["float32"], "site": f"train.py:{line}", "file": "/w/train.py",
                                  "line": line, "t": t}))
-        lines.append(json.dumps({"ev": "end", "id": i, "t": t + 0.05}))
+        lines.append(json.dumps({"ev": "end", "id": i, "t": t + 0.05 if ends is None else ends[i - 1]}))
     return parse_lines(lines, rank)
+
+
+def test_ranks_on_another_node_are_compared_by_their_time_inside_each_collective():
+    """Node 0 has rank 0's trace; node 1 sent rank 1's durations. Rank 1's host clock is 1000 s ahead: starts
+    cannot be compared, the time each spent inside can (the members of an all-reduce leave it together)."""
+    from distcheck.analysis.stragglers import durations
+
+    steps = [1000.0 + i for i in range(12)]
+    leave = [t + 0.3 for t in steps]  # rank 1 arrives 0.25 s after rank 0; both leave 0.05 s after that
+    rank0 = trace(0, steps, host="a", ends=leave)
+    rank1 = trace(1, [t + 0.25 + 1000 for t in steps], host="b", ends=[t + 1000 for t in leave])
+    sent = durations({1: rank1})
+    assert sent["0,1#1"] == {"1": 0.05} and len(sent) == 12
+    s = analyze({0: rank0}, remote=sent)
+    assert s.named == [1] and s.ranks[1].last == 12 and abs(s.ranks[1].held - 12 * 0.25) < 1e-6
+    (note,) = s.notes()
+    assert note.message.startswith("rank 1 arrived last at 12 of 12 collectives; the others waited 3.00 s")
+    assert ("between its previous collective (its trace and samples are on its node) and all_reduce at "
+            "train.py:30") in note.message
+    # without the other node's durations, nothing is compared; a bounded summary keeps the last positions
+    assert analyze({0: rank0}).named == [] and list(durations({1: rank1}, limit=3)) == ["0,1#10", "0,1#11", "0,1#12"]
 
 
 def test_the_rank_that_arrives_last_at_almost_every_collective_is_named_with_the_waits():
