@@ -269,9 +269,10 @@ def interrupted_report(session: Session, options: Options, ctx: Context, current
                        suspects: list[int]) -> Report:
     """Rank 0's report when the run cannot finish: what completed, and a finding saying where it stopped."""
     ranks = suspects or list(range(session.world_size))
-    # "partial": the watchdog replaces this finding with its own diagnosis when it is the one that ended the run.
+    # The watchdog replaces this finding with its own diagnosis when it is the one that ended the run: it names the
+    # check marked "interrupted" below (node_watcher.superseded_by_diagnosis).
     stopped = Finding("rank_failure", ranks, f"the consistency run stopped during the '{current}' check: {why}",
-                      {"check": current, "suspect_ranks": suspects, "partial": True})
+                      {"check": current, "suspect_ranks": suspects})
     checks, findings = merge([ctx.results], ctx.results, session.world_size)
     checks = [c if c.name != current else CheckResult(current, False, 0.0, "interrupted") for c in checks]
     return Report(options.command, session.world_size, findings + [stopped], checks, {}, ctx.data, ctx.sections)

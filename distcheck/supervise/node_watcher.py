@@ -412,7 +412,7 @@ def write_job_report(report_dir: str, env: NodeEnv, channel: StoreChannel, nativ
     outcomes.update(merged.outcomes)
     report = _report_so_far(Path(report_dir), started_wall) if command is None else None
     if report is not None:  # consistency wrote what completed before: keep it, with the diagnosis added
-        report.findings = [f for f in report.findings if not f.detail.get("partial")] + findings
+        report.findings = superseded_by_diagnosis(report) + findings
         report.checks.append(CheckResult("watchdog" if hung else "report", False, 0.0, note=note))
     elif traces:
         report = run_report.build_report(Path(report_dir), command or command_of(traces), env.world_size, traces,
@@ -497,6 +497,14 @@ def stop_finding(report_dir: str, out_dir: Path, native: bool, world_size: int |
     return finding
 
 
+def superseded_by_diagnosis(report) -> list:
+    """The findings of a command's report so far (consistency's: what completed before the run stopped) that stay
+    once the watcher's own diagnosis joins them: all but the one saying which check was interrupted (a
+    rank_failure naming a check the report marks "interrupted"), which the diagnosis says better."""
+    interrupted = {c.name for c in report.checks if c.note == "interrupted"}
+    return [f for f in report.findings if not (f.kind == "rank_failure" and f.detail.get("check") in interrupted)]
+
+
 def write_node_report(report_dir: str, out_dir: Path, findings: list, world_size: int, timeout: float,
                       seconds: float, check_name: str, note: str, check_seconds: float = 0.0,
                       running: set[int] | None = None, ranks: set[int] | None = None, warnings: list | None = None,
@@ -516,7 +524,7 @@ def write_node_report(report_dir: str, out_dir: Path, findings: list, world_size
     report = _report_so_far(out_dir)
     traces = load_traces(report_dir)
     if report is not None:
-        report.findings = [f for f in report.findings if not f.detail.get("partial")] + findings
+        report.findings = superseded_by_diagnosis(report) + findings
         report.checks.append(check)
     elif traces:
         if running is None:  # a hang: every rank without an exit line was still running
