@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from distcheck.analysis.arrivals import counted, late_member, members_of, waits_by_start
 from distcheck.contract.findings import Note
 
 # A straggler arrives last at no fewer than MIN_LAST positions, and at least LAST_SHARE of those its groups reached,
@@ -150,8 +151,7 @@ def position_key(e: Any) -> str:
 def _completed(e: Any) -> bool:
     """The event's end is when it completed on this rank: a traced, synchronous, completed call. Not an untraced
     one (gloo's ring has no completion time: its end is a guess) nor a functional one (its end is the issue)."""
-    return (e.t_start and e.t_end is not None and not e.issued_only and not e.extra.get("untraced")
-            and not e.is_p2p and e.op != "batch_isend_irecv")
+    return counted(e) and e.t_end is not None and not e.issued_only and not e.extra.get("untraced")
 
 
 def durations(traces: Mapping[int, Any], limit: int = DURATION_POSITIONS) -> dict[str, dict[str, float]]:
@@ -190,7 +190,7 @@ def analyze(traces: Mapping[int, Any], samples: Mapping[int, list] | None = None
     for r, t in traces.items():
         prev = None
         for e in sorted(t.events, key=lambda e: e.t_start):
-            if e.is_p2p or e.op == "batch_isend_irecv" or not e.t_start:
+            if not counted(e):
                 continue
             positions.setdefault((e.group_key, e.seq), {})[r] = e
             previous[(r, id(e))] = prev
@@ -204,13 +204,13 @@ def analyze(traces: Mapping[int, Any], samples: Mapping[int, list] | None = None
             ranks.setdefault(int(r), RankLateness(int(r)))
     reached = []
     for (key, seq), events in positions.items():
-        members = next(iter(events.values())).pg or tuple(sorted(events))
+        members = members_of(events)
         if len(members) < 2:
             continue
-        waits_of = _waits_by_start(members, events, hosts) or _waits_by_time_inside(members, events, remote)
+        waits_of = waits_by_start(members, events, hosts) or _waits_by_time_inside(members, events, remote)
         if waits_of is None:
             continue  # a member's record is missing, or clocks of several hosts without the time inside
-        late = max(m for m in members if waits_of[m] == 0.0)  # the one the others waited for (a tie: the higher)
+        late = late_member(members, waits_of)
         waits = [waits_of[m] for m in members if m != late]
         held = sum(waits) / len(waits)
         local = next(events[m] for m in members if m in events)
@@ -243,14 +243,6 @@ def analyze(traces: Mapping[int, Any], samples: Mapping[int, list] | None = None
              if v.last >= MIN_LAST and v.last >= LAST_SHARE * v.positions
              and v.held >= max(MIN_WAIT, MIN_WAIT_SHARE * span)]
     return Stragglers({r: v for r, v in ranks.items() if v.positions}, span, named, _windows(reached))
-
-
-def _waits_by_start(members: tuple, events: Mapping[int, Any], hosts: Mapping[int, Any]) -> dict[int, float] | None:
-    """Each member's wait for the last one, from their starts: every member's record here, on one host's clock."""
-    if any(m not in events for m in members) or len({hosts.get(m) for m in members}) > 1:
-        return None
-    last = max(events[m].t_start for m in members)
-    return {m: last - events[m].t_start for m in members}
 
 
 def _waits_by_time_inside(members: tuple, events: Mapping[int, Any],
