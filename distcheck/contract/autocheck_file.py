@@ -38,6 +38,9 @@ class AutocheckState:
     frozen: list[dict[str, Any]] = field(default_factory=list)  # the checked steps that had nothing to update
     warnings: list[dict[str, Any]] = field(default_factory=list)  # Notes for the report
     precision: list[dict[str, Any]] = field(default_factory=list)  # 16-bit computation: {source, dtype, file, line}
+    # The pipeline schedules this rank built (rank/autocheck/pipeline_schedule.py): class, n_microbatches, stages,
+    # the pipeline's ranks, what its first step split; written before torch runs the step.
+    pipeline: list[dict[str, Any]] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return {files.FORMAT_KEY: files.FORMAT, "rank": self.rank, "model_checks": self.model_checks,
@@ -45,7 +48,7 @@ class AutocheckState:
                 "first_bad": self.first_bad, "step_check_seconds": self.step_check_seconds,
                 "auto_records": self.auto_records, "replica_drift": self.replica_drift, "modules": self.modules,
                 "prewrap": self.prewrap, "frozen": self.frozen, "warnings": self.warnings,
-                "precision": self.precision}
+                "precision": self.precision, "pipeline": self.pipeline}
 
 
 def path(report_dir: str | os.PathLike, rank: int) -> Path:

@@ -19,6 +19,7 @@ from typing import Any
 
 from distcheck.analysis.bad_values import fold_first_bad, merge_states
 from distcheck.analysis import stragglers
+from distcheck.analysis.pipeline_schedule import fold_consequences, pipeline_findings, schedules_from_states
 from distcheck.contract import samples_file
 from distcheck.analysis.trace_align import (STATE_DIED, STATE_ERROR, STATE_HUNG, STATE_OK, STATE_STOPPED,
                                             STATE_UNKNOWN, UNFINISHED, RankOutcome, analyze_run)
@@ -63,6 +64,8 @@ def build_report(report_dir: Path, command: str, world_size: int, traces: dict[i
     seen: set[tuple] = set()
     findings = [f for f in findings if not ((f.kind, tuple(f.ranks), f.message) in seen
                                             or seen.add((f.kind, tuple(f.ranks), f.message)))]
+    # Stages whose schedules disagree fail inside step() with torch's shape errors: the disagreement is the cause.
+    findings = fold_consequences(findings)
     add_stderr_tails(report_dir, findings, traces)
     if remote is not None:
         findings = without_contradicted(findings, remote, set(traces))
@@ -364,6 +367,7 @@ def report_parts(report_dir: str | os.PathLike) -> tuple[list[Finding], list[Che
     rank wrote is reported once."""
     states = autocheck_file.read_all(report_dir)
     findings, checks = merge_states(states)
+    findings += pipeline_findings(schedules_from_states(states))
     notes: dict[tuple, Note] = {}
     for rank in sorted(states):
         for data in states[rank].get("warnings") or []:

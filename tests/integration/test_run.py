@@ -374,3 +374,19 @@ def test_a_balanced_job_names_no_straggler(tmp_path):
     assert "is the straggler" not in res.output
     assert report["ok"] and report["stragglers"]["named"] == [] and not any(
         w["kind"] == "straggler" for w in report.get("warnings", []))
+
+
+def test_pipeline_stages_with_different_microbatch_counts_name_both_schedules_not_the_shape_error(line_of, tmp_path):
+    """Stage 0's ScheduleGPipe splits the batch into 4 microbatches, stage 1's into 2: rank 1 fails inside
+    pipelining's shape inference ("The size of tensor a (4) must match ..."). The report names both stages' counts
+    and the schedule's line; torch's error stays in the finding as what followed. The correct twins (GPipe, 1F1B,
+    interleaved: fixtures/ok/pipeline_*.py) are silent in tests/integration/test_correct_corpus.py."""
+    res, report, _ = run_fixture(tmp_path, "pp_microbatch_mismatch.py")
+    assert res.returncode == 1, res.output
+    f = only(report, "collective_mismatch")
+    line = line_of("pp_microbatch_mismatch.py", "# BUG")
+    assert f["ranks"] == [0, 1] and f["detail"]["line"] == line and f["detail"]["fields"] == ["n_microbatches"]
+    assert (f"stage 0 splits the batch into 4 microbatches of 4 rows (ScheduleGPipe at pp_microbatch_mismatch.py:"
+            f"{line}); stage 1 the targets into 2 of 8 (:{line})") in f["message"], f["message"]
+    assert "The size of tensor a (4) must match the size of tensor b (8)" in f["detail"]["consequences"]["1"]
+    assert not any(x["kind"] == "rank_failure" for x in report["findings"])  # the error is evidence, not the cause

@@ -138,7 +138,7 @@ def test_autocheck_state_round_trip(tmp_path):
     text = autocheck_file.path(tmp_path, 1).read_text()
     assert list(json.loads(text)) == ["format", "rank", "model_checks", "steps", "counter", "backwards", "first_bad",
                                       "step_check_seconds", "auto_records", "replica_drift", "modules", "prewrap",
-                                      "frozen", "warnings", "precision"]
+                                      "frozen", "warnings", "precision", "pipeline"]
     assert json.loads(text)["format"] == files.FORMAT and text.endswith("}\n")
 
 

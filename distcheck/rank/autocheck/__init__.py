@@ -1,4 +1,4 @@
-"""Zero-code checks in a rank: twelve jobs behind one switch (DISTCHECK_AUTOCHECK=0 turns them off).
+"""Zero-code checks in a rank: thirteen jobs behind one switch (DISTCHECK_AUTOCHECK=0 turns them off).
 
     python -m distcheck run --nproc 2 -- train.py          # installed in every rank
     python -m distcheck compare --nproc 2 -- train.py      # plus the automatic records
@@ -23,6 +23,8 @@
   prefix (``bad_values``);
 * tp_inputs.py: the ranks of a TP group feeding a replicated-input layer different batches (``tensor_divergence``);
 * dp_inputs.py: DDP's ranks all fed the same first batch (a warning naming the DataLoader or the seed);
+* pipeline_schedule.py: each pipeline stage's schedule (class, n_microbatches, stages, what its first step splits),
+  written before torch runs it; the supervisor compares the stages (``collective_mismatch``);
 
 patches.py holds the hooks (fully_shard, DDP and its no_sync(), parallelize_module, optimizers, ``backward``) that
 feed these jobs through :class:`AutoCheck`, which also owns the step counters they share and the per-rank state file
@@ -48,6 +50,8 @@ from distcheck.rank.autocheck.dp_inputs import DPInputs
 from distcheck.rank.autocheck.frozen_step import FrozenWatch
 from distcheck.rank.autocheck.module_summaries import ModuleSummaries
 from distcheck.rank.autocheck.nan_watch import NanWatch
+from distcheck.rank.autocheck.pipeline_schedule import PipelineWatch
+from distcheck.rank.autocheck.pipeline_schedule import patch_once as patch_pipelines
 from distcheck.rank.autocheck.precision import PrecisionNotes
 from distcheck.rank.autocheck.prewrap import PreWrap
 from distcheck.rank.autocheck.replica_drift import ReplicaDrift, steps_from_env
@@ -126,6 +130,7 @@ class AutoCheck:
         self.checkpoints = LoadWatch(rank, _emit)
         self.tp_inputs = TPInputs(rank, _emit)
         self.dp_inputs = DPInputs(self)
+        self.pipeline = PipelineWatch(self)
 
     @property
     def active(self) -> bool:
@@ -212,7 +217,7 @@ class AutoCheck:
             self.rank, self.models.model_checks, self.steps_done, self.counter, self.backwards,
             self.nan.first_bad.to_json() if self.nan.first_bad else None, self.nan.seconds, self.records.count,
             self.drift.state(), self.module_summaries.state(), self.prewrap.state(), self.frozen.state(),
-            self.models.warnings, self.precision.state()).to_json()
+            self.models.warnings, self.precision.state(), self.pipeline.state()).to_json()
 
     def write_state(self) -> None:
         exc = autocheck_file.write(self.out_dir, self.rank, self.state())
@@ -241,6 +246,7 @@ def install(out_dir: str | os.PathLike, rank: int, emit: bool = False) -> AutoCh
     if not enabled():
         return None
     patches.patch_once()
+    patch_pipelines()
     patches.active = AutoCheck(out_dir, rank, emit)
     from distcheck.rank import tracer
 

@@ -1,0 +1,179 @@
+"""Each pipeline stage's schedule, recorded before torch runs it: the stages of one pipeline must agree on it.
+
+    python -m distcheck run --nproc 2 -- fixtures/pp_microbatch_mismatch.py
+
+``torch.distributed.pipelining`` never checks that the ranks of a pipeline built the same schedule: a stage whose
+``n_microbatches`` (or schedule class, or ``num_stages``) differs from its peers' fails deep inside shape inference
+("The size of tensor a (4) must match the size of tensor b (8)"), or waits for a microbatch nobody sends. Here the
+base classes of every schedule (``PipelineScheduleSingle``, ``PipelineScheduleMulti``) are patched when the script
+imports pipelining: at construction this rank notes the schedule's class, ``n_microbatches``, its stage indices,
+``num_stages``, the pipeline's ranks and the user's line; at the first ``step()`` (and ``eval()``), before torch
+splits anything, the shapes of what the stage splits into microbatches (the batch on the first stage, the targets on
+the last) and the step's line. Each note rewrites ``autocheck-rank<R>.json`` at once (contract/autocheck_file.py,
+atomic), so it survives a rank that raises or aborts inside ``step()``; the comparison across ranks is pure
+(analysis/pipeline_schedule.py), in the report.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import sys
+from typing import Any
+
+log = logging.getLogger("distcheck")
+
+MODULE = "torch.distributed.pipelining.schedules"
+ATTR = "_distcheck_pp"  # set on a schedule: the index of its record on this rank
+LIMIT = 16  # schedules recorded per rank (a script that rebuilds its schedule in a loop must not grow the file)
+
+_patched = False
+
+
+def _group_ranks(group: Any) -> list[int]:
+    import torch.distributed as dist
+
+    if group is None:
+        return list(range(dist.get_world_size()))
+    return [int(r) for r in dist.get_process_group_ranks(group)]
+
+
+def _stages(schedule: Any) -> list[Any]:
+    stages = getattr(schedule, "_stages", None)
+    if stages is None:
+        stage = getattr(schedule, "_stage", None)
+        stages = [stage] if stage is not None else []
+    return list(stages)
+
+
+def _spec_dim(spec: Any) -> int | None:
+    """The dim a chunk spec splits (TensorChunkSpec), 0 for torch's default (no spec), None for one that does not
+    split (``_Replicate``)."""
+    if spec is None:
+        return 0
+    dim = getattr(spec, "split_dim", None)
+    return int(dim) if isinstance(dim, int) else None
+
+
+def _tensor_entry(name: str, value: Any, spec: Any, Tensor: type) -> dict[str, Any] | None:
+    if not isinstance(value, Tensor):
+        return None
+    return {"name": name, "shape": [int(s) for s in value.shape], "dim": _spec_dim(spec),
+            "dtype": str(value.dtype).replace("torch.", "")}
+
+
+def split_inputs(schedule: Any, args: tuple, kwargs: dict, Tensor: type) -> list[dict[str, Any]]:
+    """The tensors ``step()`` splits into microbatches, with their shapes and the dim each is split along."""
+    arg_specs = getattr(schedule, "_args_chunk_spec", None) or ()
+    kwarg_specs = getattr(schedule, "_kwargs_chunk_spec", None) or {}
+    out = []
+    for i, value in enumerate(args):
+        entry = _tensor_entry(f"arg {i}", value, arg_specs[i] if i < len(arg_specs) else None, Tensor)
+        if entry is not None:
+            out.append(entry)
+    for key, value in kwargs.items():
+        entry = _tensor_entry(key, value, kwarg_specs.get(key) if isinstance(kwarg_specs, dict) else None, Tensor)
+        if entry is not None:
+            out.append(entry)
+    return out
+
+
+class PipelineWatch:
+    """The schedules this rank built, as plain JSON records (the ``pipeline`` key of its autocheck file)."""
+
+    def __init__(self, owner: Any) -> None:
+        self.owner = owner  # the AutoCheck: write_state() persists the records at once
+        self.records: list[dict[str, Any]] = []
+
+    def state(self) -> list[dict[str, Any]]:
+        return self.records
+
+    def built(self, schedule: Any, site: Any) -> None:
+        if hasattr(schedule, ATTR) or len(self.records) >= LIMIT:
+            return
+        stages = _stages(schedule)
+        if not stages:
+            return
+        first = stages[0]
+        record = {"index": len(self.records), "schedule": type(schedule).__name__,
+                  "n_microbatches": int(schedule._n_microbatches),
+                  "stages": [int(s.stage_index) for s in stages],
+                  "num_stages": int(getattr(schedule, "_num_stages", first.num_stages)),
+                  "group": _group_ranks(getattr(first, "group", None)),
+                  "file": site.file, "line": site.line, "stepped": False}
+        setattr(schedule, ATTR, record["index"])
+        self.records.append(record)
+        self.owner.write_state()
+
+    def stepping(self, schedule: Any, args: tuple, kwargs: dict, target: Any, site: Any) -> None:
+        index = getattr(schedule, ATTR, None)
+        if index is None or self.records[index]["stepped"]:
+            return
+        import torch
+
+        from torch.distributed.pipelining.schedules import _TARGET_CHUNK_SPEC
+
+        record = self.records[index]
+        record.update(stepped=True, step_file=site.file, step_line=site.line,
+                      inputs=split_inputs(schedule, args, kwargs, torch.Tensor),
+                      target=_tensor_entry("target", target, _TARGET_CHUNK_SPEC, torch.Tensor))
+        self.owner.write_state()  # before torch runs the step: a rank that dies inside it leaves this
+
+
+def _note(what: str, call: Any) -> None:
+    """Run a note for the active check; a failure is logged, never the user's."""
+    from distcheck.rank.autocheck import patches
+
+    check = patches.current()
+    if check is None:
+        return
+    try:
+        call(check.pipeline)
+    except Exception as exc:  # the check must never break the user's pipeline
+        log.debug("distcheck: could not record a pipeline schedule's %s: %s", what, exc)
+
+
+def _wrap(base: type) -> None:
+    from distcheck.rank.usersite import caller_site
+
+    init, step = base.__init__, base.step
+
+    @functools.wraps(init)
+    def init_wrapper(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        site = caller_site()
+        _note("construction", lambda watch: watch.built(self, site))
+
+    @functools.wraps(step)
+    def step_wrapper(self: Any, *args: Any, target: Any = None, **kwargs: Any) -> Any:
+        if getattr(self, ATTR, None) is not None:
+            site = caller_site()
+            # step(*args, target=None, losses=None, return_outputs=True, loss_kwargs=None, **kwargs): what is left
+            # in kwargs besides those is the model's keyword inputs.
+            model_kwargs = {k: v for k, v in kwargs.items() if k not in ("losses", "return_outputs", "loss_kwargs")}
+            _note("first step", lambda watch: watch.stepping(self, args, model_kwargs, target, site))
+        return step(self, *args, target=target, **kwargs)
+
+    base.__init__ = init_wrapper
+    base.step = step_wrapper
+
+
+def _patch(module: Any) -> None:
+    # Every schedule class derives from one of these two, and none overrides their __init__ without calling it
+    # or their step() at all: two classes cover GPipe, 1F1B, the interleaved and zero-bubble schedules alike.
+    for base in (module.PipelineScheduleSingle, module.PipelineScheduleMulti):
+        _wrap(base)
+
+
+def patch_once() -> None:
+    """Patch the schedules now if the script imported pipelining already, else when it does (it costs an import
+    that most scripts never make)."""
+    global _patched
+    if _patched:
+        return
+    _patched = True
+    if MODULE in sys.modules:
+        _patch(sys.modules[MODULE])
+        return
+    from distcheck.rank.autocheck.patches import _PatchOnImport
+
+    sys.meta_path.insert(0, _PatchOnImport({MODULE: _patch}))
