@@ -16,15 +16,27 @@ __all__ = ["record", "check_model", "check_consistent", "__version__"]
 _record_impl = None
 
 
-def record(name: str, value: Any, step: int | None = None) -> None:
+def record(name: str, value: Any, step: int | None = None, *, rtol: float | None = None,
+           atol: float | None = None, replicated: bool | None = None) -> None:
     """Record a value for ``distcheck compare``: a tensor, DTensor (as its full tensor), number or nn.Module.
 
-    Outside ``distcheck run``/``compare`` this returns at once and costs nothing measurable.
+        distcheck.record("loss", loss, step)                  # compared at the precision's default tolerance
+        distcheck.record("logits", logits, step, rtol=1e-2)   # this record's own tolerance (wins over --rtol)
+        distcheck.record("lr", lr, step, replicated=True)     # a plain value every rank must hold alike
+
+    ``rtol``/``atol``: this record's element-wise tolerances, which win over ``--rtol/--atol`` and the
+    precision-aware defaults. ``replicated``: a plain value (a number, a plain tensor) that every rank holds alike
+    is compared as is, and ranks that disagree are a tensor_divergence; by default a per-rank value (a local loss)
+    is compared as the mean over the ranks. Outside ``distcheck run``/``compare`` this returns at once and costs
+    nothing measurable.
     """
     global _record_impl
     if _record_impl is None:  # resolved once: an import statement per call would cost microseconds
         from distcheck.rank.records import record as _record_impl
-    _record_impl(name, value, step)
+    if rtol is None and atol is None and replicated is None:
+        _record_impl(name, value, step)
+    else:
+        _record_impl(name, value, step, rtol=rtol, atol=atol, replicated=replicated)
 
 
 def check_model(model: Any) -> list:

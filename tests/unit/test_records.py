@@ -85,6 +85,16 @@ def test_per_record_and_per_name_tolerance(recording):
         records.tolerance("act", rtol=-1)
 
 
+def test_the_public_record_takes_the_tolerances_and_replicated(recording):
+    """distcheck.record is all a user needs: no import of distcheck.rank.records for a tolerance."""
+    distcheck.record("logits", torch.ones(2), 0, rtol=1e-2, atol=1e-3)
+    distcheck.record("lr", 0.1, 0, replicated=True)
+    distcheck.record("loss", 1.5, 0)
+    logits, lr, loss = load_rank(recording, 0)
+    assert (logits.rtol, logits.atol) == (1e-2, 1e-3) and (loss.rtol, loss.atol) == (None, None)
+    assert lr.replicated is True and loss.replicated is not True
+
+
 def test_crash_keeps_written_records(recording):
     distcheck.record("a", torch.arange(4.0))
     distcheck.record("b", torch.arange(3.0))
