@@ -92,7 +92,9 @@ def load_traces(report_dir: str | os.PathLike, summarize: bool | None = None) ->
     paths = files.rank_files(report_dir, "trace")
     dumps = {rank: flight_recorder.load_dump(report_dir, rank) for rank in paths}
     if summarize is None:
-        sizes = [_size(files.rank_file(report_dir, "trace_events", r)) // records.SIZE - 1 for r in paths]
+        # Records in use, not the file's size: a rank's record file grows a segment at a time, and one read while
+        # the rank runs (a hang, a stop) or before its tail is cut holds thousands of empty slots.
+        sizes = [max(0, records.written(files.rank_file(report_dir, "trace_events", r))) for r in paths]
         # A dump without entries (every collective its groups counted was traced: flight_recorder.all_traced, or
         # an empty ring) adds nothing to its trace: an NCCL rank stored the ring's ends in its record file at the
         # dump, and a trace still waiting on the ring for more than one end per group is read whole
@@ -116,8 +118,3 @@ def load_traces(report_dir: str | os.PathLike, summarize: bool | None = None) ->
     return traces
 
 
-def _size(path: Path) -> int:
-    try:
-        return path.stat().st_size
-    except OSError:
-        return 0
