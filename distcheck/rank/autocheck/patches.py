@@ -104,7 +104,8 @@ def _before(how: str, args: tuple, kwargs: dict) -> None:
         log.debug("distcheck: could not compare a model before %s: %s", how, exc)
 
 
-def _watching(fn: Callable, pick: Callable[[tuple, dict, Any], Any], how: str | None = None) -> Callable:
+def _watching(fn: Callable, pick: Callable[[tuple, dict, Any], Any], how: str | None = None,
+              after: Callable[[Any, Any], None] | None = None) -> Callable:
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         check = current()
@@ -120,6 +121,8 @@ def _watching(fn: Callable, pick: Callable[[tuple, dict, Any], Any], how: str | 
                 target = pick(args, kwargs, result)
                 for m in target if isinstance(target, (list, tuple)) else [target]:
                     check.watch(m)
+                    if after is not None:
+                        after(check, m)
             except Exception as exc:
                 log.debug("distcheck: could not watch a model: %s", exc)
         return result
@@ -141,7 +144,9 @@ def _patch_fsdp(_module: Any) -> None:
     original = fsdp.fully_shard
     if hasattr(original, "__distcheck_original__"):
         return
-    wrapper = _watching(original, lambda a, k, r: r if r is not None else a[0], "fully_shard")
+    # after: the data-parallel ranks' first batches, over the data-parallel dims of its mesh (dp_inputs.py)
+    wrapper = _watching(original, lambda a, k, r: r if r is not None else a[0], "fully_shard",
+                        after=lambda check, m: check.dp_inputs.watch_fsdp(m))
     _replace("fully_shard", original, wrapper, "torch.distributed")
     sync = getattr(fsdp.FSDPModule, "set_requires_gradient_sync", None)
     if sync is not None and not hasattr(sync, "__distcheck_original__"):
@@ -282,8 +287,8 @@ def patch_once() -> None:
                 import torch.distributed as dist
 
                 group = getattr(self, "process_group", None)
-                current().dp_inputs.watch(self, sorted(dist.get_process_group_ranks(group)) if group is not None
-                                          else list(range(dist.get_world_size())))
+                current().dp_inputs.watch(self, [sorted(dist.get_process_group_ranks(group)) if group is not None
+                                                 else list(range(dist.get_world_size()))])
             except Exception as exc:
                 log.debug("distcheck: could not watch DDP's first batch: %s", exc)
 
