@@ -148,3 +148,31 @@ def test_ddp_ranks_fed_the_same_batches_get_a_warning_naming_the_loader(line_of,
     call, loader = line_of("dp_same_batches.py", "model(x)"), line_of("dp_same_batches.py", "DataLoader(data")
     assert note["ranks"] == [0, 1] and note["detail"]["line"] == call and note["detail"]["loader"][1] == loader
     assert f"the DataLoader built at dp_same_batches.py:{loader} has no DistributedSampler" in note["message"]
+
+
+def test_a_dcp_partial_load_of_a_ddp_checkpoint_names_the_prefix_and_the_line(line_of, tmp_path):
+    res, report = run_fixture(tmp_path, "dcp_partial_load_prefix.py")
+    assert res.returncode == 1, res.output
+    (f,) = report["findings"]
+    line = line_of("dcp_partial_load_prefix.py", "# the bug")
+    assert f["kind"] == "bad_values" and f["ranks"] == [0, 1] and f["detail"]["cause"] == "state_dict_not_loaded"
+    assert f["detail"]["line"] == line and f["detail"]["missing"] == ["model.weight", "model.bias"]
+    assert f"dcp.load(allow_partial_load=True) at dcp_partial_load_prefix.py:{line} left 2 of" in f["message"]
+    assert "under the prefix 'module.'" in f["message"]
+
+
+def test_a_dcp_resume_into_the_old_models_state_dict_names_the_load_and_the_save(line_of, tmp_path):
+    res, report = run_fixture(tmp_path, "dcp_resume_mismatch.py")
+    assert res.returncode == 1, res.output
+    (f,) = report["findings"]
+    load, save = line_of("dcp_resume_mismatch.py", "# the bug"), line_of("dcp_resume_mismatch.py", "dcp.save(")
+    assert f["kind"] == "bad_values" and f["ranks"] == [0, 1] and f["detail"]["why"] == "not_in_model"
+    assert f["detail"]["line"] == load and f["detail"]["save"]["line"] == save
+    assert f["detail"]["keys"] == ["model.0.bias", "model.0.weight", "model.2.bias", "model.2.weight"]
+    assert (f"dcp.load at dcp_resume_mismatch.py:{load} read the checkpoint dcp.save at dcp_resume_mismatch.py:"
+            f"{save} wrote into a state dict the model no longer uses") in f["message"]
+
+
+def test_a_dcp_resume_into_the_rebuilt_model_with_a_partial_load_by_design_is_silent(tmp_path):
+    res, report = run_fixture(tmp_path, "ok/dcp_resume_rebuilt.py")
+    assert res.returncode == 0 and report["ok"] and report["findings"] == [], res.output

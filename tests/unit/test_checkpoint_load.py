@@ -41,3 +41,28 @@ def test_nothing_loaded_is_named_and_a_partial_load_by_design_is_not():
     assert "the state dict was empty" in load_finding("Linear", 2, ["weight", "bias"], [], AT).message
     assert load_finding("Net", 6, ["head.weight", "head.bias"], [], AT) is None  # a new head on a backbone
     assert load_finding("Net", 6, [], ["extra"], AT) is None
+
+
+def test_set_model_state_dict_with_strict_false_is_seen_at_the_users_line(tmp_path):
+    """torch's own caller of ``load_state_dict`` (DCP's state_dict API) goes through the patched method: the
+    finding names the user's ``set_model_state_dict`` line, not torch's."""
+    import inspect
+
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    from distcheck.rank import autocheck
+
+    check = autocheck.install(tmp_path, 0)
+    found: list = []
+    check.checkpoints.emit = found.extend
+    try:
+        model = nn.Linear(4, 2)
+        checkpoint = {f"module.{k}": v.clone() for k, v in model.state_dict().items()}
+        line = inspect.currentframe().f_lineno + 1
+        set_model_state_dict(model, checkpoint, options=StateDictOptions(strict=False))
+    finally:
+        autocheck.uninstall()
+    (f,) = found
+    assert f.detail["cause"] == "state_dict_not_loaded" and f.detail["why"] == "prefix" and f.ranks == [0]
+    assert f.detail["line"] == line and f.detail["file"] == __file__
+    assert f.detail["missing"] == ["weight", "bias"]

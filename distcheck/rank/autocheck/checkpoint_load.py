@@ -14,7 +14,9 @@ the user's line. A non-strict load is a finding when
 - nothing at all was loaded into the module.
 
 A load that leaves a few keys missing with no such explanation is a partial load by design (a new head on a
-pretrained backbone) and stays silent. Pure but for the module's key list.
+pretrained backbone) and stays silent. Pure but for the module's key list. DCP's ``allow_partial_load`` gets the
+same finding, and a DCP resume the same cause when the loaded values do not reach the model (dcp_roundtrip.py,
+whose hooks' state :class:`LoadWatch` holds).
 """
 from __future__ import annotations
 
@@ -50,8 +52,10 @@ def _names(keys: list[str]) -> str:
 
 
 def load_finding(module_name: str, model_keys: int, missing: list[str], unexpected: list[str],
-                 site: Site) -> Finding | None:
-    """The finding for a non-strict load into a module with ``model_keys`` keys, or None."""
+                 site: Site, call: str = "load_state_dict(strict=False)",
+                 held: str = "parameters and buffers") -> Finding | None:
+    """The finding for a non-strict load into a module with ``model_keys`` keys, or None. ``call`` and ``held``
+    name the load (DCP's partial load passes its own: rank/autocheck/dcp_roundtrip.py)."""
     if not missing:
         return None
     bare_unexpected: dict[str, tuple[str, list[str]]] = {}
@@ -65,8 +69,7 @@ def load_finding(module_name: str, model_keys: int, missing: list[str], unexpect
         if hit is not None:
             matched.append((key, hit[0], hit[1] or segments, bool(hit[1])))
     at = f" at {site.site}" if site.file else ""
-    what = (f"load_state_dict(strict=False){at} left {len(missing)} of {module_name}'s {model_keys} parameters and "
-            f"buffers unloaded")
+    what = f"{call}{at} left {len(missing)} of {module_name}'s {model_keys} {held} unloaded"
     if matched:
         key, theirs, segments, checkpoint_has_it = matched[0]
         prefix = segments[0]
@@ -96,6 +99,9 @@ class LoadWatch:
     def __init__(self, rank: int, emit: Any) -> None:
         self.rank, self.emit = rank, emit
         self.reported: set[tuple] = set()
+        # torch.distributed.checkpoint's saves and loads: dcp_roundtrip.DcpWatch, made by its hooks at the first
+        # DCP call (dcp_roundtrip.watch_of), so that a script without DCP never imports it
+        self.dcp: Any = None
 
     def on_load(self, module: Any, result: Any, site: Site) -> None:
         missing = list(getattr(result, "missing_keys", []) or [])

@@ -11,8 +11,9 @@ The functions that parallelize a model are wrapped where users import them from:
 the steps. The parallelizing calls first compare the model across ranks (prewrap.py), before torch's own code;
 ``torch.manual_seed`` notes each rank's seed and ``FSDPModule.set_requires_gradient_sync`` its line;
 ``torch.autocast.__enter__``, fully_shard's ``mp_policy`` and ``DistributedDataParallel.register_comm_hook`` note
-the precision the model computes in (precision.py). The FSDP and DTensor modules cost seconds to import,
-so they are patched when the script imports them (an import hook), not imported here. Every wrapper calls the
+the precision the model computes in (precision.py); torch.distributed.checkpoint's planners and ``load`` feed the
+partial-load and resume round-trip checks (dcp_roundtrip.py). The FSDP, DCP and DTensor modules cost seconds to
+import, so they are patched when the script imports them (an import hook), not imported here. Every wrapper calls the
 original untouched.
 """
 from __future__ import annotations
@@ -189,6 +190,13 @@ def _patch_tensor(_module: Any) -> None:
                  "torch.distributed")
 
 
+def _patch_dcp(module: Any) -> None:
+    """torch.distributed.checkpoint: its planners and ``load`` (rank/autocheck/dcp_roundtrip.py)."""
+    from distcheck.rank.autocheck.dcp_roundtrip import patch
+
+    patch(module, _replace, current, as_user)
+
+
 def _patch_tp(_module: Any) -> None:
     import torch.distributed.tensor.parallel as tp
 
@@ -248,7 +256,7 @@ def patch_once() -> None:
     from torch.nn.parallel import DistributedDataParallel
 
     targets = {"torch.distributed.fsdp": _patch_fsdp, "torch.distributed.tensor": _patch_tensor,
-               "torch.distributed.tensor.parallel": _patch_tp}
+               "torch.distributed.tensor.parallel": _patch_tp, "torch.distributed.checkpoint": _patch_dcp}
     later = {}
     for name, patch in targets.items():
         if name in sys.modules:
