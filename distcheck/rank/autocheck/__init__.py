@@ -19,10 +19,12 @@
 * precision.py: where the rank computed in bf16/fp16 (autocast, FSDP2 mixed precision, DDP compression hooks,
   16-bit parameters), so that compare judges its records at that precision;
 * async_work.py: an optimizer step over gradients whose async all-reduce nobody waited for (``tensor_divergence``);
-* checkpoint_load.py: a ``load_state_dict(strict=False)`` that loaded nothing, or missed keys under a wrapper's
-  prefix (``bad_values``);
+* checkpoint_load.py: a ``load_state_dict(strict=False)`` or a DCP load with ``allow_partial_load`` that loaded
+  nothing, or missed keys under a wrapper's prefix (``bad_values``); dcp_roundtrip.py: a DCP resume whose loaded
+  values are not what the same run saved, or that landed in tensors the model no longer uses;
 * tp_inputs.py: the ranks of a TP group feeding a replicated-input layer different batches (``tensor_divergence``);
-* dp_inputs.py: DDP's ranks all fed the same first batch (a warning naming the DataLoader or the seed);
+* dp_inputs.py: the data-parallel ranks of DDP, or of FSDP2's mesh (per dp group), all fed the same first batch
+  (a warning naming the DataLoader or the seed);
 * pipeline_schedule.py: each pipeline stage's schedule (class, n_microbatches, stages, what its first step splits),
   written before torch runs it; the supervisor compares the stages (``collective_mismatch``);
 
