@@ -57,7 +57,7 @@ def line_of():
 # minute ran one long test on one worker while the others idled. Longest first, the tail is short tests.
 SLOW_FIRST = ("test_multinode.py", "test_torchrun_fail_fast.py", "test_untraced.py", "test_faults.py",
               "test_faults_procs.py", "test_correct_corpus.py", "test_consistency.py", "test_faults_disk.py",
-              "test_pytest_plugin.py", "test_check_model_live.py", "test_watchdog.py")
+              "test_pytest_plugin.py", "test_check_model_live.py", "test_watchdog.py", "test_dp_inputs_fsdp.py")
 
 
 def pytest_collection_modifyitems(config, items):
