@@ -19,6 +19,10 @@ started, it is the first entry since that call (or the call is one that issues s
 issued it ("DDP gradient bucket all-reduce", "compiled step (train.py:12)") and the user's line from the phase it
 was created in (for a compiled graph, the line inside the compiled function, by its place in the graph).
 
+**Graph runs.** A rank that gloo aborted inside a compiled graph dumped no ring: its trace's ``graph_run`` lines
+(written before each run) stand for it (:func:`graph_run_events`), as for the runs after a dump; the ring stays
+authoritative for the runs it covers.
+
 **Positions.** Untraced events count in a sequence of their own per group (``sequence_key`` ``("untraced", group)``)
 numbered by torch's ``collective_seq_id``, which counts every collective of the group, traced or not. The traced
 events keep their positions, so a rank whose ring is missing (SIGKILLed) or overflowed changes nothing about how
@@ -98,6 +102,7 @@ class FlightDump:
     # The rank found every collective its groups counted in its trace (all_traced) and wrote no entries: merging
     # it adds nothing, so it does not keep a big job's traces from being summarized (trace_events.load_traces).
     all_traced: bool = False
+    t: float = 0.0  # when it was dumped: graph runs after it are not in it (graph_run_events)
 
 
 def load_dump(report_dir: str | os.PathLike, rank: int) -> FlightDump | None:
@@ -121,7 +126,7 @@ def load_dump(report_dir: str | os.PathLike, rank: int) -> FlightDump | None:
                       dict(data.get("pg_status") or {}), str(data.get("reason", "")),
                       dropped=bool(entries) and int(entries[0].get("record_id") or 0) > 0, window=window,
                       seen=frozenset(str(k) for k in data.get("seen") or ()),
-                      all_traced=bool(data.get("all_traced")) and not entries)
+                      all_traced=bool(data.get("all_traced")) and not entries, t=float(data.get("t") or 0.0))
 
 
 def _group(entry: dict[str, Any]) -> str:
@@ -301,15 +306,93 @@ def merge(events: list[Any], dump: FlightDump | None, event_type: Callable[..., 
             t_end=ended, pg_name=group,
             extra={"origin": desc["origin"], "via": desc["via"], "untraced": True,
                    "sequence": ("untraced", group), "end_unknown": ended is not None and not t_done}))
+    return interleave(events, untraced)
+
+
+def interleave(events: list[Any], untraced: list[Any]) -> list[Any]:
+    """``events`` (the rank's traced ones and any untraced already merged) with ``untraced`` added in time order,
+    ids renumbered; the events not flagged untraced keep their relative order (their ids are slots claimed in call
+    order)."""
     if not untraced:
         return events
     merged = sorted([*events, *untraced], key=lambda e: (e.t_start, 0 if e.extra.get("untraced") else 1))
-    # Traced events keep their relative order (their ids are slots claimed in call order).
-    traced_sorted = iter(sorted(events, key=lambda e: e.id))
+    traced_sorted = iter(sorted((e for e in events if not e.extra.get("untraced")), key=lambda e: e.id))
     out = [e if e.extra.get("untraced") else next(traced_sorted) for e in merged]
     for n, ev in enumerate(out, 1):
         ev.id = n
     return out
+
+
+def _run_shape(shape: list[Any] | None, sizes: dict[str, int]) -> list[int] | None:
+    """A graph's input shape in one run: its symbols (a dynamic graph's sizes) by the run line's values."""
+    if shape is None:
+        return None
+    try:
+        return [int(sizes[d]) if isinstance(d, str) else int(d) for d in shape]
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def graph_run_events(events: list[Any], graphs: dict[int, dict[str, Any]],
+                     runs: list[tuple[int, float, dict[str, int]]],
+                     dump: FlightDump | None, event_type: Callable[..., Any], rank: int, since: float = 0.0
+                     ) -> tuple[list[Any], bool]:
+    """Untraced events for the compiled collectives of the graph runs a rank wrote into its trace lines
+    (``graph``/``graph_run``, rank/flight_recorder.GraphLines) that its ring's dump does not hold: every run when
+    there is no dump (gloo aborted the rank inside the graph), those after the dump's time otherwise. The ring stays
+    authoritative for what it covers, so no collective counts twice.
+
+    Each event is what :func:`merge` makes of the ring's entry for it, for the peers' ring-derived events to align
+    with: the same untraced sequence of its group, op family, input shape and dtype, the line inside the compiled
+    function; its position is the collectives the rank issued on the group before it (as torch's
+    ``collective_seq_id`` counts them), each run's after the previous run's. Every run but the rank's last is
+    taken as completed (the graph waits for its collectives before returning): its end is unknown, its start is
+    used. Also returns whether the lines name every untraced collective the rank can have issued (no graph was
+    described after a DDP model was built: DDP's own collectives only the ring knows)."""
+    until = float("-inf") if dump is None else (dump.t or float("inf"))
+    todo = sorted((t, gid, n) for n, (gid, t, _) in enumerate(runs) if t > until and t >= since and gid in graphs)
+    if not todo:
+        return [], False
+    import bisect
+
+    starts: dict[str, list[float]] = {}  # group name -> its collectives' starts so far, in order
+    members: dict[str, tuple[int, ...]] = {}
+    for ev in events:
+        if ev.pg_name is not None and ev.op not in PEER_OPS:
+            starts.setdefault(str(ev.pg_name), []).append(ev.t_start)
+            if ev.pg:
+                members.setdefault(str(ev.pg_name), tuple(ev.pg))
+    for times in starts.values():
+        times.sort()
+    added: dict[str, int] = {}
+    out: list[Any] = []
+    last_t = todo[-1][0]
+    for t, gid, n_run in todo:
+        graph = graphs[gid]
+        sizes = runs[n_run][2]
+        ranks_of = graph.get("groups") or {}
+        fn_site = _site(graph.get("file"), graph.get("line"))
+        for coll in graph.get("collectives") or []:
+            group = str(coll.get("group") or "")
+            if not group:
+                continue
+            n = added[group] = added.get(group, 0) + 1
+            op = family(str(coll.get("op", "?")))
+            shape = _run_shape(coll.get("input_shape"), sizes)
+            dtype = coll.get("dtype")
+            file, line = coll.get("file") or graph.get("file"), coll.get("line") or graph.get("line")
+            ranks = ranks_of.get(group) or members.get(group) or ()
+            out.append(event_type(
+                rank=rank, id=0, seq=bisect.bisect_left(starts.get(group, []), t) + n, pg=tuple(int(r) for r in ranks),
+                op=op, shapes=[] if op == "all_to_all" or shape is None else [list(shape)],
+                dtypes=[] if dtype is None else [str(dtype).replace("torch.", "")], reduce_op=None, peer=None,
+                site=_site(file, line), file=file, line=line, t_start=t, t_end=None if t == last_t else t,
+                pg_name=group,
+                extra={"origin": "compiled", "via": f"{op} inside compiled {graph.get('fn', '?')} ({fn_site})",
+                       "untraced": True, "sequence": ("untraced", group), "end_unknown": t != last_t,
+                       "from": "graph_run"}))
+    complete = not any(g.get("ddp") for g in graphs.values())
+    return out, complete
 
 
 # Phases inside which torch issues collectives of its own: a dump that saw one keeps its entries.

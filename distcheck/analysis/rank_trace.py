@@ -129,13 +129,19 @@ class RankTrace:
     # either ended before its script did. False: no record file, or not even its first page could be written.
     exit_recordable: bool = False
     # Whether its Flight Recorder ring was dumped (analysis/flight_recorder.py): without one, what Python never
-    # called is unknown for this rank, not absent, and its untraced sequences are not compared.
+    # called is unknown for this rank, not absent, and its untraced sequences are not compared. Also True for a
+    # rank without one whose compiled graphs' run lines name all it can have issued untraced (no DDP model).
     flight_dumped: bool = False
     # A big job's trace is summarized (load_traces; analysis/trace_summary.py): ``events`` then holds only the
     # collectives every question needs (the last ones, each group's last and first open, the first open, the last
     # completed, failed ones, point-to-point ops), and the counts and per-group sequences are here (None: ``events``
     # is every collective).
     summary: Any = None  # analysis/trace_summary.TraceSummary
+    # Compiled graphs' ``graph`` lines by graph id, and each ``graph_run`` line as (graph id, time, a dynamic graph's
+    # size symbols' values): what the rank's
+    # compiled collectives are known by when its ring was not dumped (analysis/flight_recorder.graph_run_events).
+    graphs: dict[int, dict[str, Any]] = field(default_factory=dict)
+    graph_runs: list[tuple[int, float, dict[str, int]]] = field(default_factory=list)
 
 
 _GROUPS: dict[str, tuple[int, ...]] = {}  # "0,1,...": its ranks, parsed once per process (a group's string is long)
@@ -163,6 +169,7 @@ def _opt_int(value: Any) -> int | None:
         return None
 
 
+_NO_SIZES: dict[str, int] = {}  # a static graph's runs share it (a long compiled loop writes a line per step)
 _KNOWN = frozenset({"ev", "id", "seq", "pg", "pg_name", "op", "shapes", "dtypes", "reduce_op", "peer", "root",
                     "site", "file", "line", "t", "sig"})
 
@@ -202,6 +209,8 @@ class _Lines:
     sigs: dict[int, dict[str, Any]]
     ends: list[dict[str, Any]]
     finished: dict[str, Any] | None
+    graphs: dict[int, dict[str, Any]] = field(default_factory=dict)
+    graph_runs: list[tuple[int, float, dict[str, int]]] = field(default_factory=list)
 
 
 def _read_lines(lines: Iterable[str | bytes], rank: int, out: _Lines | None = None) -> _Lines:
@@ -221,6 +230,12 @@ def _read_lines(lines: Iterable[str | bytes], rank: int, out: _Lines | None = No
                 out.order.append(event)
             elif ev == trace_lines.END:
                 out.ends.append(rec)
+            elif ev == trace_lines.GRAPH_RUN:
+                sizes = rec.get("sizes")
+                out.graph_runs.append((int(rec["graph"]), float(rec["t"]), {str(k): int(v) for k, v in sizes.items()}
+                                       if isinstance(sizes, dict) else _NO_SIZES))
+            elif ev == trace_lines.GRAPH:
+                out.graphs[int(rec["graph"])] = rec
             elif ev == trace_lines.ERROR:
                 context = rec.get("context")
                 out.errors.append(RankError(rank, str(rec.get("exc_type", "Error")), str(rec.get("message", "")),
@@ -259,7 +274,7 @@ def parse_lines(lines: Iterable[str], rank: int, binary: bytes | None = None) ->
     if binary and len(order) > 1:
         order.sort(key=lambda e: e.id)  # JSON start lines (if any) and records share one id counter
     return RankTrace(rank, order, parsed.errors, parsed.meta, finished, incomplete,
-                     exit_recordable=state is not None)
+                     exit_recordable=state is not None, graphs=parsed.graphs, graph_runs=parsed.graph_runs)
 
 
 def header_state(binary: bytes | None, rank: int, parsed: _Lines

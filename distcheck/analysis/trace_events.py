@@ -59,9 +59,23 @@ def load_rank_records(path: str | os.PathLike, rank: int | None = None, merge: b
         binary = None
     trace = parse_lines(text.splitlines(), rank, binary)
     if merge:
-        trace.events = flight_recorder.merge(trace.events, _recorded_part(trace, flight_recorder.load_dump(
-            path.parent, rank)), TraceEvent, since=float(trace.meta.get("t", 0.0)))
+        dump = flight_recorder.load_dump(path.parent, rank)
+        trace.events = flight_recorder.merge(trace.events, _recorded_part(trace, dump), TraceEvent,
+                                             since=float(trace.meta.get("t", 0.0)))
+        trace.flight_dumped = dump is not None
+        _add_graph_runs(trace, dump)
     return trace
+
+
+def _add_graph_runs(trace: RankTrace, dump: flight_recorder.FlightDump | None) -> None:
+    """The compiled collectives of the graph runs the rank's lines hold and its ring's dump does not (a rank gloo
+    aborted inside a compiled graph never dumps it): with no dump, they then stand for what it would have said
+    when they name all the rank can have issued untraced (:attr:`RankTrace.flight_dumped`)."""
+    added, complete = flight_recorder.graph_run_events(trace.events, trace.graphs, trace.graph_runs, dump,
+                                                       TraceEvent, trace.rank, since=float(trace.meta.get("t", 0.0)))
+    if added:
+        trace.events = flight_recorder.interleave(trace.events, added)
+        trace.flight_dumped = trace.flight_dumped or (dump is None and complete)
 
 
 def _recorded_part(trace: RankTrace, dump: flight_recorder.FlightDump | None) -> flight_recorder.FlightDump | None:
@@ -115,6 +129,7 @@ def load_traces(report_dir: str | os.PathLike, summarize: bool | None = None) ->
         trace.flight_dumped = dumps[rank] is not None
         trace.events = flight_recorder.merge(trace.events, _recorded_part(trace, dumps[rank]), TraceEvent,
                                              since=float(trace.meta.get("t", 0.0)), floor=floor)
+        _add_graph_runs(trace, dumps[rank])
     return traces
 
 

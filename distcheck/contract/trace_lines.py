@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterable, Iterator
 from distcheck.contract import files
 
 META, SIG, START, END, ERROR, EXIT = "meta", "sig", "start", "end", "error", "exit"
+GRAPH, GRAPH_RUN = "graph", "graph_run"
 
 
 class LineWriter:
@@ -34,13 +35,19 @@ class LineWriter:
         self.path = path
         self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_TRUNC, 0o644)
         self.on_lost: Callable[[int], None] | None = None
-        self._lock = threading.Lock()  # only around a write: rare lines, never per collective
+        self._lock = threading.Lock()  # only around a write: rare lines, graph runs, never a collective
 
     def write(self, record: dict[str, Any]) -> None:
         fd = self.fd
         if fd < 0:
             return
-        data = (json.dumps(record, separators=(",", ":"), default=str) + "\n").encode()
+        self.write_line((json.dumps(record, separators=(",", ":"), default=str) + "\n").encode())
+
+    def write_line(self, data: bytes) -> None:
+        """One line already encoded (a JSON object and its newline): a per-run line skips json.dumps."""
+        fd = self.fd
+        if fd < 0:
+            return
         with self._lock:
             try:  # under the lock: no other thread appends while a half line is taken back
                 files.append_whole(fd, data)

@@ -13,6 +13,10 @@ and the supervisor needs:
   ``join()``'s exit or a compiled graph, with the user's line (rank/autocheck/patches.py marks them); a compiled
   graph also lists its collectives in order with the line inside the compiled function (:func:`graph_collectives`,
   from the FX graph's stack traces). The analysis (analysis/flight_recorder.py) names each untraced entry by them.
+* **graph runs**: each run of a compiled graph with collectives writes one short ``graph_run`` line into the
+  rank's trace before the graph issues anything (its first run also a ``graph`` line: its collectives with group,
+  input shape and dtype; :class:`GraphLines`). gloo aborts a rank inside the graph on sizes that differ, and an
+  aborted rank dumps no ring: the analysis then makes its compiled collectives from these lines (about 5 µs a run).
 * **liveness**: a daemon thread reads the per-group counters of enqueued and completed collectives every
   ``POLL_S`` (a 5 µs call that skips the entries) and rewrites ``flight-rank<R>.status`` when they move, so the
   watch loop counts a loop that only runs DDP's all-reduces as progress instead of declaring it hung.
@@ -177,8 +181,67 @@ def _site_in_compiled(stack_trace: str | None) -> tuple[str | None, int | None]:
     return found
 
 
+def _group_arg(node: Any) -> str | None:
+    """The group name a functional collective node is called with (its last argument in every
+    ``_c10d_functional`` op's schema, or ``group_name=``)."""
+    name = node.kwargs.get("group_name")
+    if name is None and node.args and isinstance(node.args[-1], str):
+        name = node.args[-1]
+    return None if name is None else str(name)
+
+
+def _shape(value: Any) -> list[int | str] | None:
+    """A fake tensor's shape: ints, and a dynamic graph's sizes that are one symbol by its name ("s87": the graph's
+    run line gives its value, :func:`symbol_sources`); None when a size is an expression of symbols."""
+    shape = getattr(value, "shape", None)
+    if shape is None:
+        return None
+    out: list[int | str] = []
+    for d in shape:
+        if type(d) is int:
+            out.append(d)
+            continue
+        expr = getattr(getattr(d, "node", None), "expr", None)
+        if expr is None or not getattr(expr, "is_Symbol", False):
+            return None
+        out.append(str(expr))
+    return out
+
+
+def symbol_sources(gm: Any) -> list[tuple[str, int, int]]:
+    """Where a run of a dynamic graph finds each size symbol's value: (name, argument index, -1) for a symbol Dynamo
+    lifted as an int argument, (name, argument index, dim) for one only a tensor argument's size holds."""
+    found: dict[str, tuple[str, int, int]] = {}
+    args = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for i, node in enumerate(args):
+        value = node.meta.get("example_value")
+        expr = getattr(getattr(value, "node", None), "expr", None)
+        if expr is not None and getattr(expr, "is_Symbol", False):
+            found[str(expr)] = (str(expr), i, -1)
+    for i, node in enumerate(args):
+        for d, size in enumerate(getattr(node.meta.get("example_value"), "shape", None) or ()):
+            expr = getattr(getattr(size, "node", None), "expr", None)
+            if expr is not None and getattr(expr, "is_Symbol", False) and str(expr) not in found:
+                found[str(expr)] = (str(expr), i, d)
+    return list(found.values())
+
+
+def _sizes(sources: list[tuple[str, int, int]], args: tuple[Any, ...]) -> dict[str, int]:
+    """The symbols' values in this run (a boxed backend is called with one list of arguments)."""
+    flat = args[0] if len(args) == 1 and isinstance(args[0], list) else args
+    out = {}
+    for name, i, d in sources:
+        try:
+            out[name] = int(flat[i]) if d < 0 else int(flat[i].shape[d])
+        except Exception:
+            continue
+    return out
+
+
 def graph_collectives(gm: Any) -> list[dict[str, Any]]:
-    """The collectives of an FX graph in graph order: op, the compiled function's line that issued it, shapes."""
+    """The collectives of an FX graph in graph order: op, the compiled function's line that issued it, the output's
+    shape, and what a graph run line needs to stand for the ring's entry (rank/flight_recorder's module doc): the
+    group's name, the input's shape and dtype (None where unknown or symbolic)."""
     out: list[dict[str, Any]] = []
     for node in gm.graph.nodes:
         if node.op != "call_function":
@@ -190,8 +253,59 @@ def graph_collectives(gm: Any) -> list[dict[str, Any]]:
         file, line = _site_in_compiled(node.meta.get("stack_trace"))
         value = node.meta.get("example_value")
         shape = list(value.shape) if hasattr(value, "shape") else None
-        out.append({"op": op, "file": file, "line": line, "shape": shape})
+        first = node.args[0] if node.args else None
+        given = first.meta.get("example_value") if hasattr(first, "meta") else None
+        dtype = getattr(given, "dtype", None)
+        out.append({"op": op, "file": file, "line": line, "shape": shape, "group": _group_arg(node),
+                    "input_shape": _shape(given), "dtype": None if dtype is None else str(dtype)})
     return out
+
+
+# -- graph run lines ------------------------------------------------------------------------------------------------
+class GraphLines:
+    """Each compiled graph's runs in the rank's trace (contract/trace_lines.py): its first run writes a ``graph``
+    line (what it issues: op, group and its ranks, input shape and dtype, the line inside the compiled function),
+    every run a ``graph_run`` line (graph id, time), before the graph issues anything. A rank that gloo aborts inside
+    the graph never dumps its ring; these lines are then what its compiled collectives are known by
+    (analysis/flight_recorder.graph_run_events). One short O_APPEND write per run, not per collective."""
+
+    def __init__(self, writer: Any) -> None:
+        self.writer = writer
+        self.described: set[int] = set()
+
+    def run(self, gid: int, t: float, args: tuple[Any, ...] = ()) -> None:
+        if gid not in self.described:
+            self.described.add(gid)
+            graph = phases.graphs.get(gid) or {}
+            colls = graph.get("collectives") or []
+            names = {str(c["group"]) for c in colls if c.get("group")}
+            self.writer.write({"ev": "graph", "graph": gid, "fn": graph.get("fn"), "file": graph.get("file"),
+                               "line": graph.get("line"), "collectives": colls, "groups": _ranks_of(names),
+                               # DDP's own collectives, which only the ring names, share the groups' sequences
+                               "ddp": "ddp_init" in phases.seen, "t": t})
+        sources = (phases.graphs.get(gid) or {}).get("symbols")
+        if sources:  # a dynamic graph: the sizes of this run
+            self.writer.write({"ev": "graph_run", "graph": gid, "t": t, "sizes": _sizes(sources, args)})
+        else:  # the common case, formatted by hand: about half of json.dumps' cost
+            self.writer.write_line(b'{"ev":"graph_run","graph":%d,"t":%r}\n' % (gid, t))
+
+
+def _ranks_of(names: set[str]) -> dict[str, list[int]]:
+    """{group name: global ranks} of the named groups this rank knows."""
+    out = {}
+    for name in names:
+        try:
+            from torch.distributed.distributed_c10d import _resolve_process_group, get_process_group_ranks
+
+            out[name] = list(get_process_group_ranks(_resolve_process_group(name)))
+        except Exception:
+            ranks = _group_names().get(name)
+            if ranks:
+                out[name] = ranks
+    return out
+
+
+_graph_lines: GraphLines | None = None
 
 
 def _recompiled(compiled: Any) -> Any:
@@ -237,21 +351,29 @@ def _hook_output_graph(module: Any) -> None:
     def call_user_compiler(self: Any, gm: Any, example_inputs: Any) -> Any:
         try:
             colls = graph_collectives(gm)
+            symbols = symbol_sources(gm) if any(isinstance(d, str) for c in colls
+                                                for d in c.get("input_shape") or ()) else []
             code = self.root_tx.f_code
         except Exception as exc:  # introspection must never fail a compile
             log.debug("distcheck: cannot read a compiled graph: %s", exc)
-            colls, code = [], None
+            colls, code, symbols = [], None, []
         compiled = original(self, gm, example_inputs)
         if not colls or code is None or len(phases.graphs) >= _GRAPH_LIMIT:
             return compiled
         compiled = _recompiled(compiled)
         gid = len(phases.graphs) + 1
         phases.graphs[gid] = {"fn": code.co_name, "file": code.co_filename, "line": code.co_firstlineno,
-                              "collectives": colls}
+                              "collectives": colls, "symbols": symbols}
 
         @functools.wraps(compiled)  # keeps the backend's attributes (_boxed_call: called with one list)
         def run_graph(*args: Any, **kwargs: Any) -> Any:
             pid = phases.begin("compiled", code.co_filename, code.co_firstlineno, graph=gid, fn=code.co_name)
+            lines = _graph_lines
+            if lines is not None:
+                try:
+                    lines.run(gid, phases.open[pid]["t0"], args)
+                except Exception as exc:  # a line never fails the user's step
+                    log.debug("distcheck: cannot record a graph run: %s", exc)
             try:
                 return compiled(*args, **kwargs)
             finally:
@@ -470,10 +592,10 @@ class Sink:
 _sink: Sink | None = None
 
 
-def start(report_dir: str | os.PathLike, rank: int) -> None:
-    """Before the script runs: the ring's size, the phase marks, the compile hook and the status thread (a new
-    report dir replaces the old thread)."""
-    global _sink
+def start(report_dir: str | os.PathLike, rank: int, lines: Any = None) -> None:
+    """Before the script runs: the ring's size, the phase marks, the compile hook, the status thread (a new
+    report dir replaces the old thread) and, with the tracer's line writer ``lines``, each compiled graph's runs."""
+    global _sink, _graph_lines
     if not enabled():
         return
     enable_env()
@@ -487,10 +609,12 @@ def start(report_dir: str | os.PathLike, rank: int) -> None:
     _group_names()
     _sink = Sink(report_dir, rank)
     _sink.start()
+    _graph_lines = None if lines is None else GraphLines(lines)
 
 
 def stop() -> None:
-    global _sink
+    global _sink, _graph_lines
+    _graph_lines = None
     if _sink is not None:
         _sink.stop()
         _sink = None

@@ -947,7 +947,8 @@ def install(report_dir: str | os.PathLike, rank: int) -> Tracer:
     Path(report_dir).mkdir(parents=True, exist_ok=True)
     _tracer = Tracer(report_dir, rank)
     _tracer.patch()
-    flight_recorder.start(report_dir, rank)  # what the process group runs that Python does not call
+    # what the process group runs that Python does not call, and each compiled graph's runs in the trace's lines
+    flight_recorder.start(report_dir, rank, _tracer.writer)
     return _tracer
 
 

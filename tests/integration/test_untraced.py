@@ -218,3 +218,21 @@ def test_a_user_comm_hook_keeps_working_and_ddp_numerics_stay_bitwise(tmp_path, 
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # bitwise, not allclose
     events = load_traces(out)[0].events
     assert {e.line for e in events if not e.extra.get("untraced") and e.op == "all_reduce"} == {hook_line}
+
+
+def test_a_size_mismatch_that_aborts_a_rank_inside_a_compiled_step_names_the_compiled_line(tmp_path, line_of):
+    """gloo aborts rank 1 inside the graph, so its Flight Recorder ring is never dumped: its graph run lines, written
+    before the graph issued anything, stand for it, and the finding is the mismatch, the abort its evidence."""
+    res, report, out = run_fixture(tmp_path, "compile_abort_size_mismatch.py", timeout=20)
+    assert res.returncode == 1, res.output
+    assert not (out / "flight-rank1.json").exists()  # the abort: no ring for rank 1
+    (f,) = [x for x in report["findings"] if x["kind"] == "collective_mismatch"]
+    line = line_of("compile_abort_size_mismatch.py", "funcol.all_reduce(scaled")
+    assert f["ranks"] == [0, 1] and f["detail"]["fields"] == ["shapes"] and f["detail"]["line"] == line
+    assert f"rank 1 issued all_reduce [12] float32 at compile_abort_size_mismatch.py:{line}" in f["message"]
+    assert f"rank 0 issued all_reduce [4, 4] float32 at compile_abort_size_mismatch.py:{line}" in f["message"]
+    assert "SIGABRT" in f["detail"]["backend_errors"]["1"]  # the abort is evidence, not the cause
+    assert [x["kind"] for x in report["findings"]] == ["collective_mismatch"]
+    # rank 1's compiled collectives come from its graph run lines, rank 0's from its ring only: none counted twice
+    assert [e.extra.get("from") for e in compiled_events(out, 1)] == ["graph_run", "graph_run"]
+    assert [e.extra.get("from") for e in compiled_events(out, 0)] == [None, None]

@@ -152,7 +152,7 @@ def test_graph_collectives_read_the_user_line_from_the_fx_stack_trace():
             tensor = torch.ops._c10d_functional.all_reduce(
         ''')
     assert rank_fr.graph_collectives(gm) == [{"op": "all_reduce", "file": "/home/me/train.py", "line": 22,
-                                               "shape": None}]
+                                               "shape": None, "group": "0", "input_shape": None, "dtype": None}]
 
 
 def test_a_compiled_collective_compiles_under_the_tracer(fake_world, tmp_path):
@@ -582,3 +582,103 @@ def test_an_nccl_ring_that_cannot_give_every_end_keeps_its_entries_and_the_trace
     events = load_traces(tmp_path)[0].events
     if case == "untraced_entry":
         assert [e.seq for e in events if e.extra.get("untraced")] == [9]
+
+
+# -- graph run lines: a rank's compiled collectives when its ring was never dumped -----------------------------------
+GRAPH = {"graph": 1, "fn": "step", "file": "/p/train.py", "line": 20, "groups": {"0": [0, 1]}, "ddp": False,
+         "collectives": [{"op": "all_reduce", "file": "/p/train.py", "line": 22, "group": "0",
+                          "input_shape": ["s3"], "dtype": "torch.float32"},
+                         {"op": "all_gather_into_tensor", "file": "/p/train.py", "line": 23, "group": "0",
+                          "input_shape": [2, 2], "dtype": "torch.bfloat16"}]}
+
+
+def graph_trace(tmp_path, runs, calls=(), rank=0):
+    """A rank's trace lines with ``runs`` of GRAPH ((time, size of s3)) and traced all_reduces at ``calls``."""
+    lines = [{"ev": "meta", files.FORMAT_KEY: files.FORMAT, "rank": rank, "t": 1.0},
+             {"ev": "graph", **GRAPH, "t": runs[0][0]}]
+    lines += [{"ev": "graph_run", "graph": 1, "t": t, "sizes": {"s3": n}} for t, n in runs]
+    lines += [{"ev": "start", "id": 100 + i, "seq": i + 1, "op": "all_reduce", "pg": "0,1", "pg_name": "0",
+               "shapes": [[4]], "dtypes": ["float32"], "t": t} for i, t in enumerate(calls)]
+    files.rank_file(tmp_path, "trace", rank).write_text("\n".join(map(json.dumps, lines)) + "\n")
+    return lines
+
+
+def test_graph_and_graph_run_lines_are_read_with_a_dynamic_graphs_sizes(tmp_path):
+    from distcheck.analysis.rank_trace import parse_lines
+
+    lines = graph_trace(tmp_path, [(10.0, 8), (11.0, 12)])
+    parsed = parse_lines([json.dumps(x) for x in lines] + ['{"ev": "graph_run", "graph": 1'], 0)  # a cut last line
+    assert parsed.graphs[1]["collectives"] == GRAPH["collectives"]
+    assert parsed.graph_runs == [(1, 10.0, {"s3": 8}), (1, 11.0, {"s3": 12})]
+
+
+def test_without_a_dump_each_graph_run_is_its_collectives_numbered_after_the_traced_ones(tmp_path):
+    graph_trace(tmp_path, [(10.0, 8), (11.0, 12)], calls=[5.0, 10.5])
+    trace = load_traces(tmp_path)[0]
+    compiled = [e for e in trace.events if e.extra.get("from") == "graph_run"]
+    assert [(e.op, e.shapes, e.dtypes, e.line, e.seq, e.pg) for e in compiled] == [
+        ("all_reduce", [[8]], ["float32"], 22, 2, (0, 1)), ("all_gather", [[2, 2]], ["bfloat16"], 23, 3, (0, 1)),
+        ("all_reduce", [[12]], ["float32"], 22, 5, (0, 1)), ("all_gather", [[2, 2]], ["bfloat16"], 23, 6, (0, 1))]
+    assert {e.group_key for e in compiled} == {"untraced:0"}
+    assert {e.extra["via"].split(" (")[0] for e in compiled} == {"all_reduce inside compiled step",
+                                                                  "all_gather inside compiled step"}
+    assert [e.t_end for e in compiled] == [10.0, 10.0, None, None]  # the last run is where the rank stopped
+    assert [e.id for e in trace.events] == [1, 2, 3, 4, 5, 6] and trace.events[0].t_start == 5.0
+    assert trace.flight_dumped  # they name all it can have issued untraced: its untraced sequence is compared
+
+
+def test_a_dumped_ring_stays_authoritative_for_the_runs_it_covers(tmp_path):
+    graph_trace(tmp_path, [(10.0, 8), (11.0, 12)])
+    phases = [{"kind": "compiled", "file": "/p/train.py", "line": 20, "t0": 10.0, "t1": 10.5, "graph": 1,
+               "fn": "step"}]
+    doc = {"format": files.FORMAT, "t": 10.7, "phases": phases, "graphs": {"1": GRAPH}, "groups": {"0": [0, 1]},
+           "pg_status": {}, "seen": ["compiled"],
+           "entries": [entry(0, 1, "gloo:all_reduce", 10.1, size=8), entry(1, 2, "gloo:all_gather", 10.2)]}
+    files.rank_file(tmp_path, "flight", 0).write_text(json.dumps(doc))
+    events = load_traces(tmp_path)[0].events
+    # the first run from the ring (dumped at 10.7), the one after the dump from its run line: nothing twice
+    assert [(e.extra.get("from"), e.shapes, e.seq) for e in events] == [
+        (None, [[8]], 1), (None, [[4]], 2), ("graph_run", [[12]], 3), ("graph_run", [[2, 2]], 4)]
+    doc["t"] = 12.0  # a dump after both runs: the ring alone
+    files.rank_file(tmp_path, "flight", 0).write_text(json.dumps(doc))
+    assert [e.extra.get("from") for e in load_traces(tmp_path)[0].events] == [None, None]
+
+
+def test_graph_runs_after_a_ddp_model_was_built_are_events_but_do_not_stand_for_the_ring(tmp_path):
+    lines = graph_trace(tmp_path, [(10.0, 8)])
+    lines[1]["ddp"] = True  # DDP's own collectives share the group's untraced sequence and only the ring has them
+    files.rank_file(tmp_path, "trace", 0).write_text("\n".join(map(json.dumps, lines)) + "\n")
+    trace = load_traces(tmp_path)[0]
+    assert len(trace.events) == 2 and not trace.flight_dumped
+
+
+def test_a_symbol_without_a_value_leaves_the_shape_unknown():
+    graphs = {1: {**GRAPH, "collectives": GRAPH["collectives"][:1]}}
+    (ev,), complete = fr.graph_run_events([], graphs, [(1, 10.0, {})], None, TraceEvent, 0)
+    assert ev.shapes == [] and ev.dtypes == ["float32"] and complete
+
+
+def test_compiled_graph_runs_write_one_description_and_a_line_per_run(fake_world, tmp_path):
+    """Under the tracer, a compiled graph's first run writes its ``graph`` line, each run a ``graph_run`` line; a
+    dynamic graph's run line carries its size symbols' values."""
+    trace.install(tmp_path, 0)
+    try:
+        @torch.compile(fullgraph=True, backend="eager")
+        def step(x: torch.Tensor) -> torch.Tensor:
+            dist.all_reduce(x)
+            return x * 2
+
+        for n in (4, 4, 6, 7):
+            step(torch.ones(n))
+    finally:
+        trace.uninstall()
+        torch._dynamo.reset()
+    recs = list(trace_lines.read_records(files.rank_file(tmp_path, "trace", 0).read_text().splitlines()))
+    graphs = [r for r in recs if r["ev"] == trace_lines.GRAPH]
+    runs = [r for r in recs if r["ev"] == trace_lines.GRAPH_RUN]
+    assert len(graphs) == 2 and [r["graph"] for r in runs] == [graphs[0]["graph"]] * 2 + [graphs[1]["graph"]] * 2
+    (static,), (dynamic,) = graphs[0]["collectives"], graphs[1]["collectives"]
+    assert static["input_shape"] == [4] and static["dtype"] == "torch.float32" and static["group"]
+    assert graphs[0]["groups"] == {static["group"]: [0, 1]} and graphs[0]["ddp"] is False
+    (symbol,) = dynamic["input_shape"]
+    assert [r["sizes"] for r in runs[2:]] == [{symbol: 6}, {symbol: 7}] and "sizes" not in runs[0]
