@@ -67,9 +67,10 @@ def _on_a_sync_line(frame: Any) -> bool:
 
         if len(_SYNC_LINES) > 4096:  # bounded: a program that makes code objects on the fly
             _SYNC_LINES.clear()
-        lines, line = set(), None
+        lines = set()
         for ins in dis.get_instructions(frame.f_code):
-            line = ins.starts_line or line
+            # positions (3.11+): the instruction's own line; starts_line is a flag, not a number, from 3.13 on
+            line = ins.positions.lineno if ins.positions is not None else None
             if ins.opname in ("LOAD_METHOD", "LOAD_ATTR") and ins.argval in SYNC_CALLS and line is not None:
                 lines.add(line)
         lines = _SYNC_LINES[frame.f_code] = frozenset(lines)
