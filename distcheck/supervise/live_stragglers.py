@@ -6,8 +6,8 @@ The report's stragglers part (analysis/stragglers.py) comes at the end, from who
 it before that. Every LOOK_S the supervisor reads each rank's ``flight-rank<R>.status`` (contract/
 flight_status_file.py: how many collectives each of its process groups enqueued, DDP's buckets and compiled graphs
 included, rewritten by the rank twice a second). A rank whose count in some group is below a peer's has not reached
-the collective that peer entered: the peer waits for it. When one rank, and only that rank, is behind at LOOKS
-looks in a row (10 s by default), and it moved at least twice meanwhile (a rank that does not move is stuck: the
+the collective that peer entered: the peer waits for it. When one rank, and only that rank, is behind at 70% of the
+last LOOKS looks (10 s by default), and it moved at least twice meanwhile (a rank that does not move is stuck: the
 watch loop's hang), the supervisor logs one line naming it. Once per rank per run; DISTCHECK_STRAGGLER_LOOKS sets LOOKS ("0":
 no line). Without the Flight Recorder's counters (DISTCHECK_FLIGHT_RECORDER=0) there is nothing to look at.
 
@@ -43,16 +43,24 @@ def behind(enqueued: Mapping[int, Mapping[str, int]]) -> set[int]:
     return late
 
 
+# Of the last LOOKS looks, at least this share must find the same rank alone behind: the rank files are rewritten
+# twice a second each, at their own moments, so on a loaded machine a look now and then sees both at one count.
+SHARE = 0.7
+
+
 class LiveStragglers:
     """Call :meth:`look` as often as convenient; it reads the files every LOOK_S at most."""
 
     def __init__(self, report_dir: str | os.PathLike, looks: int | None = None, every: float = LOOK_S) -> None:
+        import collections
+
         self.report_dir = Path(report_dir)
         self.looks = looks if looks is not None else _looks_from_env()
         self.every = every
         self.last_look: float | None = None
         self.previous: dict[int, dict[str, int]] = {}
-        self.streak: tuple[int, int, int] | None = None  # (rank, looks in a row it alone was behind, of them moved)
+        # the last LOOKS looks: (the one rank alone behind or None, whether that rank moved since the look before)
+        self.window: collections.deque[tuple[int | None, bool]] = collections.deque(maxlen=max(self.looks, 1))
         self.announced: set[int] = set()
 
     def look(self, now: float) -> str | None:
@@ -66,21 +74,20 @@ class LiveStragglers:
         late = behind(current)
         moved = {r for r, g in current.items() if self.previous.get(r) not in (None, g)}
         self.previous = current
-        if len(late) != 1:
-            self.streak = None
+        rank = next(iter(late)) if len(late) == 1 else None
+        self.window.append((rank, rank is not None and rank in moved))
+        if rank is None or len(self.window) < self.looks or rank in self.announced:
             return None
-        (rank,) = late
-        count, moves = self.streak[1:] if self.streak is not None and self.streak[0] == rank else (0, 0)
-        count, moves = count + 1, moves + (rank in moved)
-        self.streak = (rank, count, moves)
+        count = sum(1 for r, _ in self.window if r == rank)
+        moves = sum(1 for r, m in self.window if r == rank and m)
         # A rank that never moved while the others waited is stuck, not slow: the watch loop's hang, not this line.
-        if count < self.looks or moves < 2 or rank in self.announced:
+        if count < SHARE * self.looks or moves < 2:
             return None
         self.announced.add(rank)
         others = ", ".join(str(r) for r in sorted(current) if r != rank)
-        line = (f"rank {rank} is the straggler: at the last {count} looks ({self.every:g} s apart) it alone had not "
-                f"reached the collective rank{'s' if len(current) > 2 else ''} {others} waited in, and it kept "
-                f"going; the report's stragglers part will say where it spends the time")
+        line = (f"rank {rank} is the straggler: at {count} of the last {len(self.window)} looks ({self.every:g} s "
+                f"apart) it alone had not reached the collective rank{'s' if len(current) > 2 else ''} {others} "
+                f"waited in, and it kept going; the report's stragglers part will say where it spends the time")
         log.warning("distcheck: %s", line)  # unprompted, amid the ranks' output: say whose line it is
         return line
 
