@@ -61,7 +61,8 @@ def test_mixed_meshes_in_a_correct_model_are_a_warning(tmp_path):
     res, report, out = run_fixture(tmp_path, "zc_tp_head_left_out_ok.py", 4)
     assert res.returncode == 0, res.output
     assert report["findings"] == []
-    [note] = report["warnings"]  # once, though every rank found it
+    # once, though every rank found it; a straggler warning may join it when 4 ranks share 2 loaded cores
+    [note] = [w for w in report["warnings"] if w["kind"] != "straggler"]
     assert note["kind"] == "mixed_meshes" and note["detail"]["params"] == ["head.weight", "head.bias"]
     assert "clip_grad_norm_" in note["message"] and "head.weight" in (out / "report.txt").read_text()
 
