@@ -19,12 +19,14 @@ def _no_processes(monkeypatch):
 
 
 @pytest.fixture
-def fake_world():
-    """Rank 0 of 2 on torch's fake process group: collectives return at once, no process is launched."""
+def fake_world(request):
+    """Rank 0 of 2 on torch's fake process group: collectives return at once, no process is launched. Another
+    (rank, world size): ``@pytest.mark.parametrize("fake_world", [(1, 4)], indirect=True)``."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    rank, world_size = getattr(request, "param", (0, 2))
     if dist.is_initialized():
         pytest.skip("a process group is already initialized in this worker")
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     yield
     dist.destroy_process_group()

@@ -10,7 +10,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from distcheck.analysis.replicas import Entry, Fingerprint
@@ -106,17 +105,7 @@ def test_a_rank_outside_every_group_or_groups_of_one_rank_watch_nothing():
     assert not model._forward_pre_hooks
 
 
-@pytest.fixture
-def fake_world():
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialized in this worker")
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=4)
-    yield
-    dist.destroy_process_group()
-
-
+@pytest.mark.parametrize("fake_world", [(1, 4)], indirect=True)  # rank 1 of a 2x2 mesh (tests/unit/conftest.py)
 def test_fsdp2_groups_come_from_its_mesh_on_torchs_own_objects(fake_world):
     """fsdp_groups reads FSDP2's private state (mesh_info, _spmd_mesh): this breaks first when torch changes it."""
     from torch.distributed.device_mesh import init_device_mesh
