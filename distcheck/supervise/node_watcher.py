@@ -314,14 +314,12 @@ def _watch_nodes(report_dir: str, timeout: float, native: bool, parent: int, env
         if env.reports and command is not None:  # the run's report: every rank of this node ended its script
             code = write_job_report(report_dir, env, channel, native, timeout, time.monotonic() - started,
                                     started_wall, hung=False, note=None, command=command)
-            files.tidy(report_dir)
             return code
         if env.reports:
             if 0 in seen and not _written_since(Path(report_dir), started_wall):
                 # Rank 0 died before it could write the report: the job's report, from every node's summary.
                 write_job_report(report_dir, env, channel, native, timeout, time.monotonic() - started,
                                  started_wall, hung=False, note="rank 0 ended before writing the report")
-                files.tidy(report_dir)
                 return 1
             if _written_since(Path(report_dir), started_wall):
                 channel.publish_report(host, str(Path(report_dir).resolve() / files.REPORT_TXT))
