@@ -371,7 +371,7 @@ def test_the_supervisor_names_the_straggler_while_the_run_goes_on(tmp_path):
 
 
 def test_a_balanced_job_names_no_straggler(tmp_path):
-    res, report, _ = run_fixture(tmp_path, "hang_none.py", timeout=10, env={"DISTCHECK_STRAGGLER_LOOKS": "4"})
+    res, report, _ = run_fixture(tmp_path, "hang_none.py", timeout=10)  # the default 10 looks: 4 fire under load
     assert "is the straggler" not in res.output, res.output
     assert report["ok"] and report["stragglers"]["named"] == [] and not any(
         w["kind"] == "straggler" for w in report.get("warnings", []))
