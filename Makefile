@@ -2,7 +2,7 @@
 #   make check   create .venv, install torch + distcheck, run the built-in consistency check on 2 CPU ranks
 #   make test    the test suite, both tiers, 3 xdist workers (what .ci/run runs)
 #   make test-unit   the unit tier alone (no process launched; seconds)
-#   make bench   the benchmarks quoted in README.md
+#   make bench   the benchmarks quoted in docs/performance.md
 #   make soak    50 runs each of a correct FSDP2 and DDP script under distcheck run --nproc 2: zero findings
 # GPU users: make check TORCH_VERSION=2.13.0 TORCH_INDEX=https://download.pytorch.org/whl/cu128
 PYTHON ?= python3

@@ -1,4 +1,4 @@
-"""Run every fixture's documented command and print the README's fixture table (markdown).
+"""Run every fixture's documented command and print a fixture table for the docs (markdown).
 
     .venv/bin/python tools/gallery.py > /tmp/gallery.md
     .venv/bin/python tools/gallery.py --only coll_op_mismatch

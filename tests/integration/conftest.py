@@ -6,7 +6,7 @@ ranks are forked with torch, FSDP2, DTensor and torch._dynamo already imported i
 about 4 s of CPU each, which on a 2-core machine is most of the suite's time. So are the ranks of
 `torchrun -m distcheck ...`: the processes torchrun starts stand in for them (zygote.stand_in). The path users get
 by default, fresh interpreters, is what torchrun runs for a plain script and what the tests that pass ``FRESH``
-(launch_helpers) run: the README's main job, the fault tests, a crash and a hang under torchrun, among others.
+(launch_helpers) run: the fault tests, a crash and a hang under torchrun, among others.
 """
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ from launch_helpers import FIXTURES, FRESH, distcheck, load_report, torchrun
 
 def consistency_run(tmp_path, *extra, nproc=2, env=None):
     """Ranks forked by the session's zygote (torchrun's processes stand in for them), or with ``env=FRESH`` the
-    fresh interpreters users get by default: the README's main job, a crash and a hang run that way."""
+    fresh interpreters users get by default: the hang test runs that way."""
     out = tmp_path / "report"
     res = torchrun(["-m", "distcheck", "consistency", "--report-dir", str(out), "--timeout", "60", *extra],
                    nproc=nproc, timeout=240, env=env)

@@ -1,7 +1,7 @@
 """Stop signals at every moment of a ``run --nproc`` launcher (issue 25, item 5): 0.1 s after the start, while the
 ranks import the script's modules, right after the ranks finished, and while the report is being built.
 
-The rule (README, "Signals"): a stop signal that arrives while some rank still runs, or before any has started,
+The rule (docs/hangs-and-faults.md#signals): a stop signal that arrives while a rank still runs, or before any started,
 stops the run: a ``hang`` finding with ``detail.stopped_by``, FAILED, exit 1; before any collective completed it is
 a stop "during start-up" that names no line of the script. One that arrives after every rank has finished stops
 nothing: the verdict is the run's own and ``warnings`` says the signal came. Each test asserts the report, the exit

@@ -210,7 +210,7 @@ def test_a_user_comm_hook_keeps_working_and_ddp_numerics_stay_bitwise(tmp_path, 
     plain, ours = tmp_path / "plain.pt", tmp_path / "ours.pt"
     res = torchrun([str(FIXTURES / "ddp_comm_hook.py"), "--hook", "--out", str(plain)], timeout=180)
     # Plain torchrun now and then aborts in torch's gloo teardown after the script ("terminate called without
-    # an active exception", README "Crashes and teardown"): the parameters were saved before that.
+    # an active exception", docs/hangs-and-faults.md, "Crashes and teardown"): the parameters were saved before that.
     assert res.returncode == 0 or (plain.exists() and "without an active exception" in res.output), res.output
     res, report, out = run_fixture(tmp_path / "r", "ddp_comm_hook.py", "--hook", "--out", str(ours))
     assert res.returncode == 0 and report["ok"], res.output

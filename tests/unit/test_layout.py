@@ -1,4 +1,4 @@
-"""The layout's rules (README "Layout"): no import cycle, pure analysis, every module in its process's package."""
+"""The layout's rules (docs/architecture.md): no import cycle, pure analysis, every module in its process's package."""
 from __future__ import annotations
 
 import ast
@@ -65,7 +65,7 @@ def _imports(path: Path) -> list[str]:
     return names
 
 
-# Which packages each package may not import: the path says which process runs a module (README "Layout"), and
+# Which packages each package may not import: the path says which process runs a module (docs/architecture.md), and
 # data flows one way, through the files and names in contract/. A rank never runs supervisor code, a supervisor
 # never runs rank code, and what both need (file formats, environment names, /proc) is in contract/ or
 # processes.py.
