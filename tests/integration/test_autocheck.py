@@ -130,6 +130,17 @@ def test_an_async_all_reduce_not_waited_before_the_step_is_named_at_both_lines(l
                                    f"that SGD.step() at async_not_waited.py:{step} read before its Work was waited")
 
 
+def test_a_read_of_a_tensor_an_async_all_reduce_still_writes_is_named_at_both_lines(line_of, tmp_path):
+    res, report = run_fixture(tmp_path, "async_read_before_wait.py")
+    assert res.returncode == 1, res.output
+    (f,) = report["findings"]
+    line, read = line_of("async_read_before_wait.py", "async_op=True"), line_of("async_read_before_wait.py", "# the bug")
+    assert f["kind"] == "tensor_divergence" and f["ranks"] == [0, 1] and f["detail"]["cause"] == "async_not_waited"
+    assert f["detail"]["line"] == line and f["detail"]["reader_line"] == read and f["detail"]["reader"] == "norm()"
+    assert f["message"].startswith(f"all_reduce(..., async_op=True) at async_read_before_wait.py:{line} reduces a "
+                                   f"tensor that norm() at async_read_before_wait.py:{read} reached before its Work")
+
+
 def test_a_resume_that_loads_nothing_names_the_prefix_and_the_line(line_of, tmp_path):
     res, report = run_fixture(tmp_path, "resume_loads_nothing.py")
     assert res.returncode == 1, res.output

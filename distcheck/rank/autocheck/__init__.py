@@ -44,6 +44,7 @@ from distcheck.contract import autocheck_file, env
 from distcheck.contract.autocheck_file import AutocheckState
 from distcheck.contract.findings import Finding
 from distcheck.rank.autocheck import patches
+from distcheck.rank.autocheck.async_reads import written_tensors
 from distcheck.rank.autocheck.async_work import AsyncWatch, tensors_in
 from distcheck.rank.autocheck.auto_records import AutoRecords, record_steps_from_env
 from distcheck.rank.autocheck.checkpoint_load import LoadWatch
@@ -104,7 +105,8 @@ def on_async(works: list[Any], op: str, args: tuple, kwargs: dict, site: Any) ->
     if check is not None:
         import torch
 
-        check.async_work.issued(works, op, tensors_in(args, kwargs, torch.Tensor), site)
+        check.async_work.issued(works, op, tensors_in(args, kwargs, torch.Tensor), site,
+                                written_tensors(op, args, kwargs, torch.Tensor))
 
 
 class AutoCheck:

@@ -13,8 +13,9 @@ that it was waited for (a future handed on is waited for by whoever takes it: a 
 - an optimizer steps (the global pre-hook, rank/autocheck/patches.py) over gradients that share storage with its
   tensors (a loss reduced for logging and waited for after the step is no gradient: not named then);
 - the user's next async collective takes one of its tensors (the two race);
+- any other torch call touches the bytes it writes, or overwrites the bytes it sends (rank/autocheck/
+  async_reads.py: a TorchFunctionMode on this thread only while such a Work is pending), a sync collective included;
 - the script ends (nobody ever waited).
-Each op that reads a tensor is not watched: that would cost a hook on every tensor.
 """
 from __future__ import annotations
 
@@ -23,8 +24,16 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from distcheck.contract.findings import Finding
+from distcheck.rank.autocheck.async_reads import ModeSlot, Span, make_read_mode, overlaps, span
 from distcheck.rank.usersite import Site, caller_site
 
+# What each collective does to the tensor a finding names (the user's word for it).
+VERB = {"all_reduce": "reduces", "reduce": "reduces", "reduce_scatter": "reduces into",
+        "reduce_scatter_tensor": "reduces into", "reduce_scatter_single": "reduces into", "broadcast": "broadcasts",
+        "all_gather": "gathers into", "all_gather_into_tensor": "gathers into", "all_gather_single": "gathers into",
+        "gather": "gathers into", "scatter": "scatters into", "all_to_all": "exchanges",
+        "all_to_all_single": "exchanges", "isend": "sends", "irecv": "receives into"}
+COLLECTIVES = frozenset(VERB) | {"send", "recv", "barrier", "all_gather_object", "broadcast_object_list"}
 PENDING_LIMIT = 256  # Works kept while not waited for; the oldest are forgotten (a leak must not grow memory)
 
 
@@ -34,6 +43,8 @@ class _Pending:
     op: str
     storages: frozenset[int]  # data pointers of the storages of the tensors it reduces
     site: Site
+    written: list[Span]  # the bytes the backend writes (its output)
+    sent: list[Span]  # the bytes it only reads (its input): overwriting them races
 
 
 def _storage(t: Any) -> int | None:
@@ -59,23 +70,62 @@ class AsyncWatch:
         self.emit = emit
         self.pending: OrderedDict[int, _Pending] = OrderedDict()
         self.reported: set[tuple[str, int]] = set()
+        self.reads = ModeSlot(lambda: make_read_mode(self.touched))
 
-    def issued(self, works: list[Any], op: str, tensors: list[Any], site: Site) -> None:
+    def issued(self, works: list[Any], op: str, tensors: list[Any], site: Site,
+               written: list[Any] | None = None) -> None:
+        """``written``: the tensors the collective writes (None: all of ``tensors``)."""
         storages = frozenset(s for s in (_storage(t) for t in tensors) if s)
         if not storages or not site.file:
             return
-        # A second async collective on a tensor an earlier one may still be writing: the two race.
-        again = [(key, w) for key, w in self.pending.items() if w.storages & storages]
+        written = tensors if written is None else written
+        out = [s for s in map(span, written) if s]
+        sent = [s for s in map(span, (t for t in tensors if not any(t is w for w in written))) if s]
+        # A second async collective on bytes an earlier one may still be writing, or writing bytes it may still be
+        # sending: the two race (other bytes of the same buffer do not: a flat buffer reduced slice by slice).
+        touched = [s for s in map(span, tensors) if s]
+        again = [(key, w) for key, w in self.pending.items()
+                 if any(overlaps(s, w.written) for s in touched) or any(overlaps(s, w.sent) for s in out)]
         self._report(again, lambda w: not_waited_finding(w.op, w.site, site, f"the next {op} on the same tensor",
                                                          "the two reductions race on the tensor"))
         for work in works:
-            self.pending[id(work)] = _Pending(work, op, storages, site)
+            self.pending[id(work)] = _Pending(work, op, storages, site, out, sent)
             if len(self.pending) > PENDING_LIMIT:
                 self.pending.popitem(last=False)
+        self.reads.want(bool(self.pending))
 
     def waited(self, work: Any) -> None:
         if self.pending:
             self.pending.pop(id(work), None)
+            if not self.pending:
+                self.reads.want(False)
+
+    def touched(self, name: str, tensors: list[Any], in_place: bool, kwargs: dict | None) -> None:
+        """A torch call (rank/autocheck/async_reads.py) on ``tensors`` while Works are pending."""
+        spans = [s for s in map(span, tensors) if s]
+        if not spans:
+            return
+        target = span(kwargs["out"]) if kwargs and kwargs.get("out") is not None else spans[0]
+        collective = name in COLLECTIVES
+        hits, raced_input = [], []
+        for key, w in self.pending.items():
+            if any(overlaps(s, w.written) for s in spans):
+                hits.append((key, w))
+            elif in_place and target is not None and overlaps(target, w.sent):
+                raced_input.append((key, w))
+        if not hits and not raced_input:
+            return
+        reader = caller_site(2)
+        if collective:
+            self._report(hits + raced_input, lambda w: not_waited_finding(
+                w.op, w.site, reader, f"the next {name} on the same tensor", "the two collectives race on it"))
+            return
+        self._report(hits, lambda w: not_waited_finding(
+            w.op, w.site, reader, f"{name}()", f"it can {'write' if in_place else 'read'} the tensor before the "
+            f"{w.op} has {'written' if w.written else 'read'} it (on NCCL; gloo on CPU usually wins the race)"))
+        self._report(raced_input, lambda w: not_waited_finding(
+            w.op, w.site, reader, f"{name}()", f"it overwrites what the {w.op} may still be sending, so the peers "
+            f"can receive the new values"))
 
     def on_optimizer_step(self, optimizer: Any) -> None:
         if not self.pending:
@@ -102,6 +152,7 @@ class AsyncWatch:
         self._report(list(self.pending.items()), lambda w: not_waited_finding(
             w.op, w.site, Site(None, None), "the end of the script", "whatever read its tensor may have read it "
             "before the reduction landed"))
+        self.reads.want(False)
 
     def _report(self, works: list[tuple[int, _Pending]], finding: Callable[[_Pending], Finding]) -> None:
         findings = []
@@ -114,6 +165,8 @@ class AsyncWatch:
             f = finding(w)
             f.ranks = [self.rank]
             findings.append(f)
+        if not self.pending:
+            self.reads.want(False)
         if findings:
             self.emit(findings)
 
@@ -123,7 +176,7 @@ def not_waited_finding(op: str, site: Site, reader: Site, what: str, why: str, g
     its Work was waited for: <why>``; ``reader``: the line that read the tensor (unknown at the end)."""
     at = f" at {reader.site}" if reader.file else ""
     tensor = "gradients that" if gradients else "a tensor that"
-    message = (f"{op}(..., async_op=True) at {site.site} reduces {tensor} {what}{at} "
+    message = (f"{op}(..., async_op=True) at {site.site} {VERB.get(op, 'writes')} {tensor} {what}{at} "
                f"{'read' if gradients else 'reached'} before its Work was waited for: {why}. Fix: keep the Work "
                f"and call work.wait() before {'optimizer.step()' if gradients else 'the tensor is used'}")
     return Finding("tensor_divergence", [], message,
