@@ -109,6 +109,9 @@ def on_async(works: list[Any], op: str, args: tuple, kwargs: dict, site: Any) ->
                                 written_tensors(op, args, kwargs, torch.Tensor))
 
 
+READ_WATCH_STEPS = 3  # optimizer steps in which ops are watched for reading what an async collective still writes
+
+
 class AutoCheck:
     """The zero-code checks of one run (or one pytest test) in this rank: the hooks' events go to the jobs."""
 
@@ -186,6 +189,8 @@ class AutoCheck:
         self.records.on_optimizer_step_done(optimizer)
         self.drift.on_optimizer_step_done(step)
         self.module_summaries.finish_step()
+        if step + 1 >= READ_WATCH_STEPS:
+            self.async_work.stop_watching_reads()
 
     # -- results --------------------------------------------------------------------------------------------------
     @property

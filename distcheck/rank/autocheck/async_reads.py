@@ -13,7 +13,9 @@ touched safely outside the slice in flight, so each tensor is a byte range of it
 (``t[:2]``, ``t.view``, ``t.shape``) touch no bytes: the view is checked where it is used.
 
 No cost when nothing is pending: the mode is pushed when the first Work is issued and popped once all are waited
-for. Pushed only onto an empty mode stack, so a user's ``with`` of their own mode never pops ours (a mode's exit
+for. It costs a Python call per torch op while a Work is pending, so it watches the first 3 optimizer steps only
+(``READ_WATCH_STEPS`` in rank/autocheck/__init__.py; a program that never steps is watched throughout): the racing
+read sits on a line each step runs. Pushed only onto an empty mode stack, so a user's ``with`` of their own mode never pops ours (a mode's exit
 pops the top), and popped only while it is on top; otherwise (inside its own call, which takes it off the stack for
 the call's duration) it turns into a pass-through until the next Work or wait pops it. Inside
 torch.compile the mode passes every call through, so a traced graph has nothing of it.

@@ -71,6 +71,7 @@ class AsyncWatch:
         self.pending: OrderedDict[int, _Pending] = OrderedDict()
         self.reported: set[tuple[str, int]] = set()
         self.reads = ModeSlot(lambda: make_read_mode(self.touched))
+        self.watch_reads = True
 
     def issued(self, works: list[Any], op: str, tensors: list[Any], site: Site,
                written: list[Any] | None = None) -> None:
@@ -92,7 +93,13 @@ class AsyncWatch:
             self.pending[id(work)] = _Pending(work, op, storages, site, out, sent)
             if len(self.pending) > PENDING_LIMIT:
                 self.pending.popitem(last=False)
-        self.reads.want(bool(self.pending))
+        self.reads.want(bool(self.pending) and self.watch_reads)
+
+    def stop_watching_reads(self) -> None:
+        """After the first steps: a read before the wait sits on a line each step runs, so it showed by then, and
+        the mode costs a Python call per torch op while a Work is pending."""
+        self.watch_reads = False
+        self.reads.want(False)
 
     def waited(self, work: Any) -> None:
         if self.pending:
@@ -102,6 +109,9 @@ class AsyncWatch:
 
     def touched(self, name: str, tensors: list[Any], in_place: bool, kwargs: dict | None) -> None:
         """A torch call (rank/autocheck/async_reads.py) on ``tensors`` while Works are pending."""
+        ptrs = {w for p in self.pending.values() for w in p.storages}
+        if not any(_storage(t) in ptrs for t in tensors) and not (kwargs and _storage(kwargs.get("out")) in ptrs):
+            return  # the common case, cheaply: none of the call's storages is in flight
         spans = [s for s in map(span, tensors) if s]
         if not spans:
             return
