@@ -19,6 +19,8 @@ import pytest
 
 from launch_helpers import FIXTURES, distcheck, load_report
 
+from distcheck.analysis.trace_events import load_traces
+
 OK = FIXTURES / "ok"
 
 
@@ -29,6 +31,18 @@ def docstring(path: Path) -> str:
 def header(path: Path) -> dict[str, str]:
     """The ``key: value`` lines of the docstring (``nproc``, ``compare``)."""
     return dict(re.findall(r"^(nproc|compare): *(\S+) *$", docstring(path), re.MULTILINE))
+
+
+def ddp_buckets_at_the_backward_line(out: Path, path: Path) -> None:
+    """Compiled DDP: the Reducer's bucket all-reduces (C++, behind Dynamo's DDPOptimizer) are in the trace, one per
+    step, at the user's ``loss.backward()`` line."""
+    backward = next(i for i, line in enumerate(path.read_text().splitlines(), 1) if "loss.backward()" in line)
+    buckets = [e for e in load_traces(out)[0].events if e.extra.get("via") == "DDP gradient bucket all-reduce"]
+    assert len(buckets) == 3 and {e.line for e in buckets} == {backward}, [(e.op, e.line) for e in buckets]
+
+
+# What a program's trace must show beyond silence, where no other test launches the same idiom again for it.
+TRACE_CHECKS = {"ddp_compile.py": ddp_buckets_at_the_backward_line}
 
 
 def slow_first(path: Path) -> tuple:
@@ -74,3 +88,5 @@ def test_distcheck_finds_nothing(tmp_path, path):
     # exception: it measures this machine's load as much as the program.
     warned = [w for w in report.get("warnings", []) if w["kind"] != "straggler"]
     assert not warned, f"fixtures/ok/{path.name}: {warned}"
+    if path.name in TRACE_CHECKS:
+        TRACE_CHECKS[path.name](out, path)

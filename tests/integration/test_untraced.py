@@ -90,18 +90,11 @@ def test_compiled_code_runs_under_the_pytest_marker(pytester):
     result.stdout.fnmatch_lines(["*1 passed*"])
 
 
-@pytest.mark.parametrize("parallel", ["ddp", "fsdp2"])
-def test_compiled_ddp_and_fsdp2_models_train(tmp_path, line_of, parallel):
-    res, report, out = run_fixture(tmp_path, "compile_models_ok.py", "--parallel", parallel, "--backend",
-                                   "aot_eager")
+def test_a_compiled_fsdp2_model_trains_and_its_collectives_are_in_the_trace(tmp_path):
+    # Compiled DDP's bucket all-reduces: the corpus's ddp_compile.py (tests/integration/test_correct_corpus.py).
+    res, report, out = run_fixture(tmp_path, "compile_models_ok.py", "--parallel", "fsdp2", "--backend", "aot_eager")
     assert res.returncode == 0 and report["ok"], res.output
-    events = load_traces(out)[0].events
-    if parallel == "ddp":  # the Reducer's bucket all-reduces, one per step at the loss.backward() line
-        buckets = [e for e in events if e.extra.get("via") == "DDP gradient bucket all-reduce"]
-        backward = line_of("compile_models_ok.py", "loss.backward()")
-        assert len(buckets) == 3 and {e.line for e in buckets} == {backward}
-    else:
-        assert {e.op for e in events} >= {"all_gather_single", "reduce_scatter_single"}
+    assert {e.op for e in load_traces(out)[0].events} >= {"all_gather_single", "reduce_scatter_single"}
 
 
 def test_a_shape_mismatch_inside_a_compiled_step_names_the_compiled_line(tmp_path, line_of):
