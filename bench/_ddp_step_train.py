@@ -47,7 +47,7 @@ def main() -> None:
             json.dump({"steps": times}, f)
     dist.destroy_process_group()
     if "distcheck.rank" not in sys.modules:
-        # torch's own interpreter teardown aborts now and then after a gloo DDP script (README, "Crashes and
+        # torch's own interpreter teardown aborts now and then after a gloo DDP script (docs/hangs-and-faults.md, "Crashes and
         # teardown"); under plain torchrun that would fail the bench's baseline run, so end as distcheck's ranks
         # do. Under distcheck the script returns: an os._exit there is a rank ending without its exit record.
         os._exit(0)

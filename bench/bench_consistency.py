@@ -1,4 +1,4 @@
-"""Benchmarks for the consistency command (README "Performance").
+"""Benchmarks for the consistency command (docs/performance.md).
 
     .venv/bin/python bench/bench_consistency.py
 

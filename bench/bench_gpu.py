@@ -158,7 +158,7 @@ def main() -> None:
     parser.add_argument("--compiled-ddp", action="store_true")
     args = parser.parse_args()
     if not torch.cuda.is_available() or not dist.is_nccl_available():
-        print("bench_gpu: no CUDA GPU with NCCL here: skipped (the README's GPU figures come from a lent machine)")
+        print("bench_gpu: no CUDA GPU with NCCL here: skipped (docs/performance.md's GPU figures come from a lent machine)")
         return
     if args.compiled_ddp:
         compiled_ddp()

@@ -1,4 +1,4 @@
-/* The tracer's hot path in C: what a collective called from the user's own code costs (README, "Performance").
+/* The tracer's hot path in C: what a collective called from the user's own code costs (docs/performance.md).
 
     pip install -e .        # builds distcheck/rank/_tracefast*.so when a C compiler is there (optional)
 

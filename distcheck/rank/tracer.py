@@ -32,7 +32,7 @@ ever covers blocks allocated beforehand, so a full report file system stops the 
 the rank with a SIGBUS. What each
 distinct call looks like (op, group, shapes, dtypes, the user's call site) is written once, as a ``sig`` JSON line in
 ``trace-rank<R>.jsonl`` next to the meta, error and exit lines. ``bench/bench_trace.py`` measures the cost per
-collective on a no-op process group (README, "Performance").
+collective on a no-op process group (docs/performance.md).
 
 The common case, a call whose description is cached, runs in C (``_tracefast.c``, built where a C compiler is
 there): one call finds the user's frame, keys the call and stores its start, another stores its end. Everything
@@ -66,7 +66,7 @@ from distcheck.processes import agent_pid
 from distcheck.rank import flight_recorder
 from distcheck.rank.usersite import is_internal
 
-try:  # the hot path in C, built by setup.py where a C compiler is there (README, "Performance")
+try:  # the hot path in C, built by setup.py where a C compiler is there (docs/performance.md)
     from distcheck.rank import _tracefast
 except ImportError:  # not built (no compiler at install, Python < 3.11): the Python path does everything
     _tracefast = None
@@ -685,7 +685,7 @@ class Tracer:
         if cuda and "nccl" in self._backends.get(event.get("pg_name"), "") and flight_recorder.ring_kept():
             # NCCL's own Flight Recorder ring records when each op completed (its watchdog queries the events
             # ProcessGroupNCCL records anyway); an event of ours cost 10 to 50 µs per collective on an H100
-            # (README, "GPU"). The record stays open; the analysis stores the ring's end into it.
+            # (docs/performance.md, GPU). The record stays open; the analysis stores the ring's end into it.
             self.completions.ring_sigs.add(sig)
             event["completion"] = "flight_recorder"
         self.writer.write({"ev": "sig", "sig": sig, **event})
