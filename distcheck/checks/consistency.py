@@ -287,10 +287,11 @@ def ranks_behind(session: Session) -> list[int]:
 
 
 def report_files(report_dir: Path) -> dict[str, str]:
-    """The artifacts to list: every file but the ranks' hook files and empty dump files, which the ranks remove
-    as they exit (contract/files.py)."""
+    """The artifacts to list: every file but the ranks' hook files, empty dump files and progress counters
+    (flight-rank<R>.status), which the ranks remove as they exit (contract/files.py)."""
     from distcheck.contract import files
 
     hooks = {p.name for p in files.hook_files(report_dir)}
+    hooks |= {p.name for p in files.rank_files(report_dir, "flight_status").values()}
     return {p.name: p.name for p in sorted(report_dir.iterdir())
             if p.is_file() and not p.name.startswith(".") and p.name not in hooks and p.stat().st_size > 0}

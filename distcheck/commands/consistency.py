@@ -98,10 +98,12 @@ def main(args: argparse.Namespace) -> int:
         from distcheck.rank import tracer as trace
 
         trace.uninstall()
-        if report_dir is not None:  # this rank's hook file and empty dump files are not artifacts
+        if report_dir is not None:  # this rank's hook file, empty dump files and progress counter are not artifacts
+            from distcheck.contract import files
             from distcheck.rank.stack_hooks import remove_rank_hooks
 
             remove_rank_hooks(report_dir, session.rank)
+            files.rank_file(report_dir, "flight_status", session.rank).unlink(missing_ok=True)
         if watcher is not None and watcher.poll() is None:
             watcher.terminate()  # the run is over: nothing left to watch
             try:

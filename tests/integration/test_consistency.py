@@ -26,6 +26,9 @@ def test_builtin_passes_and_prints_verdict(tmp_path):
     managed = {row["name"]: row["fsdp"] for row in report["placements"] if row["role"] == "parameter"}
     assert managed["blocks.0.attn.q.weight"] == "blocks.0" and managed["head.weight"] == "<root>"
     assert "placements:" in res.stdout
+    # Progress counters are no artifacts: each rank removes its own at its end, and the list leaves them out.
+    assert not [a for a in report["artifacts"] if a.endswith(".status")], report["artifacts"]
+    assert not list((tmp_path / "report").glob("*.status"))
 
 
 def test_rank_seeded_factory_gives_tensor_divergence(tmp_path):
