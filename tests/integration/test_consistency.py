@@ -1,12 +1,12 @@
 """The consistency command on real gloo ranks: a clean run passes, each fixture bug gives its finding."""
 
 import pytest
-from launch_helpers import FIXTURES, FRESH, distcheck, load_report, torchrun
+from launch_helpers import FIXTURES, distcheck, load_report, torchrun
 
 
 def consistency_run(tmp_path, *extra, nproc=2, env=None):
-    """Ranks forked by the session's zygote (torchrun's processes stand in for them), or with ``env=FRESH`` the
-    fresh interpreters users get by default: the hang test runs that way."""
+    """Ranks forked by the session's zygote (torchrun's processes stand in for them); a hang of fresh interpreters
+    under torchrun is test_faults.py's (SIGTERM)."""
     out = tmp_path / "report"
     res = torchrun(["-m", "distcheck", "consistency", "--report-dir", str(out), "--timeout", "60", *extra],
                    nproc=nproc, timeout=240, env=env)
@@ -153,8 +153,7 @@ def test_rank_crash_keeps_the_report(tmp_path):
 
 
 def test_rank_hang_is_diagnosed_by_the_watchdog(tmp_path):
-    res, report = consistency_run(tmp_path, "--model", f"{FIXTURES}/model_rank_hang.py:build", "--timeout", "6",
-                                  env=FRESH)
+    res, report = consistency_run(tmp_path, "--model", f"{FIXTURES}/model_rank_hang.py:build", "--timeout", "6")
     assert res.returncode != 0
     [f] = report["findings"]
     assert f["kind"] == "hang" and f["ranks"] == [1], f
