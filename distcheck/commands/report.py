@@ -79,7 +79,7 @@ def merge_reports(dirs: list[Path]) -> tuple[Report, str]:
     """The merged report and the text of the regrouped stacks ("" when fewer than two dirs hold stacks)."""
     from distcheck.analysis.hang import diagnose
     from distcheck.supervise.node_exchange import merge_stack_documents
-    from distcheck.supervise.stacks import load_stacks_document, render_stacks_text
+    from distcheck.supervise.stacks import load_stacks_document, render_stacks_summary
 
     reports = [load_report(d) for d in dirs]
     if len(reports) == 1:
@@ -123,8 +123,9 @@ def merge_reports(dirs: list[Path]) -> tuple[Report, str]:
             hang.detail["merged_from"] = [str(d) for d in dirs]
             findings.insert(0, hang)
         hosts = sorted({s.host for s in stacks})
-        stacks_text = render_stacks_text(stacks, errors, f"merged stacks of {len(hosts)} node(s): {', '.join(hosts)}",
-                                         progress, diag.groups, diag.message).split("\nall threads, uncollapsed:\n")[0]
+        stacks_text = render_stacks_summary(stacks, errors,
+                                            f"merged stacks of {len(hosts)} node(s): {', '.join(hosts)}", progress,
+                                            diag.groups, diag.message)
     commands = sorted({r.command for r in reports})
     merged = Report(command=f"distcheck report (merged {len(dirs)} dirs: {'; '.join(commands)})", world_size=world,
                     findings=findings, checks=checks, artifacts=artifacts,

@@ -296,9 +296,9 @@ def stacks_document(stacks: Sequence[RankStack], errors: Sequence[DumpError], na
                     progress: dict[int, RankProgress] | None = None, hosts: Sequence[str] | None = None,
                     groups: Sequence[StackGroup] | None = None, summary: str = "",
                     processes: Sequence[RankStack] = (),
-                    progress_doc: dict[str, Any] | None = None) -> dict[str, Any]:
+                    progress_doc: dict[str, Any] | None = None, title: str = "") -> dict[str, Any]:
     """The JSON form (stacks.json): one document per node; ``distcheck report`` merges several. ``processes``:
-    the dumped processes the ranks started (each with its rank and role).
+    the dumped processes the ranks started (each with its rank and role); ``title``: stacks.txt's first line.
 
     Up to SMALL_WORLD ranks each entry of ``ranks`` holds its threads. Above, each distinct stack is stored once in
     ``stacks`` (``{"ranks": "0-4093,4095", "count", "threads"}``) and each rank's entry points at it (``stack``,
@@ -329,6 +329,7 @@ def stacks_document(stacks: Sequence[RankStack], errors: Sequence[DumpError], na
         "groups": [g.to_json() for g in groups],
         "last_collectives": progress_doc if progress_doc is not None else progress_json(progress),
         "summary": summary,
+        "title": title,
     }
 
 
@@ -362,6 +363,17 @@ def render_stacks_text(stacks: Sequence[RankStack], errors: Sequence[DumpError],
                        progress: dict[int, RankProgress] | None = None, groups: Sequence[StackGroup] | None = None,
                        summary: str = "", processes: Sequence[RankStack] = (),
                        other_processes: Sequence[str] = ()) -> str:
+    """stacks.txt: the summary (:func:`render_stacks_summary`), then every thread uncollapsed."""
+    return (render_stacks_summary(stacks, errors, title, progress, groups, summary, processes, other_processes)
+            + "\nall threads, uncollapsed:\n" + render_all_threads([*stacks, *processes]))
+
+
+def render_stacks_summary(stacks: Sequence[RankStack], errors: Sequence[DumpError], title: str = "",
+                          progress: dict[int, RankProgress] | None = None, groups: Sequence[StackGroup] | None = None,
+                          summary: str = "", processes: Sequence[RankStack] = (),
+                          other_processes: Sequence[str] = ()) -> str:
+    """What a console shows of a hang's stacks: the diagnosis, the groups of ranks with their collapsed stacks, the
+    processes the ranks started, and each rank's last collectives."""
     groups = list(groups) if groups is not None else group_stacks(stacks)
     if summary:
         title = f"{title}\ndiagnosis: {summary}" if title else f"diagnosis: {summary}"
@@ -371,7 +383,21 @@ def render_stacks_text(stacks: Sequence[RankStack], errors: Sequence[DumpError],
         lines = ["", "last collectives (from the trace):"]
         lines += [f"  {line}" for line in progress_lines(progress)]
         text += "\n".join(lines) + "\n"
-    return text + "\nall threads, uncollapsed:\n" + render_all_threads([*stacks, *processes])
+    return text
+
+
+def summary_of_document(path: str | os.PathLike) -> str:
+    """:func:`render_stacks_summary` of a ``stacks.json`` (its structure, not stacks.txt's text): the groups the
+    diagnosis singled out keep their highlight."""
+    stacks, errors, doc = load_stacks_document(path)
+    progress = {int(r): RankProgress.from_json(int(r), p) for r, p in doc.get("last_collectives", {}).items()}
+    processes = stacks_from_json(doc.get("processes", []), doc.get("process_stacks", []))
+    groups = group_stacks(stacks)
+    singled_out = {tuple(g["ranks"]): bool(g.get("minority")) for g in doc.get("groups", [])}
+    for g in groups:
+        g.minority = singled_out.get(tuple(g.ranks), g.minority)
+    return render_stacks_summary(stacks, errors, doc.get("title", ""), progress, groups, doc.get("summary", ""),
+                                 processes)
 
 
 def document_text(doc: dict[str, Any]) -> str:
@@ -409,7 +435,7 @@ def write_stack_artifacts(report_dir: str | os.PathLike, stacks: Sequence[RankSt
                                                                 processes, other_processes))
     atomic_write(report_dir / f"{stem}.json",
                  document_text(stacks_document(stacks, errors, native, progress, None, groups, summary, processes,
-                                               progress_doc)))
+                                               progress_doc, title)))
     return {f"{stem}.txt": f"{stem}.txt", f"{stem}.json": f"{stem}.json"}
 
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from distcheck.contract import env
+from distcheck.contract import env, files
 
 DEFAULT_NPROCS = 2
 DEFAULT_TIMEOUT = 60.0
@@ -210,6 +210,21 @@ def _stuck_check(trace_dir: str):
     return check
 
 
+def _pipeline_cause(trace_dir: str) -> str:
+    """Pipeline stages whose schedules disagree (the ranks' autocheck files, written before each step ran): the
+    cause of the shape error or the hang that follows, named first. The ranks that got through publish it
+    themselves (rank/autocheck test_findings); a stage stuck waiting for a microbatch never gets there."""
+    from distcheck.analysis.pipeline_schedule import pipeline_findings, schedules_from_states
+    from distcheck.contract import autocheck_file
+    from distcheck.contract.findings import format_ranks
+
+    try:
+        found = pipeline_findings(schedules_from_states(autocheck_file.read_all(trace_dir)))
+    except Exception:  # an unreadable file must not hide the failure itself
+        return ""
+    return "\n".join(f"[{f.kind}] {format_ranks(f.ranks)}: {f.message}" for f in found)
+
+
 def _diagnose(pool, job, outcomes, hung: bool, nprocs: int, timeout: float, stop_reason: str | None) -> str:
     """The failure text: the hang diagnosis (grouped stacks) or each failing rank's traceback, plus the first
     collective where the ranks' traces diverge. Runs while a hung pool is still alive, so its stacks are real."""
@@ -218,6 +233,9 @@ def _diagnose(pool, job, outcomes, hung: bool, nprocs: int, timeout: float, stop
 
     parts: list[str] = []
     stacks: dict[int, str] = {}
+    cause = _pipeline_cause(job.trace_dir)
+    if cause:
+        parts.append(cause)
     if hung:
         try:
             from distcheck.supervise.hang import diagnose_hang
@@ -226,9 +244,11 @@ def _diagnose(pool, job, outcomes, hung: bool, nprocs: int, timeout: float, stop
                                       world_size=nprocs)
             head = f"cannot progress ({stop_reason})" if stop_reason else "hung"
             parts.append(f"distributed test {head}: {finding.message}")
-            stacks_txt = Path(job.trace_dir) / "stacks.txt"
-            if stacks_txt.exists():
-                parts.append(stacks_txt.read_text().split("\nall threads, uncollapsed:")[0].rstrip())
+            stacks_json = Path(job.trace_dir) / files.STACKS_JSON
+            if stacks_json.exists():  # its structure, rendered here; stacks.txt keeps every thread uncollapsed
+                from distcheck.supervise.stacks import summary_of_document
+
+                parts.append(summary_of_document(stacks_json).rstrip())
         except Exception as exc:  # py-spy missing or not permitted: faulthandler stacks instead
             stuck = [o.rank for o in outcomes if o.status == "hung"]
             parts.append(f"distributed test hung: rank(s) {','.join(map(str, stuck))} did not finish within "

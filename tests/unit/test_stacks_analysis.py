@@ -256,3 +256,21 @@ def test_a_dumped_rank_whose_stack_shows_nothing_is_never_called_not_dumped():
     assert "rank 0 not dumped" not in d.message and "no rank could be dumped" not in d.message
     assert d.message.startswith("rank 0 dumped, but no stack shows user code or a collective")
     assert d.message.endswith("; rank 1 not dumped (pid 1001 exited during the dump)")
+
+
+def test_the_stacks_summary_is_rendered_again_from_stacks_json_not_read_back_from_stacks_txt(tmp_path):
+    """The pytest marker shows a hang's summary: rendered from stacks.json's structure, it is stacks.txt's text up
+    to the uncollapsed threads, with the 1-1 tie the diagnosis broke still highlighted."""
+    from distcheck.supervise.stacks import summary_of_document, write_stack_artifacts
+
+    stacks = [rank_stack(0, in_allreduce()), rank_stack(1, in_load_shard())]
+    progress = {0: RankProgress(0, CollectiveRef("all_reduce", 3, [0, 1], "train.py:88", TRAIN, 88), None)}
+    diag = diagnose(stacks, progress, world_size=2, timeout=30)
+    assert [g.minority for g in diag.groups] == [False, True]  # the tie, broken by the diagnosis
+    write_stack_artifacts(tmp_path, stacks, [], progress=progress, title="distcheck watchdog: no progress for 30s",
+                          groups=diag.groups, summary=diag.message)
+    summary = summary_of_document(tmp_path / "stacks.json")
+    text = (tmp_path / "stacks.txt").read_text()
+    assert text.startswith(summary) and text[len(summary):].startswith("\nall threads, uncollapsed:\n")
+    assert summary.startswith("distcheck watchdog: no progress for 30s\ndiagnosis: no progress for 30s: rank 1 is in")
+    assert "!! rank 1 (1)  <-- MINORITY" in summary
