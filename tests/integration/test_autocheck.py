@@ -119,6 +119,47 @@ def test_marker_fails_a_passing_test_that_trips_bad_values(pytester):
     assert "[bad_values] rank 1: first NaN/Inf at step 1" in out
 
 
+PIPELINE_MARKER_TESTS = '''
+import pytest, torch, torch.distributed as dist, torch.nn as nn
+from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+
+def run_stage(dist_ctx, n_microbatches):
+    torch.manual_seed(0)
+    stage_model = nn.Sequential(nn.Linear(8, 8), nn.Tanh()) if dist_ctx.rank == 0 else nn.Linear(8, 1)
+    stage = PipelineStage(stage_model, dist_ctx.rank, 2, torch.device("cpu"))
+    schedule = ScheduleGPipe(stage, n_microbatches=n_microbatches, loss_fn=nn.functional.mse_loss)  # SCHEDULE
+    if dist_ctx.rank == 0:
+        schedule.step(torch.randn(8, 8))
+    else:
+        schedule.step(target=torch.randn(8, 1), losses=[])
+
+
+@pytest.mark.distributed(nprocs=2, timeout=60)
+def test_pipeline_agrees(dist_ctx):
+    run_stage(dist_ctx, 2)
+
+
+@pytest.mark.distributed(nprocs=2, timeout=8)  # stage 0 then waits for a microbatch stage 1 never sends
+def test_pipeline_stages_disagree(dist_ctx):
+    run_stage(dist_ctx, 4 if dist_ctx.rank == 0 else 2)
+'''
+
+
+def test_marker_names_pipeline_stages_whose_schedules_disagree(pytester, line_of):
+    pytester.makepyfile(test_pp=PIPELINE_MARKER_TESTS)
+    result = run_pytest(pytester, "-p", "no:cacheprovider", "-v", timeout=180)
+    out = result.stdout.str()
+    result.assert_outcomes(passed=1, failed=1)
+    assert "test_pipeline_agrees PASSED" in out and "test_pipeline_stages_disagree FAILED" in out
+    line = line_of(None, "# SCHEDULE", text=PIPELINE_MARKER_TESTS.strip("\n"))
+    # Named first, before the hang and torch's shape error that follow from it.
+    assert "[collective_mismatch] ranks 0-1: the stages of the pipeline on ranks 0-1 built schedules that disagree " \
+        "on n_microbatches" in out
+    assert out.index("[collective_mismatch]") < out.index("distributed test hung")
+    assert f"stage 0 splits the batch into 4 microbatches of 2 rows (ScheduleGPipe at test_pp.py:{line})" in out
+
+
 def test_an_async_all_reduce_not_waited_before_the_step_is_named_at_both_lines(line_of, tmp_path):
     res, report = run_fixture(tmp_path, "async_not_waited.py")
     assert res.returncode == 1, res.output

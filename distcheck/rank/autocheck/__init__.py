@@ -279,6 +279,7 @@ def test_findings(check: AutoCheck, key: str, timeout: float = 2.0) -> list[Find
     ``timeout`` per missing rank and merges what it got.
     """
     from distcheck.analysis.bad_values import fold_first_bad, merge_states
+    from distcheck.analysis.pipeline_schedule import pipeline_findings, schedules_from_states
     from distcheck.errors import ChannelTimeout
     from distcheck.rank.runtime import current_channel
 
@@ -289,14 +290,17 @@ def test_findings(check: AutoCheck, key: str, timeout: float = 2.0) -> list[Find
         channel.put(f"autocheck/{key}/{check.rank}", states[check.rank])
         if check.rank != 0:
             return []
-        # A test that ran no model and no backward here (plain collectives) has nothing to merge: do not wait.
-        quiet = not check.model_checks and not check.backwards
+        # A test that ran no model, no backward and no pipeline here (plain collectives) has nothing to merge: do
+        # not wait.
+        quiet = not check.model_checks and not check.backwards and not states[check.rank].get("pipeline")
         for r in ([] if quiet else range(1, channel.world_size)):
             try:
                 states[r] = channel.get(f"autocheck/{key}/{r}", r, timeout=timeout)
             except ChannelTimeout:
                 log.warning("distcheck: rank %s sent no automatic-check record for this test", r)
     findings, _ = merge_states(states)
+    # Stages whose schedules disagree: the one finding says which values differ and where, beside torch's error.
+    findings += pipeline_findings(schedules_from_states(states))
     return fold_first_bad(list(check.findings) + findings)
 
 
