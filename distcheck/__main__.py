@@ -4,10 +4,14 @@ import sys
 
 if __name__ == "__main__":
     # First of all, before anything heavy is imported: a launcher (run, compare) takes the stop signals over, so that
-    # SIGTERM at any moment, even 0.1 s after the start, ends in a report (distcheck/supervise/signals.py).
-    from distcheck.supervise.signals import install_early
+    # SIGTERM at any moment, even 0.1 s after the start, ends in a report (distcheck/supervise/signals.py). A rank
+    # decides that without importing supervisor code (tests/unit/test_layout.py).
+    from distcheck.options import is_launcher
 
-    install_early(sys.argv[1:])
+    if is_launcher(sys.argv[1:]):
+        from distcheck.supervise.signals import install_early
+
+        install_early(sys.argv[1:])
     # Under torchrun with a shared zygote named (DISTCHECK_ZYGOTE=SOCKET): the rank is forked from it and this
     # process stands in for it (distcheck/supervise/zygote.py, stand_in). Checked before anything heavy is imported.
     from distcheck.contract import env

@@ -15,8 +15,7 @@ import re
 import sys
 from typing import NoReturn, Sequence
 
-from distcheck.errors import UsageError
-from distcheck.supervise.signals import StopNow
+from distcheck.errors import StopNow, UsageError
 
 # The registry of commands, in the order of the contract (DESIGN.md). A command is listed when its module exists.
 COMMANDS = {

@@ -19,3 +19,13 @@ class ChannelTimeout(Exception):
         self.seconds = seconds
         ranks = ",".join(map(str, missing_ranks))
         super().__init__(f"ranks {ranks} did not reach '{tag}' within {seconds:g}s")
+
+
+class StopNow(BaseException):
+    """A second stop signal: end now, keep what is written (a BaseException, like KeyboardInterrupt, so that no
+    ``except Exception`` on the way swallows it). Raised by the launcher's handlers (supervise/signals.py); here so
+    that the CLI catches it without importing supervisor code into a rank."""
+
+    def __init__(self, signame: str) -> None:
+        super().__init__(f"stopped at once by a second {signame}")
+        self.signame = signame

@@ -8,11 +8,22 @@ builds options itself (compare building the options of its runs) cannot forget a
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from distcheck.contract import env
 from distcheck.errors import UsageError
+
+LAUNCHER_COMMANDS = ("run", "compare")
+
+
+def is_launcher(argv: "list[str] | tuple[str, ...]", environ: "dict[str, str] | os._Environ" = os.environ) -> bool:
+    """Whether ``python -m distcheck ARGV`` launches ranks itself (run, compare), rather than being a rank (under
+    torchrun, or started by a launcher) or a command that runs no ranks. Here, not in supervise/, so that a rank
+    decides it without importing supervisor code."""
+    command = next((a for a in argv if not a.startswith("-")), None)
+    return command in LAUNCHER_COMMANDS and not ("RANK" in environ and "WORLD_SIZE" in environ)
 
 # Set by the launcher for the ranks it starts: a rank under it leaves watching and reporting to the launcher.
 ENV_SUPERVISED = env.SUPERVISED

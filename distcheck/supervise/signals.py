@@ -29,20 +29,12 @@ import time
 from types import FrameType
 from typing import Any, Sequence
 
+from distcheck.errors import StopNow
+from distcheck.options import is_launcher
+
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 STOP_NAMES = tuple(s.name for s in STOP_SIGNALS)
-# The commands that launch ranks themselves: the only ones whose process takes the stop signals over.
-LAUNCHER_COMMANDS = ("run", "compare")
 STOP_NOTE = "stop_signal"  # the warnings kind of a signal that stopped nothing
-
-
-class StopNow(BaseException):
-    """A second stop signal: end now, keep what is written (a BaseException, like KeyboardInterrupt, so that no
-    ``except Exception`` on the way swallows it)."""
-
-    def __init__(self, signame: str) -> None:
-        super().__init__(f"stopped at once by a second {signame}")
-        self.signame = signame
 
 
 class Interrupt:
@@ -119,13 +111,6 @@ class StopSignals:
 
 
 _early: StopSignals | None = None
-
-
-def is_launcher(argv: Sequence[str], environ: dict[str, str] | os._Environ = os.environ) -> bool:
-    """Whether ``python -m distcheck ARGV`` launches ranks itself (run, compare), rather than being a rank (under
-    torchrun, or started by a launcher) or a command that runs no ranks."""
-    command = next((a for a in argv if not a.startswith("-")), None)
-    return command in LAUNCHER_COMMANDS and not ("RANK" in environ and "WORLD_SIZE" in environ)
 
 
 def install_early(argv: Sequence[str]) -> Interrupt | None:

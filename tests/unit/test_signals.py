@@ -12,7 +12,8 @@ import pytest
 from distcheck.contract.findings import CheckResult, Finding
 from distcheck.contract.report import Report
 from distcheck.supervise import signals
-from distcheck.supervise.signals import Interrupt, StopNow, StopSignals, is_launcher, settle
+from distcheck.options import is_launcher
+from distcheck.supervise.signals import Interrupt, StopNow, StopSignals, settle
 from distcheck.supervise.watch import DONE, INTERRUPTED, HangDump, WatchLoop, as_start_up, script_ended
 
 
