@@ -17,12 +17,12 @@ it is unit-tested without launching ranks.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from distcheck.analysis.replica_drift import drift_finding, frozen_finding
 from distcheck.contract.findings import CheckResult, Finding, format_names, format_ranks
+from distcheck.contract.site import file_line
 
 # No initializer (normal/uniform/xavier/kaiming/trunc_normal/ones/zeros/eye/orthogonal) produces a magnitude above
 # this for any realistic fan-in; leftovers of uninitialized memory routinely do (1e31, 1e38).
@@ -154,10 +154,6 @@ class FlaggedTensor:
         return cls(**data)
 
 
-def _site(file: str | None, line: int | None) -> str | None:
-    return f"{os.path.basename(file)}:{line}" if file and line else None
-
-
 def _range(lo: float, hi: float) -> str:
     return f"[{lo:.3g}, {hi:.3g}]"
 
@@ -182,7 +178,7 @@ def _tensor_detail(name: str, by_rank: dict[int, FlaggedTensor]) -> dict[str, An
         "range": [min(i.stats.min for i in by_rank.values()), max(i.stats.max for i in by_rank.values())],
         "init_range": list(first.init_range) if first.init_range else None, "init_source": first.init_source,
     }
-    where = _site(first.file, first.line)
+    where = file_line(first.file, first.line)
     if where:
         detail.update(file=first.file, line=first.line, site=where)
     return detail
@@ -223,7 +219,7 @@ def _grouped_finding(members: list[tuple[str, dict[int, FlaggedTensor]]], uninit
     sites: list[str] = []
     for _, by_rank in members:
         item = by_rank[min(by_rank)]
-        where = _site(item.file, item.line)
+        where = file_line(item.file, item.line)
         if where and where not in sites:
             sites.append(where)
     lo = min(i.stats.min for _, b in members for i in b.values())
@@ -245,7 +241,7 @@ def _grouped_finding(members: list[tuple[str, dict[int, FlaggedTensor]]], uninit
                               "cause": "uninitialized" if uninit else "nonfinite", "range": [lo, hi],
                               "tensors": [_tensor_detail(name, by_rank) for name, by_rank in members]}
     if first.file and first.line:  # the first place to fix: where the first such module is created
-        detail.update(file=first.file, line=first.line, site=_site(first.file, first.line))
+        detail.update(file=first.file, line=first.line, site=file_line(first.file, first.line))
     return Finding("bad_values", ranks, msg, detail)
 
 
@@ -336,7 +332,7 @@ def first_bad_finding(events: dict[int, BadEvent | None], steps_done: dict[int, 
     clean = [r for r in everyone if r not in at_step and steps_done.get(r, 0) > step]
     origin = loss_ranks or sorted(at_step)
     first = at_step[origin[0]]
-    where = _site(first.file, first.line)
+    where = file_line(first.file, first.line)
     unit = "optimizer step" if counter == "optimizer.step" else "backward() call"
     parts = [f"first NaN/Inf at step {step} (0-based {unit} count) on {format_ranks(origin)}"]
     if loss_ranks:

@@ -39,6 +39,7 @@ from typing import Any, Callable, Iterable, NamedTuple
 
 from distcheck.analysis.ops import PEER_OPS
 from distcheck.contract import files
+from distcheck.contract.site import file_line
 
 # Traced calls that issue several backend collectives, and how many at most: the *_object helpers exchange sizes
 # first, a barrier or a list all-gather may run as more than one op on some backends, a batch or a coalesced call
@@ -173,10 +174,6 @@ class _PhaseIndex:
         return self._bisect(self.starts, b) > self._bisect(self.starts, a)
 
 
-def _site(file: str | None, line: int | None) -> str | None:
-    return f"{os.path.basename(file)}:{line}" if file and line else None
-
-
 def _describe(entry: dict[str, Any], dump: FlightDump, index: _PhaseIndex,
               graph_pos: dict[int, int]) -> dict[str, Any]:
     """origin, via, file and line of an untraced entry, from the phase it was created in."""
@@ -189,7 +186,7 @@ def _describe(entry: dict[str, Any], dump: FlightDump, index: _PhaseIndex,
     file, line = phase.get("file"), phase.get("line")
     if kind == "compiled":
         graph = dump.graphs.get(str(phase.get("graph"))) or {}
-        fn_site = _site(graph.get("file") or file, graph.get("line") or line)
+        fn_site = file_line(graph.get("file") or file, graph.get("line") or line)
         key = id(phase)
         k = graph_pos.get(key, 0)
         graph_pos[key] = k + 1
@@ -302,7 +299,7 @@ def merge(events: list[Any], dump: FlightDump | None, event_type: Callable[..., 
         untraced.append(event_type(
             rank=dump.rank, id=0, seq=seq, pg=tuple(int(r) for r in ranks),
             op=op, shapes=[list(s) for s in sizes or []], dtypes=dtypes, reduce_op=None, peer=None,
-            site=_site(desc["file"], desc["line"]), file=desc["file"], line=desc["line"], t_start=created,
+            site=file_line(desc["file"], desc["line"]), file=desc["file"], line=desc["line"], t_start=created,
             t_end=ended, pg_name=group,
             extra={"origin": desc["origin"], "via": desc["via"], "untraced": True,
                    "sequence": ("untraced", group), "end_unknown": ended is not None and not t_done}))
@@ -371,7 +368,7 @@ def graph_run_events(events: list[Any], graphs: dict[int, dict[str, Any]],
         graph = graphs[gid]
         sizes = runs[n_run][2]
         ranks_of = graph.get("groups") or {}
-        fn_site = _site(graph.get("file"), graph.get("line"))
+        fn_site = file_line(graph.get("file"), graph.get("line"))
         for coll in graph.get("collectives") or []:
             group = str(coll.get("group") or "")
             if not group:
@@ -386,7 +383,7 @@ def graph_run_events(events: list[Any], graphs: dict[int, dict[str, Any]],
                 rank=rank, id=0, seq=bisect.bisect_left(starts.get(group, []), t) + n, pg=tuple(int(r) for r in ranks),
                 op=op, shapes=[] if op == "all_to_all" or shape is None else [list(shape)],
                 dtypes=[] if dtype is None else [str(dtype).replace("torch.", "")], reduce_op=None, peer=None,
-                site=_site(file, line), file=file, line=line, t_start=t, t_end=None if t == last_t else t,
+                site=file_line(file, line), file=file, line=line, t_start=t, t_end=None if t == last_t else t,
                 pg_name=group,
                 extra={"origin": "compiled", "via": f"{op} inside compiled {graph.get('fn', '?')} ({fn_site})",
                        "untraced": True, "sequence": ("untraced", group), "end_unknown": t != last_t,

@@ -15,7 +15,6 @@ to run it instead.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -26,6 +25,7 @@ from distcheck.analysis.progress import CollectiveRef, RankProgress, rank_progre
 from distcheck.analysis.stack_groups import (
     Frame, RankStack, StackGroup, group_stacks, innermost_user_frame, process_group_call, stack_collective, waits_on,
 )
+from distcheck.contract.site import base_name, file_line
 from distcheck.contract.findings import (
     SMALL_WORLD, Finding, format_ranks, parse_rank_ranges, rank_ranges, ranks_keyed,
 )
@@ -177,9 +177,7 @@ def progress_from_json(mapping: dict[str, Any] | None) -> dict[int, RankProgress
 
 
 def _site(file: str, line: int) -> str:
-    if not file:
-        return "?"
-    return f"{os.path.basename(file)}:{line}" if line else os.path.basename(file)
+    return file_line(file, line) or (base_name(file) if file else "?")
 
 
 def place_on_process(loc: Location, stack: RankStack | None, processes: Sequence[RankStack]) -> None:

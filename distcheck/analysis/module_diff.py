@@ -28,9 +28,10 @@ is N times the reference's).
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 from typing import Any
+
+from distcheck.contract.site import file_line
 
 RTOL = 1e-3  # of each sample's own scale, sqrt(k * sum of squares): float32 sums reassociated across shards
 ATOL = 1e-6
@@ -58,7 +59,7 @@ class ModuleDiff:
 
     @property
     def site(self) -> str:
-        return f"{os.path.basename(self.file)}:{self.line}" if self.file and self.line else "?"
+        return file_line(self.file, self.line) or "?"
 
     def to_json(self) -> dict[str, Any]:
         return {"name": self.label, "class": self.cls, "file": self.file, "line": self.line, "side": self.side,

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 from distcheck.contract.findings import Finding, format_ranks
+from distcheck.contract.site import file_line
 
 CAUSE = "pipeline_schedule_mismatch"
 PIPELINING = "/torch/distributed/pipelining/"
@@ -69,7 +70,7 @@ class StageSchedule:
 
     @property
     def site(self) -> str | None:
-        return f"{os.path.basename(self.file)}:{self.line}" if self.file and self.line is not None else None
+        return file_line(self.file, self.line)
 
     def splits(self) -> list[tuple[str, int]]:
         """What the first step split and its rows on the split dim: ("batch", 16) for the first stage's first

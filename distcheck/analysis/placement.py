@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from distcheck.contract.findings import Finding, Note, format_names
+from distcheck.contract.site import file_line
 
 # Styles whose job is to leave parameters replicated (norms under SequenceParallel) or that hold none.
 REPLICATING_STYLES = frozenset({"SequenceParallel", "PrepareModuleInput", "PrepareModuleOutput",
@@ -125,11 +126,7 @@ def render_placement_table(rows: list[PlacementRow]) -> str:
 
 
 def _where(row: PlacementRow) -> str:
-    return f" (defined at {_basename(row.file)}:{row.line})" if row.file and row.line else ""
-
-
-def _basename(path: str) -> str:
-    return path.replace("\\", "/").rsplit("/", 1)[-1]
+    return f" (defined at {file_line(row.file, row.line)})" if row.file and row.line else ""
 
 
 def _size(row: PlacementRow) -> str:
@@ -265,7 +262,7 @@ def mixed_mesh_notes(rows: list[PlacementRow], ranks: list[int]) -> list[Note]:
     for group in by_mesh.values():
         first = group[0]
         names = [r.name for r in group]
-        sites = list(dict.fromkeys(f"{_basename(r.file)}:{r.line}" for r in group if r.file and r.line))
+        sites = list(dict.fromkeys(file_line(r.file, r.line) for r in group if r.file and r.line))
         where = f" (defined at {', '.join(sites[:SHOWN])})" if sites else ""
         message = (f"{len(names)} parameter{'s' if len(names) != 1 else ''} live{'s' if len(names) == 1 else ''} "
                    f"on mesh {mesh_label(first)} ranks {first.mesh_ranks} while {on_main} of the model's {total} "
@@ -312,7 +309,7 @@ def _grouped(found: list[Finding], rows: dict[str, PlacementRow]) -> list[Findin
         shown = format_names(names, SHOWN)
         sites = []
         for r in member_rows:
-            site = f"{_basename(r.file)}:{r.line}" if r.file and r.line else None
+            site = file_line(r.file, r.line)
             if site and site not in sites:
                 sites.append(site)
         where = f" (defined at {', '.join(sites[:SHOWN])})" if sites else ""

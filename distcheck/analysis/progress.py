@@ -33,12 +33,12 @@ stacks.txt/stacks.json (supervise/stacks.py), the trace alignment's findings and
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
 from distcheck.analysis.ops import PEER_OPS
 from distcheck.analysis.trace_events import RankTrace, TraceEvent
+from distcheck.contract.site import base_name, file_line
 
 PENDING, COMPLETED, FAILED, ISSUED = "pending", "completed", "failed", "issued"
 ISSUED_NOTE = "functional: only known issued, its completion is not traced"
@@ -92,7 +92,7 @@ class CollectiveRef:
     def from_event(cls, e: TraceEvent) -> CollectiveRef:
         file = e.file or ""
         line = e.line or 0
-        site = e.site or (f"{os.path.basename(file)}:{line}" if file else "")
+        site = e.site or file_line(file, line) or (base_name(file) if file else "")
         # The group's ranks are shared with the event (a 4096-rank group is one tuple, not one list per ref).
         return cls(e.op, e.seq, _ranks_list(e.pg) if e.pg else None, site, file, line, e.id, e.t_end is not None,
                    e.error, e.issued_only, process_group(e), e, e.extra.get("via"))

@@ -27,6 +27,7 @@ from distcheck.analysis.tolerance import (Comparison, Precision, Rule, compare, 
 from distcheck.contract.findings import Finding, format_ranks
 from distcheck.contract import records_file
 from distcheck.contract.files import AUTO_GRADS, AUTO_LOSS, AUTO_PARAMS
+from distcheck.contract.site import file_line
 
 # Python numbers usually come from ``loss.item()`` of a float32 tensor: float64 tolerances would flag rounding.
 NUMBER_TOL_DTYPE = torch.float32
@@ -73,7 +74,7 @@ class Record:
 
     @property
     def site(self) -> str:
-        return f"{os.path.basename(self.file)}:{self.line}" if self.file and self.line else ""
+        return file_line(self.file, self.line) or ""
 
 
 Key = tuple[str, int, int]  # (name, step, occurrence of that (name, step) on the rank)
@@ -370,7 +371,7 @@ class Row:
 
     @property
     def site(self) -> str:
-        return f"{os.path.basename(self.file)}:{self.line}" if self.file and self.line else ""
+        return file_line(self.file, self.line) or ""
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"name": self.name, "step": self.step, "status": self.status,

@@ -12,11 +12,11 @@ between ranks with equal keys is one ``tensor_divergence`` finding for all the p
 from __future__ import annotations
 
 import json
-import os
 from typing import Any
 
 from distcheck.analysis.replicas import Entry, Fingerprint, find_divergences
 from distcheck.contract.findings import Finding, format_names, format_ranks
+from distcheck.contract.site import file_line
 
 FIRST_NAMES = 4  # names spelled out in the message; detail.params has them all
 
@@ -73,7 +73,7 @@ def _site(detail: dict | None) -> tuple[str | None, int | None]:
 
 
 def _where(file: str | None, line: int | None) -> str:
-    return f"{os.path.basename(file)}:{line}" if file and line else "?"
+    return file_line(file, line) or "?"
 
 
 def _finding(step: int, divs: list, by_rank: dict[int, dict[str, Any]]) -> Finding:

@@ -20,6 +20,7 @@ from typing import Any, Iterable, Sequence
 from distcheck.analysis.frame_owner import LIBRARY, TORCH, USER, display_path, native_owner, owner, package
 from distcheck.analysis.ops import C10D_OPS, FUNCOL_OPS
 from distcheck.contract.findings import SMALL_WORLD, format_ranks, rank_ranges
+from distcheck.contract.site import base_name, file_line
 
 # Names of torch.distributed entry points: a rank whose stack passes through one of these (inside torch) waits in
 # that collective. Used when no trace says which collective a rank is in (`distcheck stacks` on a foreign job).
@@ -297,7 +298,7 @@ class ShownFrame:
 
     def text(self) -> str:
         if not self.internal:
-            loc = f"{os.path.basename(self.file)}:{self.line}" if self.line else os.path.basename(self.file)
+            loc = file_line(self.file, self.line) or base_name(self.file)
             return f"{self.name} ({loc})" + ("  [native]" if self.native else "")
         # a library is named by its path inside the package: "module.py" alone says nothing about which library
         path = display_path(self.file) if self.owner == LIBRARY and not self.native else os.path.basename(self.file)

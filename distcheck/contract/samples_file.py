@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from distcheck.contract import files
+from distcheck.contract.site import file_line
 
 
 @dataclass(frozen=True)
@@ -24,7 +25,7 @@ class Place:
 
     @property
     def site(self) -> str:
-        return f"{os.path.basename(self.file)}:{self.line}"
+        return file_line(self.file, self.line) or "?"
 
 
 def path(report_dir: str | os.PathLike, rank: int) -> Path:

@@ -65,6 +65,7 @@ from distcheck.contract import trace_records as records
 from distcheck.processes import agent_pid
 from distcheck.rank import flight_recorder
 from distcheck.rank.usersite import is_internal
+from distcheck.contract.site import file_line
 
 try:  # the hot path in C, built by setup.py where a C compiler is there (docs/performance.md)
     from distcheck.rank import _tracefast
@@ -673,7 +674,7 @@ class Tracer:
         event = self._describe(op, names, args, kwargs, funcol, default_op)
         if frame is not None:
             self._codes[id(frame.f_code)] = frame.f_code  # the cache keys it by id: it must never be reused
-            event.update(site=f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}",
+            event.update(site=file_line(frame.f_code.co_filename, frame.f_lineno),
                          file=frame.f_code.co_filename, line=frame.f_lineno)
             via = _library_call(frame)
             if via:

@@ -19,45 +19,13 @@ call under it (``lightning/pytorch/core/module.py:512 in log``). From that one p
 from __future__ import annotations
 
 import inspect
-import os
 import re
 import sys
 import traceback
-from dataclasses import dataclass, field
 from typing import Any
 
 from distcheck.analysis.frame_owner import LIBRARY, USER, is_user, location, owner
-
-
-@dataclass(frozen=True)
-class Site:
-    file: str | None
-    line: int | None
-    # The library call the user's line made, when the walk out to it passed through one: what the user called
-    # (``lightning/pytorch/core/module.py:512 in log``) is not always what issued the collective or raised.
-    via: str | None = field(default=None, compare=False)
-
-    @property
-    def site(self) -> str | None:
-        """``train.py:88``, or None when unknown."""
-        if self.file is None or self.line is None:
-            return None
-        return f"{os.path.basename(self.file)}:{self.line}"
-
-    def __str__(self) -> str:
-        return self.site or "?"
-
-    def __bool__(self) -> bool:
-        return self.file is not None
-
-    def detail(self) -> dict:
-        out: dict[str, Any] = {"file": self.file, "line": self.line}
-        if self.via:
-            out["via"] = self.via
-        return out
-
-
-UNKNOWN = Site(None, None)
+from distcheck.contract.site import UNKNOWN, Site
 
 
 def is_internal(filename: str) -> bool:

@@ -38,6 +38,7 @@ from types import FrameType
 from typing import Any, Callable
 
 from distcheck.contract import env
+from distcheck.contract.site import file_line
 
 ENV_TAG = env.POOL_WORKER  # set by the pool on each rank: whatever the rank starts inherits it
 GRACE = 0.5  # seconds a test's threads and processes get to end by themselves after the test returned
@@ -78,7 +79,7 @@ def _creator(frame: FrameType | None) -> Site | None:
 
 
 def _site_text(site: Site | None) -> str:
-    return f"{os.path.basename(site[1])}:{site[2]}" if site else "?"
+    return file_line(site[1], site[2]) or "?" if site else "?"
 
 
 def _is_tests(site: Site | None) -> bool:
@@ -162,7 +163,7 @@ def _target(thread: threading.Thread) -> tuple[str, str]:
         fn = fn.func
     code = getattr(fn, "__code__", None)
     name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(thread).__name__
-    return name, f"{os.path.basename(code.co_filename)}:{code.co_firstlineno}" if code is not None else ""
+    return name, file_line(code.co_filename, code.co_firstlineno) or "" if code is not None else ""
 
 
 def _now(thread: threading.Thread) -> str:
@@ -173,7 +174,7 @@ def _now(thread: threading.Thread) -> str:
         frame = frame.f_back
     if frame is None:
         return ""
-    return f"now in {frame.f_code.co_name} at {os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
+    return f"now in {frame.f_code.co_name} at {file_line(frame.f_code.co_filename, frame.f_lineno)}"
 
 
 def describe_thread(thread: threading.Thread) -> Leftover:

@@ -22,6 +22,7 @@ from typing import Any
 
 from distcheck.analysis.bad_values import FlaggedTensor, classify, plausible, tensor_stats, uninitialized_findings
 from distcheck.contract.findings import Finding
+from distcheck.contract.site import file_line
 
 log = logging.getLogger("distcheck")
 
@@ -261,7 +262,7 @@ def _any_forward(ref: weakref.ref, module: Any, args: Any) -> None:
 
 
 def _site_text(site: list | None) -> str:
-    return f"{os.path.basename(site[0])}:{site[1]}" if site else "?"
+    return file_line(site[0], site[1]) or "?" if site else "?"
 
 
 def _submodule(root: Any, fqn: str) -> Any:

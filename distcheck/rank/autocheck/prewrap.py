@@ -44,6 +44,7 @@ from distcheck.analysis.replicas import Divergence, Entry, Fingerprint, find_div
 from distcheck.contract.findings import Finding, format_names, format_ranks
 from distcheck.rank.autocheck.discovery import user_name
 from distcheck.rank.usersite import Site, caller_site
+from distcheck.contract.site import file_line
 
 log = logging.getLogger("distcheck")
 
@@ -93,9 +94,7 @@ def _site_json(site: Site | None) -> list | None:
 
 
 def _where(site: list | None) -> str:
-    import os
-
-    return f"{os.path.basename(site[0])}:{site[1]}" if site else "?"
+    return file_line(site[0], site[1]) or "?" if site else "?"
 
 
 class PreWrap:
