@@ -13,6 +13,10 @@ the processes they started that still run (a helper in a session of its own, a s
 by the ranks' process trees as it watched them and by the run's id in their environment (supervise/procs.RunTree),
 so that nothing of the job holds its console open after torchrun exits.
 
+Whatever ends the watch (a hang, a stop signal, the ranks ending by themselves, rank 0 dying before its own report,
+node 0 gone), the report takes one path: what the watch found goes into one typed record, composed into the report
+by pure functions and published by one writer (supervise/node_report.py); this module is the watch flow only.
+
 On several nodes (``torchrun --nnodes N``) each node's watcher reads only its node's files and exchanges summaries
 with the others through torchrun's rendezvous store (supervise/node_exchange.py): the node of global rank 0 writes
 the job's one report into its report dir, the others print one line saying where it is, and each node's own
@@ -33,14 +37,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
 from distcheck.contract import files, stack_dump_file, stack_hook_file
-from distcheck.contract.findings import format_ranks
+from distcheck.contract.findings import Finding, Note, format_ranks
 from distcheck.processes import RUN_ID_ENV, alive, read_environ, restart_count, terminate
 from distcheck.supervise.live_stragglers import LiveStragglers
+from distcheck.supervise.node_report import (ENDED, HANG, NODE0_GONE, RANK0_DIED, STOPPED, Evidence, Nodes, compose,
+                                             publish, written_since)
 from distcheck.supervise.procs import RunTree
 from distcheck.supervise.watch import HUNG, STARTUP_TIMEOUT, HangDump, WatchLoop, script_ended
 
 if TYPE_CHECKING:
-    from distcheck.supervise.node_exchange import NodeEnv, StoreChannel
+    from distcheck.supervise.node_exchange import MergedNodes, NodeEnv, StoreChannel
 
 log = logging.getLogger("distcheck")
 
@@ -163,35 +169,39 @@ def _watch(report_dir: str, timeout: float, native: bool, parent: int, world_siz
                      poll=0.1, cancel=cancel, stragglers=LiveStragglers(report_dir))
     result = loop.run()
     cancel.set()
+
+    def evidence(ending: str, world: int | None = None, **found) -> Evidence:
+        return Evidence(ending, Path(report_dir), out_dir, world or world_size or len(seen), timeout,
+                        time.monotonic() - started, started_wall, **found)
+
     if result.state == HUNG:
         pids = local_ranks(report_dir, host)
-        write_node_report(report_dir, out_dir, result.hang_findings, world_size or len(pids), timeout,
-                          time.monotonic() - started, "watchdog", f"no progress for {timeout:g}s",
-                          (result.diagnosed_at or 0) - (result.declared_at or 0))
+        publish(compose(evidence(HANG, world=world_size or len(pids), note=f"no progress for {timeout:g}s",
+                                 findings=result.hang_findings,
+                                 check_seconds=(result.diagnosed_at or 0) - (result.declared_at or 0))))
         terminate(list(pids.values()), grace=2.0)
         files.tidy(report_dir)
         return 1
-    stopped = stop_finding(report_dir, out_dir, native, world_size)
+    stopped = diagnose_stop(report_dir, out_dir, native, world_size)
     if stopped is not None:  # torchrun passed a stop signal on to the ranks: they dumped their stacks and died
         dead, failed = stopped.detail["died_first"], stopped.detail.get("failed_first", [])
         note = (f"{format_ranks(failed or dead)} ended first; torchrun stopped the others" if failed or dead
                 else f"stopped from outside by {stopped.detail['stopped_by']}")
         # After a rank's own failure the stop is its consequence: where the stopped ranks were is a warning,
         # the failure is the finding.
-        findings, warnings = ([], [stopped_note(stopped)]) if failed else ([stopped], [])
-        write_node_report(report_dir, out_dir, findings, world_size or len(seen), timeout,
-                          time.monotonic() - started, "stopped", note, running=set(stopped.detail["stopped_ranks"]),
-                          warnings=warnings, command=command)
+        findings, warnings = ([], [as_warning(stopped)]) if failed else ([stopped], [])
+        publish(compose(evidence(STOPPED, note=note, findings=findings, warnings=warnings, command=command,
+                                 running=set(stopped.detail["stopped_ranks"]))))
         files.tidy(report_dir)
         return 1
     if expected is not None:  # the run's report: every rank ended by itself
-        return write_run_report(report_dir, command or "distcheck run", expected, timeout,
-                                time.monotonic() - started, agent)
-    if 0 in seen and not _written_since(out_dir, started_wall):
+        code = publish(compose(evidence(ENDED, world=expected, command=command, agent=agent)))
+        files.tidy(report_dir)
+        return code
+    if 0 in seen and not written_since(out_dir, started_wall):
         # Rank 0 died before it could write the report (SIGKILLed, or stopped by torchrun after another rank
         # died): the run's report, from the ranks' files, so that the death is still named.
-        write_node_report(report_dir, out_dir, [], world_size or len(seen), timeout, time.monotonic() - started,
-                          "report", "rank 0 ended before writing the report", running=set())
+        publish(compose(evidence(RANK0_DIED, note="rank 0 ended before writing the report", running=set())))
         files.tidy(report_dir)
         return 1
     return 0
@@ -264,7 +274,7 @@ def _watch_nodes(report_dir: str, timeout: float, native: bool, parent: int, env
         if ended_by_rank.is_set() and link.remote_hang is None:
             # The command is over and its rank 0 wrote the report: say where, within the rank's grace (5 s).
             if env.reports:
-                if _written_since(Path(report_dir), started_wall):
+                if written_since(Path(report_dir), started_wall):
                     channel.publish_report(host, str(Path(report_dir).resolve() / files.REPORT_TXT))
                     channel.await_report_seen(env.nnodes - 1, time.monotonic() + 2.0)
             else:
@@ -273,6 +283,11 @@ def _watch_nodes(report_dir: str, timeout: float, native: bool, parent: int, env
                     _say(where_line(location, 3.0))
             return 0
         hung = result.state == HUNG or link.remote_hang is not None
+
+        def evidence(ending: str, out: Path = out_dir, **found) -> Evidence:
+            return Evidence(ending, Path(report_dir), out, env.world_size, timeout, time.monotonic() - started,
+                            started_wall, **found)
+
         if hung:
             if link.remote_hang is None:
                 channel.announce_hang(env.node, host)
@@ -281,47 +296,43 @@ def _watch_nodes(report_dir: str, timeout: float, native: bool, parent: int, env
                                      out_dir=out_dir)
             channel.publish(summarize_node(env, report_dir, set(pids), hung=True,
                                            stacks_path=out_dir / files.STACKS_JSON))
+            note = f"no progress for {timeout:g}s"
             if env.reports:
-                write_job_report(report_dir, env, channel, native, timeout, time.monotonic() - started,
-                                 started_wall, hung=True, note=f"no progress for {timeout:g}s")
+                _publish_job_report(evidence(HANG, Path(report_dir), note=note), env, channel, native)
             else:
                 waited = GATHER_TIMEOUT + 15.0
                 location = wait_for_report(channel, link, time.monotonic() + waited)
                 if location is None:  # node 0 is gone: this node's report, with what it knows
                     _say(where_line(location, waited, env, gone=channel.broken))
-                    write_node_report(report_dir, out_dir, findings, env.world_size, timeout,
-                                      time.monotonic() - started, "watchdog", f"no progress for {timeout:g}s",
-                                      ranks=set(env.ranks))
+                    publish(compose(evidence(NODE0_GONE, note=note, findings=findings, local_ranks=set(env.ranks))))
                 else:
                     _say(where_line(location, waited))
             terminate(list(pids.values()), grace=2.0)
             files.tidy(report_dir)
             return 1
-        stopped = stop_finding(report_dir, out_dir, native, env.world_size, local_only=True)
+        stopped = diagnose_stop(report_dir, out_dir, native, env.world_size, local_only=True)
         if stopped is not None:
             # torchrun passed a stop signal on: its store goes down with node 0's agent, so each node reports its
             # own ranks in node-<host>/ (`distcheck report` merges them), naming no other node's rank.
             dead = stopped.detail["died_first"]
             note = (f"{format_ranks(dead)} ended first; torchrun stopped the others" if dead
                     else f"stopped from outside by {stopped.detail['stopped_by']}")
-            write_node_report(report_dir, out_dir, [stopped], env.world_size, timeout, time.monotonic() - started,
-                              "stopped", note, running=set(stopped.detail["stopped_ranks"]), ranks=set(env.ranks))
+            publish(compose(evidence(STOPPED, note=note, findings=[stopped], local_ranks=set(env.ranks),
+                                     running=set(stopped.detail["stopped_ranks"]))))
             files.tidy(report_dir)
             return 1
         # Every rank of this node has ended: cut their trace records' unwritten tails before reading them, or a
         # record file still at its preallocated size reads as a big job's, whose traces are only summarized.
         files.tidy(report_dir)
         if env.reports and command is not None:  # the run's report: every rank of this node ended its script
-            code = write_job_report(report_dir, env, channel, native, timeout, time.monotonic() - started,
-                                    started_wall, hung=False, note=None, command=command)
-            return code
+            return _publish_job_report(evidence(ENDED, Path(report_dir), command=command), env, channel, native)
         if env.reports:
-            if 0 in seen and not _written_since(Path(report_dir), started_wall):
+            if 0 in seen and not written_since(Path(report_dir), started_wall):
                 # Rank 0 died before it could write the report: the job's report, from every node's summary.
-                write_job_report(report_dir, env, channel, native, timeout, time.monotonic() - started,
-                                 started_wall, hung=False, note="rank 0 ended before writing the report")
+                _publish_job_report(evidence(RANK0_DIED, Path(report_dir),
+                                             note="rank 0 ended before writing the report"), env, channel, native)
                 return 1
-            if _written_since(Path(report_dir), started_wall):
+            if written_since(Path(report_dir), started_wall):
                 channel.publish_report(host, str(Path(report_dir).resolve() / files.REPORT_TXT))
             return 0
         if seen:
@@ -362,87 +373,58 @@ def _say(line: str) -> None:
     sys.stderr.flush()
 
 
-def write_job_report(report_dir: str, env: NodeEnv, channel: StoreChannel, native: bool, timeout: float, seconds: float,
-                     started_wall: float, hung: bool, note: str | None, command: str | None = None) -> int:
-    """Node 0's report of the whole job: its own ranks' files, and every other node's summary gathered through
-    the store with a deadline. The stacks of all nodes are grouped together into the one hang finding; a node
-    that sent nothing is named once. Its exit code."""
-    from distcheck.analysis.progress import progress_by_rank
-    from distcheck.analysis.trace_events import load_traces
-    from distcheck.contract.findings import CheckResult
-    from distcheck.contract.report import Report, render_text, write_report
-    from distcheck.supervise import run_report
-    from distcheck.supervise.hang import hang_from_stacks
-    from distcheck.supervise.node_exchange import (GATHER_TIMEOUT, merge_stack_documents, merge_summaries,
-                                                   nodes_json, silent_nodes_finding, stacks_from_document)
-    from distcheck.supervise.stacks import load_stacks_document
+def _publish_job_report(evidence: Evidence, env: NodeEnv, channel: StoreChannel, native: bool) -> int:
+    """Node 0's report of the whole job: gather every other node's summary through the store (with a deadline),
+    diagnose a hang once from every node's stacks, compose and publish the report, then tell the other nodes
+    where it is. Its exit code."""
+    from distcheck.supervise.node_exchange import GATHER_TIMEOUT, merge_summaries
 
-    out_dir = Path(report_dir) / f"node-{env.host}"
     others = [n for n in range(env.nnodes) if n != env.node]
     began = time.monotonic()
     got = channel.gather(others, began + GATHER_TIMEOUT, ready=lambda s: s.final or (s.hung and s.stacks is not None
                                                                                     or s.hung and bool(s.note)))
     waited = time.monotonic() - began
-    merged = merge_summaries(got, others, env.node_ranks, hung)
+    merged = merge_summaries(got, others, env.node_ranks, evidence.hung)
     log.info("summaries from %d of %d other nodes after %.1fs", len(got), len(others), waited)
+    if evidence.hung:
+        evidence.findings = [_job_hang(evidence, env, merged, native)]
+        evidence.running = set(local_ranks(evidence.report_dir, env.host))
+    else:
+        evidence.running = set()
+    evidence.nodes = Nodes(env, merged, waited)
+    code = publish(compose(evidence))
+    channel.publish_report(env.host, str(evidence.report_dir.resolve() / files.REPORT_TXT))
+    channel.await_report_seen(len(others) - len(merged.silent), time.monotonic() + 3.0)
+    return code
+
+
+def _job_hang(evidence: Evidence, env: NodeEnv, merged: MergedNodes, native: bool) -> Finding:
+    """The job's one hang finding, from the stacks of every node (this node's stacks.json and the ones the others
+    sent), grouped together; stacks.txt/.json of the whole job go to the report dir."""
+    from distcheck.analysis.progress import progress_by_rank
+    from distcheck.analysis.trace_events import load_traces
+    from distcheck.supervise.hang import hang_from_stacks
+    from distcheck.supervise.node_exchange import merge_stack_documents, stacks_from_document
+    from distcheck.supervise.stacks import load_stacks_document
+
+    report_dir, timeout = evidence.report_dir, evidence.timeout
     traces = {r: t for r, t in load_traces(report_dir).items() if r in set(env.ranks)}
     progress = progress_by_rank(traces)
     progress.update(merged.progress)
-    findings = []
-    if hung:
-        docs = []
-        local_stacks = out_dir / files.STACKS_JSON
-        if local_stacks.exists():
-            docs.append(load_stacks_document(local_stacks))
-        docs += [stacks_from_document(d) for d in merged.stack_docs]
-        stacks, errors, _, clashes = merge_stack_documents(docs)
-        hosts = {env.host: env.ranks, **{merged.hosts[n]: env.node_ranks(n) for n in merged.hosts}}
-        findings.append(hang_from_stacks(
-            stacks, errors, progress, env.world_size, timeout, f"no progress for {timeout:g}s: ", native=native,
-            out_dir=report_dir, title=f"distcheck watchdog: no progress for {timeout:g}s (stacks of {len(hosts)} "
-            f"nodes: {', '.join(sorted(hosts))})", notes=clashes + merged.notes))
-    silent = silent_nodes_finding(merged.silent, waited, f"{env.store_host}:{env.store_port}")
-    if silent is not None:
-        findings.append(silent)
-    running = set(local_ranks(report_dir, env.host)) if hung else set()
-    outcomes = {r: o for r, o in run_report.outcomes_from_traces(traces, env.world_size, hung, running).items()
-                if r in set(env.ranks)}
-    outcomes.update(merged.outcomes)
-    report = _report_so_far(Path(report_dir), started_wall) if command is None else None
-    if report is not None:  # consistency wrote what completed before: keep it, with the diagnosis added
-        report.findings = superseded_by_diagnosis(report) + findings
-        report.checks.append(CheckResult("watchdog" if hung else "report", False, 0.0, note=note))
-    elif traces:
-        report = run_report.build_report(Path(report_dir), command or command_of(traces), env.world_size, traces,
-                                         outcomes, timeout, seconds, hang_findings=findings[:1] if hung else None,
-                                         stop_reason=note, remote=merged)
-        # The run analysis keeps a hang finding only where a rank still ran: these are the job's own findings.
-        report.findings += [f for f in findings if f not in report.findings]
-    else:
-        report = Report(command="distcheck (under torchrun)", world_size=env.world_size, findings=findings,
-                        checks=[CheckResult("watchdog" if hung else "report", False, 0.0, note=note)])
-    if hung:
-        report.artifacts.update({files.STACKS_TXT: files.STACKS_TXT, files.STACKS_JSON: files.STACKS_JSON})
-    report.artifacts.setdefault(f"node-{env.host}", f"node-{env.host}")  # this node's own stacks
-    # The other nodes' files stay on their nodes: where, by host.
-    report.data["nodes"] = nodes_json(merged, env, str(Path(report_dir).resolve()))
-    write_report(report, Path(report_dir))
-    channel.publish_report(env.host, str(Path(report_dir).resolve() / files.REPORT_TXT))
-    channel.await_report_seen(len(others) - len(merged.silent), time.monotonic() + 3.0)
-    for f in findings:
-        log.warning("[%s] %s", f.kind, f.message)
-    _say(render_text(report, Path(report_dir)))
-    return report.exit_code
+    docs = []
+    local_stacks = report_dir / f"node-{env.host}" / files.STACKS_JSON
+    if local_stacks.exists():
+        docs.append(load_stacks_document(local_stacks))
+    docs += [stacks_from_document(d) for d in merged.stack_docs]
+    stacks, errors, _, clashes = merge_stack_documents(docs)
+    hosts = {env.host: env.ranks, **{merged.hosts[n]: env.node_ranks(n) for n in merged.hosts}}
+    return hang_from_stacks(
+        stacks, errors, progress, env.world_size, timeout, f"no progress for {timeout:g}s: ", native=native,
+        out_dir=report_dir, title=f"distcheck watchdog: no progress for {timeout:g}s (stacks of {len(hosts)} "
+        f"nodes: {', '.join(sorted(hosts))})", notes=clashes + merged.notes)
 
 
-def _written_since(out_dir: Path, since: float) -> bool:
-    try:
-        return (out_dir / files.REPORT_JSON).stat().st_mtime >= since - 1.0
-    except OSError:
-        return False
-
-
-def stop_finding(report_dir: str, out_dir: Path, native: bool, world_size: int | None, local_only: bool = False):
+def diagnose_stop(report_dir: str, out_dir: Path, native: bool, world_size: int | None, local_only: bool = False):
     """The ``hang`` finding for ranks that dumped their stacks on a stop signal (rank/stack_hooks.py), or None
     when no rank of this node got one (or every rank had finished its script anyway). ``local_only``: the other
     ranks are on other nodes, not missing."""
@@ -495,164 +477,10 @@ def stop_finding(report_dir: str, out_dir: Path, native: bool, world_size: int |
     return finding
 
 
-def superseded_by_diagnosis(report) -> list:
-    """The findings of a command's report so far (consistency's: what completed before the run stopped) that stay
-    once the watcher's own diagnosis joins them: all but the one saying which check was interrupted (a
-    rank_failure naming a check the report marks "interrupted"), which the diagnosis says better."""
-    interrupted = {c.name for c in report.checks if c.note == "interrupted"}
-    return [f for f in report.findings if not (f.kind == "rank_failure" and f.detail.get("check") in interrupted)]
-
-
-def write_node_report(report_dir: str, out_dir: Path, findings: list, world_size: int, timeout: float,
-                      seconds: float, check_name: str, note: str, check_seconds: float = 0.0,
-                      running: set[int] | None = None, ranks: set[int] | None = None, warnings: list | None = None,
-                      command: str | None = None) -> None:
-    """This node's report on a hang or a stop signal, printed to the console (stderr) too. ``ranks``: this node's
-    ranks where the others' files are on other nodes (their outcomes are not this node's to tell).
-
-    A command that wrote a partial report (consistency: what completed before) keeps it, with the diagnosis added;
-    for ``run`` the whole run report is built from the ranks' files, as rank 0 would have built it.
-    """
-    from distcheck.analysis.trace_events import load_traces
-    from distcheck.contract.findings import CheckResult
-    from distcheck.contract.report import Report, render_text, write_report
-    from distcheck.supervise import run_report
-
-    check = CheckResult(check_name, False, check_seconds, note=note)
-    report = _report_so_far(out_dir)
-    traces = load_traces(report_dir)
-    if report is not None:
-        report.findings = superseded_by_diagnosis(report) + findings
-        report.checks.append(check)
-    elif traces:
-        if running is None:  # a hang: every rank without an exit line was still running
-            running = {r for r, t in traces.items() if t.finished is None}
-        # Still running at a hang or a stop from outside (the finding says where): hung; stopped by torchrun
-        # after a rank's own failure (no finding of their own, a warning says where): stopped
-        outcomes = run_report.outcomes_from_traces(traces, world_size, bool(findings), running)
-        if ranks is not None:
-            traces = {r: t for r, t in traces.items() if r in ranks}
-            outcomes = {r: o for r, o in outcomes.items() if r in ranks}
-        report = run_report.build_report(Path(report_dir), command or command_of(traces), world_size, traces,
-                                         outcomes, timeout, seconds, hang_findings=findings, stop_reason=note,
-                                         warnings=warnings)
-    else:
-        report = Report(command="distcheck (under torchrun)", world_size=world_size, findings=findings,
-                        checks=[check])
-    report.artifacts.update({files.STACKS_TXT: files.STACKS_TXT, files.STACKS_JSON: files.STACKS_JSON})
-    with_attempts(report, Path(report_dir))
-    write_report(report, out_dir)
-    for f in findings:
-        log.warning("[%s] %s", f.kind, f.message)
-    sys.stderr.write(render_text(report, out_dir))  # the console of the job, through rank 0's stderr
-    sys.stderr.flush()
-
-
-def write_run_report(report_dir: str, command: str, world_size: int, timeout: float, seconds: float,
-                     agent: int | None) -> int:
-    """The report of a ``run`` whose ranks all ended by themselves (passed, or failed with torchrun ending the
-    others without a stop dump), printed to the job's console; its exit code (rank 0 exits with it)."""
-    from distcheck.supervise import run_report
-
-    report = _ended_run_report(Path(report_dir), command, world_size, timeout, seconds, agent)
-    with_attempts(report, Path(report_dir))
-    code = run_report.publish(report, Path(report_dir))
-    log.info("report written: %s", "PASSED" if report.ok else f"FAILED ({len(report.findings)} findings)")
-    files.tidy(report_dir)
-    return code
-
-
-def with_attempts(report, report_dir: Path) -> None:
-    """A restarted torchrun job's report lists every attempt (the earlier ones from their folders); its verdict and
-    exit code are the last attempt's."""
-    from distcheck.contract.report import load_report
-
-    earlier = files.attempt_dirs(report_dir)
-    if not earlier:
-        return
-    rows = []
-    for attempt, folder in earlier.items():
-        try:
-            old = load_report(folder) if (folder / files.REPORT_JSON).exists() else _attempt_report(folder, report)
-        except Exception as exc:  # neither its report nor a readable trace
-            log.warning("attempt %d: no report: %s", attempt, exc)
-            rows.append({"attempt": attempt, "ok": None, "summary": "no report (see its files)",
-                         "folder": folder.name})
-            continue
-        rows.append({"attempt": attempt, "ok": old.ok, "summary": _verdict_line(old), "folder": folder.name})
-    rows.append({"attempt": len(earlier) and max(earlier) + 1, "ok": report.ok,
-                 "summary": _verdict_line(report),
-                 "folder": "."})
-    report.data["attempts"] = rows
-    report.sections["attempts (torchrun --max-restarts; the verdict is the last one's)"] = "\n".join(
-        f"attempt {r['attempt']}: {r['summary'][:300]}" + (f" ({r['folder']}/)" if r["folder"] != "." else "")
-        for r in rows)
-    for attempt, folder in earlier.items():
-        report.artifacts.setdefault(folder.name, folder.name)
-
-
-def _verdict_line(report) -> str:
-    """PASSED, or the finding that names a line of the user's code (the cause: a rank that raised, before a rank
-    torchrun killed before it could say where it was), else the first."""
-    if report.ok:
-        return "PASSED"
-    if not report.findings:
-        return "FAILED"
-    return next((f for f in report.findings if f.detail.get("line")), report.findings[0]).message
-
-
-def _attempt_report(folder: Path, current):
-    """An earlier attempt's report from its files, where its watcher could not leave one (it ended with the ranks
-    of that attempt before writing, or wrote it after the next attempt had moved the files): written there too."""
-    from distcheck.contract.report import write_report
-
-    report = _ended_run_report(folder, current.command, current.world_size, 0.0, 0.0, None, require_traces=True)
-    write_report(report, folder)
-    return report
-
-
-def _ended_run_report(report_dir: Path, command: str, world_size: int, timeout: float, seconds: float,
-                      agent: int | None, require_traces: bool = False):
-    """The report of a run whose ranks have all ended, from their files (traces of torchrun ``agent``'s ranks only,
-    when given: a reused directory may hold another job's). ``require_traces``: no trace is an error, not a report
-    of ranks that never started."""
-    from distcheck.analysis.trace_events import load_traces
-    from distcheck.supervise import run_report
-
-    traces = {r: t for r, t in load_traces(report_dir).items()
-              if r < world_size and (agent is None or t.meta.get("ppid", agent) == agent)}
-    if require_traces and not traces:
-        raise FileNotFoundError(f"no trace in {report_dir}")
-    outcomes = run_report.outcomes_from_traces(traces, world_size, False, set())
-    return run_report.build_report(report_dir, command, world_size, traces, outcomes, timeout, seconds)
-
-
-def stopped_note(stopped) -> "Note":
+def as_warning(stopped: Finding) -> Note:
     """Where each rank torchrun stopped was (its stop dump), as a warning: a rank failed first, and that failure
     is the finding."""
-    from distcheck.contract.findings import Note
-
     return Note("stopped_by_torchrun", stopped.ranks, stopped.message, stopped.detail)
-
-
-def command_of(traces: dict) -> str:
-    """The user's distcheck command, from a rank's argv in its trace."""
-    for trace in traces.values():
-        argv = trace.meta.get("argv") or []
-        if len(argv) > 1 and str(argv[0]).endswith("__main__.py"):
-            return "distcheck " + " ".join(map(str, argv[1:]))
-    return "distcheck (under torchrun)"
-
-
-def _report_so_far(out_dir: Path, since: float | None = None):
-    from distcheck.contract.report import load_report
-
-    if not (out_dir / "report.json").exists() or since is not None and not _written_since(out_dir, since):
-        return None
-    try:
-        return load_report(out_dir)
-    except Exception:  # a report being rewritten right now, or not ours: start a fresh one
-        return None
 
 
 def main(argv: Sequence[str] | None = None) -> int:

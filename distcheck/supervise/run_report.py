@@ -5,14 +5,14 @@
 
 Every run-shaped command (``run`` with ``--nproc`` or under torchrun, each run of ``compare``) ends here: the
 outcomes of the ranks, the trace alignment, the findings the ranks emitted, the zero-code checks, and the hang
-diagnosis of the watch loop become one Report, written by :func:`publish` (contract/report.py writes the files).
+diagnosis of the watch loop become one Report; contract/report.py writes its files (supervised_run.py under
+``--nproc``, supervise/node_report.publish under torchrun).
 """
 from __future__ import annotations
 
 import logging
 import os
 import re
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -28,7 +28,7 @@ from distcheck.analysis.trace_events import RankTrace
 from distcheck.contract import files
 from distcheck.supervise.chrome_trace import write_chrome_trace
 from distcheck.contract.findings import CheckResult, Finding, Note, format_ranks
-from distcheck.contract.report import Report, render_text, write_report
+from distcheck.contract.report import Report
 from distcheck.contract import autocheck_file, findings_file
 from distcheck.contract.stderr_file import tail
 
@@ -351,14 +351,6 @@ def outcomes_from_traces(traces: dict[int, RankTrace], world_size: int, hung: bo
 def clean(report_dir: Path, ranks) -> None:
     """A reused report dir must not mix in an earlier run: per-rank files are appended to."""
     files.remove_rank_files(report_dir, ranks)
-
-
-def publish(report: Report, report_dir: Path) -> int:
-    """Write report.json/report.txt and print report.txt; the command's exit code."""
-    write_report(report, report_dir)
-    sys.stdout.write(render_text(report, report_dir))
-    sys.stdout.flush()
-    return report.exit_code
 
 
 def report_parts(report_dir: str | os.PathLike) -> tuple[list[Finding], list[CheckResult], list[Note]]:

@@ -1,0 +1,296 @@
+"""The report of a job under torchrun: what the node watcher found, as one typed record, composed into the Report.
+
+    torchrun --nproc-per-node 2 -m distcheck run -- train.py          # the node watcher composes and publishes it
+    torchrun --nnodes 2 --nproc-per-node 2 ... -m distcheck run -- train.py   # node 0's, with every node's summary
+
+The node watcher (supervise/node_watcher.py) watches, dumps and diagnoses a hang or a stop once, exchanges the
+nodes' summaries through the store, and puts what it learned into one :class:`Evidence`. :func:`compose` turns
+that into the report and says where it goes (it reads the report directory through the existing loaders and
+prints nothing); :func:`publish` writes it and prints it to the job's console. Every ending takes this path: a
+hang, a stop signal, a run whose ranks ended by themselves, rank 0 dying before its own report, node 0 gone.
+"""
+from __future__ import annotations
+
+import logging
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from distcheck.contract import files
+from distcheck.contract.findings import Finding, Note
+
+if TYPE_CHECKING:
+    from distcheck.analysis.trace_events import RankTrace
+    from distcheck.contract.report import Report
+    from distcheck.supervise.node_exchange import MergedNodes, NodeEnv
+
+# The analysis and the report's modules are imported where a report is composed: the watcher starts with every
+# job and watches for its whole life, mostly without composing anything.
+
+log = logging.getLogger("distcheck")
+
+# How the watch ended.
+HANG = "hang"  # no progress for --timeout: the ranks were dumped and diagnosed
+NODE0_GONE = "node 0 gone"  # a hang on a node whose node 0 never wrote the job's report: this node's own
+STOPPED = "stopped"  # torchrun passed a stop signal on to the ranks: they dumped their stacks and died
+ENDED = "ended"  # every rank ended by itself (a `run`: this watcher writes its report)
+RANK0_DIED = "rank 0 died"  # rank 0 ended before writing its own report (consistency)
+
+# The check the watcher adds to a report, by how the watch ended.
+_CHECK_OF = {HANG: "watchdog", NODE0_GONE: "watchdog", STOPPED: "stopped", RANK0_DIED: "report", ENDED: "report"}
+_STACKS = {files.STACKS_TXT: files.STACKS_TXT, files.STACKS_JSON: files.STACKS_JSON}
+
+
+@dataclass
+class Nodes:
+    """Several nodes: what node 0 gathered from the others through the store."""
+
+    env: NodeEnv
+    merged: MergedNodes  # the other nodes' summaries, merged (supervise/node_exchange.merge_summaries)
+    waited: float  # seconds node 0 waited for them
+
+
+@dataclass
+class Evidence:
+    """What the node watcher learned by the end of its watch: everything the report is composed from besides the
+    ranks' own files."""
+
+    ending: str  # HANG | NODE0_GONE | STOPPED | ENDED | RANK0_DIED
+    report_dir: Path  # the ranks' files
+    out_dir: Path  # where this report goes: the report dir, or this node's node-<host>/
+    world_size: int
+    timeout: float
+    seconds: float  # how long the watch took
+    started_wall: float  # when it began (time.time()): a report.json older than that is not this job's
+    note: str | None = None  # the watcher's check's note (why the run ended)
+    findings: list[Finding] = field(default_factory=list)  # the diagnosis: a hang, or where stopped ranks were
+    warnings: list[Note] = field(default_factory=list)
+    check_seconds: float = 0.0  # from declaring the hang to its diagnosis
+    running: set[int] | None = None  # ranks still running at the end; None: every rank without an exit line
+    local_ranks: set[int] | None = None  # this node's ranks where the others' files are on other nodes
+    command: str | None = None  # the `distcheck run` command line this watcher was given
+    agent: int | None = None  # torchrun's agent: only its ranks' traces count (a reused dir may hold others)
+    nodes: Nodes | None = None  # node 0 of several: the other nodes' summaries
+
+    @property
+    def hung(self) -> bool:
+        return self.ending in (HANG, NODE0_GONE)
+
+
+@dataclass
+class Publication:
+    """A composed report and where it goes."""
+
+    report: Report
+    out_dir: Path
+    to_stdout: bool  # a run that ended by itself prints like `run --nproc`; the watcher's diagnoses go to stderr
+    diagnosis: list[Finding]  # logged to the watcher's log too
+    earlier_attempts: dict[Path, Report] = field(default_factory=dict)  # built from their files: written there
+
+
+def compose(e: Evidence) -> Publication:
+    """The report of the watch that ``e`` describes, and where it goes."""
+    if e.nodes is not None:
+        return _job_report(e, e.nodes)
+    if e.ending == ENDED:
+        report = ended_run_report(e.report_dir, e.command or "distcheck run", e.world_size, e.timeout, e.seconds,
+                                  e.agent)
+        return Publication(report, e.report_dir, True, [], with_attempts(report, e.report_dir))
+    return _node_report(e)
+
+
+def publish(pub: Publication) -> int:
+    """Write the report (and the earlier attempts' that were missing) and print it to the job's console; its exit
+    code."""
+    from distcheck.contract.report import render_text, write_report
+
+    for folder, report in pub.earlier_attempts.items():
+        write_report(report, folder)
+    write_report(pub.report, pub.out_dir)
+    for f in pub.diagnosis:
+        log.warning("[%s] %s", f.kind, f.message)
+    # stderr: the console of the job, through local rank 0's stderr, which torchrun shows
+    stream = sys.stdout if pub.to_stdout else sys.stderr
+    stream.write(render_text(pub.report, pub.out_dir))
+    stream.flush()
+    if pub.to_stdout:
+        log.info("report written: %s", "PASSED" if pub.report.ok else f"FAILED ({len(pub.report.findings)} findings)")
+    return pub.report.exit_code
+
+
+def _node_report(e: Evidence) -> Publication:
+    """This node's report on a hang, a stop signal or rank 0's death. A command that wrote a report so far
+    (consistency: what completed before) keeps it, with the diagnosis added; for ``run`` the whole run report is
+    built from the ranks' files, as rank 0 would have built it. ``e.local_ranks``: the other ranks' outcomes are
+    not this node's to tell."""
+    from distcheck.analysis.trace_events import load_traces
+    from distcheck.supervise import run_report
+
+    traces = load_traces(e.report_dir)
+    running = e.running
+    if running is None:  # a hang: every rank without an exit line was still running
+        running = {r for r, t in traces.items() if t.finished is None}
+    # Still running at a hang or a stop from outside (the finding says where): hung; stopped by torchrun after a
+    # rank's own failure (no finding of their own, a warning says where): stopped
+    outcomes = run_report.outcomes_from_traces(traces, e.world_size, bool(e.findings), running)
+    traced = bool(traces)  # by any rank: where this node's have none, the report still says so
+    if e.local_ranks is not None:
+        traces = {r: t for r, t in traces.items() if r in e.local_ranks}
+        outcomes = {r: o for r, o in outcomes.items() if r in e.local_ranks}
+    report = _with_diagnosis(e, report_so_far(e.out_dir), traces, outcomes, e.findings, hang_findings=e.findings,
+                             traced=traced)
+    report.artifacts.update(_STACKS)
+    return Publication(report, e.out_dir, False, e.findings, with_attempts(report, e.report_dir))
+
+
+def _job_report(e: Evidence, nodes: Nodes) -> Publication:
+    """Node 0's report of the whole job: its own ranks' files and every other node's summary. The hang finding
+    (``e.findings``) was diagnosed from every node's stacks; a node that sent nothing is named once."""
+    from distcheck.analysis.trace_events import load_traces
+    from distcheck.supervise import run_report
+    from distcheck.supervise.node_exchange import nodes_json, silent_nodes_finding
+
+    env, merged = nodes.env, nodes.merged
+    mine = set(env.ranks)
+    traces = {r: t for r, t in load_traces(e.report_dir).items() if r in mine}
+    findings = list(e.findings)
+    silent = silent_nodes_finding(merged.silent, nodes.waited, f"{env.store_host}:{env.store_port}")
+    if silent is not None:
+        findings.append(silent)
+    outcomes = {r: o for r, o in run_report.outcomes_from_traces(traces, env.world_size, e.hung,
+                                                                 e.running or set()).items() if r in mine}
+    outcomes.update(merged.outcomes)
+    so_far = report_so_far(e.report_dir, e.started_wall) if e.command is None else None
+    report = _with_diagnosis(e, so_far, traces, outcomes, findings, hang_findings=e.findings if e.hung else None,
+                             traced=bool(traces), remote=merged)
+    # The run analysis keeps a hang finding only where a rank still ran: these are the job's own findings.
+    if so_far is None and traces:
+        report.findings += [f for f in findings if f not in report.findings]
+    if e.hung:
+        report.artifacts.update(_STACKS)
+    report.artifacts.setdefault(f"node-{env.host}", f"node-{env.host}")  # this node's own stacks
+    # The other nodes' files stay on their nodes: where, by host.
+    report.data["nodes"] = nodes_json(merged, env, str(e.report_dir.resolve()))
+    return Publication(report, e.report_dir, False, findings)
+
+
+def _with_diagnosis(e: Evidence, so_far: Report | None, traces: dict[int, RankTrace], outcomes: dict,
+                    findings: list[Finding], hang_findings: list[Finding] | None, traced: bool,
+                    remote: MergedNodes | None = None) -> Report:
+    """The report so far with the watcher's diagnosis and check added; else the run's report from the ranks'
+    files; else (no rank got as far as its trace: ``traced`` False) the diagnosis alone."""
+    from distcheck.contract.findings import CheckResult
+    from distcheck.contract.report import Report
+    from distcheck.supervise import run_report
+
+    check = CheckResult(_CHECK_OF[e.ending], False, e.check_seconds, note=e.note)
+    if so_far is not None:
+        so_far.findings = superseded_by_diagnosis(so_far) + findings
+        so_far.checks.append(check)
+        return so_far
+    if not traced:
+        return Report(command="distcheck (under torchrun)", world_size=e.world_size, findings=findings,
+                      checks=[check])
+    return run_report.build_report(e.report_dir, e.command or command_of(traces), e.world_size, traces, outcomes,
+                                   e.timeout, e.seconds, hang_findings=hang_findings, stop_reason=e.note,
+                                   warnings=e.warnings, remote=remote)
+
+
+def ended_run_report(report_dir: Path, command: str, world_size: int, timeout: float, seconds: float,
+                     agent: int | None, require_traces: bool = False) -> Report:
+    """The report of a run whose ranks have all ended, from their files (traces of torchrun ``agent``'s ranks only,
+    when given: a reused directory may hold another job's). ``require_traces``: no trace is an error, not a report
+    of ranks that never started."""
+    from distcheck.analysis.trace_events import load_traces
+    from distcheck.supervise import run_report
+
+    traces = {r: t for r, t in load_traces(report_dir).items()
+              if r < world_size and (agent is None or t.meta.get("ppid", agent) == agent)}
+    if require_traces and not traces:
+        raise FileNotFoundError(f"no trace in {report_dir}")
+    outcomes = run_report.outcomes_from_traces(traces, world_size, False, set())
+    return run_report.build_report(report_dir, command, world_size, traces, outcomes, timeout, seconds)
+
+
+def with_attempts(report: Report, report_dir: Path) -> dict[Path, Report]:
+    """A restarted torchrun job's report lists every attempt (the earlier ones from their folders); its verdict and
+    exit code are the last attempt's. Returns the earlier attempts' reports built from their files, where their
+    watcher could not leave one (it ended with that attempt's ranks before writing, or wrote it after the next
+    attempt had moved the files): they are written there too."""
+    from distcheck.contract.report import load_report
+
+    earlier = files.attempt_dirs(report_dir)
+    built: dict[Path, Report] = {}
+    if not earlier:
+        return built
+    rows = []
+    for attempt, folder in earlier.items():
+        try:
+            if (folder / files.REPORT_JSON).exists():
+                old = load_report(folder)
+            else:
+                old = built[folder] = ended_run_report(folder, report.command, report.world_size, 0.0, 0.0, None,
+                                                       require_traces=True)
+        except Exception as exc:  # neither its report nor a readable trace
+            log.warning("attempt %d: no report: %s", attempt, exc)
+            rows.append({"attempt": attempt, "ok": None, "summary": "no report (see its files)",
+                         "folder": folder.name})
+            continue
+        rows.append({"attempt": attempt, "ok": old.ok, "summary": verdict_line(old), "folder": folder.name})
+    rows.append({"attempt": len(earlier) and max(earlier) + 1, "ok": report.ok, "summary": verdict_line(report),
+                 "folder": "."})
+    report.data["attempts"] = rows
+    report.sections["attempts (torchrun --max-restarts; the verdict is the last one's)"] = "\n".join(
+        f"attempt {r['attempt']}: {r['summary'][:300]}" + (f" ({r['folder']}/)" if r["folder"] != "." else "")
+        for r in rows)
+    for folder in earlier.values():
+        report.artifacts.setdefault(folder.name, folder.name)
+    return built
+
+
+def verdict_line(report: Report) -> str:
+    """PASSED, or the finding that names a line of the user's code (the cause: a rank that raised, before a rank
+    torchrun killed before it could say where it was), else the first."""
+    if report.ok:
+        return "PASSED"
+    if not report.findings:
+        return "FAILED"
+    return next((f for f in report.findings if f.detail.get("line")), report.findings[0]).message
+
+
+def superseded_by_diagnosis(report: Report) -> list[Finding]:
+    """The findings of a command's report so far (consistency's: what completed before the run stopped) that stay
+    once the watcher's own diagnosis joins them: all but the one saying which check was interrupted (a
+    rank_failure naming a check the report marks "interrupted"), which the diagnosis says better."""
+    interrupted = {c.name for c in report.checks if c.note == "interrupted"}
+    return [f for f in report.findings if not (f.kind == "rank_failure" and f.detail.get("check") in interrupted)]
+
+
+def command_of(traces: dict[int, RankTrace]) -> str:
+    """The user's distcheck command, from a rank's argv in its trace."""
+    for trace in traces.values():
+        argv = trace.meta.get("argv") or []
+        if len(argv) > 1 and str(argv[0]).endswith("__main__.py"):
+            return "distcheck " + " ".join(map(str, argv[1:]))
+    return "distcheck (under torchrun)"
+
+
+def written_since(out_dir: Path, since: float) -> bool:
+    """Whether ``out_dir``'s report.json was written after ``since`` (time.time()), by this job."""
+    try:
+        return (out_dir / files.REPORT_JSON).stat().st_mtime >= since - 1.0
+    except OSError:
+        return False
+
+
+def report_so_far(out_dir: Path, since: float | None = None) -> Report | None:
+    """The report a command wrote before the watcher's (consistency's rank 0: what completed), or None."""
+    from distcheck.contract.report import load_report
+
+    if not (out_dir / files.REPORT_JSON).exists() or since is not None and not written_since(out_dir, since):
+        return None
+    try:
+        return load_report(out_dir)
+    except Exception:  # a report being rewritten right now, or not ours: start a fresh one
+        return None
