@@ -168,7 +168,7 @@ def write_flight_dumps(report_dir: Path, world: int, calls: list, base, short_ra
     an all-traced dump leaves out; ``keep_entries``: the whole document, as every dump was before all_traced).
     Returns the seconds rank 0's check took (what the exit dump adds)."""
     from distcheck.analysis import flight_recorder as fr
-    from distcheck.contract import files
+    from distcheck.contract import files, flight_dump_file
     from distcheck.rank import flight_recorder as rank_fr
 
     coll = len(calls)
@@ -198,7 +198,7 @@ def write_flight_dumps(report_dir: Path, world: int, calls: list, base, short_ra
         if rank == short_rank:
             rank_status = {"c10d:0": {**status["c10d:0"], "last_enqueued_collective": str(coll - 1)}}
         doc = rank_fr.document(rank, reason, entries, rank_status, groups, snapshot, not keep_entries)
-        files.rank_file(report_dir, "flight", rank).write_text(json.dumps(doc, separators=(",", ":")))
+        flight_dump_file.write(report_dir, rank, doc)
     return check_s
 
 

@@ -31,14 +31,12 @@ Pure: no process group, no torch.
 """
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable, Iterable, NamedTuple
 
 from distcheck.analysis.ops import PEER_OPS
-from distcheck.contract import files
+from distcheck.contract import flight_dump_file
 from distcheck.contract.site import file_line
 
 # Traced calls that issue several backend collectives, and how many at most: the *_object helpers exchange sizes
@@ -108,14 +106,9 @@ class FlightDump:
 
 def load_dump(report_dir: str | os.PathLike, rank: int) -> FlightDump | None:
     """A rank's ``flight-rank<R>.json``, or None (no dump: the rank was killed, or the recorder was off)."""
-    path = files.rank_file(report_dir, "flight", rank)
-    try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, ValueError):
+    data = flight_dump_file.read(report_dir, rank)
+    if data is None:
         return None
-    if not isinstance(data, dict):
-        return None
-    files.check_format(data, f"the Flight Recorder dump of rank {rank}")
     entries = [e for e in data.get("entries") or [] if isinstance(e, dict)]
     window: dict[str, int] = {}
     for e in entries:

@@ -50,7 +50,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from distcheck.contract import env, files, flight_status_file
+from distcheck.contract import env, files, flight_dump_file, flight_status_file
 from distcheck.contract import trace_records as records
 
 log = logging.getLogger("distcheck")
@@ -504,7 +504,7 @@ def document(rank: int, reason: str, entries: list[dict[str, Any]], status: dict
     (analysis/trace_events.load_traces)."""
     if all_traced:
         entries, groups, snapshot = [], {}, {**snapshot, "phases": [], "graphs": {}}
-    return {files.FORMAT_KEY: files.FORMAT, "rank": rank, "t": time.time(), "reason": reason,
+    return {"rank": rank, "t": time.time(), "reason": reason,
             "buffer": int(os.environ.get(ENV_BUFFER, "0") or 0), "all_traced": all_traced, "entries": entries,
             "pg_status": status, "groups": groups, **snapshot}
 
@@ -532,14 +532,9 @@ def _dump(report_dir: str | os.PathLike, rank: int, reason: str) -> bool:
     snapshot = phases.snapshot()
     doc = document(rank, reason, entries, status, _group_names(), snapshot,
                    _all_traced(report_dir, rank, entries, status, snapshot))
-    path = files.rank_file(report_dir, "flight", rank)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    try:
-        tmp.write_text(json.dumps(doc, separators=(",", ":"), default=str))
-        os.replace(tmp, path)
-    except OSError as exc:  # a full disk must not break the user's training
-        log.debug("distcheck: cannot write %s: %s", path, exc)
-        tmp.unlink(missing_ok=True)
+    exc = flight_dump_file.write(report_dir, rank, doc)
+    if exc is not None:  # a full disk must not break the user's training
+        log.debug("distcheck: cannot write the Flight Recorder dump of rank %d: %s", rank, exc)
         return False
     return True
 

@@ -12,7 +12,7 @@ from distcheck.analysis.progress import progress_by_rank
 from distcheck.analysis.trace_align import (STATE_ERROR, STATE_HUNG, STATE_OK, RankOutcome, analyze_run,
                                             provably_stuck)
 from distcheck.analysis.trace_events import RankError, load_traces
-from distcheck.contract import files
+from distcheck.contract import files, flight_dump_file
 from distcheck.contract import trace_records as records
 from distcheck.contract.report import write_report
 from distcheck.contract.trace_lines import LineWriter
@@ -271,8 +271,8 @@ def _write_dump(report_dir: Path, rank: int, untraced: tuple[str, float] | None 
                 "graphs": {}, "seen": ["backward"]}
     traced = fr.all_traced(entries, status, files.rank_file(report_dir, "trace", rank).read_text().splitlines(),
                            files.rank_file(report_dir, "trace_events", rank).read_bytes(), snapshot)
-    doc = rank_fr.document(rank, "exit", entries, status, {"0": [0, 1, 2, 3]}, snapshot, traced)
-    files.rank_file(report_dir, "flight", rank).write_text(json.dumps(doc))
+    flight_dump_file.write(report_dir, rank, rank_fr.document(rank, "exit", entries, status, {"0": [0, 1, 2, 3]},
+                                                           snapshot, traced))
     return traced
 
 
@@ -358,8 +358,8 @@ def _write_nccl_dump(report_dir: Path, rank: int, ends: list[float], full: bool 
                                   "last_completed_collective": str(completed.get(g, -1))} for g, n in count.items()}
     snapshot = {"phases": [], "graphs": {}, "seen": []}
     traced = not full and rank_fr._all_traced(report_dir, rank, entries, status, snapshot)
-    doc = rank_fr.document(rank, "exit", entries, status, {"0": [0, 1, 2, 3]}, snapshot, traced)
-    files.rank_file(report_dir, "flight", rank).write_text(json.dumps(doc))
+    flight_dump_file.write(report_dir, rank, rank_fr.document(rank, "exit", entries, status, {"0": [0, 1, 2, 3]},
+                                                           snapshot, traced))
     return traced
 
 
