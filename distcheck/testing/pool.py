@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 from distcheck.contract import env as env_names
-from distcheck.supervise.zygote import start_process
 from distcheck.testing.leftovers import ENV_TAG
 
 log = logging.getLogger("distcheck")
@@ -79,6 +78,10 @@ class Pool:
 
     def start(self, sys_path: list[str]) -> None:
         import torch.distributed as dist
+
+        # Here, not at the top: the ranks import this module (pool_worker) for its job records, and a rank loads
+        # no supervisor code (tests/unit/test_layout.py).
+        from distcheck.supervise.zygote import start_process
 
         self.workdir = tempfile.mkdtemp(prefix="distcheck-pool-")
         # The store lives in this (the pytest) process: port 0 = a free port chosen by the OS.
