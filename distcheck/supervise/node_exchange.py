@@ -7,7 +7,7 @@ reaches one TCPStore: the agent of node 0 (the node of global rank 0) hosts it a
 ranks' process group. The watchers connect to it as clients, under a key prefix of their own
 (``distcheck/<run id>/<restart>/``), every call bounded by a timeout, and never touch the ranks' keys.
 
-What travels is bounded per node, whatever the job's length: a :class:`NodeSummary` holds the node's ranks' exit
+What travels is bounded per node, whatever the job's length: a NodeSummary (contract/node_summary.py) holds the node's ranks' exit
 states (with a failed rank's error and the last lines of its stderr), each rank's progress summary
 (analysis/progress.RankProgress: last started/completed collective, the one it waits on, per-group counts), at
 the end its ranks' time inside each of their last collectives (analysis/stragglers.durations: node 0 names a
@@ -39,15 +39,13 @@ from distcheck.analysis.trace_align import (STATE_DIED, STATE_ERROR, STATE_HUNG,
                                             RankOutcome)
 from distcheck.analysis.trace_events import RankError
 from distcheck.contract.findings import Finding, format_ranks
+from distcheck.contract.node_summary import RUNNING, NodeSummary, RankState
 
 log = logging.getLogger("distcheck")
 
-SUMMARY_FORMAT = 1
 STORE_TIMEOUT = 5.0  # seconds any one store call may take (the store is one TCP round trip away)
 GATHER_TIMEOUT = 30.0  # how long node 0 waits for the other nodes' summaries after a hang or at the end
-MAX_SUMMARY_BYTES = 4 << 20  # a node's summary, stacks included; past it the stacks stay on the node
 POLL = 1.0  # seconds between a watcher's store polls: a few small calls per node and second
-RUNNING = "running"
 
 
 # --- the records that travel ----------------------------------------------------------------------------------
@@ -98,77 +96,17 @@ class NodeEnv:
         return cls(node, nnodes, first, local, world, host, env.get("MASTER_ADDR", "127.0.0.1"), port, prefix)
 
 
-@dataclass
-class RankState:
-    """How one rank ended (or that it still runs), as its node saw it."""
-
-    rank: int
-    state: str  # RUNNING, or a trace_align STATE_*
-    exit_code: int | None = None
-    signal: str | None = None
-    error: dict[str, Any] | None = None  # analysis/trace_events.RankError's fields
-    stderr_tail: list[str] = field(default_factory=list)
-
-    def to_json(self) -> dict[str, Any]:
-        return {k: v for k, v in dataclasses.asdict(self).items() if v not in (None, [])}
-
-    @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> RankState:
-        return cls(int(d["rank"]), str(d.get("state", RUNNING)), d.get("exit_code"), d.get("signal"),
-                   d.get("error"), list(d.get("stderr_tail") or []))
-
-    def outcome(self, hung: bool) -> RankOutcome:
-        if self.state == RUNNING:
-            return RankOutcome(self.rank, STATE_HUNG if hung else STATE_STOPPED)
-        err = None
-        if self.error:
-            try:
-                err = RankError(**{f.name: self.error.get(f.name) for f in dataclasses.fields(RankError)})
-            except TypeError:
-                err = None
-        return RankOutcome(self.rank, self.state, self.exit_code, self.signal, err)
-
-
-@dataclass
-class NodeSummary:
-    node: int
-    host: str
-    ranks: list[int]
-    states: dict[int, RankState]
-    progress: dict[str, Any] = field(default_factory=dict)  # {rank: RankProgress.to_json()} of the node's ranks
-    stacks: dict[str, Any] | None = None  # the node's stacks.json document, after a hang
-    hung: bool = False
-    final: bool = False  # every rank of the node has ended
-    note: str = ""
-    report_dir: str = ""  # on that node: its ranks' files and its stacks (node-<host>/)
-    # {position: {rank: seconds inside the collective}} of its ranks' last positions (analysis/stragglers.durations):
-    # node 0 compares ranks of several hosts by it, their clocks being another matter
-    durations: dict[str, dict[str, float]] = field(default_factory=dict)
-
-    def to_json(self) -> dict[str, Any]:
-        return {"format": SUMMARY_FORMAT, "node": self.node, "host": self.host, "ranks": self.ranks,
-                "states": [s.to_json() for s in self.states.values()], "progress": self.progress,
-                "stacks": self.stacks, "hung": self.hung, "final": self.final, "note": self.note,
-                "report_dir": self.report_dir, "durations": self.durations}
-
-    @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> NodeSummary:
-        states = [RankState.from_json(s) for s in d.get("states") or []]
-        return cls(int(d["node"]), str(d.get("host", "")), [int(r) for r in d.get("ranks") or []],
-                   {s.rank: s for s in states}, dict(d.get("progress") or {}), d.get("stacks"),
-                   bool(d.get("hung")), bool(d.get("final")), str(d.get("note", "")), str(d.get("report_dir", "")),
-                   {str(k): dict(v) for k, v in (d.get("durations") or {}).items()})
-
-    def encode(self, limit: int = MAX_SUMMARY_BYTES) -> bytes:
-        """The JSON, bounded: past ``limit`` the stacks stay on the node (its stacks.json) and a note says so."""
-        data = json.dumps(self.to_json(), separators=(",", ":")).encode()
-        if len(data) <= limit or (self.stacks is None and not self.durations):
-            return data
-        slim = dataclasses.replace(self, stacks=None, durations={},
-                                   note=(self.note + "; " if self.note else "") +
-                                   f"its stacks and collective times ({len(data)} bytes) are too large to send: "
-                                   f"see stacks.txt and the traces on {self.host}")
-        return json.dumps(slim.to_json(), separators=(",", ":")).encode()
+def rank_outcome(state: RankState, hung: bool) -> RankOutcome:
+    """How a rank ended, as the report's outcome (a rank still running: hung, or stopped with its job)."""
+    if state.state == RUNNING:
+        return RankOutcome(state.rank, STATE_HUNG if hung else STATE_STOPPED)
+    err = None
+    if state.error:
+        try:
+            err = RankError(**{f.name: state.error.get(f.name) for f in dataclasses.fields(RankError)})
+        except TypeError:
+            err = None
+    return RankOutcome(state.rank, state.state, state.exit_code, state.signal, err)
 
 
 # --- the pure merge -------------------------------------------------------------------------------------------
@@ -207,7 +145,7 @@ def merge_summaries(summaries: Mapping[int, NodeSummary], expected: Iterable[int
         merged.dirs[node] = summary.report_dir
         for rank in summary.ranks:
             state = summary.states.get(rank, RankState(rank, RUNNING))
-            merged.outcomes[rank] = state.outcome(hung or summary.hung)
+            merged.outcomes[rank] = rank_outcome(state, hung or summary.hung)
             if state.stderr_tail:
                 merged.stderr_tails[rank] = state.stderr_tail
         merged.progress.update({int(r): RankProgress.from_json(int(r), p) for r, p in summary.progress.items()})

@@ -10,8 +10,9 @@ import pytest
 
 from distcheck.analysis.progress import CollectiveRef, GroupProgress, RankProgress
 from distcheck.analysis.trace_align import STATE_ERROR, STATE_HUNG, STATE_OK, STATE_STOPPED
-from distcheck.supervise.node_exchange import (RUNNING, NodeEnv, NodeSummary, RankState, StoreChannel,
-                                               merge_summaries, silent_nodes_finding, where_line)
+from distcheck.contract.node_summary import RUNNING, NodeSummary, RankState
+from distcheck.supervise.node_exchange import (NodeEnv, StoreChannel, merge_summaries, rank_outcome,
+                                               silent_nodes_finding, where_line)
 
 ENV = {"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "GROUP_WORLD_SIZE": "2", "GROUP_RANK": "1", "RANK": "2",
        "LOCAL_RANK": "0", "MASTER_ADDR": "node-a", "MASTER_PORT": "29500", "TORCHELASTIC_RUN_ID": "job7",
@@ -49,11 +50,11 @@ def test_summary_round_trip_keeps_states_errors_and_progress():
                 final=False, report_dir="/scratch/rep")
     back = NodeSummary.from_json(json.loads(s.encode()))
     assert back.states[3].error == err and back.states[3].stderr_tail == ["boom"] and back.report_dir == "/scratch/rep"
-    outcome = back.states[3].outcome(hung=False)
+    outcome = rank_outcome(back.states[3], hung=False)
     assert (outcome.state, outcome.exit_code, outcome.error.exc_type, outcome.error.line) == (STATE_ERROR, 1,
                                                                                               "ValueError", 23)
-    assert back.states[2].outcome(hung=True).state == STATE_HUNG
-    assert back.states[2].outcome(hung=False).state == STATE_STOPPED
+    assert rank_outcome(back.states[2], hung=True).state == STATE_HUNG
+    assert rank_outcome(back.states[2], hung=False).state == STATE_STOPPED
 
 
 def test_summary_is_bounded_stacks_stay_on_the_node():
