@@ -7,8 +7,8 @@ reaches one TCPStore: the agent of node 0 (the node of global rank 0) hosts it a
 ranks' process group. The watchers connect to it as clients, under a key prefix of their own
 (``distcheck/<run id>/<restart>/``), every call bounded by a timeout, and never touch the ranks' keys.
 
-What travels is bounded per node, whatever the job's length: a NodeSummary (contract/node_summary.py) holds the node's ranks' exit
-states (with a failed rank's error and the last lines of its stderr), each rank's progress summary
+What travels is bounded per node, whatever the job's length: a NodeSummary (contract/node_summary.py) holds the
+node's ranks' exit states (with a failed rank's error and the last lines of its stderr), each rank's progress summary
 (analysis/progress.RankProgress: last started/completed collective, the one it waits on, per-group counts), at
 the end its ranks' time inside each of their last collectives (analysis/stragglers.durations: node 0 names a
 straggler of another host by it) and, after a hang, the node's grouped stacks (its stacks.json document, whose distinct stacks are stored once with the
