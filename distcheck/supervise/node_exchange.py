@@ -11,8 +11,8 @@ What travels is bounded per node, whatever the job's length: a NodeSummary (cont
 node's ranks' exit states (with a failed rank's error and the last lines of its stderr), each rank's progress summary
 (analysis/progress.RankProgress: last started/completed collective, the one it waits on, per-group counts), at
 the end its ranks' time inside each of their last collectives (analysis/stragglers.durations: node 0 names a
-straggler of another host by it) and, after a hang, the node's grouped stacks (its stacks.json document, whose distinct stacks are stored once with the
-ranks' ranges). Three small counters and flags make the rest O(1) per poll and per node: a progress counter each
+straggler of another host by it) and, after a hang, the node's grouped stacks (its stacks.json document, whose
+distinct stacks are stored once with the ranks' ranges). Three small counters and flags make the rest O(1) per poll and per node: a progress counter each
 node bumps when its ranks' traces grow (so no node declares a hang while another still progresses), a hang flag
 (the first node to see the job hung makes every node dump at once) and the report's location (node 0 writes the
 one complete report; every other node prints one line saying where it is).

@@ -106,3 +106,63 @@ def test_environment_variable_names_are_written_only_in_contract_env():
                     node.value.startswith("DISTCHECK_") and node.value.isidentifier():
                 wrong.append(f"{path.relative_to(PKG)}:{node.lineno} {node.value}")
     assert not wrong, "\n".join(wrong)
+
+
+# Where a rank's process starts (torchrun's `-m distcheck`, the launcher's rank entry, the pytest pool's worker):
+# nothing a rank imports on its way in may load supervisor code. Function-level imports inside rank/ and checks/
+# are test_import_directions'; here the shared entry modules, whose supervisor imports sit in launcher-only
+# branches.
+RANK_ENTRY_MODULES = ("distcheck.__main__", "distcheck.cli", "distcheck.commands.run",
+                      "distcheck.commands.consistency", "distcheck.rank.entry", "distcheck.rank.bootstrap",
+                      "distcheck.testing.pool_worker")
+
+
+def _module_path(name: str) -> Path | None:
+    path = ROOT / Path(*name.split("."))
+    for candidate in (path.with_suffix(".py"), path / "__init__.py"):
+        if candidate.exists():
+            return candidate
+    return None
+
+
+def _unconditional_imports(path: Path) -> list[str]:
+    """The modules ``path`` imports whenever it is imported: its top level, ``if __name__ == "__main__"`` and
+    try blocks; not a function's body and not another ``if`` (a launcher-only branch)."""
+    names: list[str] = []
+
+    def walk(body: list[ast.stmt]) -> None:
+        for node in body:
+            if isinstance(node, ast.Import):
+                names.extend(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names.extend([node.module] + [f"{node.module}.{a.name}" for a in node.names])
+            elif isinstance(node, ast.If) and "__name__" in ast.unparse(node.test):
+                walk(node.body)
+            elif isinstance(node, ast.Try):
+                walk(node.body)
+                for handler in node.handlers:
+                    walk(handler.body)
+
+    walk(ast.parse(path.read_text()).body)
+    return names
+
+
+def test_no_supervisor_module_is_loaded_on_a_ranks_way_in():
+    seen, todo, chains = set(), list(RANK_ENTRY_MODULES), {m: m for m in RANK_ENTRY_MODULES}
+    wrong = []
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        if name.startswith("distcheck.supervise"):
+            wrong.append(chains[name])
+            continue
+        path = _module_path(name)
+        if path is None or not name.startswith("distcheck"):
+            continue
+        for imported in _unconditional_imports(path):
+            if imported.startswith("distcheck") and imported not in seen:
+                chains.setdefault(imported, f"{chains[name]} -> {imported}")
+                todo.append(imported)
+    assert not wrong, "\n".join(wrong)
