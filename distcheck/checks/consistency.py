@@ -270,7 +270,7 @@ def interrupted_report(session: Session, options: Options, ctx: Context, current
     """Rank 0's report when the run cannot finish: what completed, and a finding saying where it stopped."""
     ranks = suspects or list(range(session.world_size))
     # The watchdog replaces this finding with its own diagnosis when it is the one that ended the run: it names the
-    # check marked "interrupted" below (node_watcher.superseded_by_diagnosis).
+    # check marked "interrupted" below (supervise/node_report.superseded_by_diagnosis).
     stopped = Finding("rank_failure", ranks, f"the consistency run stopped during the '{current}' check: {why}",
                       {"check": current, "suspect_ranks": suspects})
     checks, findings = merge([ctx.results], ctx.results, session.world_size)

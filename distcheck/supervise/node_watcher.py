@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Sequence
 
 from distcheck.contract import files, stack_dump_file, stack_hook_file
 from distcheck.contract.findings import Finding, Note, format_ranks
+from distcheck.contract.site import file_line
 from distcheck.processes import RUN_ID_ENV, alive, read_environ, restart_count, terminate
 from distcheck.supervise.live_stragglers import LiveStragglers
 from distcheck.supervise.node_report import (ENDED, HANG, NODE0_GONE, RANK0_DIED, STOPPED, Evidence, Nodes, compose,
@@ -457,7 +458,7 @@ def diagnose_stop(report_dir: str, out_dir: Path, native: bool, world_size: int 
     failed = sorted(r for r, t in traces.items() if t.finished is not None and not t.finished.get("ok"))
     if failed:
         first = traces[failed[0]].errors[-1] if traces[failed[0]].errors else None
-        what = f" ({first.exc_type} at {os.path.basename(first.file)}:{first.line})" \
+        what = f" ({first.exc_type} at {file_line(first.file, first.line) or '?'})" \
             if first is not None and first.file else ""
         prefix = (f"torchrun stopped {format_ranks(dumped)} ({cause}) after {format_ranks(failed)} failed{what}; "
                   f"where each stopped rank was: ")

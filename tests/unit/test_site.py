@@ -18,3 +18,14 @@ def test_one_site_type_for_every_process():
     assert site.site == "train.py:30" and str(site) == "train.py:30" and bool(site)
     assert site.detail() == {"file": "/w/train.py", "line": 30, "via": "lightning/pytorch/core/module.py:512 in log"}
     assert str(Site(None, None)) == "?" and not Site(None, None)
+
+
+def test_no_module_formats_a_file_and_a_line_by_hand():
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2] / "distcheck"
+    by_hand = re.compile(r"basename\([^)]*\)\}:\{")
+    wrong = [f"{p.relative_to(root)}:{i}" for p in sorted(root.rglob("*.py"))
+             for i, line in enumerate(p.read_text().splitlines(), 1) if by_hand.search(line)]
+    assert not wrong, f"use contract/site.file_line: {wrong}"
