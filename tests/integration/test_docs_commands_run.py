@@ -8,8 +8,8 @@ the exit code the fixture's docstring implies: ``0`` for fixtures/ok/ and a ``No
 rank does). A script option ``--bug`` selects a bug (1), ``--fixed`` its fix (0).
 
 A command another integration test already runs the same way (ALREADY_RUN) is not run twice: the test checks
-that the test it names still exists. The README's other commands (on a user's ``train.py``, or naming a command
-in prose) get ``--help`` once per distcheck command and per repository script that takes options.
+that the test it names still exists. The other commands of README.md and of every docs/ page get ``--help`` once
+per distcheck command and per repository script that takes options.
 ``make`` and ``pytest`` commands are left to tests/unit/test_docs_commands.py (``make test`` is the suite itself).
 
     .venv/bin/python -m pytest -q tests/integration/test_docs_commands_run.py
@@ -140,11 +140,15 @@ def launch_of(c) -> Launch | None:
 COMMANDS = shown.shown_commands(README) if README.exists() else []
 LAUNCHES = [launch for launch in map(launch_of, COMMANDS) if launch is not None]
 RUN = [launch for launch in LAUNCHES if launch.fixture or launch.builtin]
-# --help: every distcheck command the README shows and does not run, and every script of this repository with
-# options that it shows (a script without argparse would run for real).
-HELP = sorted({("-m", "distcheck", name) for launch in LAUNCHES if launch not in RUN
+# Every page of docs/ too: its commands are parsed by the unit test; here each distcheck command and each script
+# they show answers --help (the fixtures' own commands are run by tools/gallery.py and their tests).
+DOC_COMMANDS = COMMANDS + [c for page in sorted((ROOT / "docs").glob("*.md")) for c in shown.shown_commands(page)]
+DOC_LAUNCHES = [launch for launch in map(launch_of, DOC_COMMANDS) if launch is not None]
+# --help: every distcheck command README.md and docs/ show and this file does not run, and every script of this
+# repository with options that they show (a script without argparse would run for real).
+HELP = sorted({("-m", "distcheck", name) for launch in DOC_LAUNCHES if launch not in RUN
                for name in launch.command.split("/")} |
-              {(words[1],) for c in COMMANDS if shown.kind_of(words := shown.words(c.text)) == "script"
+              {(words[1],) for c in DOC_COMMANDS if shown.kind_of(words := shown.words(c.text)) == "script"
                and (ROOT / words[1]).is_file() and "argparse" in (ROOT / words[1]).read_text()})
 
 
@@ -171,7 +175,7 @@ def test_readme_command_exits_as_documented(tmp_path, launch):
 
 
 @pytest.mark.parametrize("argv", HELP, ids=[" ".join(a) for a in HELP])
-def test_readme_command_help(argv):
+def test_documented_command_answers_help(argv):
     args = list(argv)
     res = run_python([*args, "--help"], timeout=120, cwd=ROOT)
     assert res.returncode == 0 and "usage" in res.output.lower(), f"python {' '.join(args)} --help:\n{res.output}"
