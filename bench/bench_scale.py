@@ -6,7 +6,7 @@
     .venv/bin/python bench/bench_scale.py --world 512 --coll 1000 --flight entries   # ... holding its ring
 
 Writes a report directory per shape with the project's own writers (contract/trace_lines.py's ``LineWriter`` for the
-meta/sig/exit lines, contract/trace_records.py's header and record layout for ``trace-rank<R>.bin``), FSDP2-like on
+meta/sig/exit lines, contract/trace_slots.py's header and record layout for ``trace-rank<R>.bin``), FSDP2-like on
 the world group: per step, a forward all_gather per layer, then per layer in reverse a backward all_gather and a
 reduce_scatter, then an all_reduce. Three shapes:
 
@@ -93,7 +93,7 @@ def generate(report_dir: Path, world: int, coll: int, shape: str, flight: str | 
     import numpy as np
 
     from distcheck.contract import files
-    from distcheck.contract import trace_records as records
+    from distcheck.contract import trace_slots
     from distcheck.contract.trace_lines import LineWriter
 
     report_dir.mkdir(parents=True, exist_ok=True)
@@ -107,14 +107,14 @@ def generate(report_dir: Path, world: int, coll: int, shape: str, flight: str | 
     stop_rank = world - 2  # the hang's rank that stopped early (bench/_scale_hang.py's loader rank)
     dtype = np.dtype([("kind", "u1"), ("flags", "u1"), ("pad", "V2"), ("sig", "<u4"), ("t", "<f8"),
                       ("t_end", "<f8")])
-    assert dtype.itemsize == records.SIZE == records.RECORD.size
+    assert dtype.itemsize == trace_slots.SIZE == trace_slots.SLOT.size
     base = np.zeros(coll, dtype)
-    base["kind"] = records.START
+    base["kind"] = trace_slots.START
     base["sig"] = [sig_of[c] for c in calls]
     t0 = 1.7e9
     base["t"] = t0 + np.arange(coll) * 1e-3
     base["t_end"] = base["t"] + 5e-4
-    header = np.frombuffer(records.header(files.FORMAT), dtype)
+    header = np.frombuffer(trace_slots.header(files.FORMAT), dtype)
     for rank in range(world):
         lines = LineWriter(files.rank_file(report_dir, "trace", rank))
         lines.write({"ev": "meta", files.FORMAT_KEY: files.FORMAT, "rank": rank, "pid": 100_000 + rank,
@@ -141,7 +141,7 @@ def generate(report_dir: Path, world: int, coll: int, shape: str, flight: str | 
             head = header.copy()
             if shape != "hang":
                 raw = bytearray(head.tobytes())
-                records.EXIT.pack_into(raw, records.EXIT_OFFSET, records.EXIT_RETURNED, 0)
+                trace_slots.EXIT.pack_into(raw, trace_slots.EXIT_OFFSET, trace_slots.EXIT_RETURNED, 0)
                 head = np.frombuffer(bytes(raw), dtype)
             head.tofile(fh)
             recs[:n].tofile(fh)

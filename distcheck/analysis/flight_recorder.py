@@ -428,7 +428,7 @@ def traced_ring(entries: list[dict[str, Any]], status: dict[str, Any], trace_lin
     import numpy as np
 
     from distcheck.analysis.rank_trace import _read_lines
-    from distcheck.contract import trace_records as records
+    from distcheck.contract import trace_slots
 
     if snapshot.get("graphs") or _UNTRACED_PHASES & set(snapshot.get("seen") or ()):
         return None
@@ -447,11 +447,11 @@ def traced_ring(entries: list[dict[str, Any]], status: dict[str, Any], trace_lin
     parsed = _read_lines(trace_lines, -1)
     if parsed.order or any(e.get("error") is not None for e in parsed.ends):
         return None  # JSON start lines of old, or a call that failed (it may have issued nothing)
-    state = records.read_state(binary or b"")
-    if state is None or state.cut or state.lost & records.LOST_LINES:
+    state = trace_slots.read_state(binary or b"")
+    if state is None or state.cut or state.lost & trace_slots.LOST_LINES:
         return None
-    recs = np.frombuffer(binary or b"", records.record_dtype(), offset=records.SIZE,
-                         count=len(binary or b"") // records.SIZE - 1)
+    recs = np.frombuffer(binary or b"", trace_slots.slot_dtype(), offset=trace_slots.SIZE,
+                         count=len(binary or b"") // trace_slots.SIZE - 1)
     written = np.flatnonzero(recs["kind"] != 0)
     if written.size != (int(written[-1]) + 1 if written.size else 0):
         return None  # a slot claimed but not written yet: a call on its way

@@ -15,7 +15,7 @@ from typing import Any, Iterable
 
 from distcheck.analysis.ops import P2P_OPS
 from distcheck.contract import files, trace_lines
-from distcheck.contract import trace_records as records
+from distcheck.contract import trace_slots
 
 
 @dataclass
@@ -110,11 +110,11 @@ class Incomplete:
     from_id: int | None  # the first collective (its slot: the rank's n-th) not recorded; None: the trace is whole
     errno: int | None  # the first write error, when known
     unrecorded: int = 0  # collectives the rank issued after from_id (counted, not recorded)
-    lost: list[str] = field(default_factory=list)  # other files that lost writes (trace_records.LOST_NAMES)
+    lost: list[str] = field(default_factory=list)  # other files that lost writes (trace_slots.LOST_NAMES)
 
     @property
     def reason(self) -> str:
-        return records.write_failure(self.errno)
+        return trace_slots.write_failure(self.errno)
 
 
 @dataclass
@@ -260,7 +260,7 @@ def parse_lines(lines: Iterable[str], rank: int, binary: bytes | None = None) ->
     parsed = _read_lines(lines, rank)
     starts, order = parsed.starts, parsed.order
     incomplete, finished, state = header_state(binary, rank, parsed)
-    if binary and records.read_header(binary) is not None:
+    if binary and trace_slots.read_header(binary) is not None:
         incomplete = _read_all(rank, binary, parsed.sigs, incomplete, starts, order)
     for rec in parsed.ends:  # JSON ends carry errors: they win over a record of the same id
         try:
@@ -278,25 +278,25 @@ def parse_lines(lines: Iterable[str], rank: int, binary: bytes | None = None) ->
 
 
 def header_state(binary: bytes | None, rank: int, parsed: _Lines
-                 ) -> tuple[Incomplete | None, dict[str, Any] | None, records.HeaderState | None]:
+                 ) -> tuple[Incomplete | None, dict[str, Any] | None, trace_slots.HeaderState | None]:
     """What the record file's header says (``binary``: the file's bytes, its first slot at least): what the rank
     could not write, its exit line (from the header when the line was lost) and the header's state."""
     incomplete: Incomplete | None = None
     finished = parsed.finished
     state = None
-    if binary is not None and parsed.meta and records.read_header(binary) is None:
+    if binary is not None and parsed.meta and trace_slots.read_header(binary) is None:
         incomplete = Incomplete(1, None)  # the rank ran, but not even the header could be written
     if binary:
-        version = records.read_header(binary)
+        version = trace_slots.read_header(binary)
         if version is not None and version != files.FORMAT:
             raise files.FormatError(f"the trace records of rank {rank} have distcheck file format {version}, this "
                                     f"distcheck reads format {files.FORMAT}: read it with the distcheck version "
                                     "that wrote it")
-        state = records.read_state(binary)
+        state = trace_slots.read_state(binary)
         if state is not None and (state.cut or state.lost):
             incomplete = Incomplete(state.cut or None, state.errno or None, state.unrecorded, state.lost_names)
         if state is not None and finished is None and state.exit:  # the exit line was lost, not the exit
-            finished = {"ev": "exit", "ok": state.exit == records.EXIT_RETURNED, "code": state.code,
+            finished = {"ev": "exit", "ok": state.exit == trace_slots.EXIT_RETURNED, "code": state.code,
                         "from": "records"}
     return incomplete, finished, state
 
@@ -307,7 +307,7 @@ def _lost_sig(incomplete: Incomplete | None, slot: int) -> Incomplete:
     if incomplete is None:
         incomplete = Incomplete(slot, None)
     incomplete.from_id = slot
-    incomplete.lost = sorted(set(incomplete.lost) | {records.LOST_NAMES[records.LOST_LINES]})
+    incomplete.lost = sorted(set(incomplete.lost) | {trace_slots.LOST_NAMES[trace_slots.LOST_LINES]})
     return incomplete
 
 
@@ -315,7 +315,7 @@ def _read_all(rank: int, binary: bytes, sigs: dict[int, dict[str, Any]], incompl
               starts: dict[int, TraceEvent], order: list[TraceEvent]) -> Incomplete | None:
     """Every record as an event (a short trace)."""
     positions: dict[Any, int] = {}  # sequence key -> events counted so far (records are in start order)
-    for rec in records.iter_records(binary):
+    for rec in trace_slots.iter_slots(binary):
         if incomplete is not None and incomplete.from_id is not None and rec.id >= incomplete.from_id:
             break
         desc = sigs.get(rec.sig)

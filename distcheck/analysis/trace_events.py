@@ -4,7 +4,7 @@
     events = load_rank_trace("report/trace-rank0.jsonl")   # reads trace-rank0.bin next to it too
 
 A rank's trace is two files: ``trace-rank<R>.jsonl`` (meta, one ``sig`` line per distinct call, errors, exit) and
-``trace-rank<R>.bin`` (a record per collective naming a sig; contract/trace_records.py), whose positions in their
+``trace-rank<R>.bin`` (a record per collective naming a sig; contract/trace_slots.py), whose positions in their
 groups' sequences are counted here (:func:`sequence_key`). ``start``/``end`` JSON lines
 are read too (error ends are written that way). Pure: no process group. Tolerant of a truncated last line (a rank
 killed mid-write), unwritten record slots and unknown line kinds. Where a rank is in its collectives (last started,
@@ -31,7 +31,7 @@ from distcheck.analysis.ops import P2P_OPS
 from distcheck.analysis.rank_trace import (PG_INLINE, Incomplete, RankError, RankTrace, TraceEvent, header_state,
                                            parse_lines, pg_json, rank_of_path, sequence_key)
 from distcheck.contract import files
-from distcheck.contract import trace_records as records
+from distcheck.contract import trace_slots
 
 # One rank's types and parse live in analysis/rank_trace.py (analysis/trace_summary.py builds on them, and this
 # module loads through it); every reader takes them from here.
@@ -108,7 +108,7 @@ def load_traces(report_dir: str | os.PathLike, summarize: bool | None = None) ->
     if summarize is None:
         # Records in use, not the file's size: a rank's record file grows a segment at a time, and one read while
         # the rank runs (a hang, a stop) or before its tail is cut holds thousands of empty slots.
-        sizes = [max(0, records.written(files.rank_file(report_dir, "trace_events", r))) for r in paths]
+        sizes = [max(0, trace_slots.written(files.rank_file(report_dir, "trace_events", r))) for r in paths]
         # A dump without entries (every collective its groups counted was traced: flight_recorder.all_traced, or
         # an empty ring) adds nothing to its trace: an NCCL rank stored the ring's ends in its record file at the
         # dump, and a trace still waiting on the ring for more than one end per group is read whole

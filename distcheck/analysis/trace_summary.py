@@ -5,7 +5,7 @@
 
 A 4096-rank job that ran 20,000 collectives wrote 82 million records. Made into one TraceEvent each (every one
 holding its group's 4096 ranks) they took hours and terabytes; most of them say only "the same as the peers".
-Here a rank's records (contract/trace_records.py) are read with numpy, a group's rank list is parsed once per
+Here a rank's records (contract/trace_slots.py) are read with numpy, a group's rank list is parsed once per
 process (rank_trace._pg_tuple), and each rank's trace becomes a :class:`TraceSummary`:
 
 * counts (started, completed, failed, issued-only, open) and, per process group (:attr:`TraceEvent.group_key`),
@@ -42,7 +42,7 @@ from distcheck.analysis.rank_trace import (Incomplete, RankTrace, TraceEvent, _e
                                            _read_lines, header_state, sequence_key)
 from distcheck.analysis.ops import PEER_OPS
 from distcheck.contract import files
-from distcheck.contract import trace_records as records
+from distcheck.contract import trace_slots
 
 TAIL = 2  # the last collectives a summarized trace keeps, besides those its questions need
 STRIDE = 256  # a group's sequence remembers the slot of every STRIDE-th position, to read any position back
@@ -135,11 +135,11 @@ class TraceSummary:
         slot_hi = seq.checkpoints[last] if last < len(seq.checkpoints) else None
         try:
             with open(self.path, "rb") as fh:
-                fh.seek(slot_lo * records.SIZE)
-                data = fh.read(-1 if slot_hi is None else (slot_hi - slot_lo) * records.SIZE)
+                fh.seek(slot_lo * trace_slots.SIZE)
+                data = fh.read(-1 if slot_hi is None else (slot_hi - slot_lo) * trace_slots.SIZE)
         except OSError:
             return {}
-        arr = np.frombuffer(data, records.record_dtype(), count=len(data) // records.SIZE)
+        arr = np.frombuffer(data, trace_slots.slot_dtype(), count=len(data) // trace_slots.SIZE)
         slots = np.arange(slot_lo, slot_lo + len(arr))
         mine = np.array(sorted(n for n, d in self.sigs.items() if _alignable(d) and _group_of(d) == key), np.uint32)
         mask = (arr["kind"] != 0) & np.isin(arr["sig"], mine)
@@ -157,7 +157,7 @@ class TraceSummary:
                 rec = arr[i]
                 e = self.read[slot] = _record_event(self.rank, self.sigs[int(rec["sig"])], slot, pos + 1,
                                                     float(rec["t"]), float(rec["t_end"]),
-                                                    bool(int(rec["flags"]) & records.ISSUED), self.ends.get(slot))
+                                                    bool(int(rec["flags"]) & trace_slots.ISSUED), self.ends.get(slot))
             out[pos] = e
         return out
 
@@ -294,9 +294,9 @@ class RankFollower:
         head: bytes | None = None
         try:
             if fh is not None:
-                head = fh.read(records.SIZE)
+                head = fh.read(trace_slots.SIZE)
             incomplete, finished, state = header_state(head, self.rank, self.lines)
-            if fh is not None and records.read_header(head or b"") is not None:
+            if fh is not None and trace_slots.read_header(head or b"") is not None:
                 until = incomplete.from_id if incomplete is not None else None
                 if until != self.until and until is not None and until < self.next_slot:
                     raise _StartOver()  # the cut came before what was read
@@ -331,7 +331,7 @@ class RankFollower:
     def _recheck(self, fh: Any) -> None:
         """The records that had not ended, and the slots that were empty, read again."""
         for slot in self.holes:
-            fh.seek(slot * records.SIZE)
+            fh.seek(slot * trace_slots.SIZE)
             if fh.read(1) not in (b"", b"\0"):
                 raise _StartOver()  # a record written into a slot claimed before a later one: positions moved
         if not self.open:
@@ -340,20 +340,20 @@ class RankFollower:
         if len(slots) <= 64:
             found = {}
             for slot in slots:
-                fh.seek(slot * records.SIZE)
-                found[slot] = fh.read(records.SIZE)
+                fh.seek(slot * trace_slots.SIZE)
+                found[slot] = fh.read(trace_slots.SIZE)
         else:  # many open (async ops never waited): one read across them
-            fh.seek(slots[0] * records.SIZE)
-            data = fh.read((slots[-1] - slots[0] + 1) * records.SIZE)
-            found = {s: data[(s - slots[0]) * records.SIZE:(s - slots[0] + 1) * records.SIZE] for s in slots}
+            fh.seek(slots[0] * trace_slots.SIZE)
+            data = fh.read((slots[-1] - slots[0] + 1) * trace_slots.SIZE)
+            found = {s: data[(s - slots[0]) * trace_slots.SIZE:(s - slots[0] + 1) * trace_slots.SIZE] for s in slots}
         for slot, raw in found.items():
-            if len(raw) < records.SIZE:
+            if len(raw) < trace_slots.SIZE:
                 continue
-            _, flags, _, _, t_end = records.RECORD.unpack(raw)
+            _, flags, _, _, t_end = trace_slots.SLOT.unpack(raw)
             if not t_end:
                 continue
             gi, pos, sig = self.open.pop(slot)
-            issued = bool(flags & records.ISSUED)
+            issued = bool(flags & trace_slots.ISSUED)
             self.completed += 1
             self.issued_only += issued
             self.groups[gi].completed += 1
@@ -391,10 +391,10 @@ class RankFollower:
     def _read_records(self, fh: Any, np: Any) -> None:
         """The records appended since the last read."""
         first = self.next_slot
-        fh.seek(first * records.SIZE)
-        want = -1 if self.until is None else max(0, self.until - first) * records.SIZE
+        fh.seek(first * trace_slots.SIZE)
+        want = -1 if self.until is None else max(0, self.until - first) * trace_slots.SIZE
         data = fh.read(want)
-        body = np.frombuffer(data, records.record_dtype(), count=len(data) // records.SIZE)
+        body = np.frombuffer(data, trace_slots.slot_dtype(), count=len(data) // trace_slots.SIZE)
         used = body["kind"] != 0
         written = np.flatnonzero(used)
         if not written.size:
@@ -421,7 +421,7 @@ class RankFollower:
             return
         t = body["t"] if whole else body["t"][used]
         t_end = (body["t_end"] if whole else body["t_end"][used]).copy()
-        issued = ((body["flags"] if whole else body["flags"][used]) & records.ISSUED) != 0
+        issued = ((body["flags"] if whole else body["flags"][used]) & trace_slots.ISSUED) != 0
         error = np.zeros(len(sig), bool)
         for slot in [s for s in self.ends if first <= s < self.next_slot]:
             i = int(np.searchsorted(slots, slot))
@@ -495,7 +495,7 @@ class RankFollower:
         return wanted
 
     def _trace(self, incomplete: Incomplete | None, finished: dict[str, Any] | None,
-               state: records.HeaderState | None) -> RankTrace:
+               state: trace_slots.HeaderState | None) -> RankTrace:
         wanted = self._wanted()
         for slot in [s for s in self.kept if s not in wanted]:
             del self.kept[slot]
@@ -510,10 +510,10 @@ class RankFollower:
                         if slot not in where:
                             continue
                         _, pos, sig = where[slot]
-                        fh.seek(slot * records.SIZE)
-                        _, flags, _, _, t, t_end = records.RECORD.unpack(fh.read(records.SIZE))
+                        fh.seek(slot * trace_slots.SIZE)
+                        _, flags, _, _, t, t_end = trace_slots.SLOT.unpack(fh.read(trace_slots.SIZE))
                         self.kept[slot] = _record_event(self.rank, self.lines.sigs[sig], slot, pos, t, t_end,
-                                                        bool(flags & records.ISSUED), self.ends.get(slot))
+                                                        bool(flags & trace_slots.ISSUED), self.ends.get(slot))
             except (OSError, ValueError):
                 pass
         sequences = {g.key: SequenceSummary(g.key, g.count, g.completed, g.first_difference, list(g.checkpoints))

@@ -16,7 +16,7 @@ import re
 from pathlib import Path
 from typing import Any, Iterable
 
-from distcheck.contract import trace_records
+from distcheck.contract import trace_slots
 from distcheck.errors import UsageError
 
 # Bump when a per-rank file changes in a way an older reader would misread.
@@ -32,7 +32,7 @@ STACKS_JSON = STACKS_STEM + ".json"
 
 _PER_RANK = {
     "trace": "trace-rank{rank}.jsonl",  # meta, call signatures, errors, exit line (contract/trace_lines.py)
-    "trace_events": "trace-rank{rank}.bin",  # collective start/end records (contract/trace_records.py)
+    "trace_events": "trace-rank{rank}.bin",  # collective start/end records (contract/trace_slots.py)
     "findings": "findings-rank{rank}.jsonl",  # findings of API calls inside the script (contract/findings_file.py)
     "autocheck": "autocheck-rank{rank}.json",  # zero-code check state (contract/autocheck_file.py)
     "records_index": "records-rank{rank}.jsonl",  # distcheck.record index (contract/records_file.py)
@@ -178,18 +178,18 @@ def tidy(report_dir: str | os.PathLike) -> None:
     except OSError:  # the report dir was removed or replaced under the run: nothing of ours is left in it
         pass
     for path in rank_files(report_dir, "trace_events").values():
-        trace_records.truncate_unused(path)
+        trace_slots.truncate_unused(path)
 
 
 def trace_progress(report_dir: str | os.PathLike, rank: int, hint: dict[str, int] | None = None) -> int:
     """A number that grows whenever the rank starts a collective, completes its latest one or writes a trace line:
     the watch loop's progress token. -1 before the rank has opened its trace. ``hint``: the caller's memo for this
-    rank, kept between polls (trace_records.progress): a poll then reads only past what the last one found."""
+    rank, kept between polls (trace_slots.progress): a poll then reads only past what the last one found."""
     try:
         size = rank_file(report_dir, "trace", rank).stat().st_size
     except OSError:
         return -1
-    return (size + max(0, trace_records.progress(rank_file(report_dir, "trace_events", rank), hint))
+    return (size + max(0, trace_slots.progress(rank_file(report_dir, "trace_events", rank), hint))
             + flight_progress(report_dir, rank))
 
 

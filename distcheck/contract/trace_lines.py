@@ -1,6 +1,6 @@
 """The JSON half of a rank's collective trace: ``trace-rank<R>.jsonl``. Its one writer (:class:`LineWriter`, which
 the tracer, rank/tracer.py, holds) and the framing its one reader (analysis/rank_trace.py) reads it through
-(:func:`read_records`); the binary half, one record per collective, is contract/trace_records.py.
+(:func:`read_records`); the binary half, one record per collective, is contract/trace_slots.py.
 
     python -m distcheck run --nproc 2 --report-dir out -- train.py   # ranks write out/trace-rank<R>.{jsonl,bin}
 

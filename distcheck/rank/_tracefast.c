@@ -30,7 +30,7 @@ tests/unit/test_tracer.py checks that both paths find each other's entries.
 #error "the tracer's C path needs Python 3.11 (PyFrame_GetLasti); older versions use the Python path"
 #endif
 
-/* The record layout of contract/trace_records.py: a slot's size, where the start's time and the end time go (the
+/* The record layout of contract/trace_slots.py: a slot's size, where the start's time and the end time go (the
    start word goes first). The module exports them and tracer.py takes the C path only when they match. */
 #define RECORD_SIZE 24
 #define START_TIME_OFFSET 8

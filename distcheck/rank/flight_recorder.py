@@ -51,7 +51,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from distcheck.contract import env, files, flight_dump_file, flight_status_file
-from distcheck.contract import trace_records as records
+from distcheck.contract import trace_slots
 
 log = logging.getLogger("distcheck")
 
@@ -489,8 +489,8 @@ def _store_ends(path: Path, ends: dict[int, float]) -> None:
     fd = os.open(path, os.O_WRONLY)
     try:
         for slot, t_end in ends.items():
-            data = records.END_TIME.pack(t_end)
-            if os.pwrite(fd, data, slot * records.SIZE + records.END_OFFSET) != len(data):
+            data = trace_slots.END_TIME.pack(t_end)
+            if os.pwrite(fd, data, slot * trace_slots.SIZE + trace_slots.END_OFFSET) != len(data):
                 raise OSError(f"short write into {path}")
     finally:
         os.close(fd)

@@ -152,7 +152,7 @@ class _Recorder:
 
     def _fail(self, name: str, exc: OSError) -> None:
         """A write failed (a full disk): the writer gave back the record's half-written data and stopped."""
-        from distcheck.contract.trace_records import LOST_RECORDS, write_failure
+        from distcheck.contract.trace_slots import LOST_RECORDS, write_failure
         from distcheck.rank.tracer import note_lost
 
         note_lost(LOST_RECORDS, exc)

@@ -38,7 +38,7 @@ def append(report_dir: str | os.PathLike, rank: int, findings: Iterable[Finding]
 
 
 def _lost(exc: OSError) -> None:
-    from distcheck.contract.trace_records import LOST_FINDINGS, write_failure
+    from distcheck.contract.trace_slots import LOST_FINDINGS, write_failure
     from distcheck.rank.tracer import note_lost
 
     note_lost(LOST_FINDINGS, exc)

@@ -26,7 +26,7 @@ Each call records a ``start`` before the call and an ``end`` when the op complet
   ``wait_tensor``.
 
 Each collective is one 24-byte record stored into a shared memory map of ``<report_dir>/trace-rank<R>.bin``
-(contract/trace_records.py): its start is stored before the call, its end time into the same record when the op
+(contract/trace_slots.py): its start is stored before the call, its end time into the same record when the op
 completes; plain memory writes, no system call, and the kernel keeps the pages of a SIGKILLed rank. The map only
 ever covers blocks allocated beforehand, so a full report file system stops the recording (see _EventLog), never
 the rank with a SIGBUS. What each
@@ -61,7 +61,7 @@ from distcheck.analysis.frame_owner import LIBRARY, USER, location, owner
 from distcheck.analysis.ops import C10D_OPS, FUNCOL_OPS, P2P_OPS
 from distcheck.contract import env, files
 from distcheck.contract import trace_lines
-from distcheck.contract import trace_records as records
+from distcheck.contract import trace_slots
 from distcheck.processes import agent_pid
 from distcheck.rank import flight_recorder
 from distcheck.rank.usersite import is_internal
@@ -77,7 +77,7 @@ if os.environ.get(ENV_HOT_PATH, "").strip().lower() == "python":
 # A C path built from an older layout (a stale build next to a newer tracer) would store records at the wrong place.
 if _tracefast is not None and (_tracefast.RECORD_SIZE, _tracefast.START_TIME_OFFSET, _tracefast.END_OFFSET,
                                getattr(_tracefast, "UNRECORDED_OFFSET", None)) != (
-        records.SIZE, records.START_TIME_OFFSET, records.END_OFFSET, records.UNRECORDED_OFFSET):
+        trace_slots.SIZE, trace_slots.START_TIME_OFFSET, trace_slots.END_OFFSET, trace_slots.UNRECORDED_OFFSET):
     _tracefast = None
 
 log = logging.getLogger("distcheck")
@@ -117,7 +117,7 @@ class _EventLog:
     a full disk is an ``OSError`` here, never a SIGBUS on the hot path's store. When no more blocks can be had (down
     to one page), recording stops for good: the header says from which collective on (``cut``) and why, the C path
     is told to skip recording (``stop``), and collectives issued from then on only bump the header's ``unrecorded``
-    counter, which keeps the watch loop's progress moving (contract/trace_records.py)."""
+    counter, which keeps the watch loop's progress moving (contract/trace_slots.py)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -129,12 +129,12 @@ class _EventLog:
         self._closed = False
         self.stopped = False  # the file system refused more blocks: nothing is recorded any more
         self._stop_fast: Callable[[], None] | None = None  # the C path's Log.stop
-        self.cap = self._allocate(0, records.SEGMENT_RECORDS * records.SIZE)  # bytes allocated and mapped
+        self.cap = self._allocate(0, trace_slots.SEGMENT_SLOTS * trace_slots.SIZE)  # bytes allocated and mapped
         if self.cap:
             self.mm = mmap.mmap(self._fd, self.cap)
         else:  # not even a page: the hot path still needs a map; nothing of it reaches the file
-            self.mm = mmap.mmap(-1, records.SIZE)
-        self.mm[:records.SIZE] = records.header(files.FORMAT)
+            self.mm = mmap.mmap(-1, trace_slots.SIZE)
+        self.mm[:trace_slots.SIZE] = trace_slots.header(files.FORMAT)
         if not self.cap:
             self._stop(1, self._error)
 
@@ -152,7 +152,7 @@ class _EventLog:
         The trace never takes the file system's last bytes: it leaves RESERVE_FRACTION of it (at most
         RESERVE_MAX) to everything else (the other ranks' start-up files, the automatic-check state, stack dumps,
         the report itself), and takes at most half of what is left above that at a time, so ranks share it."""
-        least = records.MIN_SEGMENT_RECORDS * records.SIZE
+        least = trace_slots.MIN_SEGMENT_SLOTS * trace_slots.SIZE
         self._error: OSError | None = None
         room = want  # unknown (no statvfs, or a file system that reports no size): fallocate's answer decides
         try:
@@ -165,7 +165,7 @@ class _EventLog:
         if room < least:
             self._error = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
             return 0
-        size = want if room >= 2 * want else max(least, room // 2 // records.SIZE * records.SIZE)
+        size = want if room >= 2 * want else max(least, room // 2 // trace_slots.SIZE * trace_slots.SIZE)
         while True:
             try:
                 _fallocate(self._fd, offset, size)
@@ -174,14 +174,14 @@ class _EventLog:
                 self._error = exc
                 if exc.errno not in (errno.ENOSPC, errno.EDQUOT) or size <= least:
                     return 0
-                size = max(least, size // 2 // records.SIZE * records.SIZE)
+                size = max(least, size // 2 // trace_slots.SIZE * trace_slots.SIZE)
 
     def grow(self, offset: int) -> None:
         """Make room for a record at ``offset`` (the map is grown a segment at a time, so this is rare); raise
         _NotRecorded when recording has stopped (then the collective is only counted)."""
         with self._lock:
-            while offset + records.SIZE > self.cap and not self._closed and not self.stopped:
-                got = self._allocate(self.cap, records.SEGMENT_RECORDS * records.SIZE)
+            while offset + trace_slots.SIZE > self.cap and not self._closed and not self.stopped:
+                got = self._allocate(self.cap, trace_slots.SEGMENT_SLOTS * trace_slots.SIZE)
                 if got:
                     try:
                         self.mm.resize(self.cap + got)
@@ -189,10 +189,10 @@ class _EventLog:
                         self._error = exc if isinstance(exc, OSError) else None
                         got = 0
                 if not got:
-                    self._stop(offset // records.SIZE, self._error)
+                    self._stop(offset // trace_slots.SIZE, self._error)
                     break
                 self.cap += got
-            if offset + records.SIZE > self.cap:
+            if offset + trace_slots.SIZE > self.cap:
                 if self.stopped:
                     self._count_unrecorded()
                 raise _NotRecorded()
@@ -205,46 +205,46 @@ class _EventLog:
             self._stop_fast()
         err = getattr(exc, "errno", None) or 0
         try:
-            records.CUT.pack_into(self.mm, records.CUT_OFFSET, slot)
-            if not self.mm[records.ERRNO_OFFSET]:
-                records.BYTE.pack_into(self.mm, records.ERRNO_OFFSET, err & 0xFF)
+            trace_slots.CUT.pack_into(self.mm, trace_slots.CUT_OFFSET, slot)
+            if not self.mm[trace_slots.ERRNO_OFFSET]:
+                trace_slots.BYTE.pack_into(self.mm, trace_slots.ERRNO_OFFSET, err & 0xFF)
         except (ValueError, struct.error):
             pass
         log.warning("%s (%s): collectives from #%d on are not recorded; the script goes on untraced",
-                    records.write_failure(err), getattr(exc, "strerror", None) or exc or "no space", slot)
+                    trace_slots.write_failure(err), getattr(exc, "strerror", None) or exc or "no space", slot)
 
     def _count_unrecorded(self) -> None:
         try:
-            n = records.UNRECORDED.unpack_from(self.mm, records.UNRECORDED_OFFSET)[0]
-            records.UNRECORDED.pack_into(self.mm, records.UNRECORDED_OFFSET, (n + 1) & 0xFFFFFFFF)
+            n = trace_slots.UNRECORDED.unpack_from(self.mm, trace_slots.UNRECORDED_OFFSET)[0]
+            trace_slots.UNRECORDED.pack_into(self.mm, trace_slots.UNRECORDED_OFFSET, (n + 1) & 0xFFFFFFFF)
         except (ValueError, struct.error):
             pass
 
     def lost(self, bit: int, err: int) -> None:
-        """Another per-rank file lost a write (records.LOST_* ``bit``): kept in the header for the report."""
+        """Another per-rank file lost a write (trace_slots.LOST_* ``bit``): kept in the header for the report."""
         try:
-            if not self.mm[records.LOST_OFFSET] & bit:
-                records.BYTE.pack_into(self.mm, records.LOST_OFFSET, self.mm[records.LOST_OFFSET] | bit)
-            if not self.mm[records.ERRNO_OFFSET]:
-                records.BYTE.pack_into(self.mm, records.ERRNO_OFFSET, err & 0xFF)
+            if not self.mm[trace_slots.LOST_OFFSET] & bit:
+                trace_slots.BYTE.pack_into(self.mm, trace_slots.LOST_OFFSET, self.mm[trace_slots.LOST_OFFSET] | bit)
+            if not self.mm[trace_slots.ERRNO_OFFSET]:
+                trace_slots.BYTE.pack_into(self.mm, trace_slots.ERRNO_OFFSET, err & 0xFF)
         except (ValueError, struct.error):
             pass
 
     def exited(self, ok: bool, code: int) -> None:
         """How the script ended, also where a full disk cannot lose it (the exit line may be lost)."""
         try:
-            records.EXIT.pack_into(self.mm, records.EXIT_OFFSET,
-                                   records.EXIT_RETURNED if ok else records.EXIT_FAILED, int(code) & 0xFF)
+            trace_slots.EXIT.pack_into(self.mm, trace_slots.EXIT_OFFSET,
+                                   trace_slots.EXIT_RETURNED if ok else trace_slots.EXIT_FAILED, int(code) & 0xFF)
         except (ValueError, struct.error, TypeError):
             pass
 
     def end(self, eid: int, t: float, issued: bool = False) -> None:
         """Mark collective ``eid`` (its slot) completed at ``t``, or only issued then."""
-        offset = eid * records.SIZE
+        offset = eid * trace_slots.SIZE
         try:
             if issued:  # before the time: a reader takes the flag only once the time is there
-                records.FLAG.pack_into(self.mm, offset + records.FLAGS_OFFSET, records.ISSUED)
-            records.END_TIME.pack_into(self.mm, offset + records.END_OFFSET, t)
+                trace_slots.FLAG.pack_into(self.mm, offset + trace_slots.FLAGS_OFFSET, trace_slots.ISSUED)
+            trace_slots.END_TIME.pack_into(self.mm, offset + trace_slots.END_OFFSET, t)
         except (ValueError, OSError, struct.error):  # closed under a late completion: tracing must not break training
             pass
 
@@ -254,7 +254,7 @@ class _EventLog:
             if self._closed:
                 return
             self._closed = True
-            used = self.claim() * records.SIZE
+            used = self.claim() * trace_slots.SIZE
             try:
                 self.mm.close()
             except BufferError:  # a record being written on another thread right now: leave the map to exit
@@ -281,7 +281,7 @@ def _fallocate(fd: int, offset: int, length: int) -> None:
 
 def note_lost(bit: int, exc: OSError) -> None:
     """A per-rank file other than the trace lost a write (records, findings, automatic-check state; ``bit``: a
-    trace_records.LOST_* value): kept in this rank's trace header, so the report can say what is missing."""
+    trace_slots.LOST_* value): kept in this rank's trace header, so the report can say what is missing."""
     tracer = _tracer
     if tracer is not None:
         tracer.events.lost(bit, exc.errno or 0)
@@ -493,7 +493,7 @@ class Tracer:
         self.path = trace_path(report_dir, rank)
         self.writer = trace_lines.LineWriter(self.path)
         self.events = _EventLog(files.rank_file(report_dir, "trace_events", rank))
-        self.writer.on_lost = functools.partial(self.events.lost, records.LOST_LINES)
+        self.writer.on_lost = functools.partial(self.events.lost, trace_slots.LOST_LINES)
         # Without a CUDA (or ROCm) build no tensor is on the GPU: keys leave the device out (~60 ns a tensor).
         self._gpu_build = torch.version.cuda is not None or getattr(torch.version, "hip", None) is not None
         self._internal: dict[str, bool] = {}  # file name -> not the user's code (usersite's one rule, cached)
@@ -518,7 +518,7 @@ class Tracer:
 
     def _sig_of(self, eid: int) -> int:
         """The sig a record names (its start word's high half)."""
-        return records.START_RECORD.unpack_from(self.events.mm, eid * records.SIZE)[0] >> 32
+        return trace_slots.START_SLOT.unpack_from(self.events.mm, eid * trace_slots.SIZE)[0] >> 32
 
     def _write_end(self, eid: int, t: float) -> None:
         self.events.end(eid, t)
@@ -691,7 +691,7 @@ class Tracer:
             event["completion"] = "flight_recorder"
         self.writer.write({"ev": "sig", "sig": sig, **event})
         # A functional collective's end is when it was issued: its completion is only seen by wait_tensor.
-        return records.start_word(sig, records.ISSUED if funcol else 0), cuda
+        return trace_slots.start_word(sig, trace_slots.ISSUED if funcol else 0), cuda
 
     def wrap(self, fn: Callable, op: str, funcol: bool) -> Callable:
         try:
@@ -720,10 +720,10 @@ class Tracer:
         claim = events.claim
         grow = events.grow
         mm = events.mm
-        pack_start = records.START_RECORD.pack_into
-        pack_end = records.END_TIME.pack_into
+        pack_start = trace_slots.START_SLOT.pack_into
+        pack_end = trace_slots.END_TIME.pack_into
         now = time.time
-        SIZE, END_OFFSET = records.SIZE, records.END_OFFSET
+        SIZE, END_OFFSET = trace_slots.SIZE, trace_slots.END_OFFSET
         Tensor = self._torch.Tensor
         gpu_build = self._gpu_build
         cacheable = op not in _UNCACHED

@@ -250,7 +250,7 @@ class WatchLoop:
     def _starting_up(self) -> bool:
         """Start-up: no rank has completed a collective yet (each imports, builds, joins the process group), by
         its records and by torch's ring (DDP's buckets), read without loading whole traces."""
-        from distcheck.contract import trace_records
+        from distcheck.contract import trace_slots
 
         for rank in files.rank_files(self.report_dir, "trace"):
             if files.flight_progress(self.report_dir, rank) > 0:
@@ -258,12 +258,12 @@ class WatchLoop:
             try:
                 with open(files.rank_file(self.report_dir, "trace_events", rank), "rb") as fh:
                     # the first collectives' records (whole ones): one of them completed, typically
-                    head = fh.read(trace_records.SIZE * 40000)
-                    if any(r.t_end is not None for r in trace_records.iter_records(head)):
+                    head = fh.read(trace_slots.SIZE * 40000)
+                    if any(r.t_end is not None for r in trace_slots.iter_slots(head)):
                         return False
                     if fh.read(1):  # more than that, none completed: read it all
                         fh.seek(0)
-                        if any(r.t_end is not None for r in trace_records.iter_records(fh.read())):
+                        if any(r.t_end is not None for r in trace_slots.iter_slots(fh.read())):
                             return False
             except OSError:
                 continue

@@ -319,12 +319,12 @@ def pending_collectives(trace_dir: str, rank: int) -> Callable[[], list[Leftover
     """The collectives this rank issued in the test (its trace in ``trace_dir``) that never completed."""
     from distcheck.analysis.progress import rank_progress
     from distcheck.analysis.trace_events import load_rank_records
-    from distcheck.contract import files, trace_records
+    from distcheck.contract import files, trace_slots
 
     def pending() -> list[Leftover]:
         try:  # the common case first: every record has its end (one pass over the records, no descriptions)
             data = files.rank_file(trace_dir, "trace_events", rank).read_bytes()
-            if all(r.t_end is not None for r in trace_records.iter_records(data)):
+            if all(r.t_end is not None for r in trace_slots.iter_slots(data)):
                 return []
         except OSError:
             pass

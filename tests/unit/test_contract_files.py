@@ -76,16 +76,16 @@ def test_trace_progress_with_a_hint_reads_only_past_the_last_poll(tmp_path, monk
     counts what a poll without the memo counts, also after the file was rewritten shorter."""
     import os
 
-    from distcheck.contract import trace_records as records
+    from distcheck.contract import trace_slots
 
     path = files.rank_file(tmp_path, "trace_events", 0)
     (tmp_path / "trace-rank0.jsonl").write_text("{}\n")
 
     def write(used: int, ended_last: bool = True) -> None:
-        data = bytearray(records.header(files.FORMAT)) + bytearray(records.SIZE * records.SEGMENT_RECORDS)
+        data = bytearray(trace_slots.header(files.FORMAT)) + bytearray(trace_slots.SIZE * trace_slots.SEGMENT_SLOTS)
         for slot in range(1, used + 1):
             t_end = 0.0 if slot == used and not ended_last else 2.0
-            records.RECORD.pack_into(data, slot * records.SIZE, records.START, 0, 1, 1.0, t_end)
+            trace_slots.SLOT.pack_into(data, slot * trace_slots.SIZE, trace_slots.START, 0, 1, 1.0, t_end)
         path.write_bytes(bytes(data))
 
     reads = []

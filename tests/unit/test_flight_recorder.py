@@ -309,12 +309,12 @@ def write_trace(report_dir, calls, errors=(), nccl=False) -> None:
     leaves open for the ring's completion times (``completion: flight_recorder``)."""
     import numpy as np
 
-    from distcheck.contract import trace_records as records
+    from distcheck.contract import trace_slots
 
     lines = trace_lines.LineWriter(files.rank_file(report_dir, "trace", 0))
     lines.write({"ev": "meta", files.FORMAT_KEY: files.FORMAT, "rank": 0, "t": 1.0})
     sigs: dict[tuple, int] = {}
-    recs = np.zeros(len(calls), records.record_dtype())
+    recs = np.zeros(len(calls), trace_slots.slot_dtype())
     for i, (op, group, t) in enumerate(calls):
         if (op, group) not in sigs:
             sigs[op, group] = len(sigs) + 1
@@ -322,12 +322,12 @@ def write_trace(report_dir, calls, errors=(), nccl=False) -> None:
                          "shapes": [[4]], "dtypes": ["float32"], "reduce_op": None, "peer": 1 if "send" in op else None,
                          "root": None, "site": "train.py:10", "file": "/p/train.py", "line": 10,
                          **({"completion": "flight_recorder"} if nccl else {})})
-        recs[i] = (records.START, 0, b"\0\0", sigs[op, group], t, 0.0 if nccl else t + 0.001)
+        recs[i] = (trace_slots.START, 0, b"\0\0", sigs[op, group], t, 0.0 if nccl else t + 0.001)
     for i in errors:
         lines.write({"ev": "end", "id": i + 1, "t": calls[i][2] + 0.002, "error": "Connection reset by peer"})
     lines.close()
     with open(files.rank_file(report_dir, "trace_events", 0), "wb") as fh:
-        fh.write(records.header(files.FORMAT))
+        fh.write(trace_slots.header(files.FORMAT))
         recs.tofile(fh)
 
 
@@ -500,9 +500,9 @@ def _said(tmp_path) -> list[tuple]:
 
 
 def _ends(tmp_path) -> list[float | None]:
-    from distcheck.contract import trace_records as records
+    from distcheck.contract import trace_slots
 
-    return [r.t_end for r in records.iter_records(files.rank_file(tmp_path, "trace_events", 0).read_bytes())]
+    return [r.t_end for r in trace_slots.iter_slots(files.rank_file(tmp_path, "trace_events", 0).read_bytes())]
 
 
 @pytest.mark.parametrize("pending", [0, 1])

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from distcheck.analysis.trace_align import STATE_DIED, STATE_OK, RankOutcome, analyze_run, provably_stuck
 from distcheck.analysis.trace_events import load_traces, parse_lines
 from distcheck.contract import files
-from distcheck.contract import trace_records as records
+from distcheck.contract import trace_slots
 from distcheck.contract.findings import CheckResult, Finding
 from distcheck.contract.report import Report, render_text, write_report
 from distcheck.rank import records as rank_records
@@ -68,18 +68,18 @@ def test_the_map_never_covers_unallocated_blocks_and_stops_cleanly_when_the_disk
     """A full disk used to be a SIGBUS in the hot path's store (the map covered a sparse file). Now each segment is
     allocated before the map covers it; when no more can be had, the script's collectives go on untraced, the
     header says from which one on and why, and counts them (the watch loop's progress)."""
-    monkeypatch.setattr(records, "SEGMENT_RECORDS", 400)
-    monkeypatch.setattr(records, "MIN_SEGMENT_RECORDS", 100)
-    granted = disk_of(monkeypatch, 650 * records.SIZE)  # room for 650 slots: 400, then 200 (halved), then 50 short
+    monkeypatch.setattr(trace_slots, "SEGMENT_SLOTS", 400)
+    monkeypatch.setattr(trace_slots, "MIN_SEGMENT_SLOTS", 100)
+    granted = disk_of(monkeypatch, 650 * trace_slots.SIZE)  # room for 650 slots: 400, then 200 (halved), then 50 short
     tracer = trace.install(tmp_path, 0)
     x = torch.ones(4)
     for _ in range(900):
         assert dist.all_reduce(x) is None  # the op's own result, traced or not
     path = tmp_path / "trace-rank0.bin"
-    assert granted == [(0, 400 * records.SIZE), (400 * records.SIZE, 200 * records.SIZE)]
-    assert tracer.events.cap == 600 * records.SIZE == len(tracer.events.mm)  # the map: exactly what was allocated
-    assert records.written(path) == 599  # slots 1..599 (slot 0 is the header)
-    state = records.read_state(path.read_bytes())
+    assert granted == [(0, 400 * trace_slots.SIZE), (400 * trace_slots.SIZE, 200 * trace_slots.SIZE)]
+    assert tracer.events.cap == 600 * trace_slots.SIZE == len(tracer.events.mm)  # the map: exactly what was allocated
+    assert trace_slots.written(path) == 599  # slots 1..599 (slot 0 is the header)
+    state = trace_slots.read_state(path.read_bytes())
     assert (state.cut, state.errno, state.unrecorded) == (600, errno.ENOSPC, 900 - 599)
     warnings = [r.getMessage() for r in caplog.records if "not recorded" in r.getMessage()]
     assert warnings == ["the report directory's file system was full (No space left on device): collectives "
@@ -120,9 +120,9 @@ def test_the_trace_leaves_a_tenth_of_a_small_file_system_to_the_report(fake_worl
                                                                          real(fd, offset, length)))
     tracer = trace.install(tmp_path, 0)
     room = 100 * 4096 - int(128 * 4096 * trace.RESERVE_FRACTION)
-    assert granted == [room // 2 // records.SIZE * records.SIZE]
+    assert granted == [room // 2 // trace_slots.SIZE * trace_slots.SIZE]
     free["bytes"] = int(128 * 4096 * trace.RESERVE_FRACTION) + 4000  # less than a page above the reserve
-    for _ in range(tracer.events.cap // records.SIZE + 5):
+    for _ in range(tracer.events.cap // trace_slots.SIZE + 5):
         dist.all_reduce(torch.ones(1))
     assert tracer.events.stopped and len(granted) == 1
 
@@ -154,7 +154,7 @@ def test_lost_trace_lines_are_cut_whole_and_the_exit_survives_in_the_header(fake
     assert [json.loads(line)["ev"] for line in lines] == ["meta", "sig"]  # the half line was taken back
     rank = load_traces(tmp_path)[0]
     assert [e.seq for e in rank.events] == [1] and rank.incomplete.from_id == 2
-    assert records.LOST_NAMES[records.LOST_LINES] in rank.incomplete.lost
+    assert trace_slots.LOST_NAMES[trace_slots.LOST_LINES] in rank.incomplete.lost
     assert rank.finished == {"ev": "exit", "ok": True, "code": 0, "from": "records"}
     assert run_report.outcome_from_trace(0, rank).state == STATE_OK
 
@@ -208,12 +208,12 @@ def _rank_trace(rank: int, n: int, cut: int | None = None, exit_ok: bool | None 
     if exit_ok is not None:
         lines.append(json.dumps({"ev": "exit", "ok": exit_ok, "code": 0 if exit_ok else 1}))
     kept = n if cut is None else cut - 1
-    head = bytearray(records.header(files.FORMAT))
+    head = bytearray(trace_slots.header(files.FORMAT))
     if cut is not None:
-        records.CUT.pack_into(head, records.CUT_OFFSET, cut)
-        records.UNRECORDED.pack_into(head, records.UNRECORDED_OFFSET, n - kept)
-        head[records.ERRNO_OFFSET] = errno.ENOSPC
-    body = b"".join(records.RECORD.pack(records.START, 0, 1, 10.0 + i, 10.5 + i) for i in range(kept))
+        trace_slots.CUT.pack_into(head, trace_slots.CUT_OFFSET, cut)
+        trace_slots.UNRECORDED.pack_into(head, trace_slots.UNRECORDED_OFFSET, n - kept)
+        head[trace_slots.ERRNO_OFFSET] = errno.ENOSPC
+    body = b"".join(trace_slots.SLOT.pack(trace_slots.START, 0, 1, 10.0 + i, 10.5 + i) for i in range(kept))
     return lines, bytes(head) + body
 
 
@@ -245,8 +245,8 @@ def test_the_c_path_counts_where_the_readers_look():
     """_tracefast.c bumps the header's count of unrecorded collectives itself (tracer.py leaves a stale build out)."""
     if trace._tracefast is None:
         pytest.skip("the C path was not built here (pip install -e . with a C compiler builds it)")
-    assert trace._tracefast.UNRECORDED_OFFSET == records.UNRECORDED_OFFSET
-    assert records.STATE.size + records.STATE_OFFSET == records.HEADER.size == records.SIZE
+    assert trace._tracefast.UNRECORDED_OFFSET == trace_slots.UNRECORDED_OFFSET
+    assert trace_slots.STATE.size + trace_slots.STATE_OFFSET == trace_slots.HEADER.size == trace_slots.SIZE
 
 
 def test_a_rank_without_its_exit_record_ended_without_finishing_its_script():
@@ -273,7 +273,7 @@ def test_a_rank_without_its_exit_record_ended_without_finishing_its_script():
     assert "finished its script" not in f.message.replace("without finishing its script", "")
     # The exit line lost, the header's exit kept: finished.
     head = bytearray(bin1)
-    records.EXIT.pack_into(head, records.EXIT_OFFSET, records.EXIT_RETURNED, 0)
+    trace_slots.EXIT.pack_into(head, trace_slots.EXIT_OFFSET, trace_slots.EXIT_RETURNED, 0)
     kept = parse_lines(lines1, 1, bytes(head))
     assert run_report.outcomes_from_exits({1: exits[1]}, {1: kept})[0][1].state == STATE_OK
     # No header at all (the disk was full from the start): unknown, so the exit code decides.

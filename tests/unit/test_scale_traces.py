@@ -13,7 +13,7 @@ from distcheck.analysis.trace_align import (STATE_ERROR, STATE_HUNG, STATE_OK, R
                                             provably_stuck)
 from distcheck.analysis.trace_events import RankError, load_traces
 from distcheck.contract import files, flight_dump_file
-from distcheck.contract import trace_records as records
+from distcheck.contract import trace_slots
 from distcheck.contract.report import write_report
 from distcheck.contract.trace_lines import LineWriter
 from distcheck.supervise import run_report
@@ -28,18 +28,18 @@ def call(op="all_reduce", pg=(0, 1, 2, 3), shapes=((8,),), line=10, reduce_op=No
 def write_rank(report_dir: Path, rank: int, calls: list[dict], *, exit_ok: bool | None = True,
                open_from: int | None = None, errors: dict[int, str] | None = None) -> None:
     """One rank's trace as the tracer writes it: meta and sig lines (rank/tracer.py's writer), one record per call
-    (contract/trace_records.py's layout); calls from ``open_from`` on never ended; ``errors``: call index -> the
+    (contract/trace_slots.py's layout); calls from ``open_from`` on never ended; ``errors``: call index -> the
     error its JSON end line carries."""
     lines = LineWriter(files.rank_file(report_dir, "trace", rank))
     lines.write({"ev": "meta", files.FORMAT_KEY: files.FORMAT, "rank": rank, "t": 1.0})
     sig_of: dict[int, int] = {}  # one sig per call dict, as the tracer's one per call site
-    recs = np.zeros(len(calls), records.record_dtype())
+    recs = np.zeros(len(calls), trace_slots.slot_dtype())
     for i, c in enumerate(calls):
         key = id(c)
         if key not in sig_of:
             sig_of[key] = len(sig_of) + 1
             lines.write({"ev": "sig", "sig": sig_of[key], **c})
-        recs[i] = (records.START, 0, b"\0\0", sig_of[key], 10.0 + i, 0.0 if open_from is not None and i >= open_from
+        recs[i] = (trace_slots.START, 0, b"\0\0", sig_of[key], 10.0 + i, 0.0 if open_from is not None and i >= open_from
                    else 10.5 + i)
     for i, message in (errors or {}).items():
         lines.write({"ev": "end", "id": i + 1, "t": 10.7 + i, "error": message})
@@ -47,7 +47,7 @@ def write_rank(report_dir: Path, rank: int, calls: list[dict], *, exit_ok: bool 
         lines.write({"ev": "exit", "ok": exit_ok, "code": 0 if exit_ok else 1})
     lines.close()
     with open(files.rank_file(report_dir, "trace_events", rank), "wb") as fh:
-        fh.write(records.header(files.FORMAT))
+        fh.write(trace_slots.header(files.FORMAT))
         recs.tofile(fh)
 
 
@@ -326,7 +326,7 @@ def _to_nccl(report_dir: Path) -> dict[int, list[float]]:
                                            else rec) + "\n" for rec in lines))
         bin_path = files.rank_file(report_dir, "trace_events", r)
         data = bytearray(bin_path.read_bytes())
-        recs = np.frombuffer(data, records.record_dtype(), offset=records.SIZE)
+        recs = np.frombuffer(data, trace_slots.slot_dtype(), offset=trace_slots.SIZE)
         ends[r] = recs["t_end"].tolist()
         recs["t_end"] = 0.0
         bin_path.write_bytes(bytes(data))
@@ -382,7 +382,8 @@ def test_nccl_dumps_store_the_rings_ends_and_say_what_the_full_dumps_said(tmp_pa
     waiting in its last collective: still open, the same hang)."""
     outcomes, ends, expected = _nccl_job(tmp_path, name)
     for r in range(4):
-        stored = [rec.t_end for rec in records.iter_records(files.rank_file(tmp_path, "trace_events", r).read_bytes())]
+        binary = files.rank_file(tmp_path, "trace_events", r).read_bytes()
+        stored = [rec.t_end for rec in trace_slots.iter_slots(binary)]
         assert [t is not None for t in stored] == [bool(e) for e in ends[r]]
     assert _said(load_traces(tmp_path, summarize=False), outcomes) == expected
 

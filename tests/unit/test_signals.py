@@ -192,7 +192,7 @@ def test_compare_stopped_before_its_first_run_launches_nothing(tmp_path, monkeyp
 
 
 def test_start_up_lasts_until_some_rank_completed_a_collective(tmp_path):
-    from distcheck.contract import trace_records as tr
+    from distcheck.contract import trace_slots as tr
 
     def loop() -> WatchLoop:
         return WatchLoop(tmp_path, 30.0, live=dict, finished=set, expected=2)
@@ -200,12 +200,12 @@ def test_start_up_lasts_until_some_rank_completed_a_collective(tmp_path):
     for r in (0, 1):
         write_trace(tmp_path, r)
     assert loop()._starting_up()  # traces, no collective
-    issued = tr.header(3) + tr.RECORD.pack(1, 0, 1, 1.0, 0.0)
+    issued = tr.header(3) + tr.SLOT.pack(1, 0, 1, 1.0, 0.0)
     for r in (0, 1):
         (tmp_path / f"trace-rank{r}.bin").write_bytes(issued)
     assert loop()._starting_up()  # each issued its first one, none completed
-    pending = tr.RECORD.pack(1, 0, 1, 1.0, 0.0)
-    (tmp_path / "trace-rank1.bin").write_bytes(issued + pending * 45000 + tr.RECORD.pack(1, 0, 1, 1.0, 2.0))
+    pending = tr.SLOT.pack(1, 0, 1, 1.0, 0.0)
+    (tmp_path / "trace-rank1.bin").write_bytes(issued + pending * 45000 + tr.SLOT.pack(1, 0, 1, 1.0, 2.0))
     assert not loop()._starting_up()  # found past the first chunk of records too
     (tmp_path / "trace-rank1.bin").write_bytes(issued + pending * 45000)
     assert loop()._starting_up()

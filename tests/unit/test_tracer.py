@@ -14,7 +14,7 @@ import torch.distributed as dist
 from distcheck.analysis.hang import progress_from_events
 from distcheck.analysis.trace_events import load_traces, parse_lines
 from distcheck.contract import files
-from distcheck.contract import trace_records as records
+from distcheck.contract import trace_slots
 from distcheck.rank import tracer as trace
 
 
@@ -57,7 +57,7 @@ def test_events_carry_the_user_site_shapes_and_completion(fake_world, tmp_path, 
     # closed record file holds exactly what was written.
     lines = [json.loads(s) for s in (tmp_path / "trace-rank0.jsonl").read_text().splitlines()]
     assert [d["ev"] for d in lines] == ["meta", "sig", "sig", "sig"] and lines[0]["hot_path"] == hot_path
-    assert (tmp_path / "trace-rank0.bin").stat().st_size == records.SIZE * (1 + len(events))
+    assert (tmp_path / "trace-rank0.bin").stat().st_size == trace_slots.SIZE * (1 + len(events))
     assert [e.id for e in events] == [1, 2, 3, 4, 5] and all(e.t_end >= e.t_start for e in events)
 
 
@@ -75,46 +75,47 @@ def test_a_call_with_new_tensors_each_step_reuses_its_description(fake_world, tm
 
 def test_records_are_on_disk_without_close_and_the_map_grows(fake_world, tmp_path, monkeypatch, hot_path):
     """A SIGKILLed rank never closes its trace: every record stored into the map is already in the file."""
-    monkeypatch.setattr(records, "SEGMENT_RECORDS", 8)
+    monkeypatch.setattr(trace_slots, "SEGMENT_SLOTS", 8)
     tracer = trace.install(tmp_path, 0)
     x = torch.ones(4)
     before = files.trace_progress(tmp_path, 0)
     for _ in range(20):  # 20 records after the header: the map grows twice
         dist.all_reduce(x)
-    assert records.written(tmp_path / "trace-rank0.bin") == 20 and files.trace_progress(tmp_path, 0) > before
+    assert trace_slots.written(tmp_path / "trace-rank0.bin") == 20 and files.trace_progress(tmp_path, 0) > before
     data = (tmp_path / "trace-rank0.bin").read_bytes()  # while the map is open, as a supervisor reads it
-    assert [(r.id, r.t_end is not None, r.issued) for r in records.iter_records(data)] == [
+    assert [(r.id, r.t_end is not None, r.issued) for r in trace_slots.iter_slots(data)] == [
         (i, True, False) for i in range(1, 21)]
     assert [e.seq for e in load_traces(tmp_path)[0].events] == list(range(1, 21))
-    assert tracer.events.cap == 24 * records.SIZE
+    assert tracer.events.cap == 24 * trace_slots.SIZE
 
 
 def test_progress_counts_starts_and_the_latest_completion(tmp_path):
     """A rank that finished a long collective and now computes has progressed: the watch loop must see it."""
     path = tmp_path / "trace-rank0.bin"
-    start = records.START_RECORD.pack(records.start_word(1), 5.0)
-    path.write_bytes(records.header(files.FORMAT) + start + bytes(records.SIZE - len(start)) + bytes(records.SIZE))
-    begun = records.progress(path)
+    start = trace_slots.START_SLOT.pack(trace_slots.start_word(1), 5.0)
+    size = trace_slots.SIZE
+    path.write_bytes(trace_slots.header(files.FORMAT) + start + bytes(size - len(start)) + bytes(size))
+    begun = trace_slots.progress(path)
     with open(path, "r+b") as fh:
-        fh.seek(records.SIZE + records.END_OFFSET)
-        fh.write(records.END_TIME.pack(6.0))
-    assert records.written(path) == 1 and records.progress(path) > begun
-    assert records.progress(tmp_path / "none.bin") == -1
+        fh.seek(trace_slots.SIZE + trace_slots.END_OFFSET)
+        fh.write(trace_slots.END_TIME.pack(6.0))
+    assert trace_slots.written(path) == 1 and trace_slots.progress(path) > begun
+    assert trace_slots.progress(tmp_path / "none.bin") == -1
 
 
 def test_a_killed_ranks_zero_tail_is_skipped_and_cut(tmp_path):
     path = tmp_path / "trace-rank0.bin"
-    rec = records.RECORD.pack(records.START, 0, 1, 5.0, 0.0)
-    path.write_bytes(records.header(files.FORMAT) + rec + b"\0" * records.SIZE * 100)
-    assert records.written(path) == 1
-    assert len(list(records.iter_records(path.read_bytes()))) == 1
+    rec = trace_slots.SLOT.pack(trace_slots.START, 0, 1, 5.0, 0.0)
+    path.write_bytes(trace_slots.header(files.FORMAT) + rec + b"\0" * trace_slots.SIZE * 100)
+    assert trace_slots.written(path) == 1
+    assert len(list(trace_slots.iter_slots(path.read_bytes()))) == 1
     files.tidy(tmp_path)
-    assert path.stat().st_size == 2 * records.SIZE
+    assert path.stat().st_size == 2 * trace_slots.SIZE
 
 
 def test_records_of_another_format_are_named(tmp_path):
     (tmp_path / "trace-rank0.jsonl").write_text(json.dumps({"ev": "meta", "format": files.FORMAT}) + "\n")
-    (tmp_path / "trace-rank0.bin").write_bytes(records.header(files.FORMAT + 1))
+    (tmp_path / "trace-rank0.bin").write_bytes(trace_slots.header(files.FORMAT + 1))
     with pytest.raises(files.FormatError, match="trace records of rank 0 have distcheck file format"):
         load_traces(tmp_path)
 
@@ -209,8 +210,8 @@ def test_positions_count_per_group_and_per_point_to_point_direction():
             {"ev": "sig", "sig": 3, "op": "send", "pg": "0,1", "pg_name": "0", "peer": 1},
             {"ev": "sig", "sig": 4, "op": "recv", "pg": "0,1", "pg_name": "0", "peer": 1}]
     order = [1, 2, 3, 1, 4, 3, 2, 1]
-    binary = records.header(files.FORMAT) + b"".join(
-        records.RECORD.pack(records.START, 0, sig, float(i), float(i) + 0.5) for i, sig in enumerate(order))
+    binary = trace_slots.header(files.FORMAT) + b"".join(
+        trace_slots.SLOT.pack(trace_slots.START, 0, sig, float(i), float(i) + 0.5) for i, sig in enumerate(order))
     events = parse_lines([json.dumps(s) for s in sigs], 0, binary).events
     assert [(e.op, e.pg_name, e.seq) for e in events] == [
         ("all_reduce", "0", 1), ("all_reduce", "7", 1), ("send", "0", 1), ("all_reduce", "0", 2),
@@ -236,8 +237,8 @@ def test_the_c_path_stores_records_where_the_readers_look():
         pytest.skip("the C path was not built here (pip install -e . with a C compiler builds it)")
     fast = importlib.import_module("distcheck.rank._tracefast")
     assert (fast.RECORD_SIZE, fast.START_TIME_OFFSET, fast.END_OFFSET) == (
-        records.SIZE, records.START_TIME_OFFSET, records.END_OFFSET) == (
-        records.RECORD.size, records.START_RECORD.size - 8, records.START_RECORD.size)
+        trace_slots.SIZE, trace_slots.START_TIME_OFFSET, trace_slots.END_OFFSET) == (
+        trace_slots.SLOT.size, trace_slots.START_SLOT.size - 8, trace_slots.START_SLOT.size)
 
 
 def test_the_c_path_keys_a_call_as_the_python_path_does(fake_world, tmp_path):

@@ -231,7 +231,7 @@ class AutoCheck:
     def write_state(self) -> None:
         exc = autocheck_file.write(self.out_dir, self.rank, self.state())
         if exc is not None:  # a full disk: the report says what is missing (the trace header keeps it)
-            from distcheck.contract.trace_records import LOST_AUTOCHECK
+            from distcheck.contract.trace_slots import LOST_AUTOCHECK
             from distcheck.rank.tracer import note_lost
 
             note_lost(LOST_AUTOCHECK, exc)

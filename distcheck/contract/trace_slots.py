@@ -1,20 +1,20 @@
-"""The binary half of a rank's collective trace: ``trace-rank<R>.bin``, one fixed-size record per collective.
+"""The binary half of a rank's collective trace: ``trace-rank<R>.bin``, one fixed-size slot per collective.
 
     python -m distcheck run --nproc 2 --report-dir out -- train.py   # ranks write out/trace-rank<R>.{jsonl,bin}
 
 Why binary: the tracer runs on every collective, and on GPUs a small collective costs a few µs of CPU. A JSON line
-and a ``write`` system call per event cost ~6 µs; storing a record into a shared memory map costs ~0.1 µs. The map
-is ``MAP_SHARED`` on the file, so every store is already in the page cache: a SIGKILLed rank keeps every record it
-stored, as with the O_APPEND lines before.
+and a ``write`` system call per event cost ~6 µs; storing a slot into a shared memory map costs ~0.1 µs. The map
+is ``MAP_SHARED`` on the file, so every store is already in the page cache: a SIGKILLed rank keeps every slot it
+stored. (Slots, not records: in distcheck a record is a value ``distcheck.record`` keeps for ``compare``.)
 
 What does not repeat goes to ``trace-rank<R>.jsonl`` as JSON lines: the meta line, one ``sig`` line per distinct
-call (op, group, shapes, dtypes, reduce op, root/peer, the user's site), errors and the exit line. A record names
+call (op, group, shapes, dtypes, reduce op, root/peer, the user's site), errors and the exit line. A slot names
 its sig by number. Layout (little-endian, 24 bytes; slot 0 is the header; a collective's id is its slot number):
 
     kind:u8  flags:u8  pad:2  sig:u32  t:f64  t_end:f64
 
 ``kind`` is 1 once the collective started (``t``); ``t_end`` stays 0 until it completed, and is then stored in place
-(one 8-byte store, from whichever thread saw the completion): a second record per collective cost another ~0.1 µs.
+(one 8-byte store, from whichever thread saw the completion): a second slot per collective cost another ~0.1 µs.
 ``flags`` bit 0 (ISSUED): the end is when the op was issued, not when it completed (functional collectives, whose
 completion only ``wait_tensor`` sees). A collective's position in its group's sequence is not stored: readers count
 it, in slot order, from the sigs (analysis/trace_events.py), which saves the hot path a counter. The file is grown a
@@ -44,14 +44,14 @@ from typing import Iterator, NamedTuple
 
 SIZE = 24
 # What the tracer stores when a collective starts: the first 8 bytes as one integer (see start_word) and t.
-START_RECORD = struct.Struct("<Qd")
+START_SLOT = struct.Struct("<Qd")
 START_TIME_OFFSET = 8  # t, after the start word (rank/_tracefast.c stores both itself)
 END_TIME = struct.Struct("<d")  # t_end, at END_OFFSET in the slot
-END_OFFSET = START_RECORD.size
+END_OFFSET = START_SLOT.size
 FLAGS_OFFSET = 1
 FLAG = struct.Struct("<B")
-RECORD = struct.Struct("<BB2xIdd")  # a whole slot, for readers
-assert RECORD.size == SIZE
+SLOT = struct.Struct("<BB2xIdd")  # a whole slot, for readers
+assert SLOT.size == SIZE
 MAGIC = b"DCTRACE\0"
 HEADER = struct.Struct("<8sIIIBBBB")  # magic, format, then the state below; one record slot
 assert HEADER.size == SIZE
@@ -67,9 +67,9 @@ EXIT = struct.Struct("<BB")  # exit, code
 EXIT_OFFSET = 22
 START = 1
 ISSUED = 1  # flags bit
-SEGMENT_RECORDS = 1 << 17  # 3 MiB of records per growth step
+SEGMENT_SLOTS = 1 << 17  # 3 MiB of records per growth step
 # The least the tracer tries to allocate when a full file system refuses a whole segment: one page of records.
-MIN_SEGMENT_RECORDS = 4096 // SIZE
+MIN_SEGMENT_SLOTS = 4096 // SIZE
 # Which other per-rank files lost writes (the header's ``lost`` bits), and how a report names them.
 LOST_LINES, LOST_RECORDS, LOST_FINDINGS, LOST_AUTOCHECK = 1, 2, 4, 8
 LOST_NAMES = {LOST_LINES: "trace lines (call descriptions, errors, the exit line)",
@@ -79,11 +79,11 @@ EXIT_RETURNED, EXIT_FAILED = 1, 2  # the header's ``exit``: the script returned 
 
 
 def start_word(sig: int, flags: int = 0) -> int:
-    """kind, flags and sig of a started collective as the little-endian u64 that START_RECORD stores first."""
+    """kind, flags and sig of a started collective as the little-endian u64 that START_SLOT stores first."""
     return START | flags << 8 | sig << 32
 
 
-class Record(NamedTuple):
+class Slot(NamedTuple):
     id: int  # the slot number
     sig: int
     t: float
@@ -91,7 +91,7 @@ class Record(NamedTuple):
     issued: bool  # t_end is when the op was issued, not when it completed
 
 
-def record_dtype():
+def slot_dtype():
     """The record layout as a numpy structured dtype, for readers of whole files (analysis/trace_events.py) and
     writers of synthetic ones (bench/bench_scale.py). numpy is imported here only, never on the tracer's path."""
     import numpy as np
@@ -148,15 +148,15 @@ def write_failure(errno_value: int | None) -> str:
     return f"writing into the report directory failed ({os.strerror(errno_value)})"
 
 
-def iter_records(data: bytes) -> Iterator[Record]:
+def iter_slots(data: bytes) -> Iterator[Slot]:
     """Every started collective's record after the header; unwritten (zero) slots are skipped."""
     end = len(data.rstrip(b"\0"))
     end = -(-end // SIZE) * SIZE  # a record whose last bytes happen to be zero is still whole
     if end <= SIZE:
         return
-    for slot, (kind, flags, sig, t, t_end) in enumerate(RECORD.iter_unpack(memoryview(data)[SIZE:end]), 1):
+    for slot, (kind, flags, sig, t, t_end) in enumerate(SLOT.iter_unpack(memoryview(data)[SIZE:end]), 1):
         if kind:
-            yield Record(slot, sig, t, t_end or None, bool(flags & ISSUED))
+            yield Slot(slot, sig, t, t_end or None, bool(flags & ISSUED))
 
 
 def written(path: str | os.PathLike) -> int:
