@@ -235,6 +235,7 @@ def analyse(report_dir: Path, world: int, shape: str) -> tuple[float, float, flo
                                      hang_findings, None, notes)
     for finding in hang_findings:
         report.artifacts.update(finding.detail.get("artifacts", {}))
+    run_report.write_trace_view(report, report_dir, traces)  # what supervised_run publishes with the report
     write_report(report, report_dir)
     seconds = time.perf_counter() - t_start
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

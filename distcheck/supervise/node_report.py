@@ -79,6 +79,15 @@ class Evidence:
 
 
 @dataclass
+class Built:
+    """A report built from a folder's files, with the traces it was built from (its trace.json is drawn from them
+    when it is published)."""
+
+    report: Report
+    traces: dict[int, RankTrace]
+
+
+@dataclass
 class Publication:
     """A composed report and where it goes."""
 
@@ -86,7 +95,9 @@ class Publication:
     out_dir: Path
     to_stdout: bool  # a run that ended by itself prints like `run --nproc`; the watcher's diagnoses go to stderr
     diagnosis: list[Finding]  # logged to the watcher's log too
-    earlier_attempts: dict[Path, Report] = field(default_factory=dict)  # built from their files: written there
+    earlier_attempts: dict[Path, Built] = field(default_factory=dict)  # built from their files: written there
+    traces: dict[int, RankTrace] = field(default_factory=dict)  # what the report's trace.json is drawn from
+    trace_dir: Path | None = None  # where that trace.json goes (the ranks' report dir)
 
 
 def compose(e: Evidence) -> Publication:
@@ -94,9 +105,10 @@ def compose(e: Evidence) -> Publication:
     if e.nodes is not None:
         return _job_report(e, e.nodes)
     if e.ending == ENDED:
-        report = ended_run_report(e.report_dir, e.command or "distcheck run", e.world_size, e.timeout, e.seconds,
-                                  e.agent)
-        return Publication(report, e.report_dir, True, [], with_attempts(report, e.report_dir))
+        built = ended_run_report(e.report_dir, e.command or "distcheck run", e.world_size, e.timeout, e.seconds,
+                                 e.agent)
+        return Publication(built.report, e.report_dir, True, [], with_attempts(built.report, e.report_dir),
+                           built.traces, e.report_dir)
     return _node_report(e)
 
 
@@ -104,9 +116,13 @@ def publish(pub: Publication) -> int:
     """Write the report (and the earlier attempts' that were missing) and print it to the job's console; its exit
     code."""
     from distcheck.contract.report import render_text, write_report
+    from distcheck.supervise.run_report import write_trace_view
 
-    for folder, report in pub.earlier_attempts.items():
-        write_report(report, folder)
+    for folder, built in pub.earlier_attempts.items():
+        write_trace_view(built.report, folder, built.traces)
+        write_report(built.report, folder)
+    if pub.trace_dir is not None:
+        write_trace_view(pub.report, pub.trace_dir, pub.traces)
     write_report(pub.report, pub.out_dir)
     for f in pub.diagnosis:
         log.warning("[%s] %s", f.kind, f.message)
@@ -141,7 +157,8 @@ def _node_report(e: Evidence) -> Publication:
     report = _with_diagnosis(e, report_so_far(e.out_dir), traces, outcomes, e.findings, hang_findings=e.findings,
                              traced=traced)
     report.artifacts.update(_STACKS)
-    return Publication(report, e.out_dir, False, e.findings, with_attempts(report, e.report_dir))
+    return Publication(report, e.out_dir, False, e.findings, with_attempts(report, e.report_dir), traces,
+                       e.report_dir)
 
 
 def _job_report(e: Evidence, nodes: Nodes) -> Publication:
@@ -172,7 +189,7 @@ def _job_report(e: Evidence, nodes: Nodes) -> Publication:
     report.artifacts.setdefault(f"node-{env.host}", f"node-{env.host}")  # this node's own stacks
     # The other nodes' files stay on their nodes: where, by host.
     report.data["nodes"] = nodes_json(merged, env, str(e.report_dir.resolve()))
-    return Publication(report, e.report_dir, False, findings)
+    return Publication(report, e.report_dir, False, findings, traces=traces, trace_dir=e.report_dir)
 
 
 def _with_diagnosis(e: Evidence, so_far: Report | None, traces: dict[int, RankTrace], outcomes: dict,
@@ -198,7 +215,7 @@ def _with_diagnosis(e: Evidence, so_far: Report | None, traces: dict[int, RankTr
 
 
 def ended_run_report(report_dir: Path, command: str, world_size: int, timeout: float, seconds: float,
-                     agent: int | None, require_traces: bool = False) -> Report:
+                     agent: int | None, require_traces: bool = False) -> Built:
     """The report of a run whose ranks have all ended, from their files (traces of torchrun ``agent``'s ranks only,
     when given: a reused directory may hold another job's). ``require_traces``: no trace is an error, not a report
     of ranks that never started."""
@@ -210,10 +227,10 @@ def ended_run_report(report_dir: Path, command: str, world_size: int, timeout: f
     if require_traces and not traces:
         raise FileNotFoundError(f"no trace in {report_dir}")
     outcomes = run_report.outcomes_from_traces(traces, world_size, False, set())
-    return run_report.build_report(report_dir, command, world_size, traces, outcomes, timeout, seconds)
+    return Built(run_report.build_report(report_dir, command, world_size, traces, outcomes, timeout, seconds), traces)
 
 
-def with_attempts(report: Report, report_dir: Path) -> dict[Path, Report]:
+def with_attempts(report: Report, report_dir: Path) -> dict[Path, Built]:
     """A restarted torchrun job's report lists every attempt (the earlier ones from their folders); its verdict and
     exit code are the last attempt's. Returns the earlier attempts' reports built from their files, where their
     watcher could not leave one (it ended with that attempt's ranks before writing, or wrote it after the next
@@ -221,7 +238,7 @@ def with_attempts(report: Report, report_dir: Path) -> dict[Path, Report]:
     from distcheck.contract.report import load_report
 
     earlier = files.attempt_dirs(report_dir)
-    built: dict[Path, Report] = {}
+    built: dict[Path, Built] = {}
     if not earlier:
         return built
     rows = []
@@ -230,8 +247,9 @@ def with_attempts(report: Report, report_dir: Path) -> dict[Path, Report]:
             if (folder / files.REPORT_JSON).exists():
                 old = load_report(folder)
             else:
-                old = built[folder] = ended_run_report(folder, report.command, report.world_size, 0.0, 0.0, None,
-                                                       require_traces=True)
+                built[folder] = ended_run_report(folder, report.command, report.world_size, 0.0, 0.0, None,
+                                                 require_traces=True)
+                old = built[folder].report
         except Exception as exc:  # neither its report nor a readable trace
             log.warning("attempt %d: no report: %s", attempt, exc)
             rows.append({"attempt": attempt, "ok": None, "summary": "no report (see its files)",

@@ -86,11 +86,7 @@ def build_report(report_dir: Path, command: str, world_size: int, traces: dict[i
         records = files.rank_file(report_dir, "trace_events", r)
         if records.exists():
             artifacts[records.stem + "-records"] = records.name
-    try:
-        write_chrome_trace(traces, report_dir / files.CHROME_TRACE, end_time=time.time())
-        artifacts[files.CHROME_TRACE] = files.CHROME_TRACE
-    except OSError as exc:
-        log.warning("could not write %s: %s", files.CHROME_TRACE, exc)
+    artifacts[files.CHROME_TRACE] = files.CHROME_TRACE  # drawn from ``traces`` when published: write_trace_view
     for kind in ("findings", "autocheck", "stderr", "flight", "samples"):
         for path in files.rank_files(report_dir, kind).values():
             artifacts[path.stem] = path.name
@@ -103,6 +99,18 @@ def build_report(report_dir: Path, command: str, world_size: int, traces: dict[i
                         "stragglers": late.to_json()},
                   warnings=list(warnings or []) + auto_notes + incomplete_notes(traces) + late.notes(),
                   sections={"stragglers (who held the others up at each collective)": late.section()})
+
+
+def write_trace_view(report: Report, report_dir: Path, traces: dict[int, RankTrace]) -> None:
+    """``trace.json`` (Perfetto) of a report that lists it, from the traces the report was built from: written by
+    whoever publishes the report, so that building one writes nothing. A write that fails leaves it out."""
+    if files.CHROME_TRACE not in report.artifacts:
+        return
+    try:
+        write_chrome_trace(traces, Path(report_dir) / files.CHROME_TRACE, end_time=time.time())
+    except OSError as exc:
+        report.artifacts.pop(files.CHROME_TRACE, None)
+        log.warning("could not write %s: %s", files.CHROME_TRACE, exc)
 
 
 def without_contradicted(findings: list[Finding], remote: Any, local: set[int]) -> list[Finding]:

@@ -56,5 +56,6 @@ def supervised_run(opts: RunOptions, nproc: int, interrupt: Interrupt | None = N
                                      result.seconds, result.hang_findings, result.stop_reason, notes)
     for finding in result.hang_findings:
         report.artifacts.update(finding.detail.get("artifacts", {}))
+    run_report.write_trace_view(report, report_dir, traces)
     write_report(report, report_dir)
     return report, report_dir

@@ -119,6 +119,9 @@ def test_a_restarted_job_lists_every_attempt_and_writes_the_missing_one(tmp_path
     write_trace(tmp_path, 1, ok=True)
     pub = compose(evidence(tmp_path, ENDED, command="distcheck run -- train.py", agent=AGENT))
     assert [(row["attempt"], row["ok"]) for row in pub.report.data["attempts"]] == [(0, False), (1, True)]
-    assert list(pub.earlier_attempts) == [first] and not (first / files.REPORT_JSON).exists()  # compose writes nothing
+    # compose writes nothing, not even the Perfetto traces its reports list
+    assert list(pub.earlier_attempts) == [first] and not (first / files.REPORT_JSON).exists()
+    assert files.CHROME_TRACE in pub.report.artifacts and not list(tmp_path.rglob(files.CHROME_TRACE))
     assert publish(pub) == 0
     assert (first / files.REPORT_JSON).exists() and "distcheck PASSED" in capsys.readouterr().out
+    assert (first / files.CHROME_TRACE).exists() and (tmp_path / files.CHROME_TRACE).exists()

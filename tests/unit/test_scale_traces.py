@@ -169,6 +169,7 @@ def test_analysis_of_a_1024_rank_directory_writes_bounded_files(tmp_path):
     exits = {r: type("Exit", (), {"killed": None, "returncode": 0, "signal": None})() for r in range(world)}
     outcomes, notes = run_report.outcomes_from_exits(exits, traces, tmp_path)
     report = run_report.build_report(tmp_path, "test", world, traces, outcomes, 60.0, 1.0, [], None, notes)
+    run_report.write_trace_view(report, tmp_path, traces)
     write_report(report, tmp_path)
     (f,) = [f for f in report.findings if f.kind == "collective_mismatch"]
     assert f.ranks == [7] and f"collective #{n} on group [0-{world - 1}] differs in shapes" in f.message
