@@ -160,26 +160,22 @@ def test_marker_names_pipeline_stages_whose_schedules_disagree(pytester, line_of
     assert f"stage 0 splits the batch into 4 microbatches of 2 rows (ScheduleGPipe at test_pp.py:{line})" in out
 
 
-def test_an_async_all_reduce_not_waited_before_the_step_is_named_at_both_lines(line_of, tmp_path):
-    res, report = run_fixture(tmp_path, "async_not_waited.py")
+@pytest.mark.parametrize("fixture, bug, reader, reader_name, what", [
+    ("async_not_waited.py", "# the bug", "opt.step()", "SGD.step()",
+     "reduces gradients that SGD.step() at {f}:{r} read"),
+    ("async_read_before_wait.py", "async_op=True", "# the bug", "norm()",
+     "reduces a tensor that norm() at {f}:{r} reached"),
+], ids=["stepped-over", "read"])
+def test_async_work_not_waited_is_named_at_both_lines(line_of, tmp_path, fixture, bug, reader, reader_name, what):
+    """The optimizer stepping over gradients still being reduced, and an op reading a buffer still being reduced."""
+    res, report = run_fixture(tmp_path, fixture)
     assert res.returncode == 1, res.output
     (f,) = report["findings"]
-    line, step = line_of("async_not_waited.py", "# the bug"), line_of("async_not_waited.py", "opt.step()")
+    line, read = line_of(fixture, bug), line_of(fixture, reader)
     assert f["kind"] == "tensor_divergence" and f["ranks"] == [0, 1] and f["detail"]["cause"] == "async_not_waited"
-    assert f["detail"]["line"] == line and f["detail"]["reader_line"] == step
-    assert f["message"].startswith(f"all_reduce(..., async_op=True) at async_not_waited.py:{line} reduces gradients "
-                                   f"that SGD.step() at async_not_waited.py:{step} read before its Work was waited")
-
-
-def test_a_read_of_a_tensor_an_async_all_reduce_still_writes_is_named_at_both_lines(line_of, tmp_path):
-    res, report = run_fixture(tmp_path, "async_read_before_wait.py")
-    assert res.returncode == 1, res.output
-    (f,) = report["findings"]
-    line, read = line_of("async_read_before_wait.py", "async_op=True"), line_of("async_read_before_wait.py", "# the bug")
-    assert f["kind"] == "tensor_divergence" and f["ranks"] == [0, 1] and f["detail"]["cause"] == "async_not_waited"
-    assert f["detail"]["line"] == line and f["detail"]["reader_line"] == read and f["detail"]["reader"] == "norm()"
-    assert f["message"].startswith(f"all_reduce(..., async_op=True) at async_read_before_wait.py:{line} reduces a "
-                                   f"tensor that norm() at async_read_before_wait.py:{read} reached before its Work")
+    assert f["detail"]["line"] == line and f["detail"]["reader_line"] == read and f["detail"]["reader"] == reader_name
+    assert f["message"].startswith(f"all_reduce(..., async_op=True) at {fixture}:{line} "
+                                   f"{what.format(f=fixture, r=read)} before its Work was waited")
 
 
 def test_a_resume_that_loads_nothing_names_the_prefix_and_the_line(line_of, tmp_path):
