@@ -140,3 +140,13 @@ def test_written_tensors_follow_each_collectives_output_argument():
     assert written_tensors("gather", (a, [b]), {}, torch.Tensor) == [b]
     assert written_tensors("isend", (a, 1), {}, torch.Tensor) == []
     assert written_tensors("custom_op", (a,), {}, torch.Tensor) is None
+
+
+def test_a_failure_of_the_watch_itself_never_reaches_the_users_op():
+    from distcheck.rank.autocheck.async_reads import make_read_mode
+
+    def broken(*args):
+        raise RuntimeError("the watch's own bug")
+
+    with make_read_mode(broken):
+        assert (torch.ones(4) * 2).sum().item() == 8.0  # the op ran, and its result is right

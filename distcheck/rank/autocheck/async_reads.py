@@ -15,17 +15,22 @@ touched safely outside the slice in flight, so each tensor is a byte range of it
 No cost when nothing is pending: the mode is pushed when the first Work is issued and popped once all are waited
 for. It costs a Python call per torch op while a Work is pending, so it watches the first 3 optimizer steps only
 (``READ_WATCH_STEPS`` in rank/autocheck/__init__.py; a program that never steps is watched throughout): the racing
-read sits on a line each step runs. Pushed only onto an empty mode stack, so a user's ``with`` of their own mode never pops ours (a mode's exit
-pops the top), and popped only while it is on top; otherwise (inside its own call, which takes it off the stack for
-the call's duration) it turns into a pass-through until the next Work or wait pops it. Inside
-torch.compile the mode passes every call through, so a traced graph has nothing of it.
+read sits on a line each step runs.
+
+Pushed only onto an empty mode stack, so a user's ``with`` of their own mode never pops ours (a mode's exit pops the
+top), and popped only while it is on top; otherwise (inside its own call, which takes it off the stack for the
+call's duration) it turns into a pass-through until the next Work or wait pops it. Inside torch.compile the mode
+passes every call through, so a traced graph has nothing of it; a failure of the watch itself never reaches the op.
 """
 from __future__ import annotations
 
+import logging
 import sys
 from typing import Any, Callable
 
 from distcheck.analysis.frame_owner import DISTCHECK, owner
+
+log = logging.getLogger("distcheck")
 
 # The argument an async collective writes: (position, keyword). isend writes nothing (its input is only read).
 WRITTEN_ARG = {
@@ -93,12 +98,6 @@ def _name(func: Any) -> str:
     return getattr(func, "__name__", None) or type(func).__name__
 
 
-def _is_compiling() -> bool:
-    import torch
-
-    return torch.compiler.is_compiling()
-
-
 def make_read_mode(on_touch: Callable[[str, list[Any], bool, dict | None], None]) -> Any:
     """A TorchFunctionMode that hands ``on_touch(name, tensors, in_place, kwargs)`` every call made from outside
     distcheck while it is active; distcheck's own calls (the tracer's fingerprints) pass unseen."""
@@ -107,22 +106,27 @@ def make_read_mode(on_touch: Callable[[str, list[Any], bool, dict | None], None]
     import torch
 
     Tensor = torch.Tensor
+    # Dynamo folds this call to True wherever it inlines the mode: a traced graph then holds none of the watch.
+    is_compiling = torch.compiler.is_compiling
 
     class AsyncReadMode(TorchFunctionMode):
         active = True
 
         def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-            if self.active and not _is_compiling():
-                name = _name(func)
-                if name not in NO_BYTES and owner(sys._getframe(1).f_code.co_filename) != DISTCHECK:
-                    found = [a for a in args if isinstance(a, Tensor)]
-                    for a in args:
-                        if isinstance(a, (list, tuple)):
-                            found.extend(v for v in a if isinstance(v, Tensor))
-                    if kwargs:
-                        found.extend(v for v in kwargs.values() if isinstance(v, Tensor))
-                    if found:
-                        on_touch(name, found, is_in_place(name, kwargs), kwargs)
+            if self.active and not is_compiling():
+                try:
+                    name = _name(func)
+                    if name not in NO_BYTES and owner(sys._getframe(1).f_code.co_filename) != DISTCHECK:
+                        found = [a for a in args if isinstance(a, Tensor)]
+                        for a in args:
+                            if isinstance(a, (list, tuple)):
+                                found.extend(v for v in a if isinstance(v, Tensor))
+                        if kwargs:
+                            found.extend(v for v in kwargs.values() if isinstance(v, Tensor))
+                        if found:
+                            on_touch(name, found, is_in_place(name, kwargs), kwargs)
+                except Exception as exc:  # the check must never break the user's op
+                    log.debug("distcheck: async read watch failed on %s: %s", getattr(func, "__name__", func), exc)
             return func(*args, **(kwargs or {}))
 
     return AsyncReadMode()

@@ -9,7 +9,8 @@ calls ``optimizer.step()`` reads gradients the backend may still be writing: on 
 
 The tracer hands this watch every Work a call from the user's own code returned (rank/tracer.py, ``on_async``),
 with the tensors the call passed; ``Work.wait``, ``Work.is_completed`` and ``Work.get_future`` are patched to note
-that it was waited for (a future handed on is waited for by whoever takes it: a DDP comm hook returns it to DDP). A Work not waited for is a finding, at the collective's line and the reader's, once per line, when
+that it was waited for (a future handed on is waited for by whoever takes it: a DDP comm hook returns it to DDP).
+A Work not waited for is a finding, at the collective's line and the reader's, once per line, when
 - an optimizer steps (the global pre-hook, rank/autocheck/patches.py) over gradients that share storage with its
   tensors (a loss reduced for logging and waited for after the step is no gradient: not named then);
 - the user's next async collective takes one of its tensors (the two race);
