@@ -44,8 +44,8 @@ from distcheck.contract import autocheck_file, env
 from distcheck.contract.autocheck_file import AutocheckState
 from distcheck.contract.findings import Finding
 from distcheck.rank.autocheck import patches
-from distcheck.rank.autocheck.async_reads import written_tensors
-from distcheck.rank.autocheck.async_work import AsyncWatch, tensors_in
+from distcheck.rank.autocheck.async_reads import tensors_in, written_tensors
+from distcheck.rank.autocheck.async_work import AsyncWatch
 from distcheck.rank.autocheck.auto_records import AutoRecords, record_steps_from_env
 from distcheck.rank.autocheck.checkpoint_load import LoadWatch
 from distcheck.rank.autocheck.discovery import ModelWatch

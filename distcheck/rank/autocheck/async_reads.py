@@ -68,6 +68,17 @@ def span(t: Any) -> Span | None:
         return None
 
 
+def tensors_in(args: tuple, kwargs: dict, Tensor: type) -> list[Any]:
+    """The tensors a call passes, at the top level or in a list: what a collective reduces, what an op touches."""
+    found = []
+    for value in list(args) + list(kwargs.values()):
+        if isinstance(value, Tensor):
+            found.append(value)
+        elif isinstance(value, (list, tuple)):
+            found.extend(v for v in value if isinstance(v, Tensor))
+    return found
+
+
 def overlaps(a: Span, spans: list[Span]) -> bool:
     return any(a[0] == b[0] and a[1] < b[2] and b[1] < a[2] for b in spans)
 
@@ -117,12 +128,7 @@ def make_read_mode(on_touch: Callable[[str, list[Any], bool, dict | None], None]
                 try:
                     name = _name(func)
                     if name not in NO_BYTES and owner(sys._getframe(1).f_code.co_filename) != DISTCHECK:
-                        found = [a for a in args if isinstance(a, Tensor)]
-                        for a in args:
-                            if isinstance(a, (list, tuple)):
-                                found.extend(v for v in a if isinstance(v, Tensor))
-                        if kwargs:
-                            found.extend(v for v in kwargs.values() if isinstance(v, Tensor))
+                        found = tensors_in(args, kwargs or {}, Tensor)
                         if found:
                             on_touch(name, found, is_in_place(name, kwargs), kwargs)
                 except Exception as exc:  # the check must never break the user's op

@@ -55,16 +55,6 @@ def _storage(t: Any) -> int | None:
         return None
 
 
-def tensors_in(args: tuple, kwargs: dict, Tensor: type) -> list[Any]:
-    found = []
-    for value in list(args) + list(kwargs.values()):
-        if isinstance(value, Tensor):
-            found.append(value)
-        elif isinstance(value, (list, tuple)):
-            found.extend(v for v in value if isinstance(v, Tensor))
-    return found
-
-
 class AsyncWatch:
     def __init__(self, rank: int, emit: Callable[[list[Finding]], None]) -> None:
         self.rank = rank
