@@ -127,6 +127,12 @@ def format_ranks(ranks: list[int] | tuple[int, ...]) -> str:
     return "ranks " + rank_ranges(ranks)
 
 
+def headline(item: Any) -> str:
+    """``[hang] ranks 0-1: <message>``: a finding or a warning on one line, as report.txt, the pytest marker and
+    the automatic checks' test failures show it."""
+    return f"[{item.kind}] {format_ranks(item.ranks) if item.ranks else 'all ranks'}: {item.message}"
+
+
 # Up to this many ranks, per-rank maps in report.json and stacks.json keep one key per rank ("0", "1", ...); above,
 # ranks with the same value share one key, their rank ranges ("0-4093,4095"), so a 4096-rank job's files grow with
 # its distinct stacks and progress, not with W (or W squared: each rank's progress names its group's W ranks).

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from distcheck.errors import UsageError
-from distcheck.contract.findings import KINDS, CheckResult, Finding, Note, format_ranks, jsonable
+from distcheck.contract.findings import KINDS, CheckResult, Finding, Note, headline, jsonable
 
 # Contract keys of report.json; extra data (placement tables, ...) goes under other keys and never replaces these.
 CONTRACT_KEYS = ("tool", "version", "command", "ok", "world_size", "findings", "checks", "artifacts")
@@ -103,15 +103,14 @@ def render_text(report: Report, report_dir: str | os.PathLike | None = None) -> 
         for f in report.findings:
             shown[f.kind] = shown.get(f.kind, 0) + 1
             if shown[f.kind] <= TEXT_FINDINGS_PER_KIND:
-                lines.append(f"  [{f.kind}] {format_ranks(f.ranks) if f.ranks else 'all ranks'}: "
-                             + f.message.replace("\n", "\n    "))  # a message's later lines stay under it
+                lines.append("  " + headline(f).replace("\n", "\n    "))  # a message's later lines stay under it
         for kind, count in shown.items():
             if count > TEXT_FINDINGS_PER_KIND:
                 lines.append(f"  ... and {count - TEXT_FINDINGS_PER_KIND} more {kind} findings in report.json")
     if report.warnings:
         lines.append("warnings (not findings: the verdict does not depend on them):")
         for w in report.warnings:
-            lines.append(f"  [{w.kind}] {format_ranks(w.ranks) if w.ranks else 'all ranks'}: {w.message}")
+            lines.append("  " + headline(w))
     for title, body in report.sections.items():
         lines.append(f"{title}:")
         lines.extend("  " + line for line in body.rstrip("\n").splitlines())

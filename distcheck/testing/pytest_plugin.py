@@ -216,13 +216,13 @@ def _pipeline_cause(trace_dir: str) -> str:
     themselves (rank/autocheck test_findings); a stage stuck waiting for a microbatch never gets there."""
     from distcheck.analysis.pipeline_schedule import pipeline_findings, schedules_from_states
     from distcheck.contract import autocheck_file
-    from distcheck.contract.findings import format_ranks
+    from distcheck.contract.findings import headline
 
     try:
         found = pipeline_findings(schedules_from_states(autocheck_file.read_all(trace_dir)))
     except Exception:  # an unreadable file must not hide the failure itself
         return ""
-    return "\n".join(f"[{f.kind}] {format_ranks(f.ranks)}: {f.message}" for f in found)
+    return "\n".join(headline(f) for f in found)
 
 
 def _diagnose(pool, job, outcomes, hung: bool, nprocs: int, timeout: float, stop_reason: str | None) -> str:

@@ -305,9 +305,9 @@ def test_findings(check: AutoCheck, key: str, timeout: float = 2.0) -> list[Find
 
 
 def failure_text(findings: list[Finding]) -> str:
-    from distcheck.contract.findings import format_ranks
+    from distcheck.contract.findings import headline
 
     lines = ["distcheck's automatic checks found what the test's asserts did not (DISTCHECK_AUTOCHECK=0 turns "
              "them off):"]
-    lines += [f"  [{f.kind}] {format_ranks(f.ranks) if f.ranks else 'all ranks'}: {f.message}" for f in findings]
+    lines += ["  " + headline(f) for f in findings]
     return "\n".join(lines)
