@@ -19,6 +19,16 @@ without DCP pays nothing. Three findings, all ``bad_values`` with checkpoint_loa
   returns, the tensors it filled are fingerprinted again, and values that differ from the saved ones (a model
   rebuilt in bf16 rounds the checkpoint's fp32 weights) are a finding naming the keys, the save's line and the
   load's (``why``: ``roundtrip_cast`` or ``roundtrip_values``).
+- The same round trip when the load holds other parts of the tensors than the save did (resharded: saved from
+  FSDP2 shards and loaded into a replicated copy, or saved whole and loaded into shards): the fingerprints above
+  do not compose across regions, so a save also notes, per tensor, the box of the global tensor this rank held
+  (offsets and sizes, as DCP's own chunks) and one additive word sum of its values (each element's bits as an
+  integer of its width, summed with wrap-around: the sum of a box is the sum of the sums of any boxes that tile
+  it). When a load's layout differs from the save's, each rank sums its loaded values over each saved chunk of the
+  checkpoint's metadata it overlaps, and the ranks exchange those sums and their saved ones through the side
+  channel (one exchange per such load, among the load's ranks): a saved chunk whose loaded pieces tile it must sum
+  to what was saved, and a rank whose pieces make it differ gets the finding above. Chunks the load does not
+  cover whole (a column split loaded from a row split) are left out, never guessed.
 - The state dict DCP filled is not always the model's: one built before the model was re-created (or sharded, or
   moved) holds tensors nobody trains any more, and the load lands there. The keys a save took from parameters an
   optimizer steps are remembered; at the first ``step()`` of each optimizer after the load, when its parameters
@@ -53,11 +63,22 @@ SHOWN = 3
 CAUSE = "state_dict_not_loaded"
 
 
+Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes) in the global tensor, as DCP's chunks
+# The additive sums are kept modulo 2**32: a 4-byte word's sum wraps there (and 2- and 1-byte words are summed as
+# 32-bit ones), an 8-byte word's wraps at 2**64, which 2**32 divides; every rank's pieces then add up alike.
+MASK = (1 << 32) - 1
+# How long the ranks of a resharded load wait for each other's sums: they are all inside the same dcp.load.
+EXCHANGE_TIMEOUT = 60.0
+
+
 @dataclass(frozen=True)
 class SavedTensor:
     fp: Fingerprint  # of this rank's local values (a DTensor's shard)
     region: Hashable  # which part of the global tensor those are: equal regions hold comparable values
     trained: bool  # the save took it from a parameter an optimizer steps
+    layout: Hashable = None  # the global layout (no rank's coordinate): a load with another one is resharded
+    box: Box | None = None  # the part of the global tensor this rank held
+    total: int | None = None  # additive_sum of those values
 
 
 @dataclass
@@ -94,6 +115,95 @@ def region(t: Any) -> Hashable:
         return ("dtensor", tuple(t.shape), tuple(str(p) for p in placements), tuple(mesh.shape),
                 tuple(coordinate) if coordinate is not None else None)
     return ("tensor", tuple(t.shape))
+
+
+def layout(t: Any) -> Hashable:
+    """The same on every rank of a DTensor's mesh: its global shape, placements and mesh shape."""
+    r = region(t)
+    return r[:4] if r[0] == "dtensor" else r
+
+
+def box_of(t: Any) -> Box | None:
+    """The box of the global tensor this rank's values are: a DTensor's one chunk (DCP's
+    ``__create_chunk_list__``), a plain tensor's whole; None for a shard that is not one box (_StridedShard)."""
+    chunks = getattr(t, "__create_chunk_list__", None)
+    if chunks is None or not callable(chunks) or getattr(t, "device_mesh", None) is None:
+        return tuple(0 for _ in t.shape), tuple(int(s) for s in t.shape)
+    found = chunks()
+    if len(found) != 1:
+        return None
+    return tuple(int(o) for o in found[0].offsets), tuple(int(s) for s in found[0].sizes)
+
+
+def volume(box: Box) -> int:
+    n = 1
+    for s in box[1]:
+        n *= s
+    return n
+
+
+def intersect(a: Box, b: Box) -> Box | None:
+    """The common part of two boxes of one tensor, or None when they share no element."""
+    if len(a[0]) != len(b[0]):
+        return None
+    lo = tuple(max(x, y) for x, y in zip(a[0], b[0]))
+    hi = tuple(min(x + s, y + t) for x, s, y, t in zip(a[0], a[1], b[0], b[1]))
+    if any(h <= l for l, h in zip(lo, hi)):
+        return None
+    return lo, tuple(h - l for l, h in zip(lo, hi))
+
+
+def additive_sum(local: Any) -> int:
+    """Each element's bits as an integer of its width, summed with wrap-around, modulo 2**32 (MASK): one
+    changed element changes it, and the sum over a box is the sum over any boxes that tile it. Narrow views of a
+    tensor are summed in place (a dtype view of the same width needs no copy); about one torch.sum."""
+    import torch
+
+    if local.numel() == 0:
+        return 0
+    width = local.element_size()
+    word = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[width]
+    words = local.view(word) if local.dtype != torch.bool else local.view(torch.uint8)
+    # The word's own width accumulates at memory speed (a widening sum runs ~15x slower); 16/8-bit words are
+    # widened to 32 bits so that they do not wrap at 2**16.
+    total = words.sum(dtype=word if width >= 4 else torch.int32)
+    return int(total) & MASK
+
+
+def reshard_verdict(saved: list[dict[str, tuple]], loaded: list[dict[str, list[tuple]]],
+                    ranks: list[int]) -> dict[int, list[str]]:
+    """The keys each rank loaded other values into than a save wrote, from every rank's notes of a resharded load:
+    ``saved[i]`` is rank ``ranks[i]``'s ``{key: (box, total)}`` of the save, ``loaded[i]`` its ``{key: [(chunk box,
+    piece box, total)]}`` of the load, per saved chunk (DCP's metadata) its loaded box overlaps. A chunk is judged
+    when some rank saved it (replicas that saved it agree) and the distinct loaded pieces tile it; a rank is named
+    when the sum of the pieces, its own in place of its peers' where it loaded the same piece, is not the saved
+    one. Pure: no torch, no process group."""
+    out: dict[int, list[str]] = {}
+    keys = sorted({k for part in loaded for k in part})
+    for key in keys:
+        chunks: dict[Box, dict[Box, dict[int, int]]] = {}
+        for rank, part in zip(ranks, loaded):
+            for chunk, piece, total in part.get(key, ()):
+                chunks.setdefault(_box(chunk), {}).setdefault(_box(piece), {})[rank] = int(total)
+        for chunk, pieces in chunks.items():
+            wrote = {int(v[1]) for part in saved for v in [part.get(key)] if v is not None and _box(v[0]) == chunk}
+            if len(wrote) != 1 or sum(volume(p) for p in pieces) != volume(chunk):
+                continue  # not saved as one box, replicas that disagreed at the save, or not loaded whole
+            (want,) = wrote
+            blamed = set()
+            for rank in sorted({r for by in pieces.values() for r in by}):
+                got = sum(by.get(rank, by[min(by)]) for by in pieces.values()) & MASK
+                if got != want:
+                    blamed.add(rank)
+            for rank in blamed:
+                if key not in out.setdefault(rank, []):
+                    out[rank].append(key)
+    return out
+
+
+def _box(value: Any) -> Box:
+    """A box as tuples (one that went through the side channel's pickling stays one, a JSON list would not)."""
+    return tuple(int(x) for x in value[0]), tuple(int(x) for x in value[1])
 
 
 def _names(keys: list[str]) -> str:
@@ -162,6 +272,41 @@ def _tensors(state_dict: dict[str, Any]) -> list[tuple[str, Any]]:
     return [(k, v) for k, v in state_dict.items() if isinstance(v, torch.Tensor) and not v.is_meta]
 
 
+def _saved_tensor(fp: Fingerprint, t: Any, trained: bool) -> SavedTensor:
+    from distcheck.checks.fingerprint import local_tensor
+
+    box = box_of(t)
+    return SavedTensor(fp, region(t), trained, layout(t), box,
+                       additive_sum(local_tensor(t)) if box is not None else None)
+
+
+def _loaded_pieces(t: Any, before: SavedTensor, chunks: Any) -> list[tuple[Box, Box, int]]:
+    """(chunk, piece, additive sum) of this rank's loaded values over each saved chunk they overlap, cast to the
+    saved dtype first (a checkpoint loaded into bf16 tensors comes back rounded)."""
+    import torch
+
+    from distcheck.checks.fingerprint import local_tensor
+
+    box = box_of(t)
+    if box is None:
+        return []
+    local = local_tensor(t)
+    saved_dtype = getattr(torch, before.fp.dtype, None)
+    out = []
+    for chunk in chunks:
+        c = (tuple(int(o) for o in chunk.offsets), tuple(int(s) for s in chunk.sizes))
+        piece = intersect(box, c)
+        if piece is None:
+            continue
+        part = local
+        for d, (lo, size) in enumerate(zip(piece[0], piece[1])):
+            part = part.narrow(d, lo - box[0][d], size)
+        if saved_dtype is not None and part.dtype != saved_dtype:
+            part = part.to(saved_dtype)
+        out.append((c, piece, additive_sum(part)))
+    return out
+
+
 def _ident(t: Any) -> tuple[int, int, tuple[int, ...]]:
     """Where a tensor's (local) values live: a state dict's tensor and the parameter it was taken from agree."""
     from distcheck.checks.fingerprint import local_tensor
@@ -203,7 +348,7 @@ class DcpWatch:
                 trained.update(_ident(p) for p in group["params"])
         fps = fingerprint_many(tensors)
         self.saved.pop(key, None)
-        self.saved[key] = Saved(site, {k: SavedTensor(fps[k], region(t), _ident(t) in trained)
+        self.saved[key] = Saved(site, {k: _saved_tensor(fps[k], t, _ident(t) in trained)
                                        for k, t in tensors if k in fps})
         while len(self.saved) > MAX_CHECKPOINTS:
             self.saved.popitem(last=False)
@@ -224,7 +369,8 @@ class DcpWatch:
     def begin_load(self) -> None:
         self.loading.append([])
 
-    def end_load(self, completed: bool) -> None:
+    def end_load(self, completed: bool, ranks: list[int] | None = None) -> None:
+        """A ``dcp.load`` returned (``completed``) on the load's ``ranks`` (None: every rank)."""
         planners = self.loading.pop() if self.loading else []
         if not completed:  # the load raised: the user sees torch's error
             return
@@ -232,17 +378,22 @@ class DcpWatch:
             storage_meta = getattr(planner.metadata, "storage_meta", None)
             saved = self.saved.get(checkpoint_key(getattr(storage_meta, "checkpoint_id", None)) or "")
             if saved is not None:
-                self._compare(planner.state_dict, saved, site)
+                self._compare(planner.state_dict, saved, site, planner.metadata, ranks)
 
-    def _compare(self, state_dict: dict[str, Any], saved: Saved, site: Site) -> None:
+    def _compare(self, state_dict: dict[str, Any], saved: Saved, site: Site, metadata: Any = None,
+                 ranks: list[int] | None = None) -> None:
         import torch
 
         from distcheck.checks.fingerprint import fingerprint, local_tensor
 
         differing, keys, trained = [], [], set()
+        resharded: list[tuple[str, Any, SavedTensor]] = []
         for k, t in _tensors(state_dict):
             before = saved.tensors.get(k)
-            if before is None or before.region != region(t):  # resharded: other values on this rank
+            if before is None:
+                continue
+            if before.region != region(t):  # resharded: other values on this rank, checked across the ranks
+                resharded.append((k, t, before))
                 continue
             local = local_tensor(t)
             saved_dtype = getattr(torch, before.fp.dtype, None)
@@ -253,10 +404,39 @@ class DcpWatch:
                 keys.append(k)
                 if local.numel():  # an empty shard (FSDP2's of a small tensor) equals any other: it proves nothing
                     trained.add(before.fp)
+        if any(before.layout != layout(t) for _, t, before in resharded):  # the same on every rank of the load
+            differing += self._compare_resharded(resharded, metadata, ranks)
         if differing:
             self._report(roundtrip_finding(differing, site, saved.site), ("roundtrip", site.file, site.line))
         elif trained:
             self.resumed = Resumed(site, saved.site, sorted(keys), trained)
+
+    def _compare_resharded(self, resharded: list[tuple[str, Any, SavedTensor]], metadata: Any,
+                           ranks: list[int] | None) -> list[tuple[str, str, str]]:
+        """(key, saved dtype, loaded dtype) of the keys whose loaded values on this rank, summed with its peers'
+        over the checkpoint's chunks, are not what was saved (:func:`reshard_verdict`)."""
+        from distcheck.rank.runtime import current_channel
+
+        channel = current_channel()
+        chunks_of = getattr(metadata, "state_dict_metadata", None) or {}
+        if channel is None:
+            return []
+        mine_saved: dict[str, tuple] = {}
+        mine_loaded: dict[str, list[tuple]] = {}
+        dtypes: dict[str, tuple[str, str]] = {}
+        for k, t, before in resharded:
+            if before.box is not None and before.total is not None:
+                mine_saved[k] = (before.box, before.total)
+            pieces = _loaded_pieces(t, before, getattr(chunks_of.get(k), "chunks", None) or ())
+            if pieces:
+                mine_loaded[k] = pieces
+                dtypes[k] = (before.fp.dtype, str(t.dtype).replace("torch.", ""))
+        members = list(range(channel.world_size)) if ranks is None else sorted(ranks)
+        if self.loads.rank not in members:
+            return []
+        parts = channel.exchange("dcp_reshard", (mine_saved, mine_loaded), members, timeout=EXCHANGE_TIMEOUT)
+        verdict = reshard_verdict([p[0] for p in parts], [p[1] for p in parts], members)
+        return [(k, *dtypes[k]) for k in verdict.get(self.loads.rank, []) if k in dtypes]
 
     # -- the optimizer steps after a load ---------------------------------------------------------------------------
     def on_step(self, optimizer: Any) -> None:
@@ -285,6 +465,17 @@ def watch_of(loads: Any) -> DcpWatch:
     if loads.dcp is None:
         loads.dcp = DcpWatch(loads)
     return loads.dcp
+
+
+def _load_ranks(kwargs: dict[str, Any]) -> list[int] | None:
+    """The ranks a ``dcp.load`` runs on: its process_group's (None: every rank); [] for ``no_dist`` (one rank,
+    nothing to exchange)."""
+    import torch.distributed as dist
+
+    if kwargs.get("no_dist") or not dist.is_initialized():
+        return []
+    group = kwargs.get("process_group")
+    return None if group is None else [int(r) for r in dist.get_process_group_ranks(group)]
 
 
 def patch(module: Any, replace: Any, current: Any, as_user: Any) -> None:
@@ -317,7 +508,7 @@ def patch(module: Any, replace: Any, current: Any, as_user: Any) -> None:
             completed = True
         finally:
             try:
-                watch.end_load(completed)
+                watch.end_load(completed, _load_ranks(kwargs))
             except Exception as exc:  # the check must never break the user's load
                 log.debug("distcheck: DCP round-trip check failed: %s", exc)
         return result
