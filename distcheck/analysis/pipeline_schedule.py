@@ -11,6 +11,12 @@ across them; a disagreement is one ``collective_mismatch`` naming every stage's 
 :func:`fold_consequences` keeps the failures it caused inside ``step()`` as its evidence, not as findings of their
 own (as analysis/split_matrix.py does for a backend abort). Pure: plain JSON in, findings out.
 
+Between the stages: a stage that expects (its PipelineStage's ``input_args``) other microbatch shapes or dtypes
+than its predecessor sends (what it passed on at shape inference or its first forward, else its declared
+``output_args``) is the same
+finding, field ``inputs``, naming both stages, their values and the lines that built them: middle stages included,
+whose input no batch or target shows.
+
 The point-to-point pairs the stages exchange (count, shape and dtype per peer) are compared from the trace by
 analysis/trace_align.find_p2p_mismatches: pipelining sends through the traced ``isend``/``irecv`` and
 ``batch_isend_irecv``.
@@ -36,9 +42,13 @@ FIXES = {
     "stages": "each stage index 0..num_stages-1 must be held by exactly one rank of the pipeline",
     "rows": "the first stage's batch and the last stage's targets must have the same number of rows: each "
             "microbatch's loss compares the last stage's output with the target microbatch of the same index",
+    "inputs": "a stage's input_args must have the shape and dtype of a microbatch of what the stage before it "
+              "outputs (torch receives into buffers of that shape, or checks what it infers against it): build both stages' modules and "
+              "example tensors from one config",
 }
 WHAT = {"schedule": "the schedule class", "n_microbatches": "n_microbatches", "num_stages": "num_stages",
-        "stages": "which rank holds which stage", "rows": "the rows of each microbatch"}
+        "stages": "which rank holds which stage", "rows": "the rows of each microbatch",
+        "inputs": "what a stage receives"}
 
 
 @dataclass
@@ -59,6 +69,9 @@ class StageSchedule:
     step_line: int | None = None
     inputs: list[dict[str, Any]] = field(default_factory=list)  # {"name", "shape", "dim", "dtype"}
     target: dict[str, Any] | None = None
+    # per stage of the schedule: {"stage", "inputs", "outputs" (its input_args / output_args metadata, None when
+    # not given), "sent" (what it passed on), "file", "line" (its PipelineStage)}
+    io: list[dict[str, Any]] = field(default_factory=list)
 
     @classmethod
     def from_json(cls, rank: int, data: Mapping[str, Any]) -> StageSchedule:
@@ -66,7 +79,7 @@ class StageSchedule:
                    [int(s) for s in data.get("stages") or []], int(data["num_stages"]),
                    tuple(int(r) for r in data.get("group") or []), data.get("file"), data.get("line"),
                    bool(data.get("stepped")), data.get("step_file"), data.get("step_line"),
-                   list(data.get("inputs") or []), data.get("target"))
+                   list(data.get("inputs") or []), data.get("target"), list(data.get("io") or []))
 
     @property
     def site(self) -> str | None:
@@ -155,12 +168,83 @@ def disagreements(schedules: Sequence[StageSchedule]) -> list[tuple[str, list[in
         wanted = set(range(schedules[0].num_stages))
         if doubled or (len(schedules) == len(schedules[0].group) and set(holders) != wanted):
             out.append(("stages", doubled or sorted(s.rank for s in schedules)))
+    mismatched = input_mismatches(schedules)
+    if mismatched:
+        out.append(("inputs", sorted({r for m in mismatched for r in (m.sender_rank, m.rank)})))
     if not out:  # same n_microbatches: the batch and the targets must still have the same rows
         # Every split, not one per rank: a V-shaped schedule's rank holds the first and the last stage both.
         rows = {(s.rank, what): n for s in schedules for what, n in s.splits()}
         if len(set(rows.values())) > 1:
             out.append(("rows", sorted({r for r, _ in rows})))
     return out
+
+
+def _metas_text(metas: Sequence[Any]) -> str:
+    """``[4, 16] float32``; several inputs joined by ``, ``."""
+    return ", ".join(f"{list(m['shape'])} {m['dtype']}" if m else "None" for m in metas) or "nothing"
+
+
+@dataclass
+class StageInput:
+    """What stage ``stage`` expects as input and what the stage before it sends, for :func:`input_mismatches`."""
+
+    stage: int
+    rank: int
+    expects: list[Any]
+    site: str | None
+    line: int | None
+    sender: int
+    sender_rank: int
+    sends: list[Any]
+    sender_site: str | None
+    sent: bool  # what the sender really passed on (else its declared output_args)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"stage": self.stage, "rank": self.rank, "expects": self.expects, "site": self.site,
+                "line": self.line, "from_stage": self.sender, "from_rank": self.sender_rank, "sends": self.sends,
+                "from_site": self.sender_site, "measured": self.sent}
+
+
+def _same(a: Sequence[Any], b: Sequence[Any]) -> bool:
+    return [None if m is None else (list(m["shape"]), m["dtype"]) for m in a] == \
+        [None if m is None else (list(m["shape"]), m["dtype"]) for m in b]
+
+
+def input_mismatches(schedules: Sequence[StageSchedule]) -> list[StageInput]:
+    """Each stage whose input_args are not what the stage before it sends (what it passed on, or its output_args
+    where it has passed on nothing yet), where both are known; stage order."""
+    expects: dict[int, tuple[StageSchedule, dict[str, Any]]] = {}
+    sends: dict[int, tuple[StageSchedule, dict[str, Any], list[Any], bool]] = {}
+    for s in schedules:
+        for entry in s.io:
+            stage = int(entry.get("stage", -1))
+            if entry.get("inputs") is not None:
+                expects[stage] = (s, entry)
+            out, measured = (entry["sent"], True) if entry.get("sent") is not None else (entry.get("outputs"), False)
+            if out is not None:
+                sends[stage] = (s, entry, out, measured)
+    found = []
+    for stage in sorted(expects):
+        if stage == 0 or stage - 1 not in sends:
+            continue
+        (s, entry), (p, pentry, out, measured) = expects[stage], sends[stage - 1]
+        if not _same(entry["inputs"], out):
+            found.append(StageInput(stage, s.rank, entry["inputs"], file_line(entry.get("file"), entry.get("line")),
+                                    entry.get("line"), stage - 1, p.rank, out,
+                                    file_line(pentry.get("file"), pentry.get("line")), measured))
+    return found
+
+
+def describe_inputs(found: Sequence[StageInput]) -> str:
+    """``stage 2 expects [4, 16] float32 (input_args of its PipelineStage at pp.py:40); stage 1 sends [4, 8]
+    float32 (its output; PipelineStage at pp.py:40)``, per mismatch."""
+    parts = []
+    for m in found:
+        how = "its output" if m.sent else "its output_args"
+        parts.append(f"stage {m.stage} (rank {m.rank}) expects {_metas_text(m.expects)} (input_args of its "
+                     f"PipelineStage at {m.site or 'an unknown line'}); stage {m.sender} (rank {m.sender_rank}) sends "
+                     f"{_metas_text(m.sends)} ({how}; PipelineStage at {m.sender_site or 'an unknown line'})")
+    return "; ".join(parts)
 
 
 def _stage_label(s: StageSchedule, of: bool) -> str:
@@ -224,11 +308,19 @@ def _finding(group: tuple[int, ...], schedules: Sequence[StageSchedule],
     names = [name for name, _ in found]
     ranks = sorted({r for _, rs in found for r in rs})
     first = min(schedules, key=lambda s: (s.rank not in ranks, s.rank))
+    inputs = input_mismatches(schedules) if "inputs" in names else []
+    described = "; ".join(filter(None, [describe(schedules) if names != ["inputs"] else "",
+                                        describe_inputs(inputs)]))
     message = (f"the stages of the pipeline on {format_ranks(list(group))} built schedules that disagree on "
-               f"{' and '.join(WHAT[n] for n in names)}: {describe(schedules)}. Fix: "
+               f"{' and '.join(WHAT[n] for n in names)}: {described}. Fix: "
                f"{'; '.join(FIXES[n] for n in names)}")
+    # The line to fix: the schedule's where the schedules disagree, else the receiving stage's PipelineStage.
+    file, line = (first.file, first.line) if names != ["inputs"] else (
+        next((e.get("file") for s in schedules for e in s.io if e.get("stage") == inputs[0].stage), None),
+        inputs[0].line)
     detail: dict[str, Any] = {
-        "cause": CAUSE, "fields": names, "group": list(group), "file": first.file, "line": first.line,
+        "cause": CAUSE, "fields": names, "group": list(group), "file": file, "line": line,
+        "stage_inputs": [m.to_json() for m in inputs],
         "schedules": {str(s.rank): s.to_json() for s in schedules},
         "steps": {str(s.rank): [s.step_file, s.step_line] for s in schedules if s.stepped},
     }

@@ -12,6 +12,13 @@ splits anything, the shapes of what the stage splits into microbatches (the batc
 the last) and the step's line. Each note rewrites ``autocheck-rank<R>.json`` at once (contract/autocheck_file.py,
 atomic), so it survives a rank that raises or aborts inside ``step()``; the comparison across ranks is pure
 (analysis/pipeline_schedule.py), in the report.
+
+What passes between the stages is noted too, for every stage, middle ones included: the microbatch shapes and
+dtypes a ``PipelineStage`` expects as input (its ``input_args``: torch allocates its receive buffers from them in
+static mode and validates against them otherwise) and declares as output (``output_args``), with the line that
+built it, and what it really sends on, noted before it is sent: the metadata shape inference passes to the next
+stage (before any microbatch), or the outputs of its first ``forward_one_chunk`` (static shapes, no inference). A
+stage whose expected input is not what its predecessor sends is then named with both stages' values and lines.
 """
 from __future__ import annotations
 
@@ -23,7 +30,10 @@ from typing import Any
 log = logging.getLogger("distcheck")
 
 MODULE = "torch.distributed.pipelining.schedules"
+STAGE_MODULE = "torch.distributed.pipelining.stage"  # imported by MODULE: patched with it
 ATTR = "_distcheck_pp"  # set on a schedule: the index of its record on this rank
+STAGE_SITE = "_distcheck_pp_site"  # set on a PipelineStage: the user's line that built it
+STAGE_IO = "_distcheck_pp_io"  # set on a stage of a recorded schedule: its entry of the record's "io"
 LIMIT = 16  # schedules recorded per rank (a script that rebuilds its schedule in a loop must not grow the file)
 
 _patched = False
@@ -77,6 +87,24 @@ def split_inputs(schedule: Any, args: tuple, kwargs: dict, Tensor: type) -> list
     return out
 
 
+def _metas(metas: Any) -> list[dict[str, Any]] | None:
+    """[{"shape", "dtype"}] of torch's tensor metadata (a stage's ``_user_meta.inputs``: None when not given)."""
+    if metas is None:
+        return None
+    return [{"shape": [int(x) for x in m.shape], "dtype": str(m.dtype).replace("torch.", "")} if m is not None
+            else None for m in metas]
+
+
+def _io_entry(stage: Any) -> dict[str, Any]:
+    """What a stage expects and declares: the microbatch metadata of its input_args and output_args (None where
+    not given: torch infers them at the first step), and the line that built it."""
+    user = getattr(stage, "_user_meta", None)
+    site = getattr(stage, STAGE_SITE, None)
+    return {"stage": int(stage.stage_index), "inputs": _metas(getattr(user, "inputs", None)),
+            "outputs": _metas(getattr(user, "outputs", None)),
+            "file": getattr(site, "file", None), "line": getattr(site, "line", None)}
+
+
 class PipelineWatch:
     """The schedules this rank built, as plain JSON records (the ``pipeline`` key of its autocheck file)."""
 
@@ -99,10 +127,30 @@ class PipelineWatch:
                   "stages": [int(s.stage_index) for s in stages],
                   "num_stages": int(getattr(schedule, "_num_stages", first.num_stages)),
                   "group": _group_ranks(getattr(first, "group", None)),
-                  "file": site.file, "line": site.line, "stepped": False}
+                  "file": site.file, "line": site.line, "stepped": False,
+                  "io": [_io_entry(s) for s in stages]}
         setattr(schedule, ATTR, record["index"])
+        for position, stage in enumerate(stages):
+            if not hasattr(stage, STAGE_IO):
+                setattr(stage, STAGE_IO, (record["index"], position))
         self.records.append(record)
         self.owner.write_state()
+
+    def sending(self, stage: Any, metas: Any) -> None:
+        """What a stage sends on, before it is sent: the metadata shape inference passes to the next stage (torch
+        sends it before any microbatch), or its first forward's outputs (static shapes: no inference)."""
+        index, position = getattr(stage, STAGE_IO)
+        entry = self.records[index]["io"][position]
+        if "sent" in entry or stage.is_last:
+            return
+        entry["sent"] = _metas(metas)
+        self.owner.write_state()  # before the send: a peer that fails on it leaves this rank's side known
+
+    def forwarded(self, stage: Any, output: Any) -> None:
+        import torch
+
+        outputs = output if isinstance(output, (tuple, list)) else (output,)
+        self.sending(stage, [t if isinstance(t, torch.Tensor) else None for t in outputs])
 
     def stepping(self, schedule: Any, args: tuple, kwargs: dict, target: Any, site: Any) -> None:
         index = getattr(schedule, ATTR, None)
@@ -157,11 +205,55 @@ def _wrap(base: type) -> None:
     base.step = step_wrapper
 
 
+def _wrap_stage(stage_module: Any) -> None:
+    """The line that built each ``PipelineStage``, and each recorded stage's first forward output."""
+    from distcheck.rank.usersite import caller_site
+
+    cls = getattr(stage_module, "PipelineStage", None)
+    base = getattr(stage_module, "_PipelineStageBase", None)
+    if cls is not None:
+        init = cls.__init__
+
+        @functools.wraps(init)
+        def init_wrapper(self: Any, *args: Any, **kwargs: Any) -> None:
+            init(self, *args, **kwargs)
+            try:
+                setattr(self, STAGE_SITE, caller_site())
+            except Exception as exc:
+                log.debug("distcheck: could not note a pipeline stage's line: %s", exc)
+
+        cls.__init__ = init_wrapper
+        send_meta = getattr(cls, "_send_meta", None)
+        if send_meta is not None:
+            @functools.wraps(send_meta)
+            def send_meta_wrapper(self: Any, meta: Any, dst_stage: int, *args: Any, **kwargs: Any) -> Any:
+                metas = getattr(meta, "forward_metas", None)  # forward inference's (not the backward's grads)
+                if metas is not None and getattr(self, STAGE_IO, None) is not None:
+                    _note("shape inference", lambda watch: watch.sending(self, metas))
+                return send_meta(self, meta, dst_stage, *args, **kwargs)
+
+            cls._send_meta = send_meta_wrapper
+    if base is not None:
+        forward = base.forward_one_chunk
+
+        @functools.wraps(forward)
+        def forward_wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+            output = forward(self, *args, **kwargs)
+            if getattr(self, STAGE_IO, None) is not None:  # a stage of a recorded schedule: one look per chunk
+                _note("first forward", lambda watch: watch.forwarded(self, output))
+            return output
+
+        base.forward_one_chunk = forward_wrapper
+
+
 def _patch(module: Any) -> None:
     # Every schedule class derives from one of these two, and none overrides their __init__ without calling it
     # or their step() at all: two classes cover GPipe, 1F1B, the interleaved and zero-bubble schedules alike.
     for base in (module.PipelineScheduleSingle, module.PipelineScheduleMulti):
         _wrap(base)
+    stage_module = sys.modules.get(STAGE_MODULE)
+    if stage_module is not None:  # the schedules import it: it is there
+        _wrap_stage(stage_module)
 
 
 def patch_once() -> None:
