@@ -169,11 +169,12 @@ def start_ticks(pid: int) -> int | None:
         return None
 
 
-def torchrun_run_id(attempt: int | None = None) -> str:
+def torchrun_run_id(attempt: int | None = None, agent: int | None = None) -> str:
     """The run id of the torchrun job this rank belongs to, the same on every local rank: its agent's pid and start
     time (torchrun's own TORCHELASTIC_RUN_ID is "none" unless the user sets --rdzv-id), and the attempt
-    (``--max-restarts``: TORCHELASTIC_RESTART_COUNT), so that one attempt's sweeps never reach the next one's."""
-    agent = agent_pid()
+    (``--max-restarts``: TORCHELASTIC_RESTART_COUNT), so that one attempt's sweeps never reach the next one's.
+    ``agent``: whose (the node watcher's, for an attempt's ranks); by default this rank's."""
+    agent = agent or agent_pid()
     if attempt is None:
         attempt = restart_count()
     return f"torchrun-{agent}-{start_ticks(agent)}" + (f"-attempt{attempt}" if attempt else "")
@@ -185,6 +186,15 @@ def restart_count(environ: dict[str, str] | None = None) -> int:
         return int((os.environ if environ is None else environ).get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
     except ValueError:
         return 0
+
+
+def restarts_left(environ: dict[str, str] | None = None) -> bool:
+    """Whether torchrun may start another attempt after this one: it tells the ranks its ``--max-restarts``."""
+    environ = os.environ if environ is None else environ
+    try:
+        return int(environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0) > restart_count(environ)
+    except ValueError:
+        return False
 
 
 def launcher_id(pid: int) -> str:

@@ -104,12 +104,8 @@ def main(args: argparse.Namespace) -> int:
 
             remove_rank_hooks(report_dir, session.rank)
             files.rank_file(report_dir, "flight_status", session.rank).unlink(missing_ok=True)
-        if watcher is not None and watcher.poll() is None:
-            watcher.terminate()  # the run is over: nothing left to watch
-            try:
-                watcher.wait(timeout=5)
-            except Exception:
-                watcher.kill()
+        if watcher is not None:
+            watcher.stop()  # the run is over: nothing left to watch
         runtime.stop(session)
 
 

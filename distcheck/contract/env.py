@@ -43,3 +43,10 @@ POOL_ADDR = "DISTCHECK_POOL_ADDR"
 POOL_DIR = "DISTCHECK_POOL_DIR"
 POOL_WORKER = "DISTCHECK_POOL_WORKER"  # set on each pool rank: whatever the rank starts inherits it
 KEEP_POOL_DIRS = "DISTCHECK_KEEP_POOL_DIRS"
+
+# Set by torchrun's agent in each rank. A rank names them in its stack-hook file (contract/stack_hook_file.py): the
+# node watcher learns each attempt's world from there, since /proc/<pid>/environ of a rank that a zygote forked
+# shows the zygote's environment, not the one torchrun gave the rank.
+TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                 "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
+                 "TORCHELASTIC_MAX_RESTARTS")

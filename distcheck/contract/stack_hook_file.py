@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Iterable
 
 from distcheck.contract import files
@@ -25,14 +25,20 @@ class HookInfo:
     file: str  # where the rank's faulthandler writes the dump
     ptracer: str  # what the rank allowed to ptrace it, for messages
     host: str = ""
+    # Under torchrun: the agent that started the rank, and the variables it set (contract/env.TORCHRUN_VARS), so
+    # that the node watcher knows which attempt (--max-restarts) the rank belongs to and that attempt's world.
+    agent: int = 0
+    launch: dict[str, str] = field(default_factory=dict)
 
     def to_json(self) -> dict:
         return asdict(self)
 
     @classmethod
     def from_json(cls, data: dict) -> HookInfo:
+        launch = data.get("launch") or {}
         return cls(int(data["pid"]), int(data["rank"]), int(data["signal"]), str(data["file"]),
-                   str(data.get("ptracer", "")), str(data.get("host", "")))
+                   str(data.get("ptracer", "")), str(data.get("host", "")), int(data.get("agent") or 0),
+                   {str(k): str(v) for k, v in launch.items()} if isinstance(launch, dict) else {})
 
 
 def write(report_dir: str | os.PathLike, info: HookInfo) -> None:

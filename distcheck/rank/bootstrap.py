@@ -9,17 +9,21 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
-from distcheck.processes import NODE_WATCHER, ROLE_ENV, agent_pid
+from distcheck.contract import watcher_file
+from distcheck.contract.watcher_file import WatcherState
+from distcheck.processes import NODE_WATCHER, ROLE_ENV, agent_pid, alive, launcher_id, restarts_left, start_ticks
 
 
 def rank_bootstrap(report_dir: str | os.PathLike, timeout: float, native: bool = False,
                    trace: bool = True, watcher: bool = True, stop_dumps: bool = False,
-                   command: str | None = None) -> subprocess.Popen | None:
+                   command: str | None = None) -> NodeWatcher | None:
     """Call at the start of every rank under torchrun (consistency, the pytest marker, ``torchrun -m distcheck run``).
 
-    On local rank 0 starts the node watcher (its Popen is returned there, None elsewhere); copies the rank's stderr
+    On local rank 0 starts the node watcher, or finds the one an earlier attempt of the same torchrun agent started
+    (``--max-restarts``; returned there, None elsewhere); copies the rank's stderr
     into the report dir, installs the stack hooks (ptracer + faulthandler) and the collective tracer (progress and
     last collectives). ``watcher=False``
     when a supervisor outside the ranks already watches them. ``stop_dumps``: dump every thread on a stop signal
@@ -39,15 +43,21 @@ def rank_bootstrap(report_dir: str | os.PathLike, timeout: float, native: bool =
     set_child_subreaper()
     ensure_run_id(supervised=not watcher)
     node_watcher = None
+    earlier = live_watcher(report_dir) if watcher else None
     if watcher and int(os.environ.get("LOCAL_RANK", "0")) == 0:
         ws = os.environ.get("WORLD_SIZE")
         lws = os.environ.get("LOCAL_WORLD_SIZE")
         # Started before the stderr copy: the watcher prints its report to the job's console, not into the copy.
-        node_watcher = start_node_watcher(report_dir, timeout, native, int(ws) if ws else None,
-                                          int(lws) if lws else None, command)
+        node_watcher = NodeWatcher(report_dir, earlier.pid, None) if earlier is not None else \
+            start_node_watcher(report_dir, timeout, native, int(ws) if ws else None, int(lws) if lws else None,
+                               command)
     tee_stderr(report_dir, rank)  # failure reports quote the last lines of this rank's stderr
     group_keepalive.install()  # a DDP script's end must not deadlock in torch's teardown (see the module)
-    install_rank_hooks(report_dir, rank, stop_dumps=stop_dumps)
+    # A restarted attempt's ranks are not below the watcher an earlier attempt's local rank 0 started (that rank is
+    # gone, and the watcher with it from the agent's tree): under Yama ptrace_scope=1 they name the watcher itself
+    # as the one process (with its py-spy children) allowed to read their stacks.
+    install_rank_hooks(report_dir, rank, ptracer_pid=earlier.pid if earlier is not None else "parent",
+                       stop_dumps=stop_dumps)
     if trace:
         from distcheck.rank import tracer as tracing
 
@@ -56,10 +66,68 @@ def rank_bootstrap(report_dir: str | os.PathLike, timeout: float, native: bool =
     return node_watcher
 
 
+class NodeWatcher:
+    """The node's watcher as its local rank 0 sees it: the process this rank started (``process``), or the one an
+    earlier attempt's local rank 0 started for the same torchrun agent (``--max-restarts``)."""
+
+    def __init__(self, report_dir: str | os.PathLike, pid: int, process: subprocess.Popen | None) -> None:
+        self.report_dir, self.pid, self.process = report_dir, pid, process
+        self.ticks = start_ticks(pid)
+
+    def running(self) -> bool:
+        if self.process is not None:
+            return self.process.poll() is None
+        return alive(self.pid) and start_ticks(self.pid) == self.ticks
+
+    def outcome(self, attempt: int, limit: float) -> int | None:
+        """Wait (at most ``limit`` seconds) until the watch of torchrun's ``attempt`` is over: its exit code (the
+        report's on the node that writes it), or None when the watcher ended or timed out without saying."""
+        deadline = time.monotonic() + limit
+        while time.monotonic() < deadline:
+            state = watcher_file.read(self.report_dir)
+            if state is not None and state.pid == self.pid and state.done_with(attempt):
+                if self.process is not None and not restarts_left():
+                    # It ends now (no attempt can follow): this rank stays until it has, so that nothing of
+                    # distcheck outlives torchrun.
+                    self._wait_end(max(0.0, deadline - time.monotonic()))
+                return state.code
+            if not self.running():
+                state = watcher_file.read(self.report_dir)
+                if state is not None and state.pid == self.pid and state.done_with(attempt):
+                    return state.code
+                return None
+            time.sleep(0.05)
+        return None
+
+    def stop(self) -> None:
+        """End it (``consistency``: its rank 0 wrote the report and the run is over)."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            self._wait_end(5.0)
+
+    def _wait_end(self, limit: float) -> None:
+        try:
+            self.process.wait(timeout=limit)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+
+
+def live_watcher(report_dir: str | os.PathLike) -> WatcherState | None:
+    """The state of the watcher that an earlier attempt of this rank's torchrun agent started on this node, while
+    that watcher runs; None otherwise (the first attempt, a watcher that died, a stale file of another job)."""
+    state = watcher_file.read(report_dir)
+    if state is None or state.agent != launcher_id(agent_pid()):
+        return None
+    if not alive(state.pid) or start_ticks(state.pid) != state.ticks:
+        return None
+    return state
+
+
 def start_node_watcher(report_dir: str | os.PathLike, timeout: float, native: bool = False,
                        world_size: int | None = None, local_world_size: int | None = None,
-                       command: str | None = None) -> subprocess.Popen:
-    """Start the node's watcher process (call from local rank 0 only). It ends by itself when the ranks end.
+                       command: str | None = None) -> NodeWatcher:
+    """Start the node's watcher process (call from local rank 0 only). It ends by itself when the ranks end (when
+    torchrun may restart them, when its agent ends).
 
     Its own session keeps torchrun's teardown signals from killing it halfway through writing the report.
     """
@@ -76,5 +144,6 @@ def start_node_watcher(report_dir: str | os.PathLike, timeout: float, native: bo
     cmd += ["--log", str(Path(report_dir) / f"watcher-{socket.gethostname()}.log")]
     # stdout/stderr: the rank's, i.e. the job's console, where the report is printed; the log goes to a file.
     # Its role keeps the ranks' own sweeps (runtime.end_processes) from ending it with the script's processes.
-    return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, start_new_session=True, close_fds=True,
-                            env={**os.environ, ROLE_ENV: NODE_WATCHER})
+    process = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, start_new_session=True, close_fds=True,
+                               env={**os.environ, ROLE_ENV: NODE_WATCHER})
+    return NodeWatcher(report_dir, process.pid, process)

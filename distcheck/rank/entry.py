@@ -19,13 +19,12 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Any
 
 from distcheck.contract import files
 from distcheck.contract.report import default_report_dir, prepare_report_dir
 from distcheck.options import ENV_SUPERVISED, RunOptions
 from distcheck.rank import sink
-from distcheck.rank.bootstrap import rank_bootstrap
+from distcheck.rank.bootstrap import NodeWatcher, rank_bootstrap
 from distcheck.rank.error_context import error_context
 from distcheck.rank.stack_hooks import remove_rank_hooks
 from distcheck.rank.usersite import traceback_site
@@ -107,38 +106,37 @@ def run_in_rank(opts: RunOptions) -> int:
 
 def start_attempt(report_dir: Path, rank: int) -> None:
     """This rank's files start afresh. After a torchrun restart the earlier attempt's files go to ``attempt-<N>/``
-    (each rank moves its own, local rank 0 the shared report), once the earlier attempt's node watcher has ended:
-    it may still be writing that attempt's report from them."""
+    (each rank moves its own, local rank 0 the shared report), once the node watcher is done with the earlier
+    attempt (contract/watcher_file.py): it may still be writing that attempt's report from them."""
     attempt = restart_count()
     if attempt == 0:
         files.remove_rank_files(report_dir, [rank])
         return
-    from distcheck.processes import NODE_WATCHER, tagged, torchrun_run_id
+    from distcheck.rank.bootstrap import live_watcher
 
-    run_id = torchrun_run_id(attempt - 1)
     deadline = time.monotonic() + 60.0  # it is writing a report from files that are all there: seconds
-    while time.monotonic() < deadline and NODE_WATCHER in tagged(run_id).values():
-        time.sleep(0.1)
+    while time.monotonic() < deadline:
+        state = live_watcher(report_dir)
+        if state is None or state.done_with(attempt - 1):
+            break
+        time.sleep(0.05)
     dest = report_dir / files.ATTEMPT_DIR.format(attempt=attempt - 1)
     files.archive_rank_files(report_dir, rank, dest)
     if int(os.environ.get("LOCAL_RANK", "0")) == 0:
         files.archive_shared(report_dir, dest)
 
 
-def _report_verdict(watcher: Any, report_dir: Path, timeout: float, has_report: bool) -> int:
-    """Wait (bounded) for the node watcher to end; on the node of rank 0 (``has_report``) the report's exit code,
-    on another node the watcher's (0, unless it diagnosed a hang or a stop itself)."""
-    import subprocess
-
+def _report_verdict(watcher: NodeWatcher, report_dir: Path, timeout: float, has_report: bool) -> int:
+    """Wait (bounded) until the node watcher is done with this attempt; on the node of rank 0 (``has_report``) the
+    report's exit code, on another node the watcher's (0, unless it diagnosed a hang or a stop itself)."""
     from distcheck.contract.report import load_report
 
-    try:
-        watcher.wait(timeout=timeout + 60)
-    except subprocess.TimeoutExpired:
+    code = watcher.outcome(restart_count(), timeout + 60)
+    if code is None:
         log.warning("distcheck: the node watcher did not write the report within %.0fs", timeout + 60)
         return 1
     if not has_report:
-        return 0 if watcher.returncode == 0 else 1
+        return 0 if code == 0 else 1
     try:
         return load_report(report_dir).exit_code  # the report file's one reader
     except Exception:  # none, or not a report: the run did not pass

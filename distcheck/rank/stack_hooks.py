@@ -22,7 +22,7 @@ from typing import Any
 
 from distcheck.contract import env, files, stack_dump_file, stack_hook_file
 from distcheck.contract.stack_hook_file import HookInfo
-from distcheck.processes import yama_scope
+from distcheck.processes import agent_pid, yama_scope
 
 log = logging.getLogger("distcheck")
 
@@ -112,7 +112,10 @@ def install_rank_hooks(report_dir: str | os.PathLike, rank: int | None = None,
             _stop_files.append(stop_file)
             signal.signal(getattr(signal, name), signal.SIG_DFL)
             faulthandler.register(getattr(signal, name), file=stop_file, all_threads=True, chain=True)
-    info = HookInfo(pid, rank, int(sig), str(path), reason, socket.gethostname())
+    under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ
+    info = HookInfo(pid, rank, int(sig), str(path), reason, socket.gethostname(),
+                    agent_pid() if under_torchrun else 0,
+                    {k: os.environ[k] for k in env.TORCHRUN_VARS if k in os.environ} if under_torchrun else {})
     try:
         stack_hook_file.write(report_dir, info)
     except OSError as exc:  # the watcher then dumps with py-spy alone; the rank runs on

@@ -34,12 +34,15 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Mapping, Sequence
 
-from distcheck.contract import files, stack_dump_file, stack_hook_file
+from distcheck.contract import files, stack_dump_file, stack_hook_file, watcher_file
 from distcheck.contract.findings import Finding, Note, format_ranks
 from distcheck.contract.site import file_line
-from distcheck.processes import RUN_ID_ENV, alive, read_environ, restart_count, terminate
+from distcheck.contract.watcher_file import WatcherState
+from distcheck.processes import (RUN_ID_ENV, alive, launcher_id, read_environ, restart_count,
+                                 restarts_left, start_ticks, terminate, torchrun_run_id)
 from distcheck.supervise.live_stragglers import LiveStragglers
 from distcheck.supervise.node_report import (ENDED, HANG, NODE0_GONE, RANK0_DIED, STOPPED, Evidence, Nodes, compose,
                                              publish, written_since)
@@ -72,13 +75,13 @@ class _LiveRanks:
     after its script)."""
 
     def __init__(self, report_dir: str | os.PathLike, host: str | None, tree: RunTree, seen: set[int],
-                 script_end_ends: bool = False) -> None:
-        self.report_dir, self.host, self.tree, self.seen = report_dir, host, tree, seen
+                 attempt: int, script_end_ends: bool = False) -> None:
+        self.report_dir, self.host, self.tree, self.seen, self.attempt = report_dir, host, tree, seen, attempt
         self.script_end_ends = script_end_ends
         self.last: dict[int, int] = {}
 
     def __call__(self) -> dict[int, int]:
-        ranks = local_ranks(self.report_dir, self.host)
+        ranks = local_ranks(self.report_dir, self.host, self.attempt)
         self.tree.observe(ranks)
         self.seen.update(ranks)
         if ranks != self.last:
@@ -89,22 +92,23 @@ class _LiveRanks:
         return ranks
 
 
-def local_ranks(report_dir: str | os.PathLike, host: str | None = None) -> dict[int, int]:
-    """``{rank: pid}`` of this node's live ranks, from the hook files written by distcheck/rank/bootstrap.py.
+def local_ranks(report_dir: str | os.PathLike, host: str | None = None, attempt: int | None = None) -> dict[int, int]:
+    """``{rank: pid}`` of this node's live ranks of torchrun's ``attempt`` (``--max-restarts``; by default this
+    process's), from the hook files written by distcheck/rank/bootstrap.py.
 
     A stale hook file from an earlier job in the same directory is ignored: its pid is dead, or now belongs to a
-    process whose RANK differs. So is a rank of another torchrun attempt (``--max-restarts``) than this watcher's.
+    process whose RANK differs. So is a rank of another attempt.
     """
     host = host or socket.gethostname()
     out: dict[int, int] = {}
-    attempt = restart_count()
+    attempt = restart_count() if attempt is None else attempt
     for hook in stack_hook_file.read_all(report_dir):
         pid, rank = hook.pid, hook.rank
         if (hook.host or host) != host or not alive(pid):
             continue
         try:
-            environ = read_environ(pid)
-            if int(environ.get("RANK", rank)) != rank or restart_count(environ) != attempt:
+            environ = read_environ(pid)  # a zygote-forked rank's shows the zygote's: the hook names the attempt
+            if int(environ.get("RANK", rank)) != rank or restart_count(hook.launch or environ) != attempt:
                 continue
         except (OSError, ValueError):
             continue
@@ -112,33 +116,115 @@ def local_ranks(report_dir: str | os.PathLike, host: str | None = None) -> dict[
     return out
 
 
-def watch(report_dir: str, timeout: float, native: bool = False, parent: int = 0, world_size: int | None = None,
-          local_world_size: int | None = None, agent: int | None = None, command: str | None = None) -> int:
-    """``command``: the ``distcheck run`` command line when this watcher writes the run's report (one node: the
-    ranks only write files, and end as they would without distcheck); None for ``consistency``, whose rank 0
-    writes its own report."""
-    tree = RunTree(os.environ.get(RUN_ID_ENV))
+@dataclass
+class Attempt:
+    """One torchrun attempt (``--max-restarts``), as the node's watcher sees it: its number
+    (TORCHELASTIC_RESTART_COUNT), the environment torchrun gave its ranks (a change of membership can change the
+    world between attempts), and the run id its ranks tag their processes with."""
+    number: int
+    environ: Mapping[str, str]
+    run_id: str | None
+
+    @property
+    def world_size(self) -> int | None:
+        return _int(self.environ.get("WORLD_SIZE"))
+
+    @property
+    def local_world_size(self) -> int | None:
+        return _int(self.environ.get("LOCAL_WORLD_SIZE"))
+
+    @property
+    def restarts_left(self) -> bool:
+        return restarts_left(dict(self.environ))
+
+
+def _int(value: str | None) -> int | None:
     try:
-        return _watch(report_dir, timeout, native, parent, world_size, local_world_size, tree, agent, command)
+        return int(value) if value else None
+    except ValueError:
+        return None
+
+
+def serve(report_dir: str, timeout: float, native: bool = False, parent: int = 0, world_size: int | None = None,
+          local_world_size: int | None = None, agent: int | None = None, command: str | None = None) -> int:
+    """The watcher's life: one per node for the lifetime of torchrun's agent. It watches the attempt it was started
+    in; while torchrun may restart the ranks (``--max-restarts``) it then waits for the next attempt's ranks and
+    watches them too, and ends when the agent does. Its state (contract/watcher_file.py) tells the ranks which
+    attempt's watch is over and its exit code. Its own exit code is the last attempt's."""
+    agent = agent or _parent_of(parent)
+    environ = dict(os.environ)
+    for name, value in (("WORLD_SIZE", world_size), ("LOCAL_WORLD_SIZE", local_world_size)):
+        if value:
+            environ[name] = str(value)
+    attempt = Attempt(restart_count(), environ, os.environ.get(RUN_ID_ENV))
+    me = os.getpid()
+    state = WatcherState(me, start_ticks(me), launcher_id(agent) if agent else "", attempt.number)
+    while True:
+        _write_state(report_dir, state)
+        code = watch(report_dir, timeout, native, parent, attempt, agent, command)
+        state.reported, state.code = attempt.number, code
+        _write_state(report_dir, state)
+        following = next_attempt(report_dir, agent, attempt) if attempt.restarts_left and agent else None
+        if following is None:
+            return code
+        log.info("attempt %d of torchrun's ranks started: watching it", following.number)
+        attempt, parent = following, 0
+        state.watching = attempt.number
+
+
+def _write_state(report_dir: str, state: WatcherState) -> None:
+    try:
+        watcher_file.write(report_dir, state)
+    except OSError as exc:  # a full report disk: the ranks then wait for this process itself (rank/entry.py)
+        log.warning("could not write the watcher's state: %s", exc)
+
+
+def next_attempt(report_dir: str, agent: int, after: Attempt, poll: float = 0.1) -> Attempt | None:
+    """The next attempt torchrun starts on this node (its ranks' hook files name a later restart count), or None
+    once the agent has ended (the job is over)."""
+    host = socket.gethostname()
+    while alive(agent):
+        for hook in stack_hook_file.read_all(report_dir):
+            if hook.agent != agent or (hook.host or host) != host or not alive(hook.pid):
+                continue
+            number = restart_count(hook.launch)
+            if number > after.number:
+                # The ranks' run id is in no file: each computes it from its agent and attempt, as this does.
+                return Attempt(number, hook.launch, torchrun_run_id(number, agent))
+        time.sleep(poll)
+    return None
+
+
+def watch(report_dir: str, timeout: float, native: bool, parent: int, attempt: Attempt, agent: int | None = None,
+          command: str | None = None) -> int:
+    """Watch one attempt of the node's ranks until they end, and publish what that found. ``command``: the
+    ``distcheck run`` command line when this watcher writes the run's report (one node: the ranks only write
+    files, and end as they would without distcheck); None for ``consistency``, whose rank 0 writes its own
+    report."""
+    tree = RunTree(attempt.run_id)
+    try:
+        return _watch(report_dir, timeout, native, parent, attempt, tree, agent, command)
     finally:
         ended = tree.end()  # whatever the ranks left on this node, then their stderr copies once drained
         if ended:
             log.info("ended %d processes the ranks left running: %s", len(ended), ended)
 
 
-def _watch(report_dir: str, timeout: float, native: bool, parent: int, world_size: int | None,
-           local_world_size: int | None, tree: RunTree, agent: int | None = None, command: str | None = None) -> int:
+def _watch(report_dir: str, timeout: float, native: bool, parent: int, attempt: Attempt, tree: RunTree,
+           agent: int | None = None, command: str | None = None) -> int:
     host = socket.gethostname()
+    world_size, local_world_size = attempt.world_size, attempt.local_world_size
     multi_node = bool(world_size and local_world_size and world_size > local_world_size)
     if multi_node:
         from distcheck.supervise.node_exchange import NodeEnv, StoreChannel
 
-        env = NodeEnv.from_env(os.environ, host)
+        env = NodeEnv.from_env(attempt.environ, host)
         channel = StoreChannel.connect(env) if env is not None else None
         if env is not None and channel is not None:
             log.info("node %d of %d (ranks %s), exchanging through the store at %s:%d", env.node, env.nnodes,
                      format_ranks(env.ranks), env.store_host, env.store_port)
-            return _watch_nodes(report_dir, timeout, native, parent, env, channel, tree, agent, command)
+            return _watch_nodes(report_dir, timeout, native, parent, env, channel, tree, attempt.number, agent,
+                                command)
         # No store to reach: this node's own report, as before the exchange (the stacks stay named by host).
     out_dir = Path(report_dir) / f"node-{host}" if multi_node else Path(report_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -147,7 +233,7 @@ def _watch(report_dir: str, timeout: float, native: bool, parent: int, world_siz
     # rank 0 waits for this report after its own) or its process, seen or not (a short script can end before the
     # first look).
     writes_run = command is not None and bool(world_size) and not multi_node
-    live = _LiveRanks(report_dir, host, tree, seen, script_end_ends=writes_run)
+    live = _LiveRanks(report_dir, host, tree, seen, attempt.number, script_end_ends=writes_run)
     agent = agent or _parent_of(parent)
     expected = world_size if writes_run else None
 
@@ -176,7 +262,7 @@ def _watch(report_dir: str, timeout: float, native: bool, parent: int, world_siz
                         time.monotonic() - started, started_wall, **found)
 
     if result.state == HUNG:
-        pids = local_ranks(report_dir, host)
+        pids = local_ranks(report_dir, host, attempt.number)
         publish(compose(evidence(HANG, world=world_size or len(pids), note=f"no progress for {timeout:g}s",
                                  findings=result.hang_findings,
                                  check_seconds=(result.diagnosed_at or 0) - (result.declared_at or 0))))
@@ -209,7 +295,7 @@ def _watch(report_dir: str, timeout: float, native: bool, parent: int, world_siz
 
 
 def _watch_nodes(report_dir: str, timeout: float, native: bool, parent: int, env: NodeEnv, channel: StoreChannel,
-                 tree: RunTree, agent: int | None = None, command: str | None = None) -> int:
+                 tree: RunTree, attempt: int, agent: int | None = None, command: str | None = None) -> int:
     """One node of several: watch this node's ranks, exchange summaries through torchrun's store
     (supervise/node_exchange.py); node 0 writes the job's one report, the others print where it is.
 
@@ -228,7 +314,7 @@ def _watch_nodes(report_dir: str, timeout: float, native: bool, parent: int, env
     link = NodeLink(env, channel, report_dir, lambda: tuple(files.trace_progress(report_dir, r) for r in env.ranks),
                     cancel)
     published: list[frozenset] = [frozenset()]
-    live = _LiveRanks(report_dir, host, tree, seen, script_end_ends=command is not None)
+    live = _LiveRanks(report_dir, host, tree, seen, attempt, script_end_ends=command is not None)
     agent = agent or _parent_of(parent)
 
     def finished() -> set[int]:
@@ -292,14 +378,14 @@ def _watch_nodes(report_dir: str, timeout: float, native: bool, parent: int, env
         if hung:
             if link.remote_hang is None:
                 channel.announce_hang(env.node, host)
-            pids = local_ranks(report_dir, host)
+            pids = local_ranks(report_dir, host, attempt)
             findings = diagnose_hang(pids, report_dir, native=native, timeout=timeout, world_size=env.world_size,
                                      out_dir=out_dir)
             channel.publish(summarize_node(env, report_dir, set(pids), hung=True,
                                            stacks_path=out_dir / files.STACKS_JSON))
             note = f"no progress for {timeout:g}s"
             if env.reports:
-                _publish_job_report(evidence(HANG, Path(report_dir), note=note), env, channel, native)
+                _publish_job_report(evidence(HANG, Path(report_dir), note=note), env, channel, native, attempt)
             else:
                 waited = GATHER_TIMEOUT + 15.0
                 location = wait_for_report(channel, link, time.monotonic() + waited)
@@ -326,12 +412,14 @@ def _watch_nodes(report_dir: str, timeout: float, native: bool, parent: int, env
         # record file still at its preallocated size reads as a big job's, whose traces are only summarized.
         files.tidy(report_dir)
         if env.reports and command is not None:  # the run's report: every rank of this node ended its script
-            return _publish_job_report(evidence(ENDED, Path(report_dir), command=command), env, channel, native)
+            return _publish_job_report(evidence(ENDED, Path(report_dir), command=command), env, channel, native,
+                                       attempt)
         if env.reports:
             if 0 in seen and not written_since(Path(report_dir), started_wall):
                 # Rank 0 died before it could write the report: the job's report, from every node's summary.
                 _publish_job_report(evidence(RANK0_DIED, Path(report_dir),
-                                             note="rank 0 ended before writing the report"), env, channel, native)
+                                             note="rank 0 ended before writing the report"), env, channel, native,
+                                    attempt)
                 return 1
             if written_since(Path(report_dir), started_wall):
                 channel.publish_report(host, str(Path(report_dir).resolve() / files.REPORT_TXT))
@@ -374,7 +462,7 @@ def _say(line: str) -> None:
     sys.stderr.flush()
 
 
-def _publish_job_report(evidence: Evidence, env: NodeEnv, channel: StoreChannel, native: bool) -> int:
+def _publish_job_report(evidence: Evidence, env: NodeEnv, channel: StoreChannel, native: bool, attempt: int) -> int:
     """Node 0's report of the whole job: gather every other node's summary through the store (with a deadline),
     diagnose a hang once from every node's stacks, compose and publish the report, then tell the other nodes
     where it is. Its exit code."""
@@ -389,7 +477,7 @@ def _publish_job_report(evidence: Evidence, env: NodeEnv, channel: StoreChannel,
     log.info("summaries from %d of %d other nodes after %.1fs", len(got), len(others), waited)
     if evidence.hung:
         evidence.findings = [_job_hang(evidence, env, merged, native)]
-        evidence.running = set(local_ranks(evidence.report_dir, env.host))
+        evidence.running = set(local_ranks(evidence.report_dir, env.host, attempt))
     else:
         evidence.running = set()
     evidence.nodes = Nodes(env, merged, waited)
@@ -498,7 +586,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=f"[distcheck watcher {socket.gethostname()}] %(message)s",
                         filename=args.log)
-    return watch(args.report_dir, args.timeout, args.native, args.parent, args.world_size, args.local_world_size,
+    return serve(args.report_dir, args.timeout, args.native, args.parent, args.world_size, args.local_world_size,
                  args.agent, args.command)
 
 

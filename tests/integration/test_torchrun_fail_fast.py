@@ -3,6 +3,7 @@ torchrun's agent stops the others, and the node watcher (a process outside the r
 ends as it would without distcheck, not at the no-progress limit. (bench/bench_fail_fast.py times both ways.)"""
 from __future__ import annotations
 
+import socket
 import time
 
 from launch_helpers import FIXTURES, load_report, torchrun
@@ -69,3 +70,16 @@ def test_a_job_that_passes_on_its_second_attempt_passes_and_the_report_lists_bot
     earlier = out / "attempt-0"
     assert load_report(earlier)["ok"] is False and (earlier / "trace-rank1.jsonl").exists()
     assert "FileNotFoundError" not in (out / "trace-rank1.jsonl").read_text()  # the attempts' files never mix
+    # One watcher for the agent's lifetime: the one attempt 0's local rank 0 started watched attempt 1 too, and
+    # ended with the agent.
+    from distcheck.contract import watcher_file
+    from distcheck.processes import alive
+
+    state = watcher_file.read(out)
+    assert (state.watching, state.reported, state.code) == (1, 1, 0)
+    log = (out / f"watcher-{socket.gethostname()}.log").read_text()
+    assert log.count("attempt 1 of torchrun's ranks started: watching it") == 1, log
+    deadline = time.monotonic() + 5.0
+    while alive(state.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not alive(state.pid)

@@ -1,0 +1,62 @@
+"""``watcher-<host>.json``: the node watcher's state. The one writer is the watcher (supervise/node_watcher.py),
+which rewrites it whole as it goes; the readers are the node's ranks (rank/bootstrap.py, rank/entry.py).
+
+    torchrun --nproc-per-node 2 --max-restarts 1 -m distcheck run -- train.py
+
+Under torchrun a node has one watcher for the lifetime of its agent: local rank 0 of the first attempt starts it,
+and a restarted attempt's ranks find it here instead of starting another. The file says which process it is (pid
+and start time, so that a reused pid is not taken for it), whose agent it serves, the attempt it watches, and the
+last attempt whose watch is over with its exit code (the report's, on the node that writes the report). A
+restarted rank moves the earlier attempt's files aside only once that attempt is reported; local rank 0 takes its
+exit code from here once its own attempt is.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+NAME = "watcher-{host}.json"
+NOT_YET = -1  # ``reported`` before the first attempt's watch is over
+
+
+@dataclass
+class WatcherState:
+    pid: int
+    ticks: int | None  # the process's start time (/proc/<pid>/stat): with the pid, which process this is
+    agent: str  # the torchrun agent it serves (processes.launcher_id)
+    watching: int  # the attempt (TORCHELASTIC_RESTART_COUNT) it watches now
+    reported: int = NOT_YET  # the last attempt whose watch is over
+    code: int | None = None  # that attempt's exit code
+
+    def done_with(self, attempt: int) -> bool:
+        return self.reported >= attempt
+
+
+def path(report_dir: str | os.PathLike, host: str | None = None) -> Path:
+    return Path(report_dir) / NAME.format(host=host or socket.gethostname())
+
+
+def write(report_dir: str | os.PathLike, state: WatcherState) -> None:
+    """Whole or not at all (a reader never sees half a file). Raises OSError: a full report disk."""
+    target = path(report_dir)
+    tmp = target.with_name(target.name + f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(asdict(state)))
+    tmp.replace(target)
+
+
+def read(report_dir: str | os.PathLike, host: str | None = None) -> WatcherState | None:
+    """The state of this host's watcher, or None when there is none (or the file is not one)."""
+    try:
+        data = json.loads(path(report_dir, host).read_text())
+        return WatcherState(int(data["pid"]), None if data.get("ticks") is None else int(data["ticks"]),
+                            str(data["agent"]), int(data["watching"]), int(data.get("reported", NOT_YET)),
+                            None if data.get("code") is None else int(data["code"]))
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return None
+
+
+def remove(report_dir: str | os.PathLike) -> None:
+    path(report_dir).unlink(missing_ok=True)

@@ -1,0 +1,81 @@
+"""One node watcher per torchrun agent, across restarts (``--max-restarts``), without launching anything: its
+state file (contract/watcher_file.py), how a restarted attempt's ranks find it and wait for it, and how it finds
+the next attempt's ranks. The real restart is tests/integration/test_torchrun_fail_fast.py."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+
+from distcheck.contract import stack_hook_file, watcher_file
+from distcheck.contract.stack_hook_file import HookInfo
+from distcheck.contract.watcher_file import WatcherState
+from distcheck.processes import launcher_id, start_ticks
+from distcheck.rank.bootstrap import NodeWatcher, live_watcher
+from distcheck.supervise.node_watcher import Attempt, local_ranks, next_attempt
+
+NO_SUCH_PID = 4194999  # above Linux's largest pid_max
+
+
+def _hook(tmp_path, attempt: int, agent: int, rank: int = 0, max_restarts: int = 1) -> None:
+    launch = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+              "TORCHELASTIC_RESTART_COUNT": str(attempt), "TORCHELASTIC_MAX_RESTARTS": str(max_restarts)}
+    stack_hook_file.write(tmp_path, HookInfo(os.getpid(), rank, 12, "x", "", socket.gethostname(), agent, launch))
+
+
+def test_the_state_file_is_written_whole_and_read_back(tmp_path):
+    assert watcher_file.read(tmp_path) is None
+    state = WatcherState(os.getpid(), start_ticks(os.getpid()), "1:2", watching=1, reported=0, code=1)
+    watcher_file.write(tmp_path, state)
+    assert watcher_file.read(tmp_path) == state
+    assert state.done_with(0) and not state.done_with(1)
+    assert [p.name for p in tmp_path.iterdir()] == [f"watcher-{socket.gethostname()}.json"]  # no temp file left
+    watcher_file.path(tmp_path).write_text("{not json")
+    assert watcher_file.read(tmp_path) is None
+
+
+def test_a_restarted_rank_finds_only_its_own_agents_live_watcher(tmp_path, monkeypatch):
+    from distcheck.contract import env
+
+    me = os.getpid()
+    monkeypatch.setenv(env.AGENT_PID, str(me))  # this process plays the agent, and the watcher
+    watcher_file.write(tmp_path, WatcherState(me, start_ticks(me), launcher_id(me), watching=0))
+    assert live_watcher(tmp_path).pid == me
+    watcher_file.write(tmp_path, WatcherState(me, start_ticks(me), "12:34", watching=0))  # another job's agent
+    assert live_watcher(tmp_path) is None
+    watcher_file.write(tmp_path, WatcherState(NO_SUCH_PID, 5, launcher_id(me), watching=0))  # it died
+    assert live_watcher(tmp_path) is None
+    watcher_file.write(tmp_path, WatcherState(me, 1, launcher_id(me), watching=0))  # its pid now another process's
+    assert live_watcher(tmp_path) is None
+
+
+def test_local_rank_0_takes_its_attempts_code_from_the_watcher_that_outlives_it(tmp_path):
+    me = os.getpid()
+    watcher = NodeWatcher(tmp_path, me, None)  # an earlier attempt's watcher: not this rank's child
+    watcher_file.write(tmp_path, WatcherState(me, start_ticks(me), "a", watching=1, reported=0, code=1))
+    assert watcher.outcome(1, limit=0.3) is None  # attempt 0's code is not attempt 1's: it waits, bounded
+    watcher_file.write(tmp_path, WatcherState(me, start_ticks(me), "a", watching=1, reported=1, code=0))
+    assert watcher.outcome(1, limit=5.0) == 0
+    gone = NodeWatcher(tmp_path, NO_SUCH_PID, None)  # a watcher that died without saying: no code, at once
+    assert gone.outcome(2, limit=30.0) is None
+
+
+def test_the_watcher_finds_the_next_attempts_ranks_of_its_agent_and_ends_with_the_agent(tmp_path):
+    me = os.getpid()
+    first = Attempt(0, {"TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "1"}, None)
+    assert first.restarts_left
+    _hook(tmp_path, attempt=1, agent=NO_SUCH_PID + 1)  # another agent's restart: not this watcher's
+    assert next_attempt(str(tmp_path), NO_SUCH_PID, first) is None  # the agent has ended: so does the watcher
+    _hook(tmp_path, attempt=1, agent=me)
+    nxt = next_attempt(str(tmp_path), me, first)
+    assert (nxt.number, nxt.world_size, nxt.local_world_size, nxt.restarts_left) == (1, 2, 2, False)
+    assert nxt.run_id.endswith("-attempt1") and f"torchrun-{me}-" in nxt.run_id
+
+
+def test_a_zygote_forked_ranks_attempt_comes_from_its_hook_file(tmp_path):
+    """/proc/<pid>/environ of a rank the zygote forked is the zygote's (no restart count): the hook names it."""
+    _hook(tmp_path, attempt=1, agent=os.getpid())
+    assert local_ranks(tmp_path, attempt=1) == {0: os.getpid()}
+    assert local_ranks(tmp_path, attempt=0) == {}
+    data = json.loads(stack_hook_file.files.hook_file(tmp_path, os.getpid()).read_text())
+    assert data["launch"]["TORCHELASTIC_RESTART_COUNT"] == "1" and data["agent"] == os.getpid()
