@@ -31,6 +31,7 @@ Pure: no process group, no torch.
 """
 from __future__ import annotations
 
+import ast
 import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, NamedTuple
@@ -314,13 +315,52 @@ def interleave(events: list[Any], untraced: list[Any]) -> list[Any]:
 
 
 def _run_shape(shape: list[Any] | None, sizes: dict[str, int]) -> list[int] | None:
-    """A graph's input shape in one run: its symbols (a dynamic graph's sizes) by the run line's values."""
+    """A graph's input shape in one run: its symbols (a dynamic graph's sizes) by the run line's values, and its
+    sizes that are formulas of symbols ("2*s0", "(s0//2)", "Max(1, s0)") evaluated with them."""
     if shape is None:
         return None
     try:
-        return [int(sizes[d]) if isinstance(d, str) else int(d) for d in shape]
-    except (KeyError, TypeError, ValueError):
+        return [int(sizes[d]) if isinstance(d, str) and d in sizes else size_value(d, sizes) if isinstance(d, str)
+                else int(d) for d in shape]
+    except (KeyError, TypeError, ValueError, ZeroDivisionError, OverflowError, RecursionError, SyntaxError):
         return None
+
+
+# sympy's (and torch's symbolic shapes') functions a size formula may call, by the name sympy prints
+_SIZE_CALLS: dict[str, Callable[..., int]] = {
+    "Max": max, "Min": min, "Mod": lambda a, b: a % b, "PythonMod": lambda a, b: a % b,
+    "FloorDiv": lambda a, b: a // b, "CeilDiv": lambda a, b: -(-a // b), "CleanDiv": lambda a, b: a // b,
+    "floor": lambda a: a, "ceiling": lambda a: a, "Abs": abs}
+_SIZE_OPS: dict[type, Callable[[int, int], int]] = {
+    ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b,
+    ast.FloorDiv: lambda a, b: a // b, ast.Mod: lambda a, b: a % b, ast.Pow: lambda a, b: a ** b}
+
+
+def size_value(formula: str, sizes: dict[str, int]) -> int:
+    """An integer formula of size symbols, as sympy prints it, with ``sizes``' values: a tiny evaluator of
+    + - * // % **, unary minus, integers, symbols and :data:`_SIZE_CALLS` (never ``eval``: the text is a file's).
+    Raises KeyError for a symbol without a value, ValueError for anything else."""
+    def value(node: ast.AST) -> int:
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            return node.value
+        if isinstance(node, ast.Name):
+            return int(sizes[node.id])
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+            v = value(node.operand)
+            return -v if isinstance(node.op, ast.USub) else v
+        if isinstance(node, ast.BinOp) and type(node.op) in _SIZE_OPS:
+            a, b = value(node.left), value(node.right)
+            if isinstance(node.op, ast.Pow) and not 0 <= b <= 64:
+                raise ValueError(formula)
+            return _SIZE_OPS[type(node.op)](a, b)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in _SIZE_CALLS \
+                and not node.keywords:
+            return int(_SIZE_CALLS[node.func.id](*(value(a) for a in node.args)))
+        raise ValueError(formula)
+
+    if len(formula) > 200:
+        raise ValueError(formula)
+    return value(ast.parse(formula, mode="eval").body)
 
 
 def graph_run_events(events: list[Any], graphs: dict[int, dict[str, Any]],

@@ -191,8 +191,10 @@ def _group_arg(node: Any) -> str | None:
 
 
 def _shape(value: Any) -> list[int | str] | None:
-    """A fake tensor's shape: ints, and a dynamic graph's sizes that are one symbol by its name ("s87": the graph's
-    run line gives its value, :func:`symbol_sources`); None when a size is an expression of symbols."""
+    """A fake tensor's shape: ints, and a dynamic graph's sizes as sympy prints them: one symbol by its name
+    ("s87") or a formula of symbols ("2*s87", "(s87//2)"); the graph's run line gives each symbol's value
+    (:func:`symbol_sources`), the analysis evaluates the formula (analysis/flight_recorder._run_shape). None when a
+    size is neither."""
     shape = getattr(value, "shape", None)
     if shape is None:
         return None
@@ -202,7 +204,12 @@ def _shape(value: Any) -> list[int | str] | None:
             out.append(d)
             continue
         expr = getattr(getattr(d, "node", None), "expr", None)
-        if expr is None or not getattr(expr, "is_Symbol", False):
+        if expr is None:
+            return None
+        if getattr(expr, "is_Integer", False):  # a symbolic size the graph specialized
+            out.append(int(expr))
+            continue
+        if not getattr(expr, "free_symbols", None):
             return None
         out.append(str(expr))
     return out
