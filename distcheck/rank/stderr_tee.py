@@ -79,7 +79,11 @@ def tee_stderr(report_dir: str | os.PathLike, rank: int) -> Path | None:
         console = os.dup(2)
         try:
             # -I -S: no site, no user paths, nothing of the rank's environment changes what this tiny loop does.
-            _tee = subprocess.Popen([sys.executable, "-I", "-S", os.path.abspath(__file__), "--copy", str(path)],
+            # --rank: which process the rank is, told rather than found. Under load a rank can be killed before
+            # the copier's interpreter is up, and the copier's parent is then init already.
+            me = f"{os.getpid()}:{_start_ticks(os.getpid())}"
+            _tee = subprocess.Popen([sys.executable, "-I", "-S", os.path.abspath(__file__), "--copy", str(path),
+                                     "--rank", me],
                                     stdin=subprocess.PIPE, stdout=console, stderr=subprocess.DEVNULL, close_fds=True,
                                     start_new_session=True, env={**os.environ, ROLE_ENV: STDERR_COPY})
         finally:
@@ -243,9 +247,14 @@ class Orphaned:
     would otherwise keep this copier, and the console, alive with it.
     """
 
-    def __init__(self, env=os.environ) -> None:
-        self.parent = os.getppid()
-        self.parent_ticks = _start_ticks(self.parent)
+    def __init__(self, env=os.environ, rank: str | None = None) -> None:
+        """``rank``: "pid:start ticks" of the rank whose output this copies (its parent, by default)."""
+        pid, _, ticks = (rank or "").partition(":")
+        if pid.isdigit():
+            self.parent, self.parent_ticks = int(pid), int(ticks) if ticks.isdigit() else None
+        else:
+            self.parent = os.getppid()
+            self.parent_ticks = _start_ticks(self.parent)
         self.run_id = env.get(RUN_ID_ENV, "")
         self.rank = env.get("RANK", "")
         pid, _, ticks = env.get(LAUNCHER_ENV, "").partition(":")
@@ -299,8 +308,9 @@ class Orphaned:
 
 
 def _main(argv: list[str]) -> int:
-    if len(argv) != 2 or argv[0] != "--copy":
-        sys.stderr.write("usage: python -I -S stderr_tee.py --copy FILE   (stdin: the rank's stderr)\n")
+    if len(argv) not in (2, 4) or argv[0] != "--copy" or len(argv) == 4 and argv[2] != "--rank":
+        sys.stderr.write("usage: python -I -S stderr_tee.py --copy FILE [--rank PID:START_TICKS]   (stdin: the "
+                         "rank's stderr)\n")
         return 2
     try:
         keep = int(os.environ.get(KEEP_ENV, KEEP))
@@ -312,7 +322,7 @@ def _main(argv: list[str]) -> int:
     # copier ends when its input does.
     for sig in (signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
-    copy(0, 1, argv[1], keep, idle=Orphaned())
+    copy(0, 1, argv[1], keep, idle=Orphaned(rank=argv[3] if len(argv) == 4 else None))
     return 0
 
 

@@ -338,6 +338,22 @@ def test_a_copier_ends_its_ranks_processes_only_when_rank_and_launcher_are_gone(
     assert killed == ([501] if swept else [])
 
 
+def test_a_copier_whose_rank_died_before_it_was_up_still_ends_the_ranks_processes(monkeypatch):
+    """Under load a rank can be killed (its launcher SIGKILLed) before its copier's interpreter is up: the copier's
+    parent is init from its first look, so the rank tells it which process it is (--rank pid:ticks). Taking init
+    for the rank, it would wait for init to end and leave the rank's helpers running (CI's flaky SIGKILL test)."""
+    env = {"DISTCHECK_RUN_ID": "r1", "RANK": "1", "DISTCHECK_LAUNCHER": "4000:77"}
+    monkeypatch.setattr(stderr_tee.os, "getppid", lambda: 1)
+    monkeypatch.setattr(stderr_tee, "_stat", lambda pid: ("S", 1) if pid == 1 else None)  # rank, launcher: gone
+    processes = {501: [b"DISTCHECK_RUN_ID=r1", b"RANK=1"]}
+    killed = []
+    monkeypatch.setattr(stderr_tee.os, "listdir", lambda path: [str(p) for p in processes])
+    monkeypatch.setattr(stderr_tee, "_environ", lambda pid: processes.get(pid, []))
+    monkeypatch.setattr(stderr_tee.os, "kill", lambda pid, sig: killed.append(processes.pop(pid) and pid))
+    assert stderr_tee.Orphaned(env)() is False and killed == []  # found, not told: init is no rank that ends
+    assert stderr_tee.Orphaned(env, rank="4001:88")() is True and killed == [501]
+
+
 def test_a_copier_told_its_rank_is_gone_drains_and_ends_though_a_writer_holds_its_input(tmp_path):
     """After the sweep nobody the run knows of writes to the copier's input; a writer that still holds it (a rank's
     last thread on its way out) must not keep the copier, and distcheck's console, alive."""
