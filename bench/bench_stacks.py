@@ -30,7 +30,7 @@ from distcheck.contract.findings import CheckResult  # noqa: E402
 from distcheck.contract.report import Report, write_report  # noqa: E402
 from distcheck.supervise.stacks import Target, dump_all, find_pyspy  # noqa: E402
 from distcheck.processes import terminate  # noqa: E402
-from distcheck.supervise.watch import HUNG, HangDump, WatchLoop  # noqa: E402
+from distcheck.supervise.watch import HUNG, HangDump, RankFunctions, WatchLoop  # noqa: E402
 
 FIXTURE = ROOT / "fixtures" / "hang_python.py"
 BOOT = """import os, runpy, sys
@@ -86,8 +86,9 @@ def timeout_to_report(nproc: int, timeout: float) -> tuple[float, float, str]:
         try:
             wait_until_stuck(report_dir, nproc)
             pids = {r: p.pid for r, p in enumerate(procs)}
-            loop = WatchLoop(report_dir, timeout, live=lambda: {r: p.pid for r, p in enumerate(procs) if p.poll() is None},
-                             finished=lambda: {r for r, p in enumerate(procs) if p.poll() is not None},
+            source = RankFunctions(lambda: {r: p.pid for r, p in enumerate(procs) if p.poll() is None},
+                                   lambda: {r for r, p in enumerate(procs) if p.poll() is not None})
+            loop = WatchLoop(report_dir, timeout, source=source,
                              expected=nproc, dump=HangDump(world_size=nproc), poll=0.1)
             result = loop.run()
             if result.state != HUNG:

@@ -83,6 +83,23 @@ def _distcheck_args(argv: Sequence[str]) -> list[str] | None:
     return None
 
 
+class LauncherRanks:
+    """The launcher's RankSource (supervise/watch.py): its child processes. ``live()`` also remembers each live
+    rank's process tree as it goes."""
+
+    def __init__(self, supervisor: Supervisor) -> None:
+        self.supervisor = supervisor
+
+    def live(self) -> dict[int, int]:
+        pids = self.supervisor.pids()
+        if self.supervisor.tree is not None:
+            self.supervisor.tree.observe(pids)
+        return pids
+
+    def finished(self) -> set[int]:
+        return {r for r, p in self.supervisor.procs.items() if p.poll() is not None}
+
+
 class Supervisor:
     """Launch ``nproc`` ranks of ``argv_for_rank(rank)`` and supervise them until they end or stop progressing."""
 
@@ -111,13 +128,6 @@ class Supervisor:
     def pids(self) -> dict[int, int]:
         """rank -> pid of every rank still running (for stack dumps)."""
         return {r: p.pid for r, p in self.procs.items() if p.poll() is None}
-
-    def _watched(self) -> dict[int, int]:
-        """pids() for the watch loop, which also remembers each live rank's process tree as it goes."""
-        pids = self.pids()
-        if self.tree is not None:
-            self.tree.observe(pids)
-        return pids
 
     def _rank_env(self, rank: int, port: int) -> dict[str, str]:
         env = dict(self.env)
@@ -151,8 +161,7 @@ class Supervisor:
             self._launch(port, listener.fileno())
             listener.close()  # rank 0's store host has its own copy
             self.tree = self._run_tree()
-            loop = WatchLoop(self.report_dir, self.timeout, live=self._watched, expected=self.nproc,
-                             finished=lambda: {r for r, p in self.procs.items() if p.poll() is not None},
+            loop = WatchLoop(self.report_dir, self.timeout, source=LauncherRanks(self), expected=self.nproc,
                              should_stop=self._should_stop, dump=self.dump, startup_timeout=self.startup_timeout,
                              stop_grace=self.stop_grace, poll=self.poll, interrupt=self.interrupt,
                              stragglers=LiveStragglers(self.report_dir))

@@ -68,19 +68,30 @@ def _cancel_when_orphaned(parent: int, seen: set[int], cancel: threading.Event) 
     threading.Thread(target=watch, daemon=True).start()
 
 
-class _LiveRanks:
-    """This node's live ranks (``{rank: pid}``) each time the watch loop asks; every ask also feeds the run's process
-    tree and ``seen`` (every rank ever found), and a change is logged. ``script_end_ends``: a rank whose script
-    ended (its exit line) no longer runs, though its process may (under ``run``, local rank 0 waits for the report
-    after its script)."""
+class NodeRanks:
+    """The node watcher's RankSource (supervise/watch.py): this node's ranks of one torchrun attempt.
+
+    ``live()``: ``{rank: pid}`` from the hook files; every ask also feeds the run's process tree and ``seen``
+    (every rank ever found), and a change is logged. ``script_end_ends``: a rank whose script ended (its exit line)
+    no longer runs, though its process may (under ``run``, local rank 0 waits for the report after its script).
+
+    ``finished()``: the ranks seen that no longer run. A rank can end before this watcher first looks (a short
+    script on a slow start): each of ``traced`` (the ranks this node expects, or None) whose trace says it ran
+    under this torchrun agent counts as seen. With ``exchange`` (several nodes: this node's NodeEnv and
+    StoreChannel), each change of the ranks that ended their script (their exit line; a failed one waits for the
+    report) or their process is published to the other nodes, unless this node writes the report."""
 
     def __init__(self, report_dir: str | os.PathLike, host: str | None, tree: RunTree, seen: set[int],
-                 attempt: int, script_end_ends: bool = False) -> None:
+                 attempt: int, script_end_ends: bool = False, *, agent: int | None = None,
+                 traced: Sequence[int] | None = None,
+                 exchange: tuple[NodeEnv, StoreChannel] | None = None) -> None:
         self.report_dir, self.host, self.tree, self.seen, self.attempt = report_dir, host, tree, seen, attempt
         self.script_end_ends = script_end_ends
+        self.agent, self.traced, self.exchange = agent, traced, exchange
         self.last: dict[int, int] = {}
+        self.published: frozenset[int] = frozenset()  # the ended ranks last published to the other nodes
 
-    def __call__(self) -> dict[int, int]:
+    def live(self) -> dict[int, int]:
         ranks = local_ranks(self.report_dir, self.host, self.attempt)
         self.tree.observe(ranks)
         self.seen.update(ranks)
@@ -90,6 +101,27 @@ class _LiveRanks:
         if self.script_end_ends:
             return {r: pid for r, pid in ranks.items() if not script_ended(self.report_dir, r)}
         return ranks
+
+    def finished(self) -> set[int]:
+        running = self.live()
+        if self.traced is not None:
+            self.seen.update(r for r in self.traced
+                             if r not in self.seen and _traced_under(self.report_dir, r, self.agent))
+        done = self.seen - set(running)
+        if self.exchange is not None:
+            self._publish(done, running)
+        return done
+
+    def _publish(self, done: set[int], running: dict[int, int]) -> None:
+        """Node 0's report learns how this node's ranks ended, not only that their files are elsewhere."""
+        from distcheck.supervise.node_exchange import summarize_node
+
+        env, channel = self.exchange
+        ended = frozenset(done | {r for r in running if script_ended(self.report_dir, r)})
+        if not env.reports and ended != self.published:
+            self.published = ended
+            channel.publish(summarize_node(env, self.report_dir, set(running),
+                                           final=bool(self.seen) and not running))
 
 
 def local_ranks(report_dir: str | os.PathLike, host: str | None = None, attempt: int | None = None) -> dict[int, int]:
@@ -233,16 +265,10 @@ def _watch(report_dir: str, timeout: float, native: bool, parent: int, attempt: 
     # rank 0 waits for this report after its own) or its process, seen or not (a short script can end before the
     # first look).
     writes_run = command is not None and bool(world_size) and not multi_node
-    live = _LiveRanks(report_dir, host, tree, seen, attempt.number, script_end_ends=writes_run)
     agent = agent or _parent_of(parent)
     expected = world_size if writes_run else None
-
-    def finished() -> set[int]:
-        running = live()
-        if expected is not None:
-            seen.update(r for r in range(expected) if r not in seen and _traced_under(report_dir, r, agent))
-        return seen - set(running)
-
+    source = NodeRanks(report_dir, host, tree, seen, attempt.number, script_end_ends=writes_run, agent=agent,
+                       traced=range(expected) if expected is not None else None)
     cancel = threading.Event()
 
     _cancel_when_orphaned(parent, seen, cancel)
@@ -251,7 +277,7 @@ def _watch(report_dir: str, timeout: float, native: bool, parent: int, attempt: 
     # Traces and hooks are read from the (possibly shared) report dir; this node's stacks and report go to out_dir.
     # Before any rank opened its trace the ranks are still importing torch (seconds each on a loaded machine):
     # the start-up limit, not --timeout, applies to them.
-    loop = WatchLoop(report_dir, timeout, live=live, finished=finished, expected=expected, ranks=None,
+    loop = WatchLoop(report_dir, timeout, source=source, expected=expected, ranks=None,
                      startup_timeout=max(timeout, STARTUP_TIMEOUT), dump=HangDump(native, world_size, out_dir),
                      poll=0.1, cancel=cancel, stragglers=LiveStragglers(report_dir))
     result = loop.run()
@@ -313,24 +339,9 @@ def _watch_nodes(report_dir: str, timeout: float, native: bool, parent: int, env
     cancel = threading.Event()
     link = NodeLink(env, channel, report_dir, lambda: tuple(files.trace_progress(report_dir, r) for r in env.ranks),
                     cancel)
-    published: list[frozenset] = [frozenset()]
-    live = _LiveRanks(report_dir, host, tree, seen, attempt, script_end_ends=command is not None)
     agent = agent or _parent_of(parent)
-
-    def finished() -> set[int]:
-        running = live()
-        # A rank can end before this watcher first looks (a short script on a slow start): its trace says it ran
-        # under this torchrun agent.
-        seen.update(r for r in env.ranks if r not in seen and _traced_under(report_dir, r, agent))
-        done = seen - set(running)
-        # A rank that ended its script (its exit line; a failed one waits for the report) or its process: node 0's
-        # report learns how, not only that its files are elsewhere.
-        ended = frozenset(done | {r for r in running if script_ended(report_dir, r)})
-        if not env.reports and ended != published[0]:
-            published[0] = ended
-            channel.publish(summarize_node(env, report_dir, set(running), final=bool(seen) and not running))
-        return done
-
+    source = NodeRanks(report_dir, host, tree, seen, attempt, script_end_ends=command is not None, agent=agent,
+                       traced=env.ranks, exchange=(env, channel))
     _cancel_when_orphaned(parent, seen, cancel)
     link.start()
     started = time.monotonic()
@@ -348,7 +359,7 @@ def _watch_nodes(report_dir: str, timeout: float, native: bool, parent: int, env
         while True:
             # No dump inside the loop: a node whose ranks are idle while another node's progress (a pipeline
             # stage waiting for its input) is not hung; the job is hung once no node progressed for `timeout`.
-            result = WatchLoop(report_dir, limit, live=live, finished=finished, expected=None, ranks=None,
+            result = WatchLoop(report_dir, limit, source=source, expected=None, ranks=None,
                                startup_timeout=limit, dump=None, poll=0.2, cancel=cancel,
                                stragglers=stragglers).run()
             idle = link.job_idle()

@@ -3,9 +3,11 @@
     python -m distcheck run --nproc 2 --timeout 60 -- train.py     # the launcher's loop
     torchrun --nproc-per-node 2 -m distcheck run -- train.py       # the node watcher's loop
 
-Used by the launcher (``run``/``compare`` with ``--nproc``), the node watcher under torchrun, and the pytest pool (one loop per test). The callers differ only in how they learn which ranks are
-still running and which have finished (process handles, pids from hook files, exit lines in the traces, pipe
-messages), which they pass in as two callables.
+Used by the launcher (``run``/``compare`` with ``--nproc``), the node watcher under torchrun, and the pytest pool
+(one loop per test). The callers differ only in how they learn which ranks are still running and which have
+finished (process handles, pids from hook files, exit lines in the traces, pipe messages): each answers that one
+question as a RankSource (launcher.LauncherRanks, node_watcher.NodeRanks, pool.PoolRanks; RankFunctions wraps two
+plain functions, for tests and benches).
 
 The progress rule: a rank made progress when its trace file grew (it came up, started or completed a
 collective, raised, or ended: the tracer writes one line for each) or when its outcome became known. A poll reads
@@ -29,7 +31,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Protocol
 
 from distcheck.contract import files
 from distcheck.contract.findings import Finding, format_ranks
@@ -104,14 +106,34 @@ class Progress:
         return any(s < 0 and i not in self._up for i, s in enumerate(sizes))
 
 
+class RankSource(Protocol):
+    """Where are the ranks: the one question every supervisor answers for the watch loop, asked on each poll.
+    ``live()``: ``{rank: pid}`` of the ranks still running; ``finished()``: the ranks whose outcome is known (it
+    may collect those outcomes, or tell others, as a side effect). Implemented by the launcher
+    (launcher.LauncherRanks: its child processes), the node watcher under torchrun (node_watcher.NodeRanks: pids
+    from the hook files, exit lines and traces), the pytest pool (pool.PoolRanks: its processes and the outcomes
+    they send), and RankFunctions (two plain functions: tests, benches)."""
+
+    def live(self) -> dict[int, int]: ...
+
+    def finished(self) -> set[int]: ...
+
+
+@dataclass
+class RankFunctions:
+    """A RankSource from two functions (tests, benches): ``live`` returns ``{rank: pid}``, ``finished`` the ranks
+    whose outcome is known (by default none)."""
+
+    live: Callable[[], dict[int, int]]
+    finished: Callable[[], set[int]] = set
+
+
 class WatchLoop:
     """Watch ranks until all have finished, they stop progressing for ``timeout`` s, or they provably cannot
-    progress. ``live()`` returns ``{rank: pid}`` of the ranks still running; ``finished()`` the ranks whose
-    outcome is known (it may collect those outcomes as a side effect); ``expected`` is how many ranks finish
-    a run (None: the run is over once some rank was seen and none is live)."""
+    progress. ``source`` says which ranks are still running and which have finished (RankSource); ``expected``
+    is how many ranks finish a run (None: the run is over once some rank was seen and none is live)."""
 
-    def __init__(self, report_dir: str | os.PathLike, timeout: float, *, live: Callable[[], dict[int, int]],
-                 finished: Callable[[], set[int]], expected: int | None,
+    def __init__(self, report_dir: str | os.PathLike, timeout: float, *, source: RankSource, expected: int | None,
                  should_stop: Callable[[set[int]], str | None] | None = None, dump: HangDump | None = None,
                  ranks: Iterable[int] | None = None, startup_timeout: float | None = None,
                  stop_grace: float = STOP_GRACE, failure_grace: float | None = None,
@@ -120,8 +142,7 @@ class WatchLoop:
                  stragglers: LiveStragglers | None = None) -> None:
         self.report_dir = str(report_dir)
         self.timeout = timeout
-        self.live = live
-        self.finished = finished
+        self.source = source
         self.expected = expected
         self.should_stop = should_stop
         self.dump = dump
@@ -146,14 +167,14 @@ class WatchLoop:
     def run(self) -> WatchResult:
         started = time.monotonic()
         seen: set[int] = set()
-        done = set(self.finished())
+        done = set(self.source.finished())
         token = (self.progress.sizes(), frozenset(done))
         last_progress = last_stop_check = time.monotonic()
         while not self.cancel.wait(self.poll):
             now = time.monotonic()
-            done = set(self.finished())
+            done = set(self.source.finished())
             seen.update(done)  # a rank that finished was running once, even if no poll saw it live
-            running = self.live()
+            running = self.source.live()
             seen.update(running)
             if self._over(done, seen, running):
                 return WatchResult(DONE, seconds=now - started)
@@ -191,8 +212,8 @@ class WatchLoop:
         cause = self.interrupt.cause if self.interrupt is not None else None
         deadline = time.monotonic() + ENDING_GRACE
         while True:
-            done = set(self.finished())
-            running = self.live()
+            done = set(self.source.finished())
+            running = self.source.live()
             seen.update(done, running)
             if self._over(done, seen, running):
                 log.warning("%s came after every rank had finished: it stops nothing", cause)
@@ -207,7 +228,7 @@ class WatchLoop:
         from distcheck.supervise.hang import diagnose_hang
 
         declared = time.monotonic()
-        live = self.live()
+        live = self.source.live()
         if cause:
             log.warning("stopped from outside by %s: dumping %d running ranks", cause, len(live))
         else:
@@ -228,7 +249,7 @@ class WatchLoop:
         for f in findings:
             if cause:
                 f.detail.setdefault("phase", "running")
-        if cause and live and not self.live() and self._over(set(self.finished()), set(live), {}):
+        if cause and live and not self.source.live() and self._over(set(self.source.finished()), set(live), {}):
             # Every rank finished on its own while it was being dumped: the signal stopped nothing after all.
             log.warning("every rank finished while being dumped: %s stops nothing", cause)
             return WatchResult(DONE, seconds=time.monotonic() - started)

@@ -52,6 +52,39 @@ class TestJob:
     trace_dir: str | None = None
 
 
+class PoolRanks:
+    """The pool's RankSource (supervise/watch.py) for one test: its rank processes, and the outcomes they send
+    back (``finished()`` collects them into ``outcomes``; a rank that died is one too)."""
+
+    def __init__(self, pool: Pool) -> None:
+        self.pool = pool
+        self.outcomes: dict[int, RankOutcome] = {}
+
+    def finished(self) -> set[int]:
+        outcomes = self.outcomes
+        for rank, conn in enumerate(self.pool.conns):
+            if rank in outcomes:
+                continue
+            if self.pool.procs[rank].poll() is not None:
+                code = self.pool.procs[rank].returncode
+                outcomes[rank] = RankOutcome(rank, "died", f"rank {rank} exited with code {code} "
+                                             f"(signal {-code})" if code < 0 else f"rank {rank} exited "
+                                             f"with code {code}")
+            elif conn.poll(0):
+                try:
+                    outcomes[rank] = conn.recv()
+                except EOFError:
+                    continue
+        return set(outcomes)
+
+    def live(self) -> dict[int, int]:
+        return {r: p.pid for r, p in enumerate(self.pool.procs) if r not in self.outcomes and p.poll() is None}
+
+    def failed(self) -> bool:
+        """Some rank failed the test (or died): the others get the failure grace."""
+        return any(o.status not in ("passed", "skipped") for o in self.outcomes.values())
+
+
 @dataclass
 class Pool:
     world_size: int
@@ -138,35 +171,13 @@ class Pool:
         self._stderr_offsets = {r: self._stderr_size(r) for r in range(self.world_size)}
         for conn in self.conns:
             conn.send(job)
-        outcomes: dict[int, RankOutcome] = {}
-
-        def finished() -> set[int]:
-            for rank, conn in enumerate(self.conns):
-                if rank in outcomes:
-                    continue
-                if self.procs[rank].poll() is not None:
-                    code = self.procs[rank].returncode
-                    outcomes[rank] = RankOutcome(rank, "died", f"rank {rank} exited with code {code} "
-                                                 f"(signal {-code})" if code < 0 else f"rank {rank} exited "
-                                                 f"with code {code}")
-                elif conn.poll(0):
-                    try:
-                        outcomes[rank] = conn.recv()
-                    except EOFError:
-                        continue
-            return set(outcomes)
-
-        def live() -> dict[int, int]:
-            return {r: p.pid for r, p in enumerate(self.procs) if r not in outcomes and p.poll() is None}
-
-        def failed() -> bool:
-            return any(o.status not in ("passed", "skipped") for o in outcomes.values())
-
+        source = PoolRanks(self)
+        outcomes = source.outcomes
         # The marker's timeout is a no-progress limit, like --timeout: a test that keeps issuing collectives is
         # not cut off. After one rank fails, the others often wait in a collective that will never complete.
-        loop = WatchLoop(job.trace_dir or self.workdir, job.timeout, live=live, finished=finished,
+        loop = WatchLoop(job.trace_dir or self.workdir, job.timeout, source=source,
                          expected=self.world_size, should_stop=should_stop, startup_timeout=job.timeout,
-                         stop_grace=STOP_AFTER, failure_grace=FAILURE_GRACE, failed=failed, poll=0.02)
+                         stop_grace=STOP_AFTER, failure_grace=FAILURE_GRACE, failed=source.failed, poll=0.02)
         result = loop.run()
         hung = result.state != DONE
         for rank in range(self.world_size):

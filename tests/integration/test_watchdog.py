@@ -23,7 +23,7 @@ from launch_helpers import FIXTURES, env_for_ranks, torchrun
 
 from distcheck.analysis.trace_events import load_traces
 from distcheck.processes import terminate
-from distcheck.supervise.watch import DONE, HUNG, HangDump, WatchLoop
+from distcheck.supervise.watch import DONE, HUNG, HangDump, RankFunctions, WatchLoop
 from distcheck.supervise.zygote import start_process
 
 BOOTSTRAP = '''\
@@ -85,8 +85,8 @@ def supervise(tmp_path: Path, fixture: str, nproc: int, timeout: float, limit: f
         if any(p.poll() is not None for p in ranks.procs):
             break
         time.sleep(0.05)
-    loop = WatchLoop(ranks.report_dir, timeout, live=ranks.pids, expected=nproc,
-                     finished=lambda: {r for r, p in enumerate(ranks.procs) if p.poll() is not None},
+    source = RankFunctions(ranks.pids, lambda: {r for r, p in enumerate(ranks.procs) if p.poll() is not None})
+    loop = WatchLoop(ranks.report_dir, timeout, source=source, expected=nproc,
                      dump=HangDump(world_size=nproc), poll=0.1)
     try:
         result = loop.run()
@@ -135,7 +135,7 @@ def test_watch_loop_fires_only_after_progress_stops(tmp_path):
             last_write[0] = time.monotonic()
             time.sleep(0.2)
 
-    loop = WatchLoop(tmp_path, 1.0, live=lambda: {0: sleeper.pid}, finished=set, expected=1,
+    loop = WatchLoop(tmp_path, 1.0, source=RankFunctions(lambda: {0: sleeper.pid}), expected=1,
                      dump=HangDump(world_size=1), poll=0.05)
     w = threading.Thread(target=writer)
     try:
@@ -187,7 +187,7 @@ def test_hang_fixture_is_diagnosed(line_of, tmp_path, fixture, nproc, odd, odd_m
     (f,) = result.hang_findings
     odd_line, wait_line = line_of(fixture, odd_marker), line_of(fixture, wait_marker)
     assert f.kind == "hang" and f.ranks == odd
-    assert f.message == f"no progress for 3s: " + message.format(odd=odd_line, wait=wait_line)
+    assert f.message == "no progress for 3s: " + message.format(odd=odd_line, wait=wait_line)
     assert f.detail["waiting_ranks"] == waiting
     assert f.detail["file"] == str(FIXTURES / fixture) and f.detail["line"] == odd_line
     assert set(f.detail["stacks"]) == {str(r) for r in range(nproc)}

@@ -14,7 +14,8 @@ from distcheck.contract.report import Report
 from distcheck.supervise import signals
 from distcheck.options import is_launcher
 from distcheck.supervise.signals import Interrupt, StopNow, StopSignals, settle
-from distcheck.supervise.watch import DONE, INTERRUPTED, HangDump, WatchLoop, as_start_up, script_ended
+from distcheck.supervise.watch import (DONE, INTERRUPTED, HangDump, RankFunctions, WatchLoop, as_start_up,
+                                       script_ended)
 
 
 def interrupted(cause: str = "SIGTERM") -> Interrupt:
@@ -88,7 +89,7 @@ def test_a_signal_that_stopped_ranks_is_left_to_its_finding():
 def test_a_signal_after_every_rank_finished_stops_nothing(tmp_path):
     for r in (0, 1):
         write_trace(tmp_path, r, exit_line=True)
-    loop = WatchLoop(tmp_path, 30.0, live=lambda: {}, finished=lambda: {0, 1}, expected=2,
+    loop = WatchLoop(tmp_path, 30.0, source=RankFunctions(lambda: {}, lambda: {0, 1}), expected=2,
                      interrupt=interrupted(), dump=HangDump(world_size=2))
     result = loop.run()
     assert result.state == DONE and not result.hang_findings and result.stop_reason is None
@@ -106,7 +107,7 @@ def test_ranks_that_wrote_their_exit_line_get_a_moment_to_end(tmp_path):
     def finished():
         return set() if time.monotonic() < ends else {0, 1}
 
-    loop = WatchLoop(tmp_path, 30.0, live=live, finished=finished, expected=2, interrupt=interrupted(),
+    loop = WatchLoop(tmp_path, 30.0, source=RankFunctions(live, finished), expected=2, interrupt=interrupted(),
                      dump=HangDump(world_size=2))
     started = time.monotonic()
     result = loop.run()
@@ -116,7 +117,7 @@ def test_ranks_that_wrote_their_exit_line_get_a_moment_to_end(tmp_path):
 def test_a_signal_before_any_rank_runs_the_script_is_a_stop_during_start_up(tmp_path):
     """No trace yet: nothing is dumped (the pids here do not exist), no line is named."""
     interrupt = interrupted()
-    loop = WatchLoop(tmp_path, 30.0, live=lambda: {0: 999999998, 1: 999999999}, finished=set, expected=2,
+    loop = WatchLoop(tmp_path, 30.0, source=RankFunctions(lambda: {0: 999999998, 1: 999999999}), expected=2,
                      interrupt=interrupt, dump=HangDump(world_size=2))
     started = time.monotonic()
     result = loop.run()
@@ -195,7 +196,7 @@ def test_start_up_lasts_until_some_rank_completed_a_collective(tmp_path):
     from distcheck.contract import trace_slots as tr
 
     def loop() -> WatchLoop:
-        return WatchLoop(tmp_path, 30.0, live=dict, finished=set, expected=2)
+        return WatchLoop(tmp_path, 30.0, source=RankFunctions(dict), expected=2)
 
     for r in (0, 1):
         write_trace(tmp_path, r)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from distcheck.rank.stack_hooks import install_rank_hooks
 from distcheck.supervise.node_watcher import local_ranks
-from distcheck.supervise.watch import DONE, HUNG, WatchLoop
+from distcheck.supervise.watch import DONE, HUNG, RankFunctions, WatchLoop
 
 
 def test_progress_is_any_growth_of_a_trace_or_a_rank_ending(tmp_path):
@@ -34,7 +34,7 @@ def test_watch_loop_stops_a_run_that_provably_cannot_progress(tmp_path):
         asked.append(set(done))
         return "rank 0 waits for rank 1, which finished"
 
-    loop = WatchLoop(tmp_path, 30.0, live=lambda: {0: os.getpid()}, finished=lambda: {1}, expected=2,
+    loop = WatchLoop(tmp_path, 30.0, source=RankFunctions(lambda: {0: os.getpid()}, lambda: {1}), expected=2,
                      should_stop=should_stop, stop_grace=0.3, poll=0.05)
     result = loop.run()
     assert result.state == "stopped" and result.stop_reason.startswith("rank 0 waits") and asked == [{1}]
@@ -74,7 +74,7 @@ def test_rank_hooks_name_the_parent_as_ptracer(monkeypatch, tmp_path):
 
 
 def test_watch_loop_is_done_once_every_rank_finished(tmp_path):
-    result = WatchLoop(tmp_path, 0.5, live=dict, finished=lambda: {0, 1}, expected=2, poll=0.01).run()
+    result = WatchLoop(tmp_path, 0.5, source=RankFunctions(dict, lambda: {0, 1}), expected=2, poll=0.01).run()
     assert result.state == DONE and result.hang_findings == []
 
 
@@ -86,11 +86,11 @@ def _meta(tmp_path, *ranks):
 def test_a_rank_still_importing_torch_gets_the_startup_limit(tmp_path):
     """No trace from rank 1 yet: the short no-progress limit does not apply until every rank is up."""
     _meta(tmp_path, 0)
-    loop = WatchLoop(tmp_path, 0.1, live=lambda: {0: 1, 1: 2}, finished=set, expected=2, startup_timeout=0.6,
+    loop = WatchLoop(tmp_path, 0.1, source=RankFunctions(lambda: {0: 1, 1: 2}), expected=2, startup_timeout=0.6,
                      poll=0.01)
     slow = loop.run()
     _meta(tmp_path, 1)
-    fast = WatchLoop(tmp_path, 0.1, live=lambda: {0: 1, 1: 2}, finished=set, expected=2, startup_timeout=0.6,
+    fast = WatchLoop(tmp_path, 0.1, source=RankFunctions(lambda: {0: 1, 1: 2}), expected=2, startup_timeout=0.6,
                      poll=0.01).run()
     assert slow.state == fast.state == HUNG
     assert slow.seconds >= 0.6 > fast.seconds >= 0.1
@@ -98,7 +98,7 @@ def test_a_rank_still_importing_torch_gets_the_startup_limit(tmp_path):
 
 def test_after_a_failure_the_others_get_the_failure_grace(tmp_path):
     _meta(tmp_path, 0, 1)
-    result = WatchLoop(tmp_path, 30.0, live=lambda: {1: 2}, finished=lambda: {0}, expected=2,
+    result = WatchLoop(tmp_path, 30.0, source=RankFunctions(lambda: {1: 2}, lambda: {0}), expected=2,
                        failed=lambda: True, failure_grace=0.2, poll=0.01).run()
     assert result.state == HUNG and result.seconds < 5
 
@@ -111,7 +111,7 @@ def test_without_an_expected_count_the_run_is_over_once_the_seen_ranks_are_gone(
         calls.append(1)
         return {0: 123} if len(calls) == 1 else {}  # alive for one call only (the finished() probe)
 
-    result = WatchLoop(tmp_path, 30.0, live=live, finished=lambda: {0} if len(calls) > 1 else set(),
+    result = WatchLoop(tmp_path, 30.0, source=RankFunctions(live, lambda: {0} if len(calls) > 1 else set()),
                        expected=None, poll=0.01).run()
     assert result.state == DONE and result.seconds < 5
 
