@@ -122,6 +122,41 @@ def torchrun(args: list[str], nproc: int = 2, timeout: float = 120, **kw) -> Res
                       timeout=timeout, **kw)
 
 
+def plain_ranks(args: list[str], nproc: int = 2, timeout: float = 120, env: dict[str, str] | None = None) -> Result:
+    """``python ARGS`` as ``nproc`` ranks with torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and
+    MASTER_PORT of a free port: env:// rendezvous) and no distcheck launcher, each forked by the session's zygote
+    (run_python) where torchrun's agent would start fresh interpreters that import torch again (seconds of CPU
+    each). For the tests of distcheck's API in plain ranks and their baselines. Every rank's result, merged: the
+    first non-zero exit code, the outputs in rank order."""
+    import socket
+    import threading
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    results: dict[int, Result | AssertionError] = {}
+
+    def rank(r: int) -> None:
+        world = {"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
+                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        try:
+            results[r] = run_python(args, timeout=timeout, env={**(env or {}), **world})
+        except AssertionError as exc:  # run_python's timeout
+            results[r] = exc
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(nproc)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    failed = [results[r] for r in range(nproc) if isinstance(results[r], AssertionError)]
+    if failed:
+        raise failed[0]
+    done = [results[r] for r in range(nproc)]
+    return Result(next((x.returncode for x in done if x.returncode), 0), "".join(x.stdout for x in done),
+                  "".join(x.stderr for x in done))
+
+
 def run_pytest(pytester, *args: str, timeout: float = 240):
     """pytester.runpytest_subprocess with the inner pytest forked by the session's zygote (run_python): the same
     command line (its own --basetemp, the test folder first on PYTHONPATH) and the same RunResult."""
