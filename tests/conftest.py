@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import ast
+import os
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -68,3 +69,30 @@ def pytest_collection_modifyitems(config, items):
         return (1 if "integration" in item.path.parts else 2), 0
 
     items.sort(key=weight)  # stable: each file keeps its own order
+
+
+def pytest_configure(config):
+    """Under xdist, the controller starts the one zygote every worker's launches fork from (tests/integration/
+    conftest.py says why there is one) and names it in DISTCHECK_ZYGOTE, which the workers inherit: one import of
+    torch for the suite instead of one per worker, about 4 s of CPU each. Without xdist, or for the unit tier
+    alone, the integration tier's session fixture starts one when a test needs it."""
+    from distcheck.supervise.zygote import ENV
+
+    wanted = [a for a in config.args if "unit" not in Path(a).parts]
+    if (sys.platform != "linux" or hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None)
+            or os.environ.get(ENV) is not None or not wanted):
+        return
+    from launch_helpers import start_zygote
+
+    config.stash[_ZYGOTE] = start_zygote()
+
+
+def pytest_unconfigure(config):
+    started = config.stash.get(_ZYGOTE, None)
+    if started is not None:
+        from launch_helpers import stop_zygote
+
+        stop_zygote(*started)
+
+
+_ZYGOTE = pytest.StashKey()

@@ -70,6 +70,39 @@ def env_for_ranks(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+def start_zygote():
+    """A zygote for this process's launches (distcheck/supervise/zygote.py), named in DISTCHECK_ZYGOTE; returns
+    (process, folder) for stop_zygote. Launches that find no zygote there fall back to fresh interpreters."""
+    import subprocess
+    import tempfile
+    import time
+
+    from distcheck.processes import die_with_parent
+    from distcheck.supervise.zygote import ENV
+
+    folder = tempfile.mkdtemp(prefix="distcheck-test-zygote-")
+    path = os.path.join(folder, "socket")
+    proc = subprocess.Popen([sys.executable, "-m", "distcheck.supervise.zygote", path], env=env_for_ranks(),
+                            stdin=subprocess.DEVNULL, preexec_fn=die_with_parent)
+    deadline = time.monotonic() + 30
+    while not os.path.exists(path) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    os.environ[ENV] = path
+    return proc, folder
+
+
+def stop_zygote(proc, folder) -> None:
+    import shutil
+
+    from distcheck.processes import terminate
+    from distcheck.supervise.zygote import ENV
+
+    os.environ.pop(ENV, None)
+    terminate([proc.pid], grace=3.0)  # its ranks die with it (PR_SET_PDEATHSIG)
+    proc.wait(timeout=10)
+    shutil.rmtree(folder, ignore_errors=True)
+
+
 def run_python(args: list[str], timeout: float = 120, cwd: str | os.PathLike | None = None,
                env: dict[str, str] | None = None) -> Result:
     """``python ARGS`` in its own session, forked by the session's zygote (tests/integration/conftest.py) when there
