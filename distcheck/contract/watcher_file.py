@@ -6,7 +6,7 @@ which rewrites it whole as it goes; the readers are the node's ranks (rank/boots
 Under torchrun a node has one watcher for the lifetime of its agent: local rank 0 of the first attempt starts it,
 and a restarted attempt's ranks find it here instead of starting another. The file says which process it is (pid
 and start time, so that a reused pid is not taken for it), whose agent it serves, the attempt it watches, and the
-last attempt whose watch is over with its exit code (the report's, on the node that writes the report). A
+last attempt whose watch is over with its exit code and the ranks it saw (the report's, on the node that writes the report). A
 restarted rank moves the earlier attempt's files aside only once that attempt is reported; local rank 0 takes its
 exit code from here once its own attempt is.
 """
@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import os
 import socket
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 NAME = "watcher-{host}.json"
@@ -30,9 +30,13 @@ class WatcherState:
     watching: int  # the attempt (TORCHELASTIC_RESTART_COUNT) it watches now
     reported: int = NOT_YET  # the last attempt whose watch is over
     code: int | None = None  # that attempt's exit code
+    ranks: list[int] = field(default_factory=list)  # the pids of that attempt's ranks the watch saw
 
-    def done_with(self, attempt: int) -> bool:
-        return self.reported >= attempt
+    def done_with(self, attempt: int, pid: int | None = None) -> bool:
+        """Whether the watch of ``attempt`` is over; with ``pid``, the watch of that rank's attempt (after a change
+        of membership torchrun starts new ranks under the same count)."""
+        return self.reported > attempt or self.reported == attempt and (pid is None or not self.ranks
+                                                                        or pid in self.ranks)
 
 
 def path(report_dir: str | os.PathLike, host: str | None = None) -> Path:
@@ -53,7 +57,8 @@ def read(report_dir: str | os.PathLike, host: str | None = None) -> WatcherState
         data = json.loads(path(report_dir, host).read_text())
         return WatcherState(int(data["pid"]), None if data.get("ticks") is None else int(data["ticks"]),
                             str(data["agent"]), int(data["watching"]), int(data.get("reported", NOT_YET)),
-                            None if data.get("code") is None else int(data["code"]))
+                            None if data.get("code") is None else int(data["code"]),
+                            [int(pid) for pid in data.get("ranks") or []])
     except (OSError, ValueError, TypeError, KeyError, AttributeError):
         return None
 

@@ -85,7 +85,7 @@ class NodeWatcher:
         deadline = time.monotonic() + limit
         while time.monotonic() < deadline:
             state = watcher_file.read(self.report_dir)
-            if state is not None and state.pid == self.pid and state.done_with(attempt):
+            if state is not None and state.pid == self.pid and state.done_with(attempt, os.getpid()):
                 if self.process is not None and not restarts_left():
                     # It ends now (no attempt can follow): this rank stays until it has, so that nothing of
                     # distcheck outlives torchrun.
@@ -93,7 +93,7 @@ class NodeWatcher:
                 return state.code
             if not self.running():
                 state = watcher_file.read(self.report_dir)
-                if state is not None and state.pid == self.pid and state.done_with(attempt):
+                if state is not None and state.pid == self.pid and state.done_with(attempt, os.getpid()):
                     return state.code
                 return None
             time.sleep(0.05)

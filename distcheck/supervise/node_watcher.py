@@ -33,8 +33,8 @@ import socket
 import sys
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Mapping, Sequence
 
 from distcheck.contract import files, stack_dump_file, stack_hook_file, watcher_file
@@ -82,7 +82,7 @@ class NodeRanks:
     report) or their process is published to the other nodes, unless this node writes the report."""
 
     def __init__(self, report_dir: str | os.PathLike, host: str | None, tree: RunTree, seen: set[int],
-                 attempt: int, script_end_ends: bool = False, *, agent: int | None = None,
+                 attempt: Attempt, script_end_ends: bool = False, *, agent: int | None = None,
                  traced: Sequence[int] | None = None,
                  exchange: tuple[NodeEnv, StoreChannel] | None = None) -> None:
         self.report_dir, self.host, self.tree, self.seen, self.attempt = report_dir, host, tree, seen, attempt
@@ -92,9 +92,10 @@ class NodeRanks:
         self.published: frozenset[int] = frozenset()  # the ended ranks last published to the other nodes
 
     def live(self) -> dict[int, int]:
-        ranks = local_ranks(self.report_dir, self.host, self.attempt)
+        ranks = local_ranks(self.report_dir, self.host, self.attempt.number)
         self.tree.observe(ranks)
         self.seen.update(ranks)
+        self.attempt.pids.update(ranks.values())
         if ranks != self.last:
             log.info("ranks running on this node: %s", ranks)
             self.last = ranks
@@ -156,6 +157,7 @@ class Attempt:
     number: int
     environ: Mapping[str, str]
     run_id: str | None
+    pids: set[int] = field(default_factory=set)  # its ranks' processes, as the watch saw them
 
     @property
     def world_size(self) -> int | None:
@@ -194,12 +196,13 @@ def serve(report_dir: str, timeout: float, native: bool = False, parent: int = 0
     while True:
         _write_state(report_dir, state)
         code = watch(report_dir, timeout, native, parent, attempt, agent, command)
-        state.reported, state.code = attempt.number, code
+        state.reported, state.code, state.ranks = attempt.number, code, sorted(attempt.pids)
         _write_state(report_dir, state)
         following = next_attempt(report_dir, agent, attempt) if attempt.restarts_left and agent else None
         if following is None:
             return code
-        log.info("attempt %d of torchrun's ranks started: watching it", following.number)
+        log.info("attempt %d of torchrun's ranks started%s: watching it", following.number,
+                 " (the same count: a change of membership)" if following.number == attempt.number else "")
         attempt, parent = following, 0
         state.watching = attempt.number
 
@@ -212,15 +215,16 @@ def _write_state(report_dir: str, state: WatcherState) -> None:
 
 
 def next_attempt(report_dir: str, agent: int, after: Attempt, poll: float = 0.1) -> Attempt | None:
-    """The next attempt torchrun starts on this node (its ranks' hook files name a later restart count), or None
-    once the agent has ended (the job is over)."""
+    """The next attempt torchrun starts on this node, or None once the agent has ended (the job is over). Its ranks'
+    hook files name a later restart count, or the same one from new processes: torchrun restarts the ranks without
+    counting a restart when a node joins (``--nnodes 1:2``)."""
     host = socket.gethostname()
     while alive(agent):
         for hook in stack_hook_file.read_all(report_dir):
             if hook.agent != agent or (hook.host or host) != host or not alive(hook.pid):
                 continue
             number = restart_count(hook.launch)
-            if number > after.number:
+            if number > after.number or number == after.number and hook.pid not in after.pids:
                 # The ranks' run id is in no file: each computes it from its agent and attempt, as this does.
                 return Attempt(number, hook.launch, torchrun_run_id(number, agent))
         time.sleep(poll)
@@ -255,8 +259,7 @@ def _watch(report_dir: str, timeout: float, native: bool, parent: int, attempt: 
         if env is not None and channel is not None:
             log.info("node %d of %d (ranks %s), exchanging through the store at %s:%d", env.node, env.nnodes,
                      format_ranks(env.ranks), env.store_host, env.store_port)
-            return _watch_nodes(report_dir, timeout, native, parent, env, channel, tree, attempt.number, agent,
-                                command)
+            return _watch_nodes(report_dir, timeout, native, parent, env, channel, tree, attempt, agent, command)
         # No store to reach: this node's own report, as before the exchange (the stacks stay named by host).
     out_dir = Path(report_dir) / f"node-{host}" if multi_node else Path(report_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -267,7 +270,7 @@ def _watch(report_dir: str, timeout: float, native: bool, parent: int, attempt: 
     writes_run = command is not None and bool(world_size) and not multi_node
     agent = agent or _parent_of(parent)
     expected = world_size if writes_run else None
-    source = NodeRanks(report_dir, host, tree, seen, attempt.number, script_end_ends=writes_run, agent=agent,
+    source = NodeRanks(report_dir, host, tree, seen, attempt, script_end_ends=writes_run, agent=agent,
                        traced=range(expected) if expected is not None else None)
     cancel = threading.Event()
 
@@ -321,7 +324,7 @@ def _watch(report_dir: str, timeout: float, native: bool, parent: int, attempt: 
 
 
 def _watch_nodes(report_dir: str, timeout: float, native: bool, parent: int, env: NodeEnv, channel: StoreChannel,
-                 tree: RunTree, attempt: int, agent: int | None = None, command: str | None = None) -> int:
+                 tree: RunTree, attempt: Attempt, agent: int | None = None, command: str | None = None) -> int:
     """One node of several: watch this node's ranks, exchange summaries through torchrun's store
     (supervise/node_exchange.py); node 0 writes the job's one report, the others print where it is.
 
@@ -389,14 +392,15 @@ def _watch_nodes(report_dir: str, timeout: float, native: bool, parent: int, env
         if hung:
             if link.remote_hang is None:
                 channel.announce_hang(env.node, host)
-            pids = local_ranks(report_dir, host, attempt)
+            pids = local_ranks(report_dir, host, attempt.number)
             findings = diagnose_hang(pids, report_dir, native=native, timeout=timeout, world_size=env.world_size,
                                      out_dir=out_dir)
             channel.publish(summarize_node(env, report_dir, set(pids), hung=True,
                                            stacks_path=out_dir / files.STACKS_JSON))
             note = f"no progress for {timeout:g}s"
             if env.reports:
-                _publish_job_report(evidence(HANG, Path(report_dir), note=note), env, channel, native, attempt)
+                _publish_job_report(evidence(HANG, Path(report_dir), note=note), env, channel, native,
+                                    attempt.number)
             else:
                 waited = GATHER_TIMEOUT + 15.0
                 location = wait_for_report(channel, link, time.monotonic() + waited)
@@ -424,13 +428,13 @@ def _watch_nodes(report_dir: str, timeout: float, native: bool, parent: int, env
         files.tidy(report_dir)
         if env.reports and command is not None:  # the run's report: every rank of this node ended its script
             return _publish_job_report(evidence(ENDED, Path(report_dir), command=command), env, channel, native,
-                                       attempt)
+                                       attempt.number)
         if env.reports:
             if 0 in seen and not written_since(Path(report_dir), started_wall):
                 # Rank 0 died before it could write the report: the job's report, from every node's summary.
                 _publish_job_report(evidence(RANK0_DIED, Path(report_dir),
                                              note="rank 0 ended before writing the report"), env, channel, native,
-                                    attempt)
+                                    attempt.number)
                 return 1
             if written_since(Path(report_dir), started_wall):
                 channel.publish_report(host, str(Path(report_dir).resolve() / files.REPORT_TXT))

@@ -6,7 +6,7 @@ import json
 from types import SimpleNamespace
 
 from distcheck.supervise.launcher import LauncherRanks, Supervisor
-from distcheck.supervise.node_watcher import NodeRanks
+from distcheck.supervise.node_watcher import Attempt, NodeRanks
 from distcheck.supervise.watch import RankFunctions
 from distcheck.testing.pool import Pool, PoolRanks, RankOutcome
 
@@ -71,9 +71,9 @@ def test_the_node_watcher_counts_a_rank_that_ended_before_it_looked(tmp_path):
     _trace(tmp_path, 0, ppid=4242)
     _trace(tmp_path, 1, ppid=1)  # another agent's
     seen: set[int] = set()
-    source = NodeRanks(tmp_path, "here", FakeTree(), seen, 0, agent=4242, traced=range(2))
+    source = NodeRanks(tmp_path, "here", FakeTree(), seen, Attempt(0, {}, None), agent=4242, traced=range(2))
     assert source.live() == {} and source.finished() == {0} and seen == {0}
-    assert NodeRanks(tmp_path, "here", FakeTree(), set(), 0, agent=4242).finished() == set()
+    assert NodeRanks(tmp_path, "here", FakeTree(), set(), Attempt(0, {}, None), agent=4242).finished() == set()
 
 
 def test_the_node_watcher_publishes_each_change_of_the_ended_ranks(tmp_path, monkeypatch):
@@ -85,9 +85,10 @@ def test_the_node_watcher_publishes_each_change_of_the_ended_ranks(tmp_path, mon
     sent: list = []
     channel = SimpleNamespace(publish=sent.append)
     env = SimpleNamespace(ranks=[2, 3], reports=False)
-    source = NodeRanks(tmp_path, "here", FakeTree(), set(), 0, agent=4242, traced=env.ranks, exchange=(env, channel))
+    source = NodeRanks(tmp_path, "here", FakeTree(), set(), Attempt(0, {}, None), agent=4242, traced=env.ranks,
+                       exchange=(env, channel))
     assert source.finished() == {2} and source.finished() == {2}
     assert sent == [("summary", [], True)]  # once: the ended ranks did not change
-    node0 = NodeRanks(tmp_path, "here", FakeTree(), set(), 0, agent=4242, traced=env.ranks,
+    node0 = NodeRanks(tmp_path, "here", FakeTree(), set(), Attempt(0, {}, None), agent=4242, traced=env.ranks,
                       exchange=(SimpleNamespace(ranks=[2, 3], reports=True), channel))
     assert node0.finished() == {2} and len(sent) == 1  # the node that writes the report publishes no summary

@@ -79,3 +79,21 @@ def test_a_zygote_forked_ranks_attempt_comes_from_its_hook_file(tmp_path):
     assert local_ranks(tmp_path, attempt=0) == {}
     data = json.loads(stack_hook_file.files.hook_file(tmp_path, os.getpid()).read_text())
     assert data["launch"]["TORCHELASTIC_RESTART_COUNT"] == "1" and data["agent"] == os.getpid()
+
+
+def test_a_change_of_membership_is_a_new_attempt_under_the_same_count(tmp_path):
+    """torchrun restarts the ranks without counting a restart when a node joins (--nnodes 1:2): new processes under
+    the same TORCHELASTIC_RESTART_COUNT. The watcher watches them as the next attempt, and their local rank 0 does
+    not take the earlier membership's exit code for its own."""
+    me = os.getpid()
+    earlier = Attempt(1, {"TORCHELASTIC_RESTART_COUNT": "1", "TORCHELASTIC_MAX_RESTARTS": "2"}, None, {me + 1})
+    _hook(tmp_path, attempt=1, agent=me, max_restarts=2)  # this process: not one of the earlier ranks
+    nxt = next_attempt(str(tmp_path), me, earlier)
+    assert nxt.number == 1 and nxt.pids == set()
+    state = WatcherState(me, start_ticks(me), "a", watching=1, reported=1, code=1, ranks=[me + 1])
+    assert state.done_with(1) and not state.done_with(1, pid=me) and state.done_with(0, pid=me)
+    watcher_file.write(tmp_path, state)
+    assert watcher_file.read(tmp_path).ranks == [me + 1]
+    assert NodeWatcher(tmp_path, me, None).outcome(1, limit=0.3) is None  # the earlier membership's: waits
+    watcher_file.write(tmp_path, WatcherState(me, start_ticks(me), "a", watching=1, reported=1, code=0, ranks=[me]))
+    assert NodeWatcher(tmp_path, me, None).outcome(1, limit=5.0) == 0
