@@ -21,7 +21,8 @@ was created in (for a compiled graph, the line inside the compiled function, by 
 
 **Graph runs.** A rank that gloo aborted inside a compiled graph dumped no ring: its trace's ``graph_run`` lines
 (written before each run) stand for it (:func:`graph_run_events`), as for the runs after a dump; the ring stays
-authoritative for the runs it covers.
+authoritative for the runs it covers. On a rank with a DDP model the lines also hold each group's counter, which
+numbers the run's collectives as the ring would (DDP's buckets are in no line).
 
 **Positions.** Untraced events count in a sequence of their own per group (``sequence_key`` ``("untraced", group)``)
 numbered by torch's ``collective_seq_id``, which counts every collective of the group, traced or not. The traced
@@ -364,7 +365,7 @@ def size_value(formula: str, sizes: dict[str, int]) -> int:
 
 
 def graph_run_events(events: list[Any], graphs: dict[int, dict[str, Any]],
-                     runs: list[tuple[int, float, dict[str, int]]],
+                     runs: list[tuple[Any, ...]],
                      dump: FlightDump | None, event_type: Callable[..., Any], rank: int, since: float = 0.0
                      ) -> tuple[list[Any], bool]:
     """Untraced events for the compiled collectives of the graph runs a rank wrote into its trace lines
@@ -375,23 +376,35 @@ def graph_run_events(events: list[Any], graphs: dict[int, dict[str, Any]],
     Each event is what :func:`merge` makes of the ring's entry for it, for the peers' ring-derived events to align
     with: the same untraced sequence of its group, op family, input shape and dtype, the line inside the compiled
     function; its position is the collectives the rank issued on the group before it (as torch's
-    ``collective_seq_id`` counts them), each run's after the previous run's. Every run but the rank's last is
-    taken as completed (the graph waits for its collectives before returning): its end is unknown, its start is
-    used. Also returns whether the lines name every untraced collective the rank can have issued (no graph was
-    described after a DDP model was built: DDP's own collectives only the ring knows)."""
+    ``collective_seq_id`` counts them), each run's after the previous run's. On a rank with a DDP model, whose
+    bucket all-reduces only the ring names, a run line holds each group's counter (``runs``' 4th field,
+    rank/flight_recorder.group_counters): the position is then that counter plus the collective's place in the run,
+    the ring's own number, flagged ``extra["seq_exact"]`` (trace_align lines these up with a peer's ring by that
+    number), unless a point-to-point op the trace holds came first on the group (gloo's counter counts those, its
+    ring's numbers do not). Runs are ``(graph id, time, sizes[, counters])`` (rank_trace.GraphRun). Every run
+    but the rank's last is taken as completed (the graph waits for its collectives before returning): its end is
+    unknown, its start is used. Also returns whether the lines name every untraced collective the rank can have
+    issued (no graph was described after a DDP model was built: DDP's own collectives only the ring knows)."""
     until = float("-inf") if dump is None else (dump.t or float("inf"))
-    todo = sorted((t, gid, n) for n, (gid, t, _) in enumerate(runs) if t > until and t >= since and gid in graphs)
+    todo = sorted((run[1], run[0], n) for n, run in enumerate(runs)
+                  if run[1] > until and run[1] >= since and run[0] in graphs)
     if not todo:
         return [], False
     import bisect
 
     starts: dict[str, list[float]] = {}  # group name -> its collectives' starts so far, in order
+    uncounted: dict[str, float] = {}  # group name -> when its first point-to-point op (or monitored_barrier) began
     members: dict[str, tuple[int, ...]] = {}
     for ev in events:
-        if ev.pg_name is not None and ev.op not in PEER_OPS:
-            starts.setdefault(str(ev.pg_name), []).append(ev.t_start)
+        if ev.pg_name is None:
+            continue
+        name = str(ev.pg_name)
+        if ev.op in _UNCOUNTED:
+            uncounted[name] = min(uncounted.get(name, ev.t_start), ev.t_start)
+        if ev.op not in PEER_OPS:
+            starts.setdefault(name, []).append(ev.t_start)
             if ev.pg:
-                members.setdefault(str(ev.pg_name), tuple(ev.pg))
+                members.setdefault(name, tuple(ev.pg))
     for times in starts.values():
         times.sort()
     added: dict[str, int] = {}
@@ -399,7 +412,10 @@ def graph_run_events(events: list[Any], graphs: dict[int, dict[str, Any]],
     last_t = todo[-1][0]
     for t, gid, n_run in todo:
         graph = graphs[gid]
-        sizes = runs[n_run][2]
+        run = runs[n_run]
+        sizes = run[2]
+        counters = run[3] if len(run) > 3 else {}
+        in_run: dict[str, int] = {}
         ranks_of = graph.get("groups") or {}
         fn_site = file_line(graph.get("file"), graph.get("line"))
         for coll in graph.get("collectives") or []:
@@ -407,20 +423,23 @@ def graph_run_events(events: list[Any], graphs: dict[int, dict[str, Any]],
             if not group:
                 continue
             n = added[group] = added.get(group, 0) + 1
+            k = in_run[group] = in_run.get(group, 0) + 1
+            exact = group in counters and not uncounted.get(group, t) < t
+            seq = counters[group] + k if exact else bisect.bisect_left(starts.get(group, []), t) + n
             op = family(str(coll.get("op", "?")))
             shape = _run_shape(coll.get("input_shape"), sizes)
             dtype = coll.get("dtype")
             file, line = coll.get("file") or graph.get("file"), coll.get("line") or graph.get("line")
             ranks = ranks_of.get(group) or members.get(group) or ()
             out.append(event_type(
-                rank=rank, id=0, seq=bisect.bisect_left(starts.get(group, []), t) + n, pg=tuple(int(r) for r in ranks),
+                rank=rank, id=0, seq=seq, pg=tuple(int(r) for r in ranks),
                 op=op, shapes=[] if op == "all_to_all" or shape is None else [list(shape)],
                 dtypes=[] if dtype is None else [str(dtype).replace("torch.", "")], reduce_op=None, peer=None,
                 site=file_line(file, line), file=file, line=line, t_start=t, t_end=None if t == last_t else t,
                 pg_name=group,
                 extra={"origin": "compiled", "via": f"{op} inside compiled {graph.get('fn', '?')} ({fn_site})",
                        "untraced": True, "sequence": ("untraced", group), "end_unknown": t != last_t,
-                       "from": "graph_run"}))
+                       "from": "graph_run", **({"seq_exact": True} if exact else {})}))
     complete = not any(g.get("ddp") for g in graphs.values())
     return out, complete
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Iterable, NamedTuple
 
 from distcheck.analysis.ops import P2P_OPS
 from distcheck.contract import files, trace_lines
@@ -137,11 +137,11 @@ class RankTrace:
     # completed, failed ones, point-to-point ops), and the counts and per-group sequences are here (None: ``events``
     # is every collective).
     summary: Any = None  # analysis/trace_summary.TraceSummary
-    # Compiled graphs' ``graph`` lines by graph id, and each ``graph_run`` line as (graph id, time, a dynamic graph's
-    # size symbols' values): what the rank's
-    # compiled collectives are known by when its ring was not dumped (analysis/flight_recorder.graph_run_events).
+    # Compiled graphs' ``graph`` lines by graph id, and each ``graph_run`` line (GraphRun: graph id, time, a dynamic
+    # graph's size symbols' values, a DDP rank's group counters): what the rank's compiled collectives are known by
+    # when its ring was not dumped (analysis/flight_recorder.graph_run_events).
     graphs: dict[int, dict[str, Any]] = field(default_factory=dict)
-    graph_runs: list[tuple[int, float, dict[str, int]]] = field(default_factory=list)
+    graph_runs: list[GraphRun] = field(default_factory=list)
 
 
 _GROUPS: dict[str, tuple[int, ...]] = {}  # "0,1,...": its ranks, parsed once per process (a group's string is long)
@@ -170,6 +170,18 @@ def _opt_int(value: Any) -> int | None:
 
 
 _NO_SIZES: dict[str, int] = {}  # a static graph's runs share it (a long compiled loop writes a line per step)
+
+
+class GraphRun(NamedTuple):
+    """One ``graph_run`` line: a run of a compiled graph (rank/flight_recorder.GraphLines), before it issued
+    anything."""
+
+    graph: int  # the graph's id (its ``graph`` line)
+    t: float
+    sizes: dict[str, int] = _NO_SIZES  # a dynamic graph's size symbols' values in this run
+    # {group name: collectives the group had enqueued before the run}, on a rank with a DDP model (whose bucket
+    # all-reduces no line names): what numbers the run's collectives as the ring does (collective_seq_id)
+    seq: dict[str, int] = _NO_SIZES
 _KNOWN = frozenset({"ev", "id", "seq", "pg", "pg_name", "op", "shapes", "dtypes", "reduce_op", "peer", "root",
                     "site", "file", "line", "t", "sig"})
 
@@ -210,7 +222,7 @@ class _Lines:
     ends: list[dict[str, Any]]
     finished: dict[str, Any] | None
     graphs: dict[int, dict[str, Any]] = field(default_factory=dict)
-    graph_runs: list[tuple[int, float, dict[str, int]]] = field(default_factory=list)
+    graph_runs: list[GraphRun] = field(default_factory=list)
 
 
 def _read_lines(lines: Iterable[str | bytes], rank: int, out: _Lines | None = None) -> _Lines:
@@ -231,9 +243,11 @@ def _read_lines(lines: Iterable[str | bytes], rank: int, out: _Lines | None = No
             elif ev == trace_lines.END:
                 out.ends.append(rec)
             elif ev == trace_lines.GRAPH_RUN:
-                sizes = rec.get("sizes")
-                out.graph_runs.append((int(rec["graph"]), float(rec["t"]), {str(k): int(v) for k, v in sizes.items()}
-                                       if isinstance(sizes, dict) else _NO_SIZES))
+                sizes, seq = rec.get("sizes"), rec.get("seq")
+                out.graph_runs.append(GraphRun(
+                    int(rec["graph"]), float(rec["t"]),
+                    {str(k): int(v) for k, v in sizes.items()} if isinstance(sizes, dict) else _NO_SIZES,
+                    {str(k): int(v) for k, v in seq.items()} if isinstance(seq, dict) else _NO_SIZES))
             elif ev == trace_lines.GRAPH:
                 out.graphs[int(rec["graph"])] = rec
             elif ev == trace_lines.ERROR:

@@ -11,7 +11,8 @@ different amounts per rank, and the *_object variants carry pickles of any size.
 
 Collectives the tracer did not see (DDP's buckets, compiled graphs: merged from torch's Flight Recorder, with
 ``extra["origin"]``) align in a sequence of their own per group (:attr:`TraceEvent.group_key`); a group reports its
-earliest divergence in either. A rank that finished its script having issued fewer collectives on a group than
+earliest divergence in either. Ranks with a ring dump compare them by position; a rank without one only those whose
+ring number is known (a DDP rank's graph runs), with the dumped ranks' entries of the same number. A rank that finished its script having issued fewer collectives on a group than
 its peers is a count mismatch: the finding names both counts, the first collective it never issued (op, sizes,
 who issued it and the user's line) and the fix. Where each rank is (last started, last completed, the collective
 it waits on, counts per group) comes from analysis/progress.py, the one model of a rank's progress.
@@ -159,19 +160,26 @@ def find_divergences(traces: dict[int, RankTrace], outcomes: dict[int, RankOutco
     for key, seq in _collectives_by_group(traces).items():
         per_rank = seq.per_rank
         members = tuple(seq.members) or tuple(sorted(per_rank))
+        numbered: dict[int, dict[int, TraceEvent]] = {}
         if key.startswith("untraced:"):
             # A rank whose ring was never dumped (killed, aborted, stuck holding the GIL) did not issue nothing:
-            # what it issued is unknown. Only ranks with a dump are compared.
-            members = tuple(r for r in members if traces.get(r) is not None and traces[r].flight_dumped)
-        longest = max((len(v) for v in per_rank.values()), default=0)
+            # what it issued is unknown. Only ranks with a dump are compared by position; of the others, only the
+            # collectives whose ring number is known (a DDP rank's graph runs), by that number.
+            dumped = tuple(r for r in members if traces.get(r) is not None and traces[r].flight_dumped)
+            numbered = _by_ring_number(per_rank, dumped, [r for r in members if r not in dumped])
+            members = dumped
+        shown = tuple(sorted({*members, *(r for at in numbered.values() for r in at)}))
+        longest = max((len(per_rank[r]) for r in members if r in per_rank), default=0)
+        longest = max(longest, max(numbered, default=-1) + 1)
         found: Divergence | None = None
         for i in range(seq.start(members), longest):
             present = {r: per_rank[r].at(i) for r in members if len(per_rank.get(r, ())) > i}
             absent = [r for r in members if r not in present]
-            if len({signature(e) for e in present.values()}) > 1:
-                events = {r: present.get(r) for r in members}
-                found = Divergence(members, seq.group, i + 1, "different", events, _odd_ranks(present),
-                                   differing_fields(list(present.values())), sequence=key)
+            compared = {**present, **numbered.get(i, {})}  # never absent: what else such a rank issued is unknown
+            if len({signature(e) for e in compared.values()}) > 1:
+                events = {r: compared.get(r) for r in shown}
+                found = Divergence(shown, seq.group, i + 1, "different", events, _odd_ranks(compared),
+                                   differing_fields(list(compared.values())), sequence=key)
                 break
             pairs = mismatched_pairs(present, members) if not absent else []
             if pairs:  # the same exchange everywhere, but what one rank sends another does not expect
@@ -198,6 +206,32 @@ def find_divergences(traces: dict[int, RankTrace], outcomes: dict[int, RankOutco
         if found is not None and (seq.group not in first or _when(found) < _when(first[seq.group])):
             first[seq.group] = found
     return sorted(first.values(), key=_when)
+
+
+def _by_ring_number(per_rank: dict[int, _RankSeq], dumped: Sequence[int],
+                    others: Sequence[int]) -> dict[int, dict[int, TraceEvent]]:
+    """{position: {rank: event}} of the untraced collectives of ranks without a ring dump whose ring number
+    (torch's collective_seq_id) is known (``extra["seq_exact"]``: a DDP rank's graph runs, whose counters count
+    DDP's buckets too; analysis/flight_recorder.graph_run_events): each at the position where the dumped ranks' rings
+    hold that number, or, with no dumped rank, in the order of the numbers. A number no dumped rank holds is left
+    out: nothing to compare it with."""
+    known = {r: [e for e in per_rank[r].events.values() if e.extra.get("seq_exact")] for r in others if r in per_rank}
+    known = {r: evs for r, evs in known.items() if evs}
+    if not known:
+        return {}
+    place: dict[int, int] = {}  # ring number -> position in the dumped ranks' sequence
+    for r in dumped:
+        s = per_rank.get(r)
+        for i in range(len(s) if s is not None else 0):
+            place.setdefault(s.at(i).seq, i)
+    if not dumped:
+        place = {n: i for i, n in enumerate(sorted({e.seq for evs in known.values() for e in evs}))}
+    out: dict[int, dict[int, TraceEvent]] = {}
+    for r, evs in known.items():
+        for e in evs:
+            if e.seq in place:
+                out.setdefault(place[e.seq], {})[r] = e
+    return out
 
 
 def _cut(trace: RankTrace | None) -> bool:

@@ -17,6 +17,8 @@ and the supervisor needs:
   rank's trace before the graph issues anything (its first run also a ``graph`` line: its collectives with group,
   input shape and dtype; :class:`GraphLines`). gloo aborts a rank inside the graph on sizes that differ, and an
   aborted rank dumps no ring: the analysis then makes its compiled collectives from these lines (about 5 µs a run).
+  Once a DDP model exists, a run line also holds each of the graph's groups' count of collectives so far: DDP's
+  bucket all-reduces are in no line, and the count numbers the run's collectives as the peers' rings do.
 * **liveness**: a daemon thread reads the per-group counters of enqueued and completed collectives every
   ``POLL_S`` (a 5 µs call that skips the entries) and rewrites ``flight-rank<R>.status`` when they move, so the
   watch loop counts a loop that only runs DDP's all-reduces as progress instead of declaring it hung.
@@ -48,7 +50,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 from distcheck.contract import env, files, flight_dump_file, flight_status_file
 from distcheck.contract import trace_slots
@@ -274,11 +276,18 @@ class GraphLines:
     line (what it issues: op, group and its ranks, input shape and dtype, the line inside the compiled function),
     every run a ``graph_run`` line (graph id, time), before the graph issues anything. A rank that gloo aborts inside
     the graph never dumps its ring; these lines are then what its compiled collectives are known by
-    (analysis/flight_recorder.graph_run_events). One short O_APPEND write per run, not per collective."""
+    (analysis/flight_recorder.graph_run_events). One short O_APPEND write per run, not per collective.
+
+    Once a DDP model exists, its Reducer's collectives (which only the ring names) share the groups' numbering: a
+    run line then also holds each group's count of collectives enqueued so far (``seq``, the process group's own
+    sequence number, about 1 µs a group: :func:`group_counters`), so the analysis numbers the run's collectives as
+    the ring would (``collective_seq_id``) and lines them up with a peer's ring by that number."""
 
     def __init__(self, writer: Any) -> None:
         self.writer = writer
         self.described: set[int] = set()
+        self.groups: dict[int, list[str]] = {}  # graph id -> the groups its collectives run on
+        self.counted: dict[str, bool] = {}  # group name -> whether its counter numbers its ring's entries
 
     def run(self, gid: int, t: float, args: tuple[Any, ...] = ()) -> None:
         if gid not in self.described:
@@ -286,15 +295,44 @@ class GraphLines:
             graph = phases.graphs.get(gid) or {}
             colls = graph.get("collectives") or []
             names = {str(c["group"]) for c in colls if c.get("group")}
+            self.groups[gid] = sorted(names)
             self.writer.write({"ev": "graph", "graph": gid, "fn": graph.get("fn"), "file": graph.get("file"),
                                "line": graph.get("line"), "collectives": colls, "groups": _ranks_of(names),
                                # DDP's own collectives, which only the ring names, share the groups' sequences
                                "ddp": "ddp_init" in phases.seen, "t": t})
         sources = (phases.graphs.get(gid) or {}).get("symbols")
-        if sources:  # a dynamic graph: the sizes of this run
-            self.writer.write({"ev": "graph_run", "graph": gid, "t": t, "sizes": _sizes(sources, args)})
+        counters = group_counters(self.groups.get(gid) or (), self.counted) if "ddp_init" in phases.seen else None
+        if sources or counters:  # a dynamic graph: the sizes of this run; a DDP rank: the groups' counters
+            line: dict[str, Any] = {"ev": "graph_run", "graph": gid, "t": t}
+            if sources:
+                line["sizes"] = _sizes(sources, args)
+            if counters:
+                line["seq"] = counters
+            self.writer.write(line)
         else:  # the common case, formatted by hand: about half of json.dumps' cost
             self.writer.write_line(b'{"ev":"graph_run","graph":%d,"t":%r}\n' % (gid, t))
+
+
+def group_counters(names: Iterable[str], counted: dict[str, bool]) -> dict[str, int]:
+    """{group name: collectives it enqueued so far} (``ProcessGroup._get_sequence_number_for_group()``, about 1 µs).
+    On NCCL that is the ring's ``collective_seq_id`` of the last one; on gloo it also counts point-to-point ops,
+    which the analysis knows from the trace (analysis/flight_recorder.graph_run_events). Only for a group with one
+    backend on every device (``counted``, decided once per name): a group with a CPU and a GPU backend keeps a
+    counter per backend, and this one may not be the one that runs the graph's collectives."""
+    from torch.distributed.distributed_c10d import _resolve_process_group, get_backend_config
+
+    out = {}
+    for name in names:
+        try:
+            pg = _resolve_process_group(name)
+            one = counted.get(name)
+            if one is None:  # "cpu:gloo,cuda:gloo"; "cpu:gloo,cuda:nccl" has two
+                one = counted[name] = len({b.rpartition(":")[2] for b in str(get_backend_config(pg)).split(",")}) == 1
+            if one:
+                out[name] = int(pg._get_sequence_number_for_group())
+        except Exception:  # a group destroyed since, a backend without sequence numbers (fake, custom)
+            continue
+    return out
 
 
 def _ranks_of(names: set[str]) -> dict[str, list[int]]:

@@ -609,7 +609,9 @@ def test_graph_and_graph_run_lines_are_read_with_a_dynamic_graphs_sizes(tmp_path
     lines = graph_trace(tmp_path, [(10.0, 8), (11.0, 12)])
     parsed = parse_lines([json.dumps(x) for x in lines] + ['{"ev": "graph_run", "graph": 1'], 0)  # a cut last line
     assert parsed.graphs[1]["collectives"] == GRAPH["collectives"]
-    assert parsed.graph_runs == [(1, 10.0, {"s3": 8}), (1, 11.0, {"s3": 12})]
+    assert parsed.graph_runs == [(1, 10.0, {"s3": 8}, {}), (1, 11.0, {"s3": 12}, {})]  # no DDP: no counters
+    with_counter = parse_lines(['{"ev": "graph_run", "graph": 1, "t": 12.0, "seq": {"0": 7}}'], 0).graph_runs
+    assert with_counter == [(1, 12.0, {}, {"0": 7})] and with_counter[0].seq == {"0": 7}
 
 
 def test_without_a_dump_each_graph_run_is_its_collectives_numbered_after_the_traced_ones(tmp_path):
