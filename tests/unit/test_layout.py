@@ -166,3 +166,11 @@ def test_no_supervisor_module_is_loaded_on_a_ranks_way_in():
                 chains.setdefault(imported, f"{chains[name]} -> {imported}")
                 todo.append(imported)
     assert not wrong, "\n".join(wrong)
+
+
+def test_test_file_names_are_unique_across_the_tiers():
+    """pytest imports test files by their base name (the test folders are not packages): a unit and an integration
+    test of the same name is a collection error in a whole-suite run, though each tier passes alone."""
+    tests = Path(__file__).resolve().parent.parent
+    names = [p.name for p in tests.rglob("test_*.py")]
+    assert len(names) == len(set(names)), sorted({n for n in names if names.count(n) > 1})
