@@ -481,9 +481,10 @@ def traced_ring(entries: list[dict[str, Any]], status: dict[str, Any], trace_lin
     """:func:`all_traced`'s check, with its pairing of each held entry to the traced record at its
     ``collective_seq_id``; None where that check fails. With ``nccl``, NCCL's ring passes too, on one more
     condition: every traced NCCL record still open is paired with a held entry, or its entry left the ring and its
-    group's completed counter passed it (its end is then its start), and once the ends of those the ring saw complete are stored (``ends``), each group keeps
-    at most one open: a load of the all-traced dump then assumes no end (``_assume_ends``) and reads the
-    trace as merge() would have left it (a rank stuck in a collective keeps it open, for the hang diagnosis)."""
+    group's completed counter passed it (its end is then its start), and once the ends of those the ring saw
+    complete are stored (``ends``), each group keeps at most one open: a load of the all-traced dump then assumes
+    no end (``_assume_ends``) and reads the trace as merge() would have left it (a rank stuck in a collective keeps
+    it open, for the hang diagnosis)."""
     import numpy as np
 
     from distcheck.analysis.rank_trace import _read_lines

@@ -43,8 +43,8 @@ FIXES = {
     "rows": "the first stage's batch and the last stage's targets must have the same number of rows: each "
             "microbatch's loss compares the last stage's output with the target microbatch of the same index",
     "inputs": "a stage's input_args must have the shape and dtype of a microbatch of what the stage before it "
-              "outputs (torch receives into buffers of that shape, or checks what it infers against it): build both stages' modules and "
-              "example tensors from one config",
+              "outputs (torch receives into buffers of that shape, or checks what it infers against it): build "
+              "both stages' modules and example tensors from one config",
 }
 WHAT = {"schedule": "the schedule class", "n_microbatches": "n_microbatches", "num_stages": "num_stages",
         "stages": "which rank holds which stage", "rows": "the rows of each microbatch",

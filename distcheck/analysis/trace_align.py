@@ -12,8 +12,8 @@ different amounts per rank, and the *_object variants carry pickles of any size.
 Collectives the tracer did not see (DDP's buckets, compiled graphs: merged from torch's Flight Recorder, with
 ``extra["origin"]``) align in a sequence of their own per group (:attr:`TraceEvent.group_key`); a group reports its
 earliest divergence in either. Ranks with a ring dump compare them by position; a rank without one only those whose
-ring number is known (a DDP rank's graph runs), with the dumped ranks' entries of the same number. A rank that finished its script having issued fewer collectives on a group than
-its peers is a count mismatch: the finding names both counts, the first collective it never issued (op, sizes,
+ring number is known (a DDP rank's graph runs), with the dumped ranks' entries of the same number. A rank that
+finished its script having issued fewer collectives on a group than its peers is a count mismatch: the finding names both counts, the first collective it never issued (op, sizes,
 who issued it and the user's line) and the fix. Where each rank is (last started, last completed, the collective
 it waits on, counts per group) comes from analysis/progress.py, the one model of a rank's progress.
 

@@ -6,8 +6,8 @@ which rewrites it whole as it goes; the readers are the node's ranks (rank/boots
 Under torchrun a node has one watcher for the lifetime of its agent: local rank 0 of the first attempt starts it,
 and a restarted attempt's ranks find it here instead of starting another. The file says which process it is (pid
 and start time, so that a reused pid is not taken for it), whose agent it serves, the attempt it watches, and the
-last attempt whose watch is over with its exit code and the ranks it saw (the report's, on the node that writes the report). A
-restarted rank moves the earlier attempt's files aside only once that attempt is reported; local rank 0 takes its
+last attempt whose watch is over, with its exit code (the report's, on the node that writes the report) and the
+ranks it saw. A restarted rank moves the earlier attempt's files aside only once that attempt is reported; local rank 0 takes its
 exit code from here once its own attempt is.
 """
 from __future__ import annotations
