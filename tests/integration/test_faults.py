@@ -193,7 +193,9 @@ def test_a_second_signal_stops_at_once(tmp_path):
 
 
 def test_sigkill_of_one_rank_is_a_rank_failure_naming_it(tmp_path):
-    launch, out = hanging(tmp_path, env=FRESH)  # the ranks are the launcher's own children
+    """The report's content is the subject: the ranks fork from the session's zygote (fresh ranks' deaths under
+    the launcher and under torchrun are the SIGKILL tests' [fresh] cases)."""
+    launch, out = hanging(tmp_path, env=None)
     try:
         pids = rank_pids(out)
         os.kill(pids[1], signal.SIGKILL)
@@ -224,9 +226,10 @@ def test_sigkill_of_the_launcher_takes_the_ranks_along(tmp_path, env):
 
 
 def test_a_segfaulting_rank_is_named_with_its_line_and_stderr(tmp_path, line_of):
+    """A forked rank dies of SIGSEGV as a fresh one does: its own faulthandler prints the stack to its stderr."""
     out = tmp_path / "report"
     launch = Launch([sys.executable, "-m", "distcheck", "run", "--nproc", "2", "--timeout", "60", "--report-dir",
-                     str(out), "--", str(FIXTURES / "fault_segfault.py")], FRESH)
+                     str(out), "--", str(FIXTURES / "fault_segfault.py")], None)
     try:
         code, _, stderr, seconds = launch.finish(120)
         assert code == 1, stderr
@@ -300,7 +303,7 @@ def test_a_stop_signal_to_torchrun_leaves_the_report(tmp_path, line_of, sig, env
 def test_the_rendezvous_store_dying_with_torchruns_agent(tmp_path, line_of):
     """torchrun's agent hosts the rendezvous store: SIGKILL it. The node watcher, outside the agent, still
     diagnoses the hang, writes the report and ends the orphaned ranks."""
-    launch, out = torchrun_hanging(tmp_path, "4", output=subprocess.DEVNULL)
+    launch, out = torchrun_hanging(tmp_path, "4", output=subprocess.DEVNULL, env=None)  # stand-ins: cheaper
     try:
         pids = rank_pids(out)
         launch.proc.kill()  # the agent and its store are gone; the ranks are orphans now
