@@ -52,7 +52,14 @@ ENV = env_names.ZYGOTE  # "1": a private zygote per launcher; a socket path: a s
 # under the GIL; rank/group_keepalive.py now keeps that teardown from running at all.
 PRELOAD = ("torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.tensor.parallel",
            "torch.distributed.fsdp", "torch._dynamo", "distcheck.cli", "distcheck.commands.run",
-           "distcheck.rank.tracer", "distcheck.rank.autocheck", "distcheck.rank.entry", "distcheck.supervise.hang")
+           "distcheck.rank.tracer", "distcheck.rank.autocheck", "distcheck.rank.entry", "distcheck.supervise.hang",
+           # What every forked launcher and rank imports after the fork otherwise (about 0.1 s of CPU each): the
+           # launcher's watch and report, the ranks' first-forward checks, sampler and stderr copy. None of them
+           # starts a thread at import (serve() refuses to fork a multi-threaded zygote).
+           "distcheck.supervise.supervised_run", "distcheck.supervise.node_report", "distcheck.analysis.stragglers",
+           "distcheck.analysis.torch_errors", "distcheck.checks.placement", "distcheck.checks.mesh",
+           "distcheck.checks.replicas", "distcheck.rank.sampler", "distcheck.rank.records",
+           "distcheck.rank.group_keepalive", "distcheck.rank.stderr_tee", "distcheck.rank.store_host")
 
 _MAX_MESSAGE = 1 << 20  # a request carries the rank's environment: a few kB
 _MAX_FDS = 16
