@@ -78,10 +78,13 @@ class Tagged:
         self.tag = uuid.uuid4().hex
 
     def run(self, cmd: list[str], limit: float, env: dict[str, str] | None = None,
-            cwd: str | os.PathLike | None = None) -> tuple[int, str, str, float]:
+            cwd: str | os.PathLike | None = None, fresh: bool = True) -> tuple[int, str, str, float]:
+        """``fresh``: the ranks are fresh interpreters, as for users (the process-tree tests); else they fork from
+        the session's zygote (the tests of what a rank does, which would import torch again for nothing)."""
         t0 = time.monotonic()
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd,
-                                env=env_for_ranks({**FRESH, TAG: self.tag, **(env or {})}), start_new_session=True)
+                                env=env_for_ranks({**(FRESH if fresh else {}), TAG: self.tag, **(env or {})}),
+                                start_new_session=True)
         try:
             out, err = proc.communicate(timeout=limit)  # returns once every holder of the pipes closed them
         except subprocess.TimeoutExpired:
@@ -254,7 +257,7 @@ def test_a_script_that_launches_its_own_ranks_is_told_how_to_run(tmp_path, launc
     out = tmp_path / "report"
     code, stdout, stderr, seconds = launch.run(
         [sys.executable, "-m", "distcheck", "run", "--nproc", "2", "--timeout", "20", "--report-dir", str(out),
-         "--", str(script)], limit=90)
+         "--", str(script)], limit=90, fresh=False)
     assert code == 1, stderr[-3000:]
     assert seconds < 40  # well before the no-progress limit would have fired
     (f,) = load_report(out)["findings"]
@@ -292,7 +295,7 @@ def test_every_line_of_a_flood_of_rank_output_arrives_whole(tmp_path, launch):
     n, keep = 20000, 64 * 1024
     code, stdout, stderr, seconds = launch.run(
         [sys.executable, "-m", "distcheck", "run", "--nproc", "2", "--timeout", "60", "--report-dir", str(out),
-         "--", str(script), str(n)], limit=90, env={"DISTCHECK_STDERR_KEEP": str(keep)})
+         "--", str(script), str(n)], limit=90, env={"DISTCHECK_STDERR_KEEP": str(keep)}, fresh=False)
     assert code == 0, stdout[-2000:]
     assert seconds < 60
     seen: dict[str, list[int]] = {"0": [], "1": []}
