@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ast
+import functools
 import importlib.util
 import sys
 from pathlib import Path
@@ -10,6 +11,17 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PKG = ROOT / "distcheck"
+
+
+@functools.cache
+def _tree(path: Path) -> ast.Module:
+    return ast.parse(path.read_text())
+
+
+@functools.cache
+def _nodes(path: Path) -> tuple[ast.AST, ...]:
+    """Every node of a module, parsed and walked once for all the tests of this file that read it."""
+    return tuple(ast.walk(_tree(path)))
 
 
 def _tool():
@@ -30,7 +42,7 @@ def test_the_cycle_finder_finds_a_cycle():
 def test_analysis_is_pure():
     """No process group, no CLI: analysis/ is unit-testable without launching anything."""
     for path in (PKG / "analysis").glob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in _nodes(path):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
                 [node.module or ""] if isinstance(node, ast.ImportFrom) else []
             for name in names:
@@ -57,7 +69,7 @@ def test_documented_paths_still_import():
 def _imports(path: Path) -> list[str]:
     """Every module ``path`` imports, at its top or inside a function (a lazy import is a dependency too)."""
     names = []
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in _nodes(path):
         if isinstance(node, ast.Import):
             names += [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
@@ -101,7 +113,7 @@ def test_environment_variable_names_are_written_only_in_contract_env():
     for path in sorted(PKG.rglob("*.py")):
         if path in mirrors:
             continue
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in _nodes(path):
             if isinstance(node, ast.Constant) and isinstance(node.value, str) and \
                     node.value.startswith("DISTCHECK_") and node.value.isidentifier():
                 wrong.append(f"{path.relative_to(PKG)}:{node.lineno} {node.value}")
@@ -143,7 +155,7 @@ def _unconditional_imports(path: Path) -> list[str]:
                 for handler in node.handlers:
                     walk(handler.body)
 
-    walk(ast.parse(path.read_text()).body)
+    walk(_tree(path).body)
     return names
 
 
