@@ -155,18 +155,24 @@ def torchrun(args: list[str], nproc: int = 2, timeout: float = 120, **kw) -> Res
                       timeout=timeout, **kw)
 
 
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now, for a launch's rendezvous (parallel tests never share one)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def plain_ranks(args: list[str], nproc: int = 2, timeout: float = 120, env: dict[str, str] | None = None) -> Result:
     """``python ARGS`` as ``nproc`` ranks with torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and
     MASTER_PORT of a free port: env:// rendezvous) and no distcheck launcher, each forked by the session's zygote
     (run_python) where torchrun's agent would start fresh interpreters that import torch again (seconds of CPU
     each). For the tests of distcheck's API in plain ranks and their baselines. Every rank's result, merged: the
     first non-zero exit code, the outputs in rank order."""
-    import socket
     import threading
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     results: dict[int, Result | AssertionError] = {}
 
     def rank(r: int) -> None:

@@ -9,7 +9,6 @@ failed or "not found" because its files are on the other node.
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import threading
 import uuid
@@ -17,13 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from launch_helpers import BIN, FIXTURES, FRESH, TAG, env_for_ranks, load_report, run_python, tagged
+from launch_helpers import BIN, FIXTURES, FRESH, TAG, env_for_ranks, free_port, load_report, run_python, tagged
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_two_agents_c10d_rendezvous(tmp_path):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import socket
 import time
 
-from launch_helpers import FIXTURES, load_report, torchrun
+from launch_helpers import FIXTURES, free_port, load_report, torchrun
 
 FIXTURE = "torchrun_rank_fails.py"
 
@@ -41,14 +41,6 @@ def test_a_passing_torchrun_job_has_its_report_when_torchrun_returns(tmp_path):
     assert report["ok"] and report["findings"] == [] and "distcheck PASSED" in res.stdout
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_a_job_that_passes_on_its_second_attempt_passes_and_the_report_lists_both(tmp_path, line_of):
     """Real torchrun restarts (static rendezvous: --standalone's c10d one reconnects gloo to the first attempt's
     ranks with torch 2.13, plain torchrun too)."""
@@ -57,7 +49,7 @@ def test_a_job_that_passes_on_its_second_attempt_passes_and_the_report_lists_bot
     out = tmp_path / "report"
     fixture = "torchrun_restart.py"
     res = run_python(["-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2", "--master-port",
-                      str(_free_port()), "--max-restarts", "1", "-m", "distcheck", "run", "--report-dir", str(out),
+                      str(free_port()), "--max-restarts", "1", "-m", "distcheck", "run", "--report-dir", str(out),
                       "--", str(FIXTURES / fixture)], timeout=200)
     assert res.returncode == 0, res.output  # the verdict and the exit code follow the last attempt
     report = load_report(out)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -19,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from launch_helpers import FIXTURES, env_for_ranks, torchrun
+from launch_helpers import FIXTURES, env_for_ranks, free_port, torchrun
 
 from distcheck.analysis.trace_events import load_traces
 from distcheck.processes import terminate
@@ -36,11 +35,6 @@ sys.argv = sys.argv[1:]
 runpy.run_path(script, run_name="__main__")
 '''
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Ranks:
