@@ -84,19 +84,24 @@ class NodeWatcher:
         report's on the node that writes it), or None when the watcher ended or timed out without saying."""
         deadline = time.monotonic() + limit
         while time.monotonic() < deadline:
-            state = watcher_file.read(self.report_dir)
-            if state is not None and state.pid == self.pid and state.done_with(attempt, os.getpid()):
+            running = self.running()  # before the read: a watcher that wrote its state and then ended is done
+            state = self._done_with(attempt)
+            if state is not None:
                 if self.process is not None and not restarts_left():
                     # It ends now (no attempt can follow): this rank stays until it has, so that nothing of
                     # distcheck outlives torchrun.
                     self._wait_end(max(0.0, deadline - time.monotonic()))
                 return state.code
-            if not self.running():
-                state = watcher_file.read(self.report_dir)
-                if state is not None and state.pid == self.pid and state.done_with(attempt, os.getpid()):
-                    return state.code
+            if not running:
                 return None
             time.sleep(0.05)
+        return None
+
+    def _done_with(self, attempt: int) -> WatcherState | None:
+        """This watcher's state once it is done with this rank's ``attempt``, else None."""
+        state = watcher_file.read(self.report_dir)
+        if state is not None and state.pid == self.pid and state.done_with(attempt, os.getpid()):
+            return state
         return None
 
     def stop(self) -> None:
