@@ -85,30 +85,167 @@ def completion() -> dict:
             "ends_with_the_gpu": ev.t_end is not None and ev.t_end >= returned}
 
 
-def fingerprints(repeats: int = 9) -> dict:
+def _timed(fn) -> float:
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def _torch_path():
+    """fingerprint_many with the Triton kernel left out (what DISTCHECK_FINGERPRINT_KERNEL=torch does)."""
+    from distcheck.checks import fingerprint_kernel
+
+    class TorchPath:
+        def __enter__(self):
+            self.saved = fingerprint_kernel.rows_for
+            fingerprint_kernel.rows_for = lambda *a: None
+        def __exit__(self, *exc):  # noqa: E301
+            fingerprint_kernel.rows_for = self.saved
+    return TorchPath()
+
+
+_FIRST_CALL = """
+import time, torch
+from distcheck.checks.fingerprint import fingerprint_many
+x = torch.ones(4096, device="cuda")
+torch.cuda.synchronize()
+t0 = time.perf_counter()
+fingerprint_many([("x", x)])
+print(time.perf_counter() - t0)
+"""
+
+
+def fingerprint_first_call() -> dict:
+    """What the kernel's first use costs a process: Triton's import and compile with an empty cache (a fresh
+    TRITON_CACHE_DIR), then in a new process with that cache filled (every later run on the machine)."""
+    import subprocess
+    import sys
+
+    cache = tempfile.mkdtemp()
+    env = {**os.environ, "TRITON_CACHE_DIR": cache}
+    runs = [subprocess.run([sys.executable, "-c", _FIRST_CALL], env=env, capture_output=True, text=True,
+                           timeout=120) for _ in range(2)]
+    return {"cold_s": runs[0].stdout.strip() or runs[0].stderr[-500:], "cached_s": runs[1].stdout.strip()}
+
+
+def fingerprint_sums_agree() -> dict:
+    """The kernel's sums against torch's on random tensors of every dtype, odd sizes, views and huge values."""
+    from distcheck.checks.fingerprint import MIN_CHUNK_NUMEL, fingerprint_many
+
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    base = torch.randn(MIN_CHUNK_NUMEL * 40 + 17, device="cuda", generator=gen)
+    named = []
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32,
+                  torch.int8, torch.uint8, torch.bool):
+        for numel in (1, 7, 4096, MIN_CHUNK_NUMEL - 1, MIN_CHUNK_NUMEL * 16 + 3, MIN_CHUNK_NUMEL * 33):
+            t = base[:numel] * 1e6
+            t = t > 0 if dtype is torch.bool else t.to(dtype)
+            named.append((f"{dtype}-{numel}", t))
+    named.append(("big_ints", torch.randint(-2 ** 62, 2 ** 62, (MIN_CHUNK_NUMEL * 20,), device="cuda",
+                                            generator=gen)))
+    named.append(("odd_view", base[3:MIN_CHUNK_NUMEL * 4]))
+    named.append(("transposed", base[:1000 * 300].view(1000, 300).t()))
+    with _torch_path():
+        expected = fingerprint_many(named)
+    got = fingerprint_many(named)
+    differ = [n for n in expected if expected[n] != got[n]]
+    return {"tensors": len(named), "differ": differ}
+
+
+def fingerprints(repeats: int = 15) -> dict:
+    """The pass over about 1 GB of float32 in HBM (16 x 64 MiB + 32 small) and over 512 tensors of 1 MiB, each
+    against one torch.sum per tensor (the issue's 'one HBM read'), with the kernel and with torch's sums; the
+    kernel's first call (its compile) and the card's read bandwidth from a large copy."""
+    from distcheck.checks import fingerprint_kernel
     from distcheck.checks.fingerprint import fingerprint_many
 
     gen = torch.Generator(device="cuda").manual_seed(0)
-    tensors = [torch.randn(4096, 4096, device="cuda", generator=gen) for _ in range(16)]  # 16 x 64 MiB
-    tensors += [torch.randn(4096, device="cuda", generator=gen) for _ in range(32)]
-    named = [(f"t{i}", t) for i, t in enumerate(tensors)]
-    nbytes = sum(t.numel() * 4 for t in tensors)
+    big = [torch.randn(4096, 4096, device="cuda", generator=gen) for _ in range(16)]  # 16 x 64 MiB
+    big += [torch.randn(4096, device="cuda", generator=gen) for _ in range(32)]
+    many = [torch.randn(512, 512, device="cuda", generator=gen) for _ in range(512)]  # a model of many tensors
+    out: dict = {"kernel": fingerprint_kernel.available(), "span": fingerprint_kernel.SPAN,
+                 "block": fingerprint_kernel.BLOCK, "warps": fingerprint_kernel.WARPS}
+    out["first_call_s"] = _timed(lambda: fingerprint_many([("x", big[-1])]))  # compiles, or loads Triton's cache
+    for label, tensors in (("1gb", big), ("many", many)):
+        named = [(f"t{i}", t) for i, t in enumerate(tensors)]
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        sums = lambda: [t.sum() for t in tensors]  # noqa: E731
+        fps = lambda: fingerprint_many(named)  # noqa: E731
 
-    def timed(fn) -> float:
-        torch.cuda.synchronize()
+        def torch_fps() -> None:
+            with _torch_path():
+                fingerprint_many(named)
+        for fn in (sums, fps, torch_fps):
+            _timed(fn)
+        s = statistics.median(_timed(sums) for _ in range(repeats))
+        f = statistics.median(_timed(fps) for _ in range(repeats))
+        t = statistics.median(_timed(torch_fps) for _ in range(repeats))
+        out[label] = {"gb": nbytes / 1e9, "sum_ms": s * 1e3, "fingerprint_ms": f * 1e3, "ratio": f / s,
+                      "torch_path_ms": t * 1e3, "torch_path_ratio": t / s, "fingerprint_read_gbs": nbytes / f / 1e9,
+                      "sum_read_gbs": nbytes / s / 1e9}
+    src, dst = torch.empty(1 << 28, device="cuda"), torch.empty(1 << 28, device="cuda")  # 1 GiB each
+    _timed(lambda: dst.copy_(src))
+    c = statistics.median(_timed(lambda: dst.copy_(src)) for _ in range(repeats))
+    out["copy_read_plus_write_gbs"] = 2 * src.numel() * 4 / c / 1e9
+    return out
+
+
+def fingerprint_configs() -> list[dict]:
+    """The kernel's pass over the 1 GB set at a few (SPAN, BLOCK, WARPS): the defaults come from this table."""
+    from distcheck.checks import fingerprint_kernel as fk
+    from distcheck.checks.fingerprint import fingerprint_many
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    named = [(f"t{i}", torch.randn(4096, 4096, device="cuda", generator=gen)) for i in range(16)]
+    saved = fk.SPAN, fk.BLOCK, fk.WARPS
+    rows = []
+    for span, block, warps in ((1 << 16, 4096, 16), (1 << 16, 8192, 16), (1 << 15, 8192, 16), (1 << 14, 4096, 8),
+                               (1 << 13, 8192, 16), (1 << 17, 4096, 16), (1 << 16, 2048, 8)):
+        fk.SPAN, fk.BLOCK, fk.WARPS = span, block, warps
+        _timed(lambda: fingerprint_many(named))
+        ms = statistics.median(_timed(lambda: fingerprint_many(named)) for _ in range(11)) * 1e3
+        rows.append({"span": span, "block": block, "warps": warps, "ms": ms,
+                     "gbs": 16 * 4096 * 4096 * 4 / ms / 1e6})
+    fk.SPAN, fk.BLOCK, fk.WARPS = saved
+    return rows
+
+
+def stragglers_on_cuda() -> dict:
+    """Two ranks on this GPU (gloo over CUDA tensors: NCCL refuses two ranks on one GPU) under distcheck run, rank 1
+    slow at loading data, then at computing: what the report names, from traces whose ends are CUDA events."""
+    import subprocess
+    import sys
+
+    from distcheck.analysis import stragglers
+    from distcheck.analysis.trace_events import load_traces
+    from distcheck.contract import samples_file
+
+    out = {}
+    for mode in ("data", "compute"):
+        folder = tempfile.mkdtemp()
         t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        return time.perf_counter() - t0
-
-    sums = lambda: [t.sum() for t in tensors]  # noqa: E731
-    fps = lambda: fingerprint_many(named)  # noqa: E731
-    timed(sums), timed(fps)
-    s = [timed(sums) for _ in range(repeats)]
-    f = [timed(fps) for _ in range(repeats)]
-    return {"gb": nbytes / 1e9, "sum_ms": statistics.median(s) * 1e3, "fingerprint_ms": statistics.median(f) * 1e3,
-            "ratio": statistics.median(f) / statistics.median(s),
-            "hbm_read_gbs": nbytes / statistics.median(s) / 1e9}
+        res = subprocess.run([sys.executable, "-m", "distcheck", "run", "--nproc", "2", "--oversubscribe", "--report-dir", folder,
+                              "--", os.path.join(os.path.dirname(__file__), "_gpu_straggler.py"), "--mode", mode],
+                             capture_output=True, text=True, timeout=240)
+        took = time.perf_counter() - t0
+        try:
+            report = json.load(open(os.path.join(folder, "report.json")))
+        except OSError:
+            out[mode] = {"exit": res.returncode, "stderr": res.stderr[-2000:]}
+            continue
+        traces = load_traces(folder)
+        t1 = time.perf_counter()
+        late = stragglers.analyze(traces, samples_file.read_all(folder))
+        analysis = time.perf_counter() - t1
+        notes = [w for w in report.get("warnings", []) if "arrived last" in str(w)]
+        out[mode] = {"exit": res.returncode, "run_s": took, "named": report["stragglers"]["named"],
+                     "ranks": report["stragglers"]["ranks"], "note": notes[:1], "analysis_s": analysis,
+                     "named_again": late.named,
+                     "ended": {r: sum(e.t_end is not None for e in t.events) for r, t in traces.items()},
+                     "records": {r: len(t.events) for r, t in traces.items()}}
+    return out
 
 
 def flight_recorder() -> dict:
@@ -156,6 +293,7 @@ def compiled_ddp() -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--compiled-ddp", action="store_true")
+    parser.add_argument("--stragglers", action="store_true", help="only the 2-rank straggler runs on this GPU")
     args = parser.parse_args()
     if not torch.cuda.is_available() or not dist.is_nccl_available():
         print("bench_gpu: no CUDA GPU with NCCL here: skipped (docs/performance.md's GPU figures come from a lent machine)")
@@ -163,9 +301,15 @@ def main() -> None:
     if args.compiled_ddp:
         compiled_ddp()
         return
+    if args.stragglers:
+        print(json.dumps({"device": torch.cuda.get_device_name(0), "stragglers": stragglers_on_cuda()}))
+        return
     _init()
     out = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "tracer": tracer_cost(),
-           "completion": completion(), "fingerprint": fingerprints(), "flight_recorder": flight_recorder()}
+           "completion": completion(), "fingerprint_first_call": fingerprint_first_call(),
+           "fingerprint_sums_agree": fingerprint_sums_agree(),
+           "fingerprint": fingerprints(), "fingerprint_configs": fingerprint_configs(),
+           "flight_recorder": flight_recorder()}
     print(json.dumps(out))
     dist.destroy_process_group()
 

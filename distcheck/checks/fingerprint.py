@@ -8,11 +8,13 @@ leaves the device). Chunks localize a difference: only differing chunks are ever
 """
 from __future__ import annotations
 
+import functools
 from typing import Iterable
 
 import torch
 
 from distcheck.analysis.replicas import Fingerprint  # the comparison side is torch-free
+from distcheck.checks import fingerprint_kernel
 
 CHUNKS = 16
 # Below this many elements a tensor is one chunk: per-call overhead would dominate the read.
@@ -21,6 +23,7 @@ MIN_CHUNK_NUMEL = 1 << 16
 ALIGN = 8
 
 
+@functools.lru_cache(maxsize=4096)  # a model's tensors share a few sizes; the pass is at most microseconds a tensor
 def chunk_bounds(numel: int) -> tuple[int, ...]:
     if numel < MIN_CHUNK_NUMEL:
         return (0, numel)
@@ -70,9 +73,14 @@ def fingerprint(t: torch.Tensor) -> Fingerprint | None:
 
 
 def fingerprint_many(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, Fingerprint]:
-    """Fingerprints of many tensors with a single device-to-host copy at the end (of the sums alone)."""
+    """Fingerprints of many tensors with a single device-to-host copy per device at the end (of the sums alone).
+    CUDA tensors' sums come from one Triton launch per device where Triton is there (checks/fingerprint_kernel.py);
+    the rest from torch's integer sums. Both give the same integers."""
     pending: list[tuple[str, torch.Tensor, tuple[int, ...], int, int]] = []
-    parts: list[torch.Tensor] = []
+    parts: dict[torch.device, list[tuple[int, int, list[torch.Tensor]]]] = {}  # device -> torch's (slot, n, sums)
+    rows: dict[torch.device, list[tuple[int, int, int, int]]] = {}  # device -> the kernel's rows, one a tensor
+    slots: dict[torch.device, list[tuple[int, int]]] = {}  # device -> (first slot, n) the kernel fills
+    held: list[torch.Tensor] = []  # the kernel reads by address: the tensors it reads live until it is queued
     count = 0  # sums so far: where each tensor's sums start in the concatenation
     with torch.no_grad():  # plain views of parameters, no autograd bookkeeping (and no detach() per tensor)
         for name, t in named:
@@ -83,10 +91,35 @@ def fingerprint_many(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, Fin
             bounds = chunk_bounds(numel)
             n = len(bounds) - 1 if numel else 0
             if n:
-                parts.extend(_sums(t.reshape(-1) if t.is_contiguous() else t.contiguous().view(-1), bounds))
+                src = t if t.is_contiguous() else t.contiguous()
+                if src.data_ptr() % 8:  # a view at an odd offset (FSDP1's flat parameters): words need a copy
+                    src = src.clone()
+                row = fingerprint_kernel.rows_for(src, bounds, count)
+                if row is not None:
+                    device = src.device
+                    rows.setdefault(device, []).append(row)
+                    slots.setdefault(device, []).append((count, n))
+                    held.append(src)
+                else:
+                    parts.setdefault(src.device, []).append((count, n, _sums(src.view(-1), bounds)))
             pending.append((name, t, bounds, count, n))
             count += n
-        values = torch.cat(parts).tolist() if parts else []  # the only device-to-host copy: a few int64s
-    return {name: Fingerprint(str(t.dtype).replace("torch.", ""), tuple(t.shape), bounds,
-                              tuple(values[start:start + n]))
+        values = [0] * count
+        for device in {*rows, *parts}:
+            from_kernel = [fingerprint_kernel.launch(rows[device], count, device)] if device in rows else []
+            theirs = parts.get(device, [])
+            got = torch.cat(from_kernel + [s for _, _, sums in theirs for s in sums]).tolist()  # its one copy
+            for first, n in slots.get(device, ()):
+                values[first:first + n] = got[first:first + n]
+            at = count if from_kernel else 0
+            for first, n, _ in theirs:
+                values[first:first + n] = got[at:at + n]
+                at += n
+        del held
+    return {name: Fingerprint(_dtype_name(t.dtype), tuple(t.shape), bounds, tuple(values[start:start + n]))
             for name, t, bounds, start, n in pending}
+
+
+@functools.cache
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")

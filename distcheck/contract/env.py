@@ -17,6 +17,7 @@ LOG = "DISTCHECK_LOG"  # the ranks' logging level
 SAMPLE = "DISTCHECK_SAMPLE"  # "0": no sampling of where each rank's main thread is (rank/sampler.py)
 STRAGGLER_LOOKS = "DISTCHECK_STRAGGLER_LOOKS"  # the live line when 70% of the last N looks name one rank ("0": none)
 TRACE_HOT_PATH = "DISTCHECK_TRACE_HOT_PATH"  # "python": leave the tracer's C path out
+FINGERPRINT_KERNEL = "DISTCHECK_FINGERPRINT_KERNEL"  # "torch": CUDA fingerprints without the Triton kernel
 FLIGHT_RECORDER = "DISTCHECK_FLIGHT_RECORDER"  # "0": no Flight Recorder dumps
 AUTOCHECK = "DISTCHECK_AUTOCHECK"  # "0": no zero-code checks
 DRIFT_STEPS = "DISTCHECK_DRIFT_STEPS"  # the steps after which replicas are fingerprinted
