@@ -7,7 +7,7 @@ already cached. ``Recorder.begin(args, kwargs)`` does, in one C call, what the P
 bytecode-level steps: find the caller's frame, walk out through torch's frames to the user's (FSDP2's and DTensor's
 collectives are called from torch's code), build the call's cache key, look it up, claim the next record slot and
 store the start word and time into the memory map. It returns the slot (negative when the call's tensors are on the
-GPU), the key when the cache misses (the Python path describes the call and caches it under that key), the
+GPU, minus OPEN_BIAS more when NCCL's ring gives its end), the key when the cache misses (the Python path describes the call and caches it under that key), the
 ``nested`` marker when a traced call is already on the stack, or None whenever anything is not the common case (a
 file not classified yet, a list argument, a full map, an error): the Python path then handles the call from
 scratch, so every rule stays written once, in tracer.py. Once ``Log.stop()`` was called (the report directory's file
@@ -34,6 +34,12 @@ tests/unit/test_tracer.py checks that both paths find each other's entries.
    start word goes first). The module exports them and tracer.py takes the C path only when they match. */
 #define RECORD_SIZE 24
 #define START_TIME_OFFSET 8
+/* What the wrapper does once the op returned (the cached sig's second item): write its end now, record a CUDA
+   event for it, or nothing (NCCL's ring gives its end). begin() returns slot, -slot, -(slot + OPEN_BIAS). */
+#define AFTER_END 0
+#define AFTER_EVENT 1
+#define AFTER_NOTHING 2
+#define OPEN_BIAS (1LL << 40)
 #define END_OFFSET 16
 #define UNRECORDED_OFFSET 16 /* in the header slot: a u32 count of collectives issued after recording stopped */
 
@@ -345,8 +351,8 @@ static PyObject *Recorder_begin(RecorderObject *self, PyObject *const *argv, Py_
     if (!PyTuple_Check(hit) || PyTuple_GET_SIZE(hit) != 2)
         goto done;
     unsigned long long word = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(hit, 0));
-    int cuda = PyObject_IsTrue(PyTuple_GET_ITEM(hit, 1));
-    if ((word == (unsigned long long)-1 && PyErr_Occurred()) || cuda < 0)
+    long after = PyLong_AsLong(PyTuple_GET_ITEM(hit, 1)); /* AFTER_END, AFTER_EVENT or AFTER_NOTHING */
+    if ((word == (unsigned long long)-1 || after == -1) && PyErr_Occurred())
         goto done;
     LogObject *log = self->log;
     unsigned long long slot = log->next_slot;
@@ -357,7 +363,8 @@ static PyObject *Recorder_begin(RecorderObject *self, PyObject *const *argv, Py_
     if (store(log, slot * RECORD_SIZE, record, sizeof record) < 0)
         goto done; /* the map must grow (or is closed): the Python path claims this slot */
     log->next_slot = slot + 1;
-    result = PyLong_FromLongLong(cuda ? -(long long)slot : (long long)slot);
+    result = PyLong_FromLongLong(after == AFTER_END ? (long long)slot
+                                 : after == AFTER_EVENT ? -(long long)slot : -(long long)(slot + OPEN_BIAS));
 done:
     Py_XDECREF(key);
     Py_XDECREF(code_id);
@@ -410,6 +417,8 @@ PyMODINIT_FUNC PyInit__tracefast(void) {
         PyModule_AddObject(m, "Recorder", (PyObject *)&RecorderType) < 0 ||
         PyModule_AddIntConstant(m, "RECORD_SIZE", RECORD_SIZE) < 0 ||
         PyModule_AddIntConstant(m, "START_TIME_OFFSET", START_TIME_OFFSET) < 0 ||
+        PyModule_AddIntConstant(m, "AFTER_NOTHING", AFTER_NOTHING) < 0 ||
+        PyModule_AddIntConstant(m, "OPEN_BIAS", OPEN_BIAS) < 0 ||
         PyModule_AddIntConstant(m, "END_OFFSET", END_OFFSET) < 0 ||
         PyModule_AddIntConstant(m, "UNRECORDED_OFFSET", UNRECORDED_OFFSET) < 0) {
         Py_DECREF(m);

@@ -82,6 +82,12 @@ if _tracefast is not None and (_tracefast.RECORD_SIZE, _tracefast.START_TIME_OFF
 
 log = logging.getLogger("distcheck")
 
+# What the wrapper does once a synchronous op returned (the second item of a cached sig; _tracefast.c encodes it in
+# the slot it returns: slot, -slot, -(slot + OPEN_BIAS)): write its end now, record a CUDA event for it, or nothing
+# (a synchronous NCCL op whose end NCCL's ring records: no Python call at all on that path).
+AFTER_END, AFTER_EVENT, AFTER_NOTHING = 0, 1, 2
+OPEN_BIAS = 1 << 40
+
 ENV_REPORT_DIR = env.REPORT_DIR
 
 # Parameters that name the root of a rooted collective or the peer of a point-to-point op.
@@ -668,9 +674,9 @@ class Tracer:
         return None
 
     def _new_sig(self, op: str, names: tuple[str, ...], args: tuple, kwargs: dict, funcol: bool,
-                 default_op: str | None, frame: Any) -> tuple[int, bool]:
-        """Describe a call in full, write its ``sig`` line and return (the first word of its records, CUDA
-        tensors)."""
+                 default_op: str | None, frame: Any) -> tuple[int, int]:
+        """Describe a call in full, write its ``sig`` line and return (the first word of its records, what the
+        wrapper does after the op: AFTER_END, AFTER_EVENT or AFTER_NOTHING)."""
         event = self._describe(op, names, args, kwargs, funcol, default_op)
         if frame is not None:
             self._codes[id(frame.f_code)] = frame.f_code  # the cache keys it by id: it must never be reused
@@ -683,15 +689,17 @@ class Tracer:
             event.update(site=None, file=None, line=None)
         cuda = event.pop("cuda", False)
         sig = next(self._sig_ids)
+        after = AFTER_EVENT if cuda else AFTER_END
         if cuda and "nccl" in self._backends.get(event.get("pg_name"), "") and flight_recorder.ring_kept():
             # NCCL's own Flight Recorder ring records when each op completed (its watchdog queries the events
             # ProcessGroupNCCL records anyway); an event of ours cost 10 to 50 µs per collective on an H100
             # (docs/performance.md, GPU). The record stays open; the analysis stores the ring's end into it.
             self.completions.ring_sigs.add(sig)
             event["completion"] = "flight_recorder"
+            after = AFTER_NOTHING
         self.writer.write({"ev": "sig", "sig": sig, **event})
         # A functional collective's end is when it was issued: its completion is only seen by wait_tensor.
-        return trace_slots.start_word(sig, trace_slots.ISSUED if funcol else 0), cuda
+        return trace_slots.start_word(sig, trace_slots.ISSUED if funcol else 0), after
 
     def wrap(self, fn: Callable, op: str, funcol: bool) -> Callable:
         try:
@@ -715,7 +723,7 @@ class Tracer:
         getframe = sys._getframe
         user_frame = self._user_frame
         internal_get = self._internal.get
-        sigs: dict[tuple, tuple[int, bool]] = {}  # call key -> (first word of its records, CUDA tensors)
+        sigs: dict[tuple, tuple[int, int]] = {}  # call key -> (first word of its records, AFTER_*)
         events = self.events
         claim = events.claim
         grow = events.grow
@@ -748,9 +756,11 @@ class Tracer:
                 return fn(*args, **kwargs)
             eid = begin(args, kwargs) if begin is not None else None
             if type(eid) is int:  # the C path stored the start: the call's slot, negative for GPU tensors
-                cuda = eid < 0
-                if cuda:
-                    eid = -eid
+                after = AFTER_END
+                if eid < 0:
+                    eid, after = -eid, AFTER_EVENT
+                    if eid >= OPEN_BIAS:
+                        eid, after = eid - OPEN_BIAS, AFTER_NOTHING
             elif eid is _NESTED:
                 return fn(*args, **kwargs)
             else:
@@ -781,7 +791,7 @@ class Tracer:
                             if len(sigs) >= _CACHE_LIMIT:
                                 sigs.clear()
                             sigs[hkey] = hit
-                    word, cuda = hit
+                    word, after = hit
                     eid = claim()  # an event's id is the slot of its record
                     offset = eid * SIZE
                     try:  # no bounds check of our own: a store past the map's end fails, and then it grows
@@ -799,12 +809,14 @@ class Tracer:
                 raise
             try:  # the op has run: nothing may turn its result into an exception now
                 if result is None and not funcol:
-                    if cuda:
+                    if after == AFTER_END:
+                        if end is not None:
+                            end(eid)
+                        else:
+                            pack_end(mm, eid * SIZE + END_OFFSET, now())
+                    elif after == AFTER_EVENT:
                         completions.add(eid)
-                    elif end is not None:
-                        end(eid)
-                    else:
-                        pack_end(mm, eid * SIZE + END_OFFSET, now())
+                    # AFTER_NOTHING: NCCL's ring gives the end; the record stays open
                 else:
                     self._finish(eid, result, Work, funcol)
                     if self.on_async is not None and Work is not None and not funcol:

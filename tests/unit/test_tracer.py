@@ -360,3 +360,29 @@ def test_the_per_peer_sizes_of_an_exchange_are_described_as_torch_splits_them():
                        T) == {"send": [[2], [2]], "recv": [[2], [2]]}
     assert _peer_split("all_reduce", {"tensor": x}, 2, T) is None
     assert _peer_split("all_to_all_single", {"output": x, "input": x}, SPLIT_PEERS + 1, T) is None
+
+
+@pytest.mark.parametrize("after", ["end", "event", "nothing"])
+def test_what_the_wrapper_does_after_a_synchronous_op(fake_world, tmp_path, hot_path, after, monkeypatch):
+    """After the op returns, a call's cached sig says what comes next, on both paths (the C path encodes it in the
+    slot it returns): its end now (CPU), a CUDA event (GPU tensors), or nothing (NCCL's ring gives the end: no
+    Python call at all, which cost the H200's NCCL path microseconds)."""
+    mode = {"end": trace.AFTER_END, "event": trace.AFTER_EVENT, "nothing": trace.AFTER_NOTHING}[after]
+    tracer = trace.install(tmp_path, 0)
+    describe = tracer._new_sig
+    monkeypatch.setattr(tracer, "_new_sig", lambda *a: (describe(*a)[0], mode))
+    added: list[int] = []
+    monkeypatch.setattr(tracer.completions, "add", added.append)
+
+    def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        return None
+
+    traced = tracer.wrap(all_reduce, "all_reduce", funcol=False)
+    for _ in range(4):  # the first call describes the op; the others hit the cache (in C on the C path)
+        traced(torch.ones(4))
+    trace.uninstall()
+    events = load_traces(tmp_path)[0].events
+    assert [e.op for e in events] == ["all_reduce"] * 4
+    assert added == ([e.id for e in events] if after == "event" else [])
+    ended = [e.t_end is not None and not e.extra.get("end_unknown") for e in events]
+    assert ended == [after == "end"] * 4
