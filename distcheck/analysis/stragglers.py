@@ -8,9 +8,10 @@ sequence that every member reached, the member that started last held the others
 start to the last one's. Added up per rank over the run (and per window of positions), that names the straggler:
 "rank 1 arrived last at 15 of 16 collectives; the others waited 3.8 s for it in all (0.24 s a collective, 93% of
 rank 0's time in the run's collectives span)". Where it spent that time comes from its samples (rank/sampler.py: its
-main thread's line and what it was doing, 10 times a second) inside those gaps: "in load_batch
-(train.py:22, its own code) 95%"; without samples, from the trace: the collective it came from and the one it
-arrived late at.
+main thread's line and what it was doing, 10 times a second) inside those gaps, less what the others' samples
+show in their own gaps before the same collectives: what every rank does each step (a GPU job's forward and
+backward) is not why one is late. "in load_batch (train.py:22, its own code) 95% of 40 samples beyond what the
+others did in theirs"; without samples, from the trace: the collective it came from and the one it arrived late at.
 
 A warning, not a finding: the program is correct. A balanced job names nobody: the rank that arrives last changes
 from collective to collective, and the waits are small. Ranks on several hosts compare clocks that may disagree:
@@ -33,6 +34,11 @@ MIN_LAST = 6
 MIN_WAIT_SHARE = 0.2
 MIN_WAIT = 0.5
 WINDOWS = 8
+# Where the late rank's extra time went is told from its samples beyond the others' once there are this many (two
+# seconds of extra time at the sampler's 10 a second): below, the difference of two sample counts is mostly noise
+# (a 1-second compute straggler's backward went missing from it), and all its samples in the gaps say it instead
+# (short jobs, where what every rank does each step is a small part).
+MIN_BEYOND = 20.0
 
 
 @dataclass
@@ -44,7 +50,21 @@ class RankLateness:
     waited: float = 0.0  # seconds it waited for the last one, in all
     gaps: dict[tuple, list] = field(default_factory=dict)  # (came from, arrived late at) -> [count, seconds]
     # Where its main thread was while the others waited (its samples in those gaps): place -> samples
-    spent: dict[Any, int] = field(default_factory=dict)
+    spent: dict[Any, float] = field(default_factory=dict)
+    # Where the others' main threads were in their own gaps before the same collectives (mean over them): what
+    # every rank does each step (the forward and backward of a GPU job) is not why this one is late
+    usual: dict[Any, float] = field(default_factory=dict)
+
+    def beyond(self) -> dict[Any, float]:
+        """Its samples beyond the others' in the same gaps, by place: where its extra time went; empty when too
+        few stand out to tell (no samples of the others, or fewer than MIN_BEYOND beyond theirs)."""
+        extra = {p: n - self.usual.get(p, 0.0) for p, n in self.spent.items()}
+        extra = {p: e for p, e in extra.items() if e > 0}
+        return extra if self.usual and sum(extra.values()) >= MIN_BEYOND else {}
+
+    def places(self) -> dict[Any, float]:
+        """What says where it spent the others' wait: its samples beyond theirs, else all its samples."""
+        return self.beyond() or self.spent
 
     def to_json(self) -> dict[str, Any]:
         return {"positions": self.positions, "last": self.last, "others_waited_s": round(self.held, 6),
@@ -84,13 +104,14 @@ def straggler_text(v: RankLateness, span: float) -> str:
     per = v.held / v.last if v.last else 0.0
     text = (f"rank {v.rank} arrived last at {v.last} of {v.positions} collectives; the others waited {v.held:.2f} s "
             f"for it in all, {per:.3f} s a time{share}")
-    places = top_places(v)
-    if places:
-        total = sum(v.spent.values())
-        what, count = activity(v)
-        parts = [f"{p.func} ({p.site}, {p.kind}) {100 * n / total:.0f}%" for p, n in places]
+    spent = v.places()
+    if spent:
+        total = sum(spent.values())
+        what, count = activity(spent)
+        parts = [f"{p.func} ({p.site}, {p.kind}) {100 * n / total:.0f}%" for p, n in top_places(spent)]
+        whose = " beyond what the others did in theirs" if spent is not v.spent else ""
         text += (f"; in those gaps it was mostly {what} ({100 * count / total:.0f}%): its main thread was in "
-                 f"{', '.join(parts)} of {total} samples")
+                 f"{', '.join(parts)} of {total:.0f} samples{whose}")
         return text
     top = _top_gap(v)
     if top is not None:
@@ -108,17 +129,17 @@ ACTIVITIES = {"data loading": "loading data", "forward": "computing (forward, ba
               "a collective": "in other collectives"}
 
 
-def activity(v: RankLateness) -> tuple[str, int]:
-    """The activity most of the late rank's samples were in, and how many samples that is."""
-    counts: dict[str, int] = {}
-    for place, n in v.spent.items():
+def activity(spent: dict[Any, float]) -> tuple[str, float]:
+    """The activity most of these samples (RankLateness.places) were in, and how many samples that is."""
+    counts: dict[str, float] = {}
+    for place, n in spent.items():
         what = ACTIVITIES.get(place.kind, "in its own code")
         counts[what] = counts.get(what, 0) + n
     return max(counts.items(), key=lambda kv: kv[1])
 
 
-def top_places(v: RankLateness, n: int = 3) -> list[tuple[Any, int]]:
-    return sorted(v.spent.items(), key=lambda kv: -kv[1])[:n]
+def top_places(spent: dict[Any, float], n: int = 3) -> list[tuple[Any, float]]:
+    return sorted(spent.items(), key=lambda kv: -kv[1])[:n]
 
 
 def _top_gap(v: RankLateness) -> tuple | None:
@@ -126,11 +147,16 @@ def _top_gap(v: RankLateness) -> tuple | None:
 
 
 def where_json(v: RankLateness) -> dict[str, Any]:
-    return {"activity": activity(v)[0] if v.spent else None,
+    """``samples``: its samples in the gaps by place; ``beyond``: how many of them the others' gaps did not have
+    (the places are sorted by that)."""
+    spent = v.places()
+    return {"activity": activity(spent)[0] if spent else None,
             "gaps": [{"from": a, "to": b, "count": n, "seconds": round(s, 6)}
                      for (a, b), (n, s) in sorted(v.gaps.items(), key=lambda kv: -kv[1][1])[:5]],
-            "samples": [{"file": p.file, "line": p.line, "func": p.func, "kind": p.kind, "samples": n}
-                        for p, n in top_places(v, 5)]}
+            "samples": [{"file": p.file, "line": p.line, "func": p.func, "kind": p.kind,
+                         "samples": round(v.spent.get(p, 0)),
+                         "beyond": round(v.spent.get(p, 0) - v.usual.get(p, 0.0), 1)}
+                        for p, n in top_places(spent, 5)]}
 
 
 def _label(e: Any) -> str:
@@ -228,9 +254,15 @@ def analyze(traces: Mapping[int, Any], samples: Mapping[int, list] | None = None
             continue
         starts = {m: events[m].t_start for m in members if m in events}
         before = previous.get((late, id(events[late])))
-        if samples and samples.get(late):
+        peers = [(m, previous.get((m, id(events[m])))) for m in members
+                 if m != late and m in events and samples and samples.get(m)]
+        # The first collective has no stretch before it to set against the others': counted only without theirs
+        if samples and samples.get(late) and (before is not None or not peers):
+            peers = [(m, b) for m, b in peers if b is not None]
             since = (before.t_end or before.t_start) if before is not None else starts[late] - held
             _count_samples(ranks[late].spent, samples[late], since, starts[late])
+            for m, b in peers:  # the same stretch on each other member: its previous collective to this one
+                _count_samples(ranks[late].usual, samples[m], b.t_end or b.t_start, starts[m], 1 / len(peers))
         gap = (_label(before) if before is not None else "the start", _label(events[late]))
         entry = ranks[late].gaps.setdefault(gap, [0, 0.0])
         entry[0] += 1
@@ -269,13 +301,13 @@ def _waits_by_time_inside(members: tuple, events: Mapping[int, Any],
     return {m: t - least for m, t in inside.items()}
 
 
-def _count_samples(spent: dict, samples: list, since: float, until: float) -> None:
+def _count_samples(spent: dict, samples: list, since: float, until: float, weight: float = 1.0) -> None:
     import bisect
 
     i = bisect.bisect_left(samples, (since,))  # (since,) sorts before every sample taken at or after since
     while i < len(samples) and samples[i][0] <= until:
         place = samples[i][1]
-        spent[place] = spent.get(place, 0) + 1
+        spent[place] = spent.get(place, 0) + weight
         i += 1
 
 

@@ -89,7 +89,32 @@ def test_samples_inside_the_gaps_say_where_the_late_rank_was():
            "main (train.py:34, forward) 6% " \
            "of 17 samples" in note.message
     assert note.detail["where"]["samples"][0] == {"file": "/w/train.py", "line": 22, "func": "load_batch",
-                                                  "kind": "its own code", "samples": 16}
+                                                  "kind": "its own code", "samples": 16, "beyond": 16.0}
+
+
+def test_what_every_rank_does_each_step_is_not_why_the_late_one_is_late():
+    """A GPU job: each rank spends most of each step in forward and backward, and rank 1 also 0.1 s in load_batch.
+    Its samples in its gaps are mostly forward/backward, as are rank 0's in its own: what it did beyond them is
+    load_batch (measured on an H200, the whole gap said "mostly computing, load_batch 23%")."""
+    from distcheck.contract.samples_file import Place
+
+    steps = [1000.0 + i for i in range(10)]
+    load = Place("/w/train.py", 22, "load_batch", "its own code")
+    fwd = Place("/w/train.py", 34, "main", "forward")
+    bwd = Place("/w/train.py", 35, "main", "backward")
+    late = [t + 0.5 + 0.2 for t in steps]  # both compute from the previous collective's end for 0.5 s; 1 also loads
+    mine = [(t + 0.05 + 0.04 * k, fwd if k < 6 else bwd) for t in steps for k in range(12)]  # rank 0: 12 a step
+    theirs = [(t + 0.05 + 0.04 * k, load) for t in steps for k in range(5)]
+    theirs += [(t + 0.25 + 0.04 * k, fwd if k < 6 else bwd) for t in steps for k in range(12)]
+    traces = {0: trace(0, [t + 0.5 for t in steps]), 1: trace(1, late)}
+    s = analyze(traces, {0: sorted(mine), 1: sorted(theirs)})
+    (note,) = s.notes()
+    assert note.ranks == [1]
+    assert ("in those gaps it was mostly in its own code (100%): its main thread was in load_batch (train.py:22, "
+            "its own code) 100% of 45 samples beyond what the others did in theirs") in note.message, note.message
+    top = note.detail["where"]["samples"][0]
+    assert (top["func"], top["samples"], top["beyond"]) == ("load_batch", 45, 45.0)
+    assert s.ranks[1].spent[fwd] > s.ranks[1].spent[load]  # what the whole gap alone would have named
 
 
 def test_the_sampler_names_what_the_stack_is_doing():
