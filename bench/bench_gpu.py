@@ -61,6 +61,39 @@ def tracer_cost(rounds: int = 15, iters: int = 2000) -> dict:
             "median_adds_us": (statistics.median(times["traced"]) - statistics.median(times["plain"])) * 1e6}
 
 
+def tracer_open_ab(rounds: int = 30, iters: int = 2000) -> dict:
+    """What leaving a ring-completed NCCL op's record open without a Python call saves: two wrappers of the same
+    all_reduce in one tracer, one whose cached sig says AFTER_NOTHING (today), one made to say AFTER_EVENT (before:
+    _CudaCompletions.add found the sig among the ring's and returned), against the plain op, alternating rounds."""
+    from distcheck.rank import tracer as trace
+
+    tr = trace.install(tempfile.mkdtemp(), 0)
+    x = torch.ones(1024, device="cuda")
+    plain = dist.all_reduce.__distcheck_original__
+    new = dist.all_reduce
+    keep = trace.AFTER_NOTHING
+    trace.AFTER_NOTHING = trace.AFTER_EVENT  # only while the old-style wrapper describes its call
+    old = tr.wrap(plain, "all_reduce", funcol=False)
+    old(x)
+    trace.AFTER_NOTHING = keep
+    times: dict = {"plain": [], "open": [], "event_then_ring": []}
+    fns = (("plain", plain), ("open", new), ("event_then_ring", old))
+    for _, fn in fns:
+        for _ in range(200):
+            fn(x)
+    for _ in range(rounds):
+        for name, fn in fns:
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                fn(x)
+            times[name].append((time.perf_counter() - t0) / iters)
+            torch.cuda.synchronize()
+    trace.uninstall()
+    return {name: {"fastest_us": min(v) * 1e6, "median_us": statistics.median(v) * 1e6}
+            for name, v in times.items()}
+
+
 def completion() -> dict:
     from distcheck.analysis.trace_events import load_traces
     from distcheck.rank import tracer as trace
@@ -201,8 +234,10 @@ def fingerprint_configs() -> list[dict]:
     named = [(f"t{i}", torch.randn(4096, 4096, device="cuda", generator=gen)) for i in range(16)]
     saved = fk.SPAN, fk.BLOCK, fk.WARPS
     rows = []
-    for span, block, warps in ((1 << 16, 4096, 16), (1 << 16, 8192, 16), (1 << 15, 8192, 16), (1 << 14, 4096, 8),
-                               (1 << 13, 8192, 16), (1 << 17, 4096, 16), (1 << 16, 2048, 8)):
+    for _ in range(50):  # the card's clocks up first: the first setting timed ran 20 to 40% slow otherwise
+        fingerprint_many(named)
+    for span, block, warps in ((1 << 16, 4096, 16), (1 << 16, 2048, 8), (1 << 17, 4096, 16), (1 << 15, 4096, 16),
+                               (1 << 16, 8192, 16), (1 << 16, 4096, 8), (1 << 16, 4096, 16)):
         fk.SPAN, fk.BLOCK, fk.WARPS = span, block, warps
         _timed(lambda: fingerprint_many(named))
         ms = statistics.median(_timed(lambda: fingerprint_many(named)) for _ in range(11)) * 1e3
@@ -306,6 +341,7 @@ def main() -> None:
         return
     _init()
     out = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "tracer": tracer_cost(),
+           "tracer_open_ab": tracer_open_ab(),
            "completion": completion(), "fingerprint_first_call": fingerprint_first_call(),
            "fingerprint_sums_agree": fingerprint_sums_agree(),
            "fingerprint": fingerprints(), "fingerprint_configs": fingerprint_configs(),

@@ -24,8 +24,10 @@ import torch
 
 from distcheck.contract.env import FINGERPRINT_KERNEL
 
-# One program sums SPAN words of one chunk, BLOCK at a time; BLOCK words (64 KiB) in flight per program keep the
-# card's memory busy (bench/bench_gpu.py's fingerprint_configs, on an H200: see docs/performance.md).
+# One program sums SPAN words (512 KiB) of one chunk, BLOCK words (32 KiB) at a time with 16 warps: the fastest
+# of the settings bench/bench_gpu.py's fingerprint_configs tried on an H200 (docs/performance.md, GPU), with
+# (1 << 15 to 1 << 17, 2048 to 4096, 8 to 16) within a few percent of it. One launch for all the device's
+# tensors, after the host described the last: launching every 256 MiB on the way measured the same.
 SPAN = 1 << 16
 BLOCK = 4096
 WARPS = 16
