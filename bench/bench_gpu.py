@@ -1,15 +1,19 @@
 """The CUDA paths on a real GPU (run it where one is: the CPU suite tests these with stand-ins).
 
     python bench/bench_gpu.py                                    # 1 rank on NCCL, in this process
+    python bench/bench_gpu.py --stragglers                       # 2 ranks on this GPU under distcheck run
     python -m distcheck run --nproc 1 -- bench/bench_gpu.py --compiled-ddp    # compiled + DDP under distcheck
 
 In one process with a 1-rank NCCL group: (1) what the tracer adds to a 1024-float all_reduce (the C or Python hot
-path, against the unwrapped function, alternating rounds, fastest of each); (2) CUDA-event completion: a traced
-all_reduce queued behind a long matmul ends when the GPU ran it, not when the call returned; (3) the fingerprint
-pass over about 1 GB of float32 parameters in HBM against one ``torch.sum`` over the same tensors; (4) what
-torch's Flight Recorder holds for NCCL (names, states). With ``--compiled-ddp`` (under ``distcheck run``): a
-compiled fullgraph step with a functional all_reduce and a DDP model train on the GPU; the report's trace then
-names the compiled collective's line and DDP's bucket all-reduce. Prints one JSON line.
+path, against the unwrapped function, alternating rounds, fastest of each), and what leaving a ring-completed op
+open saves (``tracer_open_ab``); (2) CUDA-event completion: a traced all_reduce queued behind a long matmul ends
+when the GPU ran it, not when the call returned; (3) the fingerprint pass: the Triton kernel's sums against
+torch's on tensors of every dtype, its first call's cost, then the pass over about 1 GB of float32 and over 512
+small tensors against one ``torch.sum`` per tensor, and the kernel's settings; (4) what torch's Flight Recorder
+holds for NCCL (names, states). ``--stragglers``: a data-loading and a compute straggler on CUDA tensors
+(bench/_gpu_straggler.py) and what the report names. With ``--compiled-ddp`` (under ``distcheck run``): a compiled
+fullgraph step with a functional all_reduce and a DDP model train on the GPU; the report's trace then names the
+compiled collective's line and DDP's bucket all-reduce. Prints one JSON line. Figures: docs/performance.md, GPU.
 """
 from __future__ import annotations
 
