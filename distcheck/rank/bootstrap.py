@@ -5,23 +5,16 @@ local rank 0) the node watcher.
 """
 from __future__ import annotations
 
-import json
-import logging
 import os
-import signal
 import socket
-import struct
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from distcheck.contract import env as env_names
 from distcheck.contract import watcher_file
 from distcheck.contract.watcher_file import WatcherState
 from distcheck.processes import NODE_WATCHER, ROLE_ENV, agent_pid, alive, launcher_id, restarts_left, start_ticks
-
-log = logging.getLogger("distcheck")
 
 
 def rank_bootstrap(report_dir: str | os.PathLike, timeout: float, native: bool = False,
@@ -74,17 +67,12 @@ def rank_bootstrap(report_dir: str | os.PathLike, timeout: float, native: bool =
 
 
 class NodeWatcher:
-    """The node's watcher as its local rank 0 sees it: the process this rank started (``process``, or ``started``:
-    the one the shared zygote forked for it), or the one an earlier attempt's local rank 0 started for the same
-    torchrun agent (``--max-restarts``)."""
+    """The node's watcher as its local rank 0 sees it: the process this rank started (``process``), or the one an
+    earlier attempt's local rank 0 started for the same torchrun agent (``--max-restarts``)."""
 
-    def __init__(self, report_dir: str | os.PathLike, pid: int, process: subprocess.Popen | None,
-                 started: bool | None = None) -> None:
+    def __init__(self, report_dir: str | os.PathLike, pid: int, process: subprocess.Popen | None) -> None:
         self.report_dir, self.pid, self.process = report_dir, pid, process
         self.ticks = start_ticks(pid)
-        # This rank's to wait for and to end. One the zygote forked is not this rank's child (the zygote reaps it):
-        # like an earlier attempt's, it is known by its pid and start ticks, never a later process with that pid.
-        self.started = process is not None if started is None else started
 
     def running(self) -> bool:
         if self.process is not None:
@@ -99,7 +87,7 @@ class NodeWatcher:
             running = self.running()  # before the read: a watcher that wrote its state and then ended is done
             state = self._done_with(attempt)
             if state is not None:
-                if self.started and not restarts_left():
+                if self.process is not None and not restarts_left():
                     # It ends now (no attempt can follow): this rank stays until it has, so that nothing of
                     # distcheck outlives torchrun.
                     self._wait_end(max(0.0, deadline - time.monotonic()))
@@ -118,30 +106,15 @@ class NodeWatcher:
 
     def stop(self) -> None:
         """End it (``consistency``: its rank 0 wrote the report and the run is over)."""
-        if self.started and self.running():
-            self._signal(signal.SIGTERM)
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
             self._wait_end(5.0)
 
     def _wait_end(self, limit: float) -> None:
-        if self.process is not None:
-            try:
-                self.process.wait(timeout=limit)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-            return
-        deadline = time.monotonic() + limit
-        while self.running() and time.monotonic() < deadline:
-            time.sleep(0.02)
-        self._signal(signal.SIGKILL)
-
-    def _signal(self, sig: int) -> None:
-        if self.process is not None:
-            self.process.send_signal(sig)
-        elif self.running():
-            try:
-                os.kill(self.pid, sig)
-            except ProcessLookupError:
-                pass
+        try:
+            self.process.wait(timeout=limit)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
 
 
 def live_watcher(report_dir: str | os.PathLike) -> WatcherState | None:
@@ -161,9 +134,7 @@ def start_node_watcher(report_dir: str | os.PathLike, timeout: float, native: bo
     """Start the node's watcher process (call from local rank 0 only). It ends by itself when the ranks end (when
     torchrun may restart them, when its agent ends).
 
-    Its own session keeps torchrun's teardown signals from killing it halfway through writing the report. Forked by
-    the shared zygote that forked this rank where there is one (``_fork_from_zygote``: no interpreter start, no
-    imports), a fresh interpreter otherwise: the same process either way.
+    Its own session keeps torchrun's teardown signals from killing it halfway through writing the report.
     """
     cmd = [sys.executable, "-m", "distcheck.supervise.node_watcher", "--report-dir", str(report_dir),
            "--timeout", str(timeout), "--parent", str(os.getpid()), "--agent", str(agent_pid())]
@@ -178,47 +149,6 @@ def start_node_watcher(report_dir: str | os.PathLike, timeout: float, native: bo
     cmd += ["--log", str(Path(report_dir) / f"watcher-{socket.gethostname()}.log")]
     # stdout/stderr: the rank's, i.e. the job's console, where the report is printed; the log goes to a file.
     # Its role keeps the ranks' own sweeps (runtime.end_processes) from ending it with the script's processes.
-    env = {**os.environ, ROLE_ENV: NODE_WATCHER}
-    pid = _fork_from_zygote(cmd[1:], env)
-    if pid is not None:
-        return NodeWatcher(report_dir, pid, None, started=True)
-    process = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, start_new_session=True, close_fds=True, env=env)
+    process = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, start_new_session=True, close_fds=True,
+                               env={**os.environ, ROLE_ENV: NODE_WATCHER})
     return NodeWatcher(report_dir, process.pid, process)
-
-
-def _fork_from_zygote(args: list[str], env: dict[str, str], timeout: float = 30.0) -> int | None:
-    """The pid of ``python ARGS`` forked by the shared zygote that forked this rank, or None (a fresh interpreter).
-
-        DISTCHECK_ZYGOTE=/tmp/dc/zygote.sock torchrun --nproc-per-node 2 -m distcheck run -- train.py
-
-    Asked for as supervise/zygote.py's protocol says (its module docstring; a rank may not import supervisor code):
-    detached, so that it outlives this rank and its connection as a Popen'd watcher does, in a session of its own,
-    stdin /dev/null, stdout and stderr this rank's, ``env`` for its environment. Only where this rank's ptracer is
-    that zygote (zygote.stand_in forks torchrun's ranks so): the watcher then descends from the process the ranks
-    let read their stacks under Yama ptrace_scope=1, and lives in their namespaces (hostname, mounts).
-    """
-    path = os.environ.get(env_names.ZYGOTE, "")
-    if path in ("", "0", "1") or sys.platform != "linux" or env_names.AGENT_PID not in os.environ:
-        return None
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    sock.settimeout(timeout)
-    try:
-        ptracer = int(os.environ.get(env_names.PTRACER) or os.getppid())  # as stack_hooks.install_rank_hooks does
-        sock.connect(path)
-        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-        if struct.unpack("3i", creds)[0] != ptracer:  # the pid that listens on the socket: the zygote's
-            return None
-        stdin = os.open(os.devnull, os.O_RDONLY)
-        try:
-            request = {"args": list(args), "env": env, "cwd": os.getcwd(), "fds": [0, 1, 2], "new_session": True,
-                       "unbuffered": False, "detached": True}
-            socket.send_fds(sock, [json.dumps(request).encode()], [stdin, 1, 2])
-        finally:
-            os.close(stdin)
-        return int(json.loads(sock.recv(1 << 16))["pid"])
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        log.warning("distcheck: the zygote at %s did not start the node watcher (%s); starting a fresh one", path,
-                    exc)
-        return None
-    finally:
-        sock.close()

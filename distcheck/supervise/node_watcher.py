@@ -8,11 +8,10 @@ holds the GIL in native code. So local rank 0 starts this small process (distche
 the node's ranks from the ``stackhook-pid*.json`` files they write, runs the one watch loop over their traces,
 and on a hang dumps them, writes the report and ends them (torchrun then ends the other nodes). The ranks name
 their parent (torchrun's agent) as ptracer, and the watcher is a descendant of it, so the dump works under Yama
-ptrace_scope=1; ranks a shared zygote forked (zygote.stand_in) name the zygote, which then forks the watcher too
-(bootstrap.start_node_watcher), with nothing to import. It ends by itself once the node's ranks have ended, and
-ends what they left on this node first: the processes they started that still run (a helper in a session of its
-own, a stuck DataLoader worker), found by the ranks' process trees as it watched them and by the run's id in their
-environment (supervise/procs.RunTree), so that nothing of the job holds its console open after torchrun exits.
+ptrace_scope=1. It ends by itself once the node's ranks have ended, and ends what they left on this node first:
+the processes they started that still run (a helper in a session of its own, a stuck DataLoader worker), found
+by the ranks' process trees as it watched them and by the run's id in their environment (supervise/procs.RunTree),
+so that nothing of the job holds its console open after torchrun exits.
 
 Whatever ends the watch (a hang, a stop signal, the ranks ending by themselves, rank 0 dying before its own report,
 node 0 gone), the report takes one path: what the watch found goes into one typed record, composed into the report

@@ -16,16 +16,13 @@ different set order per rank shows only without it.
 
 Protocol, over a Unix SOCK_SEQPACKET socket (one message per request or reply, so the descriptors sent with a
 request cannot straddle two): request ``{"args": [...], "env": {...}, "cwd": str, "fds": [targets],
-"new_session": bool, "unbuffered": bool, "detached": bool}``, where args is what follows the interpreter
-(``-m MODULE ...`` or ``SCRIPT ...``) and unbuffered is ``python -u``, with the descriptors to install at those
-numbers (stdin, stdout, stderr, then any ``pass_fds``) -> reply ``{"pid": int}``;
+"new_session": bool, "unbuffered": bool}``, where args is what follows the interpreter (``-m MODULE ...`` or
+``SCRIPT ...``) and unbuffered is ``python -u``, with the descriptors to install at those numbers (stdin, stdout,
+stderr, then any ``pass_fds``) -> reply ``{"pid": int}``;
 later, unprompted, ``{"exit": pid, "code": int}`` when the process ends (negative: killed by that signal). A
 connection owns the processes it asked for: when it closes (its launcher ended or was killed) the zygote SIGKILLs
 those still running, as PR_SET_PDEATHSIG does for ranks a launcher starts itself; and every one dies with the
-zygote. Except with ``"detached": true``, which a torchrun rank's node watcher asks for (rank/bootstrap.py,
-start_node_watcher): like ``Popen(start_new_session=True)`` it outlives whoever asked for it (local rank 0, which
-torchrun stops and restarts) and the zygote too; the zygote still reaps it, and reports its exit while the
-connection lasts. The zygote is single-threaded (a select loop), so nothing holds a lock when it forks.
+zygote. The zygote is single-threaded (a select loop), so nothing holds a lock when it forks.
 """
 from __future__ import annotations
 
@@ -62,11 +59,7 @@ PRELOAD = ("torch", "torch.distributed", "torch.distributed.tensor", "torch.dist
            "distcheck.supervise.supervised_run", "distcheck.supervise.node_report", "distcheck.analysis.stragglers",
            "distcheck.analysis.torch_errors", "distcheck.checks.placement", "distcheck.checks.mesh",
            "distcheck.checks.replicas", "distcheck.rank.sampler", "distcheck.rank.records",
-           "distcheck.rank.group_keepalive", "distcheck.rank.stderr_tee", "distcheck.rank.store_host",
-           # What the node watcher a torchrun rank has the zygote fork imports (rank/bootstrap.py,
-           # start_node_watcher); not the module itself, which runpy then runs with a RuntimeWarning on the console.
-           "distcheck.supervise.node_exchange", "distcheck.supervise.live_stragglers", "distcheck.supervise.procs",
-           "distcheck.supervise.watch")
+           "distcheck.rank.group_keepalive", "distcheck.rank.stderr_tee", "distcheck.rank.store_host")
 
 _MAX_MESSAGE = 1 << 20  # a request carries the rank's environment: a few kB
 _MAX_FDS = 16
@@ -111,8 +104,7 @@ def _child(request: dict, fds: list[int], server_fds: list[int], server_env: dic
     signal.signal(signal.SIGINT, signal.default_int_handler)
     if request.get("new_session"):
         os.setsid()  # like Popen(start_new_session=True): a group kill reaches its own children too
-    if not request.get("detached"):
-        die_with_parent()  # die with the zygote (which ends the processes of a launcher that dies)
+    die_with_parent()  # die with the zygote (which ends the processes of a launcher that dies)
     _install_fds(fds, request["fds"])
     os.environ.clear()
     os.environ.update(request["env"])
@@ -220,9 +212,8 @@ def serve(listener: socket.socket, private: bool = False) -> None:
                 _child(request, fds, [listener.fileno(), *(c.fileno() for c in owned)], server_env)
             for fd in fds:
                 os.close(fd)
-            if not request.get("detached"):  # a detached one (the node watcher) outlives its connection
-                owned[sock].add(pid)
-            owner[pid] = sock  # reaped by this loop whatever happens to the connection
+            owned[sock].add(pid)
+            owner[pid] = sock
             _send(sock, {"pid": pid})
         while owner:
             try:

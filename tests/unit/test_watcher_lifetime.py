@@ -6,9 +6,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import threading
-
-import pytest
 
 from distcheck.contract import stack_hook_file, watcher_file
 from distcheck.contract.stack_hook_file import HookInfo
@@ -100,80 +97,3 @@ def test_a_change_of_membership_is_a_new_attempt_under_the_same_count(tmp_path):
     assert NodeWatcher(tmp_path, me, None).outcome(1, limit=0.3) is None  # the earlier membership's: waits
     watcher_file.write(tmp_path, WatcherState(me, start_ticks(me), "a", watching=1, reported=1, code=0, ranks=[me]))
     assert NodeWatcher(tmp_path, me, None).outcome(1, limit=5.0) == 0
-
-
-def _fake_zygote(tmp_path):
-    """A socket this process listens on, where DISTCHECK_ZYGOTE names a shared zygote's: its peer is this pid."""
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    listener.bind(str(tmp_path / "zygote.sock"))
-    listener.listen(4)
-    listener.settimeout(10.0)
-    return listener
-
-
-def test_a_rank_the_zygote_did_not_fork_starts_its_watcher_as_a_fresh_interpreter(tmp_path, monkeypatch):
-    """Only the zygote that is the ranks' ptracer forks the watcher: the ranks let it (and what descends from it)
-    read their stacks under Yama ptrace_scope=1, and its children live in its namespaces (hostname, mounts)."""
-    from distcheck.contract import env
-    from distcheck.rank.bootstrap import _fork_from_zygote
-
-    listener = _fake_zygote(tmp_path)
-    try:
-        monkeypatch.setenv(env.AGENT_PID, str(os.getpid()))
-        monkeypatch.delenv(env.PTRACER, raising=False)  # the ptracer is then the parent: not this process
-        for setting in ("0", "1", ""):
-            monkeypatch.setenv(env.ZYGOTE, setting)
-            assert _fork_from_zygote(["-m", "x"], {}) is None
-        monkeypatch.setenv(env.ZYGOTE, str(tmp_path / "zygote.sock"))
-        assert _fork_from_zygote(["-m", "x"], {}) is None
-        conn, _ = listener.accept()  # it asked who listens, and sent nothing
-        with conn:
-            assert conn.recv(1 << 16) == b""
-        monkeypatch.delenv(env.AGENT_PID)  # not forked on a torchrun stand-in's behalf: it does not even ask
-        monkeypatch.setenv(env.PTRACER, str(os.getpid()))
-        assert _fork_from_zygote(["-m", "x"], {}) is None
-        listener.settimeout(0.0)
-        with pytest.raises(BlockingIOError):
-            listener.accept()
-    finally:
-        listener.close()
-
-
-def test_the_watcher_is_asked_for_detached_in_a_session_of_its_own_with_stdin_devnull(tmp_path, monkeypatch):
-    """What the rank asks the zygote for (supervise/zygote.py's protocol): a process no connection owns, so that
-    neither the rank's death nor its connection's end kills it; the rank's stdout and stderr, /dev/null for stdin."""
-    from distcheck.contract import env
-    from distcheck.rank.bootstrap import _fork_from_zygote
-
-    listener = _fake_zygote(tmp_path)
-    seen: dict = {}
-
-    def serve_one() -> None:
-        conn, _ = listener.accept()
-        with conn:
-            data, fds, _, _ = socket.recv_fds(conn, 1 << 20, 16)
-            seen["request"] = json.loads(data)
-            seen["fds"] = [(os.fstat(fd).st_dev, os.fstat(fd).st_ino, os.fstat(fd).st_rdev) for fd in fds]
-            for fd in fds:
-                os.close(fd)
-            conn.send(json.dumps({"pid": 4321}).encode())
-
-    thread = threading.Thread(target=serve_one, daemon=True)
-    thread.start()
-    try:
-        monkeypatch.setenv(env.AGENT_PID, str(os.getpid()))
-        monkeypatch.setenv(env.PTRACER, str(os.getpid()))  # this process plays the zygote the rank names
-        monkeypatch.setenv(env.ZYGOTE, str(tmp_path / "zygote.sock"))
-        assert _fork_from_zygote(["-m", "distcheck.supervise.node_watcher", "--timeout", "5"], {"A": "1"}) == 4321
-        thread.join(timeout=10)
-    finally:
-        listener.close()
-    request = seen["request"]
-    assert request["args"] == ["-m", "distcheck.supervise.node_watcher", "--timeout", "5"]
-    assert request["env"] == {"A": "1"} and request["fds"] == [0, 1, 2] and request["cwd"] == os.getcwd()
-    assert (request["detached"], request["new_session"], request["unbuffered"]) == (True, True, False)
-    devnull = os.stat(os.devnull)
-    stdin, stdout, stderr = seen["fds"]
-    assert stdin == (devnull.st_dev, devnull.st_ino, devnull.st_rdev)
-    assert stdout[:2] == (os.fstat(1).st_dev, os.fstat(1).st_ino)  # the rank's: the job's console
-    assert stderr[:2] == (os.fstat(2).st_dev, os.fstat(2).st_ino)
