@@ -10,6 +10,7 @@ Run without torchrun it is a 1-rank check, and the report says which checks mean
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 from pathlib import Path
@@ -139,10 +140,15 @@ def _run(opts: ConsistencyOptions, session: runtime.Session, check_options: cons
             raise
         except consistency.Terminated:
             behind = consistency.ranks_behind(session)
+            gone = [] if behind else _ranks_gone(report_dir, session.rank)
             why = "torchrun stopped this rank (SIGTERM), typically because another rank exited"
             if behind:
                 why += f"; rank {session.rank} was waiting for rank(s) {','.join(map(str, behind))}, which never " \
                        f"arrived (see torchrun's output for their exit code)"
+            elif gone:  # stopped before it waited for anyone (a slow rank 0): who had died is still known here
+                why += f"; rank(s) {','.join(map(str, gone))} on this host had exited before rank {session.rank} " \
+                       f"reached the check's exchange (see torchrun's output for their exit code)"
+                behind = gone
             report = consistency.interrupted_report(session, check_options, ctx, current["check"], why, behind)
             if session.rank == 0:
                 watched = _watchdog_report(report_dir)
@@ -161,6 +167,23 @@ def _run(opts: ConsistencyOptions, session: runtime.Session, check_options: cons
         return report.exit_code
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def _ranks_gone(report_dir: Path, rank: int) -> list[int]:
+    """The other ranks of this torchrun attempt on this host whose process has ended without its normal end: a rank
+    removes its stack-hook file when it ends normally, so a hook file whose process is gone is a rank that died."""
+    import socket
+
+    from distcheck.contract import stack_hook_file
+    from distcheck.processes import agent_pid, alive
+
+    if "TORCHELASTIC_RUN_ID" not in os.environ:  # only torchrun's agent tells this job's hook files from stale ones
+        return []
+    host, agent = socket.gethostname(), agent_pid()
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "")
+    return sorted({h.rank for h in stack_hook_file.read_all(report_dir)
+                   if h.rank != rank and h.host == host and h.agent == agent
+                   and h.launch.get("TORCHELASTIC_RESTART_COUNT", "") == attempt and not alive(h.pid)})
 
 
 def _watchdog_report(report_dir: Path) -> Report | None:

@@ -142,12 +142,18 @@ def test_ddp_unused_head_is_one_translated_failure(tmp_path, line_of):
     assert "Parameter indices" not in f["message"] and "Parameter indices" in f["detail"]["error"]
 
 
-def test_rank_crash_keeps_the_report(tmp_path):
-    res, report = consistency_run(tmp_path, "--model", f"{FIXTURES}/model_rank_crash.py:build", "--timeout", "30")
+@pytest.mark.parametrize("slow_rank0", [False, True], ids=["rank0-waits", "rank0-not-there-yet"])
+def test_rank_crash_keeps_the_report(tmp_path, slow_rank0):
+    res, report = consistency_run(tmp_path, "--model", f"{FIXTURES}/model_rank_crash.py:build", "--timeout", "30",
+                                  env={"SLOW_RANK0": "1"} if slow_rank0 else None)
     assert res.returncode != 0
     [f] = report["findings"]
     assert f["kind"] == "rank_failure" and f["ranks"] == [1], f
-    assert f["detail"]["check"] == "model_consistency" and "rank 0 was waiting for rank(s) 1" in f["message"]
+    # Rank 0 waited for rank 1 in the check's exchange, or (a slow rank 0 on a loaded machine) had not reached it
+    # yet: then rank 1's stack-hook file, left by a rank that died, names it.
+    assert f["detail"]["check"] == "model_consistency" and f["detail"]["suspect_ranks"] == [1]
+    assert ("rank 0 was waiting for rank(s) 1" in f["message"] and not slow_rank0
+            or "rank(s) 1 on this host had exited before rank 0 reached" in f["message"]), f["message"]
     status = {c["name"]: c["ok"] for c in report["checks"]}
     assert status["environment"] and status["collectives"] and not status["model_consistency"]
 
