@@ -72,7 +72,9 @@ def tee_stderr(report_dir: str | os.PathLike, rank: int) -> Path | None:
 
     global _tee
     if _tee is not None:
-        return None
+        if _tee.poll() is None:
+            return None
+        _tee = None  # a copier inherited from the process this one was forked from, or one that died: a new one
     path = files.rank_file(report_dir, "stderr", rank)
     try:
         sys.stderr.flush()
@@ -88,7 +90,8 @@ def tee_stderr(report_dir: str | os.PathLike, rank: int) -> Path | None:
                                     start_new_session=True, env={**os.environ, ROLE_ENV: STDERR_COPY})
         finally:
             os.close(console)
-    except OSError:
+    except OSError as exc:  # the rank keeps its plain stderr; its reports quote no stderr tail
+        sys.stderr.write(f"distcheck: rank {rank}: no copy of its stderr in {path} ({exc})\n")
         return None
     try:
         import fcntl
