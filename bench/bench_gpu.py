@@ -131,7 +131,7 @@ def _timed(fn) -> float:
 
 
 def _torch_path():
-    """fingerprint_many with the Triton kernel left out (what DISTCHECK_FINGERPRINT_KERNEL=torch does)."""
+    """fingerprint_many with the Triton kernel left out (the default: DISTCHECK_FINGERPRINT_KERNEL unset)."""
     from distcheck.checks import fingerprint_kernel
 
     class TorchPath:
@@ -334,6 +334,7 @@ def main() -> None:
     parser.add_argument("--compiled-ddp", action="store_true")
     parser.add_argument("--stragglers", action="store_true", help="only the 2-rank straggler runs on this GPU")
     args = parser.parse_args()
+    os.environ.setdefault("DISTCHECK_FINGERPRINT_KERNEL", "triton")  # the kernel is opt-in; this measures it
     if not torch.cuda.is_available() or not dist.is_nccl_available():
         print("bench_gpu: no CUDA GPU with NCCL here: skipped (docs/performance.md's GPU figures come from a lent machine)")
         return
