@@ -74,8 +74,8 @@ def fingerprint(t: torch.Tensor) -> Fingerprint | None:
 
 def fingerprint_many(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, Fingerprint]:
     """Fingerprints of many tensors with a single device-to-host copy per device at the end (of the sums alone).
-    CUDA tensors' sums come from one Triton launch per device where Triton is there (checks/fingerprint_kernel.py);
-    the rest from torch's integer sums. Both give the same integers."""
+    With DISTCHECK_FINGERPRINT_KERNEL=triton, CUDA tensors' sums come from one Triton launch per device
+    (checks/fingerprint_kernel.py); the rest, and all by default, from torch's integer sums: the same integers."""
     pending: list[tuple[str, torch.Tensor, tuple[int, ...], int, int]] = []
     parts: dict[torch.device, list[tuple[int, int, list[torch.Tensor]]]] = {}  # device -> torch's (slot, n, sums)
     rows: dict[torch.device, list[tuple[int, int, int, int]]] = {}  # device -> the kernel's rows, one a tensor
