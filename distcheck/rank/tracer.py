@@ -85,7 +85,7 @@ log = logging.getLogger("distcheck")
 # What the wrapper does once a synchronous op returned (the second item of a cached sig; _tracefast.c encodes it in
 # the slot it returns: slot, -slot, -(slot + OPEN_BIAS)): write its end now, record a CUDA event for it, or nothing
 # (a synchronous NCCL op whose end NCCL's ring records: no Python call at all on that path).
-AFTER_END, AFTER_EVENT, AFTER_NOTHING = 0, 1, 2
+AFTER_END, AFTER_EVENT, AFTER_NOTHING = 0, 1, 2  # AFTER_END must stay 0: the wrapper tests it as a falsy int
 OPEN_BIAS = 1 << 40
 
 ENV_REPORT_DIR = env.REPORT_DIR
@@ -756,7 +756,7 @@ class Tracer:
                 return fn(*args, **kwargs)
             eid = begin(args, kwargs) if begin is not None else None
             if type(eid) is int:  # the C path stored the start: the call's slot, negative for GPU tensors
-                after = AFTER_END
+                after = 0  # AFTER_END, as a constant: this is the CPU collective's hot path
                 if eid < 0:
                     eid, after = -eid, AFTER_EVENT
                     if eid >= OPEN_BIAS:
@@ -809,7 +809,7 @@ class Tracer:
                 raise
             try:  # the op has run: nothing may turn its result into an exception now
                 if result is None and not funcol:
-                    if after == AFTER_END:
+                    if not after:  # AFTER_END
                         if end is not None:
                             end(eid)
                         else:
