@@ -132,15 +132,11 @@ def _timed(fn) -> float:
 
 def _torch_path():
     """fingerprint_many with the Triton kernel left out (the default: DISTCHECK_FINGERPRINT_KERNEL unset)."""
+    from unittest import mock
+
     from distcheck.checks import fingerprint_kernel
 
-    class TorchPath:
-        def __enter__(self):
-            self.saved = fingerprint_kernel.rows_for
-            fingerprint_kernel.rows_for = lambda *a: None
-        def __exit__(self, *exc):  # noqa: E301
-            fingerprint_kernel.rows_for = self.saved
-    return TorchPath()
+    return mock.patch.object(fingerprint_kernel, "rows_for", lambda *a: None)
 
 
 _FIRST_CALL = """

@@ -79,7 +79,6 @@ def fingerprint_many(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, Fin
     pending: list[tuple[str, torch.Tensor, tuple[int, ...], int, int]] = []
     parts: dict[torch.device, list[tuple[int, int, list[torch.Tensor]]]] = {}  # device -> torch's (slot, n, sums)
     rows: dict[torch.device, list[tuple[int, int, int, int]]] = {}  # device -> the kernel's rows, one a tensor
-    slots: dict[torch.device, list[tuple[int, int]]] = {}  # device -> (first slot, n) the kernel fills
     held: list[torch.Tensor] = []  # the kernel reads by address: the tensors it reads live until it is queued
     count = 0  # sums so far: where each tensor's sums start in the concatenation
     with torch.no_grad():  # plain views of parameters, no autograd bookkeeping (and no detach() per tensor)
@@ -96,9 +95,7 @@ def fingerprint_many(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, Fin
                     src = src.clone()
                 row = fingerprint_kernel.rows_for(src, bounds, count)
                 if row is not None:
-                    device = src.device
-                    rows.setdefault(device, []).append(row)
-                    slots.setdefault(device, []).append((count, n))
+                    rows.setdefault(src.device, []).append(row)
                     held.append(src)
                 else:
                     parts.setdefault(src.device, []).append((count, n, _sums(src.view(-1), bounds)))
@@ -109,7 +106,8 @@ def fingerprint_many(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, Fin
             from_kernel = [fingerprint_kernel.launch(rows[device], count, device)] if device in rows else []
             theirs = parts.get(device, [])
             got = torch.cat(from_kernel + [s for _, _, sums in theirs for s in sums]).tolist()  # its one copy
-            for first, n in slots.get(device, ()):
+            for _, words, per_chunk, first in rows.get(device, ()):  # the row's chunks: its slots from first
+                n = -(-words // per_chunk)
                 values[first:first + n] = got[first:first + n]
             at = count if from_kernel else 0
             for first, n, _ in theirs:

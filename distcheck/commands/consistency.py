@@ -175,15 +175,14 @@ def _ranks_gone(report_dir: Path, rank: int) -> list[int]:
     import socket
 
     from distcheck.contract import stack_hook_file
-    from distcheck.processes import agent_pid, alive
+    from distcheck.processes import agent_pid, alive, restart_count
 
     if "TORCHELASTIC_RUN_ID" not in os.environ:  # only torchrun's agent tells this job's hook files from stale ones
         return []
-    host, agent = socket.gethostname(), agent_pid()
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "")
+    host, agent, attempt = socket.gethostname(), agent_pid(), restart_count()
     return sorted({h.rank for h in stack_hook_file.read_all(report_dir)
                    if h.rank != rank and h.host == host and h.agent == agent
-                   and h.launch.get("TORCHELASTIC_RESTART_COUNT", "") == attempt and not alive(h.pid)})
+                   and restart_count(h.launch) == attempt and not alive(h.pid)})
 
 
 def _watchdog_report(report_dir: Path) -> Report | None:
