@@ -32,7 +32,7 @@ from distcheck.supervise.stacks import (DEFAULT_DUMP_TIMEOUT, DumpError, DumpRes
 log = logging.getLogger("distcheck")
 
 
-FLIGHT_WAIT = 2.0  # a rank's thread answers within its 0.5 s poll plus the dump (tens of ms for 10k entries)
+FLIGHT_WAIT = 2.0  # a rank's thread answers within its 0.1 s poll plus the dump (tens of ms for 10k entries)
 
 
 def request_flight_dumps(report_dir: str | os.PathLike) -> float:

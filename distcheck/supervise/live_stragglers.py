@@ -5,11 +5,12 @@
 The report's stragglers part (analysis/stragglers.py) comes at the end, from whole traces. A long job should show
 it before that. Every LOOK_S the supervisor reads each rank's ``flight-rank<R>.status`` (contract/
 flight_status_file.py: how many collectives each of its process groups enqueued, DDP's buckets and compiled graphs
-included, rewritten by the rank twice a second). A rank whose count in some group is below a peer's has not reached
-the collective that peer entered: the peer waits for it. When one rank, and only that rank, is behind at 70% of the
-last LOOKS looks (10 s by default), and it moved at least twice meanwhile (a rank that does not move is stuck: the
-watch loop's hang), the supervisor logs one line naming it. Once per rank per run; DISTCHECK_STRAGGLER_LOOKS sets LOOKS ("0":
-no line). Without the Flight Recorder's counters (DISTCHECK_FLIGHT_RECORDER=0) there is nothing to look at.
+included, rewritten by the rank within 0.1 s of a change). A rank whose count in some group is below a peer's has
+not reached the collective that peer entered: the peer waits for it. When one rank, and only that rank, is behind
+at 70% of the last LOOKS looks (10 s by default), and it moved at least twice meanwhile (a rank that does not move
+is stuck: the watch loop's hang), the supervisor logs one line naming it. Once per rank per run;
+DISTCHECK_STRAGGLER_LOOKS sets LOOKS ("0": no line). Without the Flight Recorder's counters
+(DISTCHECK_FLIGHT_RECORDER=0) there is nothing to look at.
 
 A node's supervisor sees its own ranks: a straggler on another node shows on that node's console.
 """
@@ -43,8 +44,8 @@ def behind(enqueued: Mapping[int, Mapping[str, int]]) -> set[int]:
     return late
 
 
-# Of the last LOOKS looks, at least this share must find the same rank alone behind: the rank files are rewritten
-# twice a second each, at their own moments, so on a loaded machine a look now and then sees both at one count.
+# Of the last LOOKS looks, at least this share must find the same rank alone behind: each rank file is rewritten
+# within 0.1 s of a change, at the rank's own moments, so on a loaded machine a look now and then sees both level.
 SHARE = 0.7
 
 
