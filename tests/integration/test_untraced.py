@@ -202,11 +202,15 @@ def test_a_user_comm_hook_keeps_working_and_ddp_numerics_stay_bitwise(tmp_path, 
     ddp_buffers_ok's)."""
     hook_line = line_of("ddp_comm_hook.py", "the hook's own all-reduce")
     plain, ours = tmp_path / "plain.pt", tmp_path / "ours.pt"
-    res = plain_ranks([str(FIXTURES / "ddp_comm_hook.py"), "--hook", "--out", str(plain)], timeout=60)
     # The baseline is the parameters it saved: plain ranks now and then abort or stall in torch's gloo teardown
     # after the script ("terminate called without an active exception", docs/hangs-and-faults.md, "Crashes and
-    # teardown"), which distcheck's ranks avoid (rank/group_keepalive.py) and plain_ranks ends by its timeout.
-    assert plain.exists(), res.output
+    # teardown"), which distcheck's ranks avoid (rank/group_keepalive.py): a stalled one is ended by the timeout,
+    # and its saved parameters still count.
+    try:
+        said = plain_ranks([str(FIXTURES / "ddp_comm_hook.py"), "--hook", "--out", str(plain)], timeout=20).output
+    except AssertionError as exc:  # plain_ranks' timeout
+        said = str(exc)
+    assert plain.exists(), said
     res, report, out = run_fixture(tmp_path / "r", "ddp_comm_hook.py", "--hook", "--out", str(ours))
     assert res.returncode == 0 and report["ok"], res.output
     a, b = torch.load(plain), torch.load(ours)
