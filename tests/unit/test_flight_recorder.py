@@ -168,6 +168,19 @@ def test_a_compiled_collective_compiles_under_the_tracer(fake_world, tmp_path):
     torch._dynamo.reset()
 
 
+def test_a_compile_session_or_an_export_runs_torchs_own_function_untraced(fake_world, tmp_path, monkeypatch):
+    """What torch.compiler.is_compiling() says True to beyond Dynamo (a compile session, torch.export's non-strict
+    tracing, which runs the wrapper as plain Python): the wrapper steps aside there too, and says so by recording
+    nothing."""
+    trace.install(tmp_path, 0)
+    monkeypatch.setattr(torch.compiler, "_is_compiling_flag", True)
+    dist.all_reduce(torch.ones(4))
+    monkeypatch.setattr(torch.compiler, "_is_compiling_flag", False)
+    dist.all_reduce(torch.ones(4))  # eager again: traced
+    trace.uninstall()
+    assert len(load_traces(tmp_path)[0].events) == 1
+
+
 def test_a_collective_called_through_a_library_names_the_users_line_and_the_library_call(fake_world, tmp_path,
                                                                                           line_of):
     lib = tmp_path / "venv" / "lib" / "python3.11" / "site-packages" / "fakelib"
