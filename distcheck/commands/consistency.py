@@ -98,6 +98,11 @@ def main(args: argparse.Namespace) -> int:
     finally:
         from distcheck.rank import tracer as trace
 
+        # The run is over: nothing left to watch. The watcher goes first: once rank 0's hook file is gone it counts
+        # rank 0 as ended, and a rank 0 that ended with no report (bad --model found mid-run, which removes it) was
+        # reported by the watcher as "rank 0 ended before writing the report" when it looked in between.
+        if watcher is not None:
+            watcher.stop()
         trace.uninstall()
         if report_dir is not None:  # this rank's hook file, empty dump files and progress counter are not artifacts
             from distcheck.contract import files
@@ -105,8 +110,6 @@ def main(args: argparse.Namespace) -> int:
 
             remove_rank_hooks(report_dir, session.rank)
             files.rank_file(report_dir, "flight_status", session.rank).unlink(missing_ok=True)
-        if watcher is not None:
-            watcher.stop()  # the run is over: nothing left to watch
         runtime.stop(session)
 
 
