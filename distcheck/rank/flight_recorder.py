@@ -20,8 +20,10 @@ and the supervisor needs:
   Once a DDP model exists, a run line also holds each of the graph's groups' count of collectives so far: DDP's
   bucket all-reduces are in no line, and the count numbers the run's collectives as the peers' rings do.
 * **liveness**: a daemon thread reads the per-group counters of enqueued and completed collectives every
-  ``POLL_S`` (a 43 µs call that skips the entries) and rewrites ``flight-rank<R>.status`` when they move, so the
-  watch loop counts a loop that only runs DDP's all-reduces as progress instead of declaring it hung.
+  ``POLL_S`` (0.1 s; a 43 µs call that skips the entries) and, when they moved, rewrites ``flight-rank<R>.status``
+  at most every ``WRITE_S`` (0.5 s) with its recent looks and their times (contract/flight_status_file.py), so the
+  watch loop counts a loop that only runs DDP's all-reduces as progress instead of declaring it hung, and the live
+  straggler look compares the ranks' counts at one moment.
 * **dumps**: the ring, the phases and the group names go to ``flight-rank<R>.json`` when the script ends, when it
   raises, and when the supervisor asks (``flight-request``: the same thread answers it while the main thread is
   stuck in a collective).
@@ -60,11 +62,11 @@ log = logging.getLogger("distcheck")
 ENV_ENABLE = env.FLIGHT_RECORDER
 ENV_BUFFER = "TORCH_FR_BUFFER_SIZE"
 DEFAULT_ENTRIES = 10000  # 200 to 1000 DDP steps; a few MB of the rank's memory, a 0.35 s dump on gloo
-# Ten times a second: the live straggler look compares two ranks' counts from files written at each rank's own
-# moments, and a step shorter than the poll made a slow rank look level or ahead at a quarter of the looks (a
-# simulation of 0.26 s steps: 27% of runs unnamed at 0.5 s, 0.3% at 0.1 s). A poll reads the counters in 43 µs
-# on gloo (JSON included, 2026-11-27): 0.04% of a core.
-POLL_S = 0.1
+# Ten looks a second, two writes at most: the live straggler look compares ranks' counts at one moment, and counts
+# half a second apart, in steps shorter than that, made a slow rank look level or ahead at a quarter of the looks
+# (a simulation of 0.26 s steps: 27% of runs unnamed with 0.5 s looks, 0.3% with 0.1 s). A look reads the counters
+# in 43 µs on gloo (JSON included, 2026-11-27): 0.04% of a core. The file is rewritten no oftener than before.
+POLL_S = flight_status_file.POLL_S
 _PHASE_LIMIT = 4096  # phases kept: each names the entries created while it was open, older ones are gone anyway
 _GRAPH_LIMIT = 1024
 
@@ -589,7 +591,8 @@ def _dump(report_dir: str | os.PathLike, rank: int, reason: str) -> bool:
 
 
 class Sink:
-    """The rank's daemon thread: rewrites the status file when the counters move, answers dump requests."""
+    """The rank's daemon thread: looks at the counters, rewrites the status file when they moved (at most every
+    WRITE_S, with the looks of the last HISTORY_S), answers dump requests."""
 
     def __init__(self, report_dir: str | os.PathLike, rank: int) -> None:
         self.report_dir = Path(report_dir)
@@ -597,7 +600,9 @@ class Sink:
         self.status_path = files.rank_file(report_dir, "flight_status", rank)
         self.request_path = self.report_dir / files.FLIGHT_REQUEST
         self._stop = threading.Event()
-        self._last: dict[str, tuple[int, int]] | None = None
+        self._last: dict[str, tuple[int, int]] | None = None  # what the file says
+        self._written = 0.0
+        self._looks: list[tuple[float, dict[str, int]]] = []  # (time, enqueued counts) at each change, oldest first
         self._answered = time.time()  # a request left in a reused report dir is not for this run
         self._thread = threading.Thread(target=self._run, name="distcheck-flight", daemon=True)
 
@@ -607,16 +612,16 @@ class Sink:
     def stop(self) -> None:
         self._stop.set()
 
-    def poll(self) -> None:
+    def poll(self, now: float | None = None) -> None:
+        now = time.time() if now is None else now
         status = read_status()
-        if status and status != self._last:
-            self._last = status
-            _group_names()  # new groups since the last poll: remembered before the script destroys them
-            try:  # one small write; the watch loop reads the progress (files.flight_progress), the live straggler
-                # look the groups' counts (contract/flight_status_file.py)
-                self.status_path.write_text(flight_status_file.text(status))
-            except OSError:
-                pass
+        if status:
+            counts = {g: e for g, (e, _) in status.items()}
+            if not self._looks or self._looks[-1][1] != counts:
+                self._looks.append((now, counts))
+                _group_names()  # new groups since the last look: remembered before the script destroys them
+            if status != self._last and now - self._written >= flight_status_file.WRITE_S:
+                self._write(status, now)
         try:
             asked = self.request_path.stat().st_mtime
         except OSError:
@@ -624,6 +629,19 @@ class Sink:
         if asked > self._answered:
             self._answered = asked
             dump(self.report_dir, self.rank, "requested")
+
+    def _write(self, status: dict[str, tuple[int, int]], now: float) -> None:
+        """One small write: the watch loop reads the progress (files.flight_progress), the live straggler look the
+        looks, the last of them at this moment (contract/flight_status_file.py)."""
+        recent = [i for i, (t, _) in enumerate(self._looks) if t >= now - flight_status_file.HISTORY_S]
+        # the counts the window starts with: the last change before it
+        del self._looks[:max(0, (recent[0] if recent else len(self._looks)) - 1)]
+        self._last, self._written = status, now
+        try:
+            last = [(now, self._looks[-1][1])] if self._looks[-1][0] < now else []  # the counts still hold now
+            self.status_path.write_text(flight_status_file.text(status, self._looks + last))
+        except OSError:
+            pass
 
     def _run(self) -> None:
         while not self._stop.wait(POLL_S):

@@ -5,8 +5,9 @@
 The report's stragglers part (analysis/stragglers.py) comes at the end, from whole traces. A long job should show
 it before that. Every LOOK_S the supervisor reads each rank's ``flight-rank<R>.status`` (contract/
 flight_status_file.py: how many collectives each of its process groups enqueued, DDP's buckets and compiled graphs
-included, rewritten by the rank within 0.1 s of a change). A rank whose count in some group is below a peer's has
-not reached the collective that peer entered: the peer waits for it. When one rank, and only that rank, is behind
+included, as the rank saw them ten times a second, with the times it saw them) and takes every rank's counts at one
+moment, the latest that every rank's file covers. A rank whose count in some group is below a peer's at that moment
+has not reached the collective that peer entered: the peer waits for it. When one rank, and only that rank, is behind
 at 70% of the last LOOKS looks (10 s by default), and it moved at least twice meanwhile (a rank that does not move
 is stuck: the watch loop's hang), the supervisor logs one line naming it. Once per rank per run;
 DISTCHECK_STRAGGLER_LOOKS sets LOOKS ("0": no line). Without the Flight Recorder's counters
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Mapping
 
@@ -44,8 +46,19 @@ def behind(enqueued: Mapping[int, Mapping[str, int]]) -> set[int]:
     return late
 
 
-# Of the last LOOKS looks, at least this share must find the same rank alone behind: each rank file is rewritten
-# within 0.1 s of a change, at the rank's own moments, so on a loaded machine a look now and then sees both level.
+def counts_at_one_moment(statuses: Mapping[int, flight_status_file.FlightStatus],
+                         now: float) -> dict[int, dict[str, int]]:
+    """Every rank's enqueued counts at the latest moment all their files cover. A file covers up to its last look;
+    a rank whose counts did not move is not rewritten, and its counts hold until at least WRITE_S + POLL_S ago (a
+    change would be in the file by then)."""
+    settled = now - flight_status_file.WRITE_S - flight_status_file.POLL_S
+    covered = [max(s.looks[-1][0], settled) for s in statuses.values() if s.looks]
+    moment = min(covered) if covered else now
+    return {rank: s.at(moment) for rank, s in statuses.items()}
+
+
+# Of the last LOOKS looks, at least this share must find the same rank alone behind: the counts are the ranks' own
+# looks, a tenth of a second apart, so on a loaded machine a look now and then sees both level.
 SHARE = 0.7
 
 
@@ -69,8 +82,9 @@ class LiveStragglers:
         if self.looks <= 0 or (self.last_look is not None and now - self.last_look < self.every):
             return None
         self.last_look = now
-        current = {rank: flight_status_file.read(path).enqueued
-                   for rank, path in files.rank_files(self.report_dir, "flight_status").items()}
+        current = counts_at_one_moment({rank: flight_status_file.read(path)
+                                        for rank, path in files.rank_files(self.report_dir, "flight_status").items()},
+                                       time.time())
         current = {r: g for r, g in current.items() if g}
         late = behind(current)
         moved = {r for r, g in current.items() if self.previous.get(r) not in (None, g)}

@@ -79,3 +79,51 @@ def test_the_status_file_keeps_its_progress_token_and_reads_an_older_one_line_fi
     assert flight_status_file.read(path).enqueued == {} and files.flight_progress(tmp_path, 0) == 12
     path.write_text("")
     assert flight_status_file.read(path).progress == 0
+
+
+def test_the_ranks_counts_are_compared_at_one_moment_not_as_last_written():
+    """Steps shorter than the time between two rewrites: rank 1, the late one, rewrote its file after it caught up,
+    rank 0's file is older. As last written they are level; at the latest moment both files cover (10.0), rank 1
+    had not reached the all-reduce rank 0 had been waiting in since 9.75."""
+    from distcheck.contract.flight_status_file import FlightStatus
+    from distcheck.supervise.live_stragglers import counts_at_one_moment
+
+    rank0 = FlightStatus(0, {"gloo:0": 6}, [(9.5, {"gloo:0": 5}), (9.75, {"gloo:0": 6}), (10.0, {"gloo:0": 6})])
+    rank1 = FlightStatus(0, {"gloo:0": 6}, [(9.8, {"gloo:0": 5}), (10.2, {"gloo:0": 6}), (10.45, {"gloo:0": 6})])
+    assert behind({0: rank0.enqueued, 1: rank1.enqueued}) == set()  # as last written: level
+    moment = counts_at_one_moment({0: rank0, 1: rank1}, now=10.5)
+    assert moment == {0: {"gloo:0": 6}, 1: {"gloo:0": 5}} and behind(moment) == {1}
+    # A rank whose counts did not move is not rewritten: its counts hold until WRITE_S + POLL_S ago.
+    stuck = FlightStatus(0, {"gloo:0": 5}, [(3.0, {"gloo:0": 5})])
+    assert counts_at_one_moment({0: rank0, 1: stuck}, now=10.5) == {0: {"gloo:0": 6}, 1: {"gloo:0": 5}}
+    # An older writer's file (no looks): its last counts.
+    assert counts_at_one_moment({0: rank0, 1: FlightStatus(0, {"gloo:0": 4})}, now=10.5)[1] == {"gloo:0": 4}
+
+
+def test_the_rank_looks_ten_times_a_second_and_rewrites_its_file_at_most_twice(tmp_path, monkeypatch):
+    from distcheck.contract import flight_status_file as fsf
+    from distcheck.rank import flight_recorder as fr
+
+    counters = {"gloo:0": (0, 0)}
+    monkeypatch.setattr(fr, "read_status", lambda: dict(counters))
+    monkeypatch.setattr(fr, "_group_names", lambda: {})
+    sink = fr.Sink(tmp_path, 0)
+    path = files.rank_file(tmp_path, "flight_status", 0)
+    writes = []
+    for i in range(30):  # 3 s of looks; a collective enqueued every 0.2 s, completed 0.1 s later
+        now = 100.0 + i * fsf.POLL_S
+        n = i // 2 + 1
+        counters["gloo:0"] = (n, n - 1 if i % 2 == 0 else n)
+        before = path.read_text() if path.exists() else None
+        sink.poll(now)
+        if path.read_text() != before:
+            writes.append(now)
+    assert len(writes) == 6 and all(b - a >= fsf.WRITE_S - 1e-9 for a, b in zip(writes, writes[1:]))
+    status = fsf.read(path)
+    assert status.enqueued == {"gloo:0": 13} and status.progress == 13 + 13  # the last write: 13 enqueued, 13 done
+    times = [t for t, _ in status.looks]
+    assert times[-1] == round(writes[-1], 3) and times == sorted(times)
+    assert writes[-1] - times[0] <= fsf.HISTORY_S + 0.2 + 1e-9  # the window and the change that starts it
+    # every change the rank saw in the window, at the look that saw it
+    assert [c["gloo:0"] for _, c in status.looks] == [7, 8, 9, 10, 11, 12, 13, 13]
+    assert status.at(writes[-1] - 0.45) == {"gloo:0": 11}
