@@ -20,11 +20,16 @@ setup: $(STAMP)
 # torch goes in first, pinned, so that the unpinned "torch" in pyproject.toml is already satisfied and pip never
 # pulls a multi-GB CUDA build onto a CPU machine. The editable install also compiles the tracer's C hot path
 # (setup.py, optional: without a C compiler the tracer takes its Python path); a changed .c file re-runs it.
+# pip byte-compiles what it installs on one core; compileall does it on every core (torch and its dependencies:
+# 45 s for pip's way, 15 + 18 s this way on 2 cores). Its exit status is ignored, as pip ignores the same errors:
+# torch ships a Python 3.12-only test file. The .pyc files matter: every rank imports torch.
 $(STAMP): pyproject.toml setup.py distcheck/rank/_tracefast.c
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet "torch==$(TORCH_VERSION)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
-	$(PY) -m pip install --quiet -e ".[test]"
+	$(PY) -m pip install --quiet --no-compile "torch==$(TORCH_VERSION)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	$(PY) -m pip install --quiet --no-compile -e ".[test]"
+	$(PY) -m compileall -q -j 0 "$$($(PY) -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" \
+		> /dev/null 2>&1 || true
 	touch $(STAMP)
 
 check: $(STAMP)
