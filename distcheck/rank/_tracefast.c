@@ -5,9 +5,11 @@
 distcheck/rank/tracer.py is the tracer; this module only speeds up its common case, a call whose description is
 already cached. ``Recorder.begin(args, kwargs)`` does, in one C call, what the Python path does in dozens of
 bytecode-level steps: find the caller's frame, walk out through torch's frames to the user's (FSDP2's and DTensor's
-collectives are called from torch's code), build the call's cache key, look it up, claim the next record slot and
-store the start word and time into the memory map. It returns the slot (negative when the call's tensors are on the
-GPU, minus OPEN_BIAS more when NCCL's ring gives its end), the key when the cache misses (the Python path describes the call and caches it under that key), the
+collectives are called from torch's code), match the call against what its line issued last (the site cache, no
+key built: 1.3 µs less per call on this project's VM) or else build the call's cache key and look it up, claim the
+next record slot and store the start word and time into the memory map. It returns the slot (negative when the
+call's tensors are on the GPU, minus OPEN_BIAS more when NCCL's ring gives its end), the key when the cache misses
+(the Python path describes the call and caches it under that key), the
 ``nested`` marker when a traced call is already on the stack, or None whenever anything is not the common case (a
 file not classified yet, a list argument, a full map, an error): the Python path then handles the call from
 scratch, so every rule stays written once, in tracer.py. Once ``Log.stop()`` was called (the report directory's file
@@ -160,15 +162,50 @@ TYPE(LogType, "Log", LogObject, Log_init, Log_dealloc, Log_methods);
 
 /* ---- Recorder: one per wrapped function, with that function's cache ---- */
 
+/* The site cache: in front of the sigs dict, one entry per (code, instruction) slot of a small table, holding what
+   the call's key held (each argument: a tensor's dtype, shape and is_cuda, else the object itself) and the sig it
+   found. A call that matches it needs no key: no list, tuple or ints made, nothing hashed or compared but pointers
+   and sizes. Matching is stricter than the key's equality (a non-tensor argument must be the same object, keywords
+   the same names in the same order), so a call it does not match takes the key path, which is the rule. Only
+   calls of up to SITE_ARGS arguments, positional and keyword, with tensors of up to SITE_DIMS dimensions. */
+#define SITE_SLOTS 64
+#define SITE_ARGS 4
+#define SITE_DIMS 8
+
+typedef struct {
+    PyObject *code;                    /* strong; NULL: an empty slot */
+    int lasti;
+    int nargs;                         /* positional */
+    int nkw;                           /* keyword, after the positional ones in the arrays below */
+    PyObject *name[SITE_ARGS];         /* strong: a keyword argument's name */
+    PyObject *arg[SITE_ARGS];          /* strong: a tensor's dtype, else the argument itself */
+    PyObject *cuda[SITE_ARGS];         /* borrowed Py_True/Py_False: a tensor's is_cuda on a GPU build, else NULL */
+    int ndim[SITE_ARGS];               /* a tensor's dimensions; -1: not a tensor */
+    long long dims[SITE_ARGS][SITE_DIMS];
+    unsigned long long word;
+    long after;
+} SiteEntry;
+
 typedef struct {
     PyObject_HEAD
     LogObject *log;
     PyObject *sigs;         /* dict: call key -> (start word, CUDA tensors) */
     PyObject *wrapper_code; /* the code object of tracer.py's wrapper: on the stack, a traced call is running */
     PyObject *nested;       /* what begin returns then: tracer._NESTED */
+    SiteEntry site[SITE_SLOTS];
 } RecorderObject;
 
+static void site_clear(SiteEntry *e) {
+    Py_CLEAR(e->code);
+    for (int i = 0; i < SITE_ARGS; i++) {
+        Py_CLEAR(e->arg[i]);
+        Py_CLEAR(e->name[i]);
+    }
+}
+
 static void Recorder_dealloc(RecorderObject *self) {
+    for (int i = 0; i < SITE_SLOTS; i++)
+        site_clear(&self->site[i]);
     Py_XDECREF(self->log);
     Py_XDECREF(self->sigs);
     Py_XDECREF(self->wrapper_code);
@@ -289,6 +326,145 @@ fail:
     return NULL;
 }
 
+/* A tensor's dtype, shape and (on a GPU build) is_cuda, as the key takes them: 0, or -1 with an exception set. */
+static int tensor_parts(PyObject *value, int with_device, PyObject **dtype, int *ndim, long long *dims,
+                        PyObject **cuda) {
+    *dtype = PyObject_GetAttr(value, str_dtype);
+    if (!*dtype)
+        return -1;
+    PyObject *shape = PyObject_GetAttr(value, str_shape);
+    if (!shape || !PyTuple_Check(shape) || PyTuple_GET_SIZE(shape) > SITE_DIMS) {
+        Py_XDECREF(shape);
+        Py_CLEAR(*dtype);
+        if (!PyErr_Occurred())
+            *ndim = -2; /* too many dimensions for the site cache: not an error */
+        return PyErr_Occurred() ? -1 : 0;
+    }
+    *ndim = (int)PyTuple_GET_SIZE(shape);
+    for (int d = 0; d < *ndim; d++) {
+        dims[d] = PyLong_AsLongLong(PyTuple_GET_ITEM(shape, d));
+        if (dims[d] == -1 && PyErr_Occurred()) {
+            Py_DECREF(shape);
+            Py_CLEAR(*dtype);
+            return -1;
+        }
+    }
+    Py_DECREF(shape);
+    *cuda = NULL;
+    if (with_device) {
+        PyObject *flag = PyObject_GetAttr(value, str_is_cuda);
+        if (!flag) {
+            Py_CLEAR(*dtype);
+            return -1;
+        }
+        *cuda = flag == Py_True ? Py_True : Py_False; /* immortal enough: the singletons outlive us */
+        Py_DECREF(flag);
+    }
+    return 0;
+}
+
+/* One argument against the entry's i-th: 1, 0, or -1 with an exception set. Keyword tensors are keyed with
+   is_cuda on every build (as build_key does). */
+static int site_item_matches(RecorderObject *self, SiteEntry *e, int i, PyObject *value, int with_device) {
+    if (e->ndim[i] < 0)
+        return value == e->arg[i];
+    if (!Py_IS_TYPE(value, (PyTypeObject *)self->log->tensor))
+        return 0;
+    PyObject *dtype, *cuda;
+    int ndim;
+    long long dims[SITE_DIMS];
+    if (tensor_parts(value, with_device, &dtype, &ndim, dims, &cuda) < 0)
+        return -1;
+    int same = dtype == e->arg[i] && ndim == e->ndim[i] && cuda == e->cuda[i]
+               && memcmp(dims, e->dims[i], sizeof(long long) * (ndim > 0 ? ndim : 0)) == 0;
+    Py_XDECREF(dtype);
+    return same;
+}
+
+/* Whether the call's arguments are the site entry's: 1, 0, or -1 with an exception set. */
+static int site_matches(RecorderObject *self, SiteEntry *e, PyObject *args, PyObject *kwargs) {
+    int nkw = kwargs == Py_None ? 0 : (int)PyDict_GET_SIZE(kwargs);
+    if (e->nargs != PyTuple_GET_SIZE(args) || e->nkw != nkw)
+        return 0;
+    for (int i = 0; i < e->nargs; i++) {
+        int same = site_item_matches(self, e, i, PyTuple_GET_ITEM(args, i), self->log->gpu_build);
+        if (same <= 0)
+            return same;
+    }
+    PyObject *name, *value;
+    Py_ssize_t pos = 0;
+    for (int i = e->nargs; nkw && PyDict_Next(kwargs, &pos, &name, &value); i++) {
+        if (name != e->name[i])
+            return 0;
+        int same = site_item_matches(self, e, i, value, 1);
+        if (same <= 0)
+            return same;
+    }
+    return 1;
+}
+
+/* The entry's i-th argument from value: 1 done, 0 not cacheable (the entry stays empty), -1 an exception set. */
+static int site_item_fill(RecorderObject *self, SiteEntry *e, int i, PyObject *value, int with_device) {
+    if (Py_IS_TYPE(value, (PyTypeObject *)self->log->tensor)) {
+        if (tensor_parts(value, with_device, &e->arg[i], &e->ndim[i], e->dims[i], &e->cuda[i]) < 0)
+            return -1;
+        return e->ndim[i] >= 0;
+    }
+    e->arg[i] = Py_NewRef(value);
+    e->ndim[i] = -1;
+    e->cuda[i] = NULL;
+    return 1;
+}
+
+/* Fill the site entry for a call the sigs dict answered: 0, or -1 with an exception set (the entry stays empty). */
+static int site_fill(RecorderObject *self, SiteEntry *e, PyObject *code, int lasti, PyObject *args,
+                     PyObject *kwargs, unsigned long long word, long after) {
+    site_clear(e);
+    int n = (int)PyTuple_GET_SIZE(args);
+    for (int i = 0; i < n; i++) {
+        int done = site_item_fill(self, e, i, PyTuple_GET_ITEM(args, i), self->log->gpu_build);
+        if (done <= 0) {
+            site_clear(e);
+            return done;
+        }
+    }
+    int nkw = 0;
+    if (kwargs != Py_None) {
+        PyObject *name, *value;
+        Py_ssize_t pos = 0;
+        while (PyDict_Next(kwargs, &pos, &name, &value)) {
+            e->name[n + nkw] = Py_NewRef(name);
+            int done = site_item_fill(self, e, n + nkw, value, 1);
+            if (done <= 0) {
+                site_clear(e);
+                return done;
+            }
+            nkw++;
+        }
+    }
+    e->nargs = n;
+    e->nkw = nkw;
+    e->lasti = lasti;
+    e->word = word;
+    e->after = after;
+    e->code = Py_NewRef(code); /* last: a slot with a code is complete */
+    return 0;
+}
+
+/* Store a started record with the sig's word; the value begin() returns, or NULL when the map must grow. */
+static PyObject *start_record(LogObject *log, unsigned long long word, long after) {
+    unsigned long long slot = log->next_slot;
+    unsigned char record[16];
+    double t = now();
+    memcpy(record, &word, 8); /* little-endian targets only (see the check at module init) */
+    memcpy(record + START_TIME_OFFSET, &t, 8);
+    if (store(log, slot * RECORD_SIZE, record, sizeof record) < 0)
+        return NULL; /* the map must grow (or is closed): the Python path claims this slot */
+    log->next_slot = slot + 1;
+    return PyLong_FromLongLong(after == AFTER_END ? (long long)slot
+                               : after == AFTER_EVENT ? -(long long)slot : -(long long)(slot + OPEN_BIAS));
+}
+
 /* begin(args, kwargs) -> slot (negative: CUDA tensors) | key (a cache miss) | nested (a traced call is running:
    do not trace) | None (take the Python path). */
 static PyObject *Recorder_begin(RecorderObject *self, PyObject *const *argv, Py_ssize_t argc) {
@@ -333,8 +509,23 @@ static PyObject *Recorder_begin(RecorderObject *self, PyObject *const *argv, Py_
             break;
         code = PyFrame_GetCode((PyFrameObject *)frame);
     }
+    int at = frame ? PyFrame_GetLasti((PyFrameObject *)frame) : -1;
+    Py_ssize_t nargs = PyTuple_GET_SIZE(argv[0]);
+    SiteEntry *entry = NULL; /* the site cache's slot for this call, when it can hold it */
+    if (frame && nargs + (argv[1] == Py_None ? 0 : PyDict_GET_SIZE(argv[1])) <= SITE_ARGS) {
+        entry = &self->site[(((uintptr_t)code >> 4) ^ ((uintptr_t)at * 2654435761u)) % SITE_SLOTS];
+        if (entry->code == (PyObject *)code && entry->lasti == at) {
+            int same = site_matches(self, entry, argv[0], argv[1]);
+            if (same < 0)
+                goto done;
+            if (same) {
+                result = start_record(self->log, entry->word, entry->after);
+                goto done;
+            }
+        }
+    }
     code_id = frame ? PyLong_FromVoidPtr(code) : PyLong_FromLong(0);
-    lasti = PyLong_FromLong(frame ? PyFrame_GetLasti((PyFrameObject *)frame) : -1);
+    lasti = PyLong_FromLong(at);
     if (!code_id || !lasti)
         goto done;
     key = build_key(self, code_id, lasti, argv[0], argv[1]);
@@ -354,17 +545,9 @@ static PyObject *Recorder_begin(RecorderObject *self, PyObject *const *argv, Py_
     long after = PyLong_AsLong(PyTuple_GET_ITEM(hit, 1)); /* AFTER_END, AFTER_EVENT or AFTER_NOTHING */
     if ((word == (unsigned long long)-1 || after == -1) && PyErr_Occurred())
         goto done;
-    LogObject *log = self->log;
-    unsigned long long slot = log->next_slot;
-    unsigned char record[16];
-    double t = now();
-    memcpy(record, &word, 8); /* little-endian targets only (see the check at module init) */
-    memcpy(record + START_TIME_OFFSET, &t, 8);
-    if (store(log, slot * RECORD_SIZE, record, sizeof record) < 0)
-        goto done; /* the map must grow (or is closed): the Python path claims this slot */
-    log->next_slot = slot + 1;
-    result = PyLong_FromLongLong(after == AFTER_END ? (long long)slot
-                                 : after == AFTER_EVENT ? -(long long)slot : -(long long)(slot + OPEN_BIAS));
+    if (entry && site_fill(self, entry, (PyObject *)code, at, argv[0], argv[1], word, after) < 0)
+        goto done;
+    result = start_record(self->log, word, after);
 done:
     Py_XDECREF(key);
     Py_XDECREF(code_id);

@@ -73,6 +73,37 @@ def test_a_call_with_new_tensors_each_step_reuses_its_description(fake_world, tm
     assert len(load_traces(tmp_path)[0].events) == 10
 
 
+def test_one_line_issuing_what_changes_from_call_to_call_records_each_call_as_it_was(fake_world, tmp_path,
+                                                                                     hot_path):
+    """The C path's site cache holds a line's last call: a call at that line with another shape, dtype, reduce op,
+    group or keywords, or with its one tensor resized in place, is recorded as itself, and alternating calls stay
+    right."""
+    trace.install(tmp_path, 0)
+    other = dist.new_group([0, 1])
+    x = torch.ones(4)
+    MAX, SUM = dist.ReduceOp.MAX, dist.ReduceOp.SUM
+    calls = [((x,), {}), ((torch.ones(2, 2),), {}), ((torch.ones(4, dtype=torch.float64),), {}), ((x, MAX), {}),
+             ((x, SUM, other), {}), ((x,), {"op": MAX}), ((x,), {"group": other}), ((), {"tensor": x}),
+             ((), {"tensor": torch.ones(3)}), ((x,), {}), ((torch.ones(2, 2),), {})]
+    expected = []
+    for args, kwargs in calls * 2:
+        dist.all_reduce(*args, **kwargs)  # ONE LINE
+        tensor = args[0] if args else kwargs["tensor"]
+        op = args[1] if len(args) > 1 else kwargs.get("op", SUM)
+        group = args[2] if len(args) > 2 else kwargs.get("group")
+        expected.append((list(tensor.shape), str(tensor.dtype).removeprefix("torch."),
+                         "MAX" if op is MAX else "SUM", "other" if group is other else "world"))
+    for size in (4, 6):  # the same tensor, resized in place between two calls at one line
+        x.resize_(size)
+        dist.all_reduce(x)
+        expected.append(([size], "float32", "SUM", "world"))
+    trace.uninstall()
+    events = load_traces(tmp_path)[0].events
+    world = events[0].pg_name  # the new group has the world's ranks: its name tells it apart
+    got = [(e.shapes[0], e.dtypes[0], e.reduce_op, "world" if e.pg_name == world else "other") for e in events]
+    assert got == expected
+
+
 def test_records_are_on_disk_without_close_and_the_map_grows(fake_world, tmp_path, monkeypatch, hot_path):
     """A SIGKILLed rank never closes its trace: every record stored into the map is already in the file."""
     monkeypatch.setattr(trace_slots, "SEGMENT_SLOTS", 8)
