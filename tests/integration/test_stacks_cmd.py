@@ -5,6 +5,7 @@ fixture under torchrun through its agent pid.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -89,7 +90,8 @@ def spawn(tmp_path):
     yield start
     for p in started:
         if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):  # it may have ended since poll() looked
+                os.killpg(p.pid, signal.SIGKILL)
         p.wait(timeout=10)
 
 

@@ -7,6 +7,7 @@ this process, as the distcheck launcher does.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -62,7 +63,9 @@ class Ranks:
     def kill(self) -> None:
         for p in self.procs:
             if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
+                # The watchdog may have ended the rank a moment ago, before the zygote's notice of its exit came.
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
             p.wait(timeout=10)
 
 
