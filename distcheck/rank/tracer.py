@@ -54,6 +54,7 @@ import socket
 import sys
 import threading
 import time
+import types
 from pathlib import Path
 from typing import Any, Callable
 
@@ -378,6 +379,8 @@ def _reduce_op_name(op: Any) -> str | None:
 
 _PLAIN = (int, float, bool, str, type(None))
 _NESTED = object()  # _user_frame's answer for a call made while a traced call is on the same thread's stack
+# Stands in for torch.compiler where a torch has no compile flag: its is_compiling() is then the whole test.
+_NOT_COMPILING = types.SimpleNamespace(_is_compiling_flag=False)
 
 
 def _arg_key(value: Any, Tensor: type) -> Any:
@@ -752,7 +755,9 @@ class Tracer:
         # attribute read, 110 ns on this project's machine, where is_compiling(), which also calls
         # torch.jit.is_scripting(), took 270 ns.
         compiler = self._torch.compiler
-        is_dynamo_compiling = compiler.is_dynamo_compiling
+        is_dynamo_compiling = getattr(compiler, "is_dynamo_compiling", None)
+        if is_dynamo_compiling is None or not hasattr(compiler, "_is_compiling_flag"):  # a torch without them
+            is_dynamo_compiling, compiler = compiler.is_compiling, _NOT_COMPILING
 
         @functools.wraps(fn)
         def traced(*args: Any, **kwargs: Any) -> Any:

@@ -181,6 +181,21 @@ def test_a_compile_session_or_an_export_runs_torchs_own_function_untraced(fake_w
     assert len(load_traces(tmp_path)[0].events) == 1
 
 
+def test_a_torch_without_the_compile_flag_takes_is_compiling_as_the_test(fake_world, tmp_path, monkeypatch):
+    """pyproject allows any torch from 2.6: where torch.compiler has no is_dynamo_compiling or compile flag, the
+    wrapper asks is_compiling() and never reads what is not there."""
+    monkeypatch.delattr(torch.compiler, "is_dynamo_compiling")
+    monkeypatch.delattr(torch.compiler, "_is_compiling_flag")
+    compiling = [False]
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: compiling[0])
+    trace.install(tmp_path, 0)
+    dist.all_reduce(torch.ones(4))  # traced
+    compiling[0] = True
+    dist.all_reduce(torch.ones(4))  # torch's own function, untraced
+    trace.uninstall()
+    assert len(load_traces(tmp_path)[0].events) == 1
+
+
 def test_a_collective_called_through_a_library_names_the_users_line_and_the_library_call(fake_world, tmp_path,
                                                                                           line_of):
     lib = tmp_path / "venv" / "lib" / "python3.11" / "site-packages" / "fakelib"
