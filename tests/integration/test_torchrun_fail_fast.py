@@ -48,9 +48,11 @@ def test_a_job_that_passes_on_its_second_attempt_passes_and_the_report_lists_bot
 
     out = tmp_path / "report"
     fixture = "torchrun_restart.py"
+    # --timeout 60: were an attempt to hang (once, in a clean-clone suite run, both ranks of attempt 1 stopped after
+    # their 3 steps and the test's own limit ended them undiagnosed), the watchdog's stacks would say where.
     res = run_python(["-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2", "--master-port",
-                      str(free_port()), "--max-restarts", "1", "-m", "distcheck", "run", "--report-dir", str(out),
-                      "--", str(FIXTURES / fixture)], timeout=200)
+                      str(free_port()), "--max-restarts", "1", "-m", "distcheck", "run", "--timeout", "60",
+                      "--report-dir", str(out), "--", str(FIXTURES / fixture)], timeout=200)
     assert res.returncode == 0, res.output  # the verdict and the exit code follow the last attempt
     report = load_report(out)
     assert report["ok"] and report["findings"] == []
