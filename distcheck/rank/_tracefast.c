@@ -3,18 +3,20 @@
     pip install -e .        # builds distcheck/rank/_tracefast*.so when a C compiler is there (optional)
 
 distcheck/rank/tracer.py is the tracer; this module only speeds up its common case, a call whose description is
-already cached. ``Recorder.begin(args, kwargs)`` does, in one C call, what the Python path does in dozens of
-bytecode-level steps: find the caller's frame, walk out through torch's frames to the user's (FSDP2's and DTensor's
-collectives are called from torch's code), match the call against what its line issued last (the site cache, no
-key built: 1.3 µs less per call on this project's VM) or else build the call's cache key and look it up, claim the
-next record slot and store the start word and time into the memory map. It returns the slot (negative when the
-call's tensors are on the GPU, minus OPEN_BIAS more when NCCL's ring gives its end), the key when the cache misses
-(the Python path describes the call and caches it under that key), the
-``nested`` marker when a traced call is already on the stack, or None whenever anything is not the common case (a
-file not classified yet, a list argument, a full map, an error): the Python path then handles the call from
-scratch, so every rule stays written once, in tracer.py. Once ``Log.stop()`` was called (the report directory's file
-system refused more blocks for the map), ``begin`` only counts the call in the header and returns ``nested``, so an
-unrecorded collective costs less than a recorded one.
+already cached. The wrapper hands each call to ``Recorder.call(args, kwargs)``, which does in C what the Python path
+does in dozens of bytecode-level steps: find the caller's frame, walk out through torch's frames to the user's
+(FSDP2's and DTensor's collectives are called from torch's code) without making frame objects, match the call
+against what its line issued last (the site cache, no key built: 1.3 µs less per call on this project's VM) or else
+build the call's cache key and look it up, claim the next record slot and store the start word and time into the
+memory map, call torch's function, and store the end time when it returned None on the CPU. What is not that common
+case goes back to tracer.py, so every rule stays written once there: a cache miss, a file not classified yet, a list
+argument, a full map or an error of ours to its Python path (with the key, when the cache missed), a Work, a
+functional collective or a CUDA tensor's end to ``finish``, an exception the op raised to ``failed`` (and then on to
+the caller). A traced call already on the stack (torch issuing an op inside one) calls torch's function untraced.
+Once ``Log.stop()`` was called (the report directory's file system refused more blocks for the map), the call is
+only counted in the header, so an unrecorded collective costs less than a recorded one. ``Recorder.begin`` is the
+first step alone, for the tests: slot (negative when the call's tensors are on the GPU, minus OPEN_BIAS more when
+NCCL's ring gives its end), key, ``nested`` or None.
 
 The key built here must equal the Python path's key, element by element (the two share one cache):
 (id(code), f_lasti, for each positional argument: shape, dtype[, is_cuda] of an exact Tensor, else the value; for
@@ -32,6 +34,60 @@ tests/unit/test_tracer.py checks that both paths find each other's entries.
 #error "the tracer's C path needs Python 3.11 (PyFrame_GetLasti); older versions use the Python path"
 #endif
 
+/* The caller's frames. On 3.11 and 3.12 the walk reads the interpreter's own frames (as sys._getframe does
+   internally), so it makes no frame objects: sys._getframe(1) made one for the caller, and each PyFrame_GetBack one
+   more for every frame of torch's it passed (FSDP2's and DTensor's collectives are called from a dozen), at about
+   60 ns each on an H200's host. Other versions (or -DDISTCHECK_PUBLIC_FRAMES) use the public API. Every Frame the
+   walk holds is a frame still running under this call, so each is borrowed, as is its code. */
+#if PY_VERSION_HEX < 0x030D0000 && !defined(PYPY_VERSION) && !defined(DISTCHECK_PUBLIC_FRAMES)
+#define INTERNAL_FRAMES 1
+#ifndef Py_BUILD_CORE
+#define Py_BUILD_CORE 1
+#endif
+#include <internal/pycore_frame.h>
+#undef Py_BUILD_CORE
+typedef _PyInterpreterFrame Frame;
+
+static Frame *complete(Frame *f) { /* frames still being set up are not the caller's, as sys._getframe skips them */
+    while (f && _PyFrame_IsIncomplete(f))
+        f = f->previous;
+    return f;
+}
+/* The frame that called the Python function now calling us (the wrapper's caller), or NULL. */
+static Frame *caller_frame(void) {
+    Frame *f = PyThreadState_Get()->cframe->current_frame;
+    return f ? complete(f->previous) : NULL;
+}
+static Frame *frame_back(Frame *f) { return complete(f->previous); }
+static PyCodeObject *frame_code(Frame *f) { return f->f_code; }
+static int frame_lasti(Frame *f) { /* as PyFrame_GetLasti and frame.f_lasti, which tracer.py's key uses */
+    int lasti = _PyInterpreterFrame_LASTI(f);
+    return lasti < 0 ? -1 : lasti * (int)sizeof(_Py_CODEUNIT);
+}
+#else
+typedef PyFrameObject Frame;
+static PyObject *getframe, *one;
+
+static Frame *caller_frame(void) { /* sys._getframe(1) from here is the wrapper's caller */
+    PyObject *f = PyObject_CallOneArg(getframe, one);
+    if (f && !PyFrame_Check(f))
+        Py_CLEAR(f);
+    Py_XDECREF(f); /* a running frame's object is held by the frame itself */
+    return (Frame *)f;
+}
+static Frame *frame_back(Frame *f) {
+    PyFrameObject *back = PyFrame_GetBack(f);
+    Py_XDECREF(back);
+    return back;
+}
+static PyCodeObject *frame_code(Frame *f) {
+    PyCodeObject *code = PyFrame_GetCode(f);
+    Py_DECREF(code); /* the running frame holds it */
+    return code;
+}
+static int frame_lasti(Frame *f) { return PyFrame_GetLasti(f); }
+#endif
+
 /* The record layout of contract/trace_slots.py: a slot's size, where the start's time and the end time go (the
    start word goes first). The module exports them and tracer.py takes the C path only when they match. */
 #define RECORD_SIZE 24
@@ -45,7 +101,7 @@ tests/unit/test_tracer.py checks that both paths find each other's entries.
 #define END_OFFSET 16
 #define UNRECORDED_OFFSET 16 /* in the header slot: a u32 count of collectives issued after recording stopped */
 
-static PyObject *str_shape, *str_dtype, *str_is_cuda, *getframe, *one;
+static PyObject *str_shape, *str_dtype, *str_is_cuda;
 
 /* A plain type with an __init__, a dealloc and methods (both of this module's types). */
 #define TYPE(var, name, object, init, dealloc, methods)                                                            \
@@ -197,6 +253,12 @@ typedef struct {
     PyObject *sigs;         /* dict: call key -> (start word, CUDA tensors) */
     PyObject *wrapper_code; /* the code object of tracer.py's wrapper: on the stack, a traced call is running */
     PyObject *nested;       /* what begin returns then: tracer._NESTED */
+    /* For call(): the wrapped function, and tracer.py's callbacks for what the common case is not. */
+    PyObject *fn;           /* torch's function */
+    PyObject *python_path;  /* python_path(args, kwargs, key or None): the Python path, from scratch */
+    PyObject *finish;       /* finish(slot, after, result, args, kwargs): an end that is not "now" */
+    PyObject *failed;       /* failed(slot, exception): the op raised */
+    int funcol;             /* a functional collective: its result is a tensor, its end is finish()'s */
     SiteEntry site[SITE_SLOTS];
 } RecorderObject;
 
@@ -215,38 +277,77 @@ static void Recorder_dealloc(RecorderObject *self) {
     Py_XDECREF(self->sigs);
     Py_XDECREF(self->wrapper_code);
     Py_XDECREF(self->nested);
+    Py_XDECREF(self->fn);
+    Py_XDECREF(self->python_path);
+    Py_XDECREF(self->finish);
+    Py_XDECREF(self->failed);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
+/* Recorder(log, sigs, wrapper_code, nested[, fn, python_path, finish, failed, funcol]): call() needs the rest. */
 static int Recorder_init(RecorderObject *self, PyObject *args, PyObject *Py_UNUSED(kwds)) {
-    PyObject *log, *sigs, *wrapper_code, *nested;
-    if (!PyArg_ParseTuple(args, "O!O!O!O", &LogType, &log, &PyDict_Type, &sigs, &PyCode_Type, &wrapper_code,
-                          &nested))
+    PyObject *log, *sigs, *wrapper_code, *nested, *fn = NULL, *python_path = NULL, *finish = NULL, *failed = NULL;
+    int funcol = 0;
+    if (!PyArg_ParseTuple(args, "O!O!O!O|OOOOp", &LogType, &log, &PyDict_Type, &sigs, &PyCode_Type, &wrapper_code,
+                          &nested, &fn, &python_path, &finish, &failed, &funcol))
         return -1;
-    Py_INCREF(log);
-    Py_INCREF(sigs);
-    Py_INCREF(wrapper_code);
-    Py_INCREF(nested);
-    Py_XSETREF(self->log, (LogObject *)log);
-    Py_XSETREF(self->sigs, sigs);
-    Py_XSETREF(self->wrapper_code, wrapper_code);
-    Py_XSETREF(self->nested, nested);
+    Py_XSETREF(self->log, (LogObject *)Py_NewRef(log));
+    Py_XSETREF(self->sigs, Py_NewRef(sigs));
+    Py_XSETREF(self->wrapper_code, Py_NewRef(wrapper_code));
+    Py_XSETREF(self->nested, Py_NewRef(nested));
+    Py_XSETREF(self->fn, Py_XNewRef(fn));
+    Py_XSETREF(self->python_path, Py_XNewRef(python_path));
+    Py_XSETREF(self->finish, Py_XNewRef(finish));
+    Py_XSETREF(self->failed, Py_XNewRef(failed));
+    self->funcol = funcol;
     return 0;
+}
+
+/* A tensor attribute read by its getter, straight: torch's getters (shape, dtype, is_cuda) are getset descriptors
+   of its C base class, and PyObject_GetAttr would find the descriptor again on every call (the type's MRO, the
+   attribute cache). The getter found is kept while the type's version tag holds (any change to the class gives it a
+   new one), and only for a type with the generic attribute lookup, where the getter is what GetAttr would call. */
+typedef struct {
+    PyTypeObject *type;   /* borrowed: compared only, with its version tag */
+    unsigned int version; /* the type's tp_version_tag when found; 0: nothing kept */
+    getter get;
+    void *closure;
+} TensorGetter;
+
+static TensorGetter get_shape, get_dtype, get_is_cuda;
+
+static PyObject *tensor_attr(PyObject *value, PyObject *name, TensorGetter *g) {
+    PyTypeObject *type = Py_TYPE(value);
+    if (g->version && type == g->type && g->version == type->tp_version_tag
+        && PyType_HasFeature(type, Py_TPFLAGS_VALID_VERSION_TAG))
+        return g->get(value, g->closure);
+    g->version = 0;
+    if (type->tp_getattro == PyObject_GenericGetAttr) {
+        PyObject *descr = _PyType_Lookup(type, name); /* borrowed; assigns the type a valid version tag */
+        if (descr && Py_IS_TYPE(descr, &PyGetSetDescr_Type) && ((PyGetSetDescrObject *)descr)->d_getset->get
+            && PyType_HasFeature(type, Py_TPFLAGS_VALID_VERSION_TAG)) {
+            g->get = ((PyGetSetDescrObject *)descr)->d_getset->get;
+            g->closure = ((PyGetSetDescrObject *)descr)->d_getset->closure;
+            g->type = type;
+            g->version = type->tp_version_tag;
+        }
+    }
+    return PyObject_GetAttr(value, name);
 }
 
 /* Append a tensor's key parts to list; 0 on success, -1 with an exception set. */
 static int append_tensor(PyObject *list, PyObject *value, int with_device, int nested) {
-    PyObject *shape = PyObject_GetAttr(value, str_shape);
+    PyObject *shape = tensor_attr(value, str_shape, &get_shape);
     if (!shape)
         return -1;
-    PyObject *dtype = PyObject_GetAttr(value, str_dtype);
+    PyObject *dtype = tensor_attr(value, str_dtype, &get_dtype);
     if (!dtype) {
         Py_DECREF(shape);
         return -1;
     }
     PyObject *cuda = NULL;
     if (with_device) {
-        cuda = PyObject_GetAttr(value, str_is_cuda);
+        cuda = tensor_attr(value, str_is_cuda, &get_is_cuda);
         if (!cuda) {
             Py_DECREF(shape);
             Py_DECREF(dtype);
@@ -334,10 +435,10 @@ fail:
 /* A tensor's dtype, shape and (on a GPU build) is_cuda, as the key takes them: 0, or -1 with an exception set. */
 static int tensor_parts(PyObject *value, int with_device, PyObject **dtype, int *ndim, long long *dims,
                         PyObject **cuda) {
-    *dtype = PyObject_GetAttr(value, str_dtype);
+    *dtype = tensor_attr(value, str_dtype, &get_dtype);
     if (!*dtype)
         return -1;
-    PyObject *shape = PyObject_GetAttr(value, str_shape);
+    PyObject *shape = tensor_attr(value, str_shape, &get_shape);
     if (!shape || !PyTuple_Check(shape) || PyTuple_GET_SIZE(shape) > SITE_DIMS) {
         Py_XDECREF(shape);
         Py_CLEAR(*dtype);
@@ -357,7 +458,7 @@ static int tensor_parts(PyObject *value, int with_device, PyObject **dtype, int 
     Py_DECREF(shape);
     *cuda = NULL;
     if (with_device) {
-        PyObject *flag = PyObject_GetAttr(value, str_is_cuda);
+        PyObject *flag = tensor_attr(value, str_is_cuda, &get_is_cuda);
         if (!flag) {
             Py_CLEAR(*dtype);
             return -1;
@@ -458,48 +559,44 @@ static int site_fill(RecorderObject *self, SiteEntry *e, PyObject *code, int las
     return 0;
 }
 
-/* Store a started record with the sig's word; the value begin() returns, or NULL when the map must grow. */
-static PyObject *start_record(LogObject *log, unsigned long long word, long after) {
-    unsigned long long slot = log->next_slot;
+/* Store a started record with the sig's word into the next slot: 0 (*slot set), or -1 when the map must grow (or
+   is closed): the Python path then claims this slot. */
+static int start_record(LogObject *log, unsigned long long word, unsigned long long *slot) {
     unsigned char record[16];
     double t = now();
     memcpy(record, &word, 8); /* little-endian targets only (see the check at module init) */
     memcpy(record + START_TIME_OFFSET, &t, 8);
-    if (store(log, slot * RECORD_SIZE, record, sizeof record) < 0)
-        return NULL; /* the map must grow (or is closed): the Python path claims this slot */
-    log->next_slot = slot + 1;
-    return PyLong_FromLongLong(after == AFTER_END ? (long long)slot
-                               : after == AFTER_EVENT ? -(long long)slot : -(long long)(slot + OPEN_BIAS));
+    if (store(log, log->next_slot * RECORD_SIZE, record, sizeof record) < 0)
+        return -1;
+    *slot = log->next_slot++;
+    return 0;
 }
 
-/* begin(args, kwargs) -> slot (negative: CUDA tensors) | key (a cache miss) | nested (a traced call is running:
-   do not trace) | None (take the Python path). */
-static PyObject *Recorder_begin(RecorderObject *self, PyObject *const *argv, Py_ssize_t argc) {
-    if (argc != 2 || !PyTuple_Check(argv[0]) || (argv[1] != Py_None && !PyDict_Check(argv[1]))) {
-        PyErr_SetString(PyExc_TypeError, "begin(args: tuple, kwargs: dict)");
-        return NULL;
-    }
+/* What begin_call found for a call. */
+enum { BEGUN, NESTED, PYTHON_PATH, RAISED };
+
+/* The common case's first half: find the user's frame, match the call (site cache, else key and sigs dict) and
+   store its start. BEGUN: *slot and *after set. NESTED: a traced call is running (do not trace). PYTHON_PATH: the
+   Python path takes the call, with *key its key when the cache missed (else NULL). RAISED: a BaseException of the
+   user's (Ctrl-C) is set; nothing of ours ever raises (an error of ours is the Python path's). */
+static int begin_call(RecorderObject *self, PyObject *args, PyObject *kwargs, unsigned long long *slot, long *after,
+                      PyObject **key_out) {
+    *key_out = NULL;
     if (self->log->stopped) { /* nothing more reaches the file: the op runs untraced, counted */
         count_unrecorded(self->log);
-        return Py_NewRef(self->nested);
+        return NESTED;
     }
-    /* sys._getframe(1) from here is the wrapper's caller, and it materializes that frame only (PyEval_GetFrame
-       would also make a frame object for the wrapper, on every call). */
-    PyObject *frame = PyObject_CallOneArg(getframe, one);
-    if (!frame || !PyFrame_Check(frame)) { /* no Python caller (a thread started from C) */
-        Py_XDECREF(frame);
-        if (clear_ours() < 0)
-            return NULL;
-        Py_RETURN_NONE;
-    }
-    PyObject *result = NULL; /* ours until returned; NULL: None (take the Python path) */
+    Frame *frame = caller_frame();
+    if (!frame) /* no Python caller (a thread started from C) */
+        return clear_ours() < 0 ? RAISED : PYTHON_PATH;
+    int how = PYTHON_PATH;
     PyObject *key = NULL, *code_id = NULL, *lasti = NULL;
-    PyCodeObject *code = PyFrame_GetCode((PyFrameObject *)frame);
+    PyCodeObject *code = frame_code(frame);
     /* Out to the user's frame, as tracer._user_frame walks: through torch's and distcheck's frames (FSDP2's hooks,
        DTensor), and a traced call on the way means torch runs this op inside it (not traced). */
     for (;;) {
         if ((PyObject *)code == self->wrapper_code) {
-            result = Py_NewRef(self->nested);
+            how = NESTED;
             goto done;
         }
         PyObject *internal = PyDict_GetItemWithError(self->log->internal, code->co_filename);
@@ -507,26 +604,24 @@ static PyObject *Recorder_begin(RecorderObject *self, PyObject *const *argv, Py_
             break;
         if (internal != Py_True) /* a file not classified yet: the Python path does it */
             goto done;
-        PyObject *back = (PyObject *)PyFrame_GetBack((PyFrameObject *)frame);
-        Py_DECREF(code);
-        Py_DECREF(frame);
-        code = NULL;
-        frame = back;
+        frame = frame_back(frame);
         if (!frame) /* no user frame at all (a thread of torch's): keyed with no site, as tracer.call_key does */
             break;
-        code = PyFrame_GetCode((PyFrameObject *)frame);
+        code = frame_code(frame);
     }
-    int at = frame ? PyFrame_GetLasti((PyFrameObject *)frame) : -1;
-    Py_ssize_t nargs = PyTuple_GET_SIZE(argv[0]);
+    int at = frame ? frame_lasti(frame) : -1;
+    Py_ssize_t nargs = PyTuple_GET_SIZE(args);
     SiteEntry *entry = NULL; /* the site cache's slot for this call, when it can hold it */
-    if (frame && nargs + (argv[1] == Py_None ? 0 : PyDict_GET_SIZE(argv[1])) <= SITE_ARGS) {
+    if (frame && nargs + (kwargs == Py_None ? 0 : PyDict_GET_SIZE(kwargs)) <= SITE_ARGS) {
         entry = &self->site[(((uintptr_t)code >> 4) ^ ((uintptr_t)at * 2654435761u)) % SITE_SLOTS];
         if (entry->code == (PyObject *)code && entry->lasti == at) {
-            int same = entry->misses < SITE_MISSES ? site_matches(self, entry, argv[0], argv[1]) : 0;
+            int same = entry->misses < SITE_MISSES ? site_matches(self, entry, args, kwargs) : 0;
             if (same < 0)
                 goto done;
             if (same) {
-                result = start_record(self->log, entry->word, entry->after);
+                *after = entry->after;
+                if (start_record(self->log, entry->word, slot) == 0)
+                    how = BEGUN;
                 goto done;
             }
             if (entry->misses >= SITE_MISSES || ++entry->misses >= SITE_MISSES)
@@ -537,13 +632,13 @@ static PyObject *Recorder_begin(RecorderObject *self, PyObject *const *argv, Py_
     lasti = PyLong_FromLong(at);
     if (!code_id || !lasti)
         goto done;
-    key = build_key(self, code_id, lasti, argv[0], argv[1]);
+    key = build_key(self, code_id, lasti, args, kwargs);
     if (!key)
         goto done;
     PyObject *hit = PyDict_GetItemWithError(self->sigs, key); /* borrowed */
     if (!hit) {
         if (!PyErr_Occurred()) { /* a miss: the Python path describes the call and caches it under this key */
-            result = key;
+            *key_out = key;
             key = NULL;
         } /* else an unhashable argument */
         goto done;
@@ -551,30 +646,128 @@ static PyObject *Recorder_begin(RecorderObject *self, PyObject *const *argv, Py_
     if (!PyTuple_Check(hit) || PyTuple_GET_SIZE(hit) != 2)
         goto done;
     unsigned long long word = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(hit, 0));
-    long after = PyLong_AsLong(PyTuple_GET_ITEM(hit, 1)); /* AFTER_END, AFTER_EVENT or AFTER_NOTHING */
-    if ((word == (unsigned long long)-1 || after == -1) && PyErr_Occurred())
+    *after = PyLong_AsLong(PyTuple_GET_ITEM(hit, 1)); /* AFTER_END, AFTER_EVENT or AFTER_NOTHING */
+    if ((word == (unsigned long long)-1 || *after == -1) && PyErr_Occurred())
         goto done;
-    if (entry && site_fill(self, entry, (PyObject *)code, at, argv[0], argv[1], word, after) < 0)
+    if (entry && site_fill(self, entry, (PyObject *)code, at, args, kwargs, word, *after) < 0)
         goto done;
-    result = start_record(self->log, word, after);
+    if (start_record(self->log, word, slot) == 0)
+        how = BEGUN;
 done:
     Py_XDECREF(key);
     Py_XDECREF(code_id);
     Py_XDECREF(lasti);
-    Py_XDECREF(code);
-    Py_XDECREF(frame);
     if (clear_ours() < 0) { /* nothing of ours may raise into the user's collective; their Ctrl-C may */
-        Py_XDECREF(result);
+        Py_CLEAR(*key_out);
+        return RAISED;
+    }
+    return how;
+}
+
+static int check_args(PyObject *const *argv, Py_ssize_t argc, const char *usage) {
+    if (argc != 2 || !PyTuple_Check(argv[0]) || (argv[1] != Py_None && !PyDict_Check(argv[1]))) {
+        PyErr_SetString(PyExc_TypeError, usage);
+        return -1;
+    }
+    return 0;
+}
+
+/* begin(args, kwargs) -> slot (negative: CUDA tensors) | key (a cache miss) | nested (a traced call is running:
+   do not trace) | None (take the Python path). call() is begin, the op and its end in one; begin shows the
+   first step on its own (tests/unit/test_tracer.py). */
+static PyObject *Recorder_begin(RecorderObject *self, PyObject *const *argv, Py_ssize_t argc) {
+    if (check_args(argv, argc, "begin(args: tuple, kwargs: dict)") < 0)
+        return NULL;
+    unsigned long long slot;
+    long after;
+    PyObject *key;
+    switch (begin_call(self, argv[0], argv[1], &slot, &after, &key)) {
+    case BEGUN:
+        return PyLong_FromLongLong(after == AFTER_END ? (long long)slot
+                                   : after == AFTER_EVENT ? -(long long)slot : -(long long)(slot + OPEN_BIAS));
+    case NESTED:
+        return Py_NewRef(self->nested);
+    case RAISED:
+        return NULL;
+    default:
+        return key ? key : Py_NewRef(Py_None);
+    }
+}
+
+/* call(args, kwargs) -> what torch's function returns. The whole common case of a traced call in one C call: begin,
+   the op, and its end time stored when the op returned None on the CPU. The rest goes to tracer.py: the Python
+   path (a miss, anything unusual), finish() (a Work, a functional collective's tensor, a CUDA event, NCCL's ring)
+   and failed() (the op raised, and the exception goes on to the caller). */
+static PyObject *Recorder_call(RecorderObject *self, PyObject *const *argv, Py_ssize_t argc) {
+    if (check_args(argv, argc, "call(args: tuple, kwargs: dict)") < 0)
+        return NULL;
+    if (!self->fn || !self->python_path || !self->finish || !self->failed) {
+        PyErr_SetString(PyExc_TypeError, "call() needs a Recorder made with fn, python_path, finish and failed");
         return NULL;
     }
-    if (!result)
-        Py_RETURN_NONE;
+    PyObject *args = argv[0], *kwargs = argv[1];
+    PyObject *kw = kwargs == Py_None || PyDict_GET_SIZE(kwargs) == 0 ? NULL : kwargs;
+    unsigned long long slot;
+    long after;
+    PyObject *key;
+    switch (begin_call(self, args, kwargs, &slot, &after, &key)) {
+    case BEGUN:
+        break;
+    case NESTED:
+        return PyObject_Call(self->fn, args, kw);
+    case RAISED:
+        return NULL;
+    default: {
+        PyObject *result = PyObject_CallFunctionObjArgs(self->python_path, args, kwargs, key ? key : Py_None, NULL);
+        Py_XDECREF(key);
+        return result;
+    }
+    }
+    PyObject *result = PyObject_Call(self->fn, args, kw);
+    if (!result) { /* the op raised: its record ends with the error, and the exception goes on unchanged */
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb);
+        PyErr_NormalizeException(&type, &value, &tb);
+        if (tb && value)
+            PyException_SetTraceback(value, tb);
+        PyObject *slot_obj = PyLong_FromUnsignedLongLong(slot);
+        PyObject *r = slot_obj ? PyObject_CallFunctionObjArgs(self->failed, slot_obj, value ? value : Py_None, NULL)
+                               : NULL;
+        Py_XDECREF(r);
+        Py_XDECREF(slot_obj);
+        PyErr_Clear(); /* failed() never raises; if it did, the op's exception is the one to see */
+        PyErr_Restore(type, value, tb);
+        return NULL;
+    }
+    if (result == Py_None && !self->funcol) {
+        if (after == AFTER_END) { /* a CPU collective's hot path: its end is now */
+            double t = now();
+            store(self->log, slot * RECORD_SIZE + END_OFFSET, &t, sizeof t); /* a closed map: never breaks the op */
+            return result;
+        }
+        if (after == AFTER_NOTHING) /* NCCL's ring gives the end: the record stays open */
+            return result;
+    }
+    PyObject *slot_obj = PyLong_FromUnsignedLongLong(slot);
+    PyObject *after_obj = PyLong_FromLong(after);
+    PyObject *r = slot_obj && after_obj
+                      ? PyObject_CallFunctionObjArgs(self->finish, slot_obj, after_obj, result, args, kwargs, NULL)
+                      : NULL;
+    Py_XDECREF(slot_obj);
+    Py_XDECREF(after_obj);
+    if (!r) { /* finish() keeps its own errors; what comes out is the user's Ctrl-C, as in the Python path */
+        Py_DECREF(result);
+        return NULL;
+    }
+    Py_DECREF(r);
     return result;
 }
 
 static PyMethodDef Recorder_methods[] = {
     {"begin", (PyCFunction)(void (*)(void))Recorder_begin, METH_FASTCALL,
      "begin(args, kwargs): slot | key | None (see the module's docstring)."},
+    {"call", (PyCFunction)(void (*)(void))Recorder_call, METH_FASTCALL,
+     "call(args, kwargs): the traced call's result (see the module's docstring)."},
     {NULL}};
 
 TYPE(RecorderType, "Recorder", RecorderObject, Recorder_init, Recorder_dealloc, Recorder_methods);
@@ -593,11 +786,13 @@ PyMODINIT_FUNC PyInit__tracefast(void) {
     str_is_cuda = PyUnicode_InternFromString("is_cuda");
     if (!str_shape || !str_dtype || !str_is_cuda)
         return NULL;
+#ifndef INTERNAL_FRAMES
     getframe = PySys_GetObject("_getframe"); /* borrowed */
     one = PyLong_FromLong(1);
     if (!getframe || !one)
         return NULL;
     Py_INCREF(getframe);
+#endif
     if (PyType_Ready(&LogType) < 0 || PyType_Ready(&RecorderType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&module);

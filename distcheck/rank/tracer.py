@@ -744,7 +744,7 @@ class Tracer:
         # The C path (_tracefast.c): the common case in one call, sharing this wrapper's cache (its Recorder is made
         # below: it needs this wrapper's code object).
         fast = self._fast
-        begin = None
+        call = None
         end = fast.end if fast is not None else None
         # Under torch.compile, Dynamo inlines this wrapper: it folds is_dynamo_compiling() to True and sees ``fn``,
         # torch's own function, which it rewrites into a traceable collective, as it does without distcheck. The C
@@ -763,67 +763,73 @@ class Tracer:
         def traced(*args: Any, **kwargs: Any) -> Any:
             if is_dynamo_compiling() or compiler._is_compiling_flag:
                 return fn(*args, **kwargs)
-            eid = begin(args, kwargs) if begin is not None else None
-            if type(eid) is int:  # the C path stored the start: the call's slot, negative for GPU tensors
-                after = 0  # AFTER_END, as a constant: this is the CPU collective's hot path
-                if eid < 0:
-                    eid, after = -eid, AFTER_EVENT
-                    if eid >= OPEN_BIAS:
-                        eid, after = eid - OPEN_BIAS, AFTER_NOTHING
-            elif eid is _NESTED:
-                return fn(*args, **kwargs)
-            else:
-                hkey = eid  # the C path's key for the call when it missed the cache, else None
-                try:
-                    frame = getframe(1)
-                except ValueError:  # called straight from C (a thread started by _thread, say): no Python caller
-                    frame = None
-                if frame is not None and internal_get(frame.f_code.co_filename) is not False:  # torch's caller
-                    frame = user_frame(frame)
-                    if frame is _NESTED:
-                        return fn(*args, **kwargs)
-                try:
-                    # The static part of an event (op, group, shapes, dtypes, reduce op, root, site) is described
-                    # once per distinct call and written as a sig line; the event names it by number. The call is
-                    # keyed by its site as (id(code), f_lasti): hashing a code object or computing f_lineno costs
-                    # up to 0.5 µs each (Python 3.11 computes both on every access).
-                    hit = None
-                    if cacheable and hkey is None:
-                        hkey = call_key(frame, args, kwargs, Tensor, gpu_build)
-                        try:
-                            hit = sigs.get(hkey)
-                        except TypeError:  # an unhashable argument: describe the call every time
-                            hkey = None
-                    if hit is None:
-                        hit = new_sig(op, names, args, kwargs, funcol, default_op, frame)
-                        if cacheable and hkey is not None:
-                            if len(sigs) >= _CACHE_LIMIT:
-                                sigs.clear()
-                            sigs[hkey] = hit
-                    word, after = hit
-                    eid = claim()  # an event's id is the slot of its record
-                    offset = eid * SIZE
-                    try:  # no bounds check of our own: a store past the map's end fails, and then it grows
-                        pack_start(mm, offset, word, now())
-                    except struct.error:
-                        grow(offset)
-                        pack_start(mm, offset, word, now())
-                except Exception as exc:  # tracing must never break the user's collective
-                    log.debug("trace of %s failed: %s", op, exc)
+            if call is not None:  # begin, the op and its end in C; what is not the common case comes back below
+                return call(args, kwargs)
+            return python_path(args, kwargs, None)
+
+        def python_path(args: tuple, kwargs: dict, hkey: Any) -> Any:
+            """The whole traced call in Python: where the C path is not built, and for what it hands over (a cache
+            miss, with ``hkey`` its key; a file not classified yet; an argument it does not key)."""
+            try:
+                frame = getframe(2)  # traced's caller
+            except ValueError:  # called straight from C (a thread started by _thread, say): no Python caller
+                frame = None
+            if frame is not None and internal_get(frame.f_code.co_filename) is not False:  # torch's caller
+                frame = user_frame(frame)
+                if frame is _NESTED:
                     return fn(*args, **kwargs)
+            try:
+                # The static part of an event (op, group, shapes, dtypes, reduce op, root, site) is described
+                # once per distinct call and written as a sig line; the event names it by number. The call is
+                # keyed by its site as (id(code), f_lasti): hashing a code object or computing f_lineno costs
+                # up to 0.5 µs each (Python 3.11 computes both on every access).
+                hit = None
+                if cacheable and hkey is None:
+                    hkey = call_key(frame, args, kwargs, Tensor, gpu_build)
+                    try:
+                        hit = sigs.get(hkey)
+                    except TypeError:  # an unhashable argument: describe the call every time
+                        hkey = None
+                if hit is None:
+                    hit = new_sig(op, names, args, kwargs, funcol, default_op, frame)
+                    if cacheable and hkey is not None:
+                        if len(sigs) >= _CACHE_LIMIT:
+                            sigs.clear()
+                        sigs[hkey] = hit
+                word, after = hit
+                eid = claim()  # an event's id is the slot of its record
+                offset = eid * SIZE
+                try:  # no bounds check of our own: a store past the map's end fails, and then it grows
+                    pack_start(mm, offset, word, now())
+                except struct.error:
+                    grow(offset)
+                    pack_start(mm, offset, word, now())
+            except Exception as exc:  # tracing must never break the user's collective
+                log.debug("trace of %s failed: %s", op, exc)
+                return fn(*args, **kwargs)
             try:
                 result = fn(*args, **kwargs)
             except BaseException as exc:
-                writer.write({"ev": "end", "id": eid, "t": now(), "error": f"{type(exc).__name__}: {exc}"})
+                failed(eid, exc)
                 raise
+            if result is None and not funcol and after == AFTER_END:
+                try:  # the op has run: nothing may turn its result into an exception now
+                    if end is not None:
+                        end(eid)
+                    else:
+                        pack_end(mm, eid * SIZE + END_OFFSET, now())
+                except Exception as exc:  # the trace closed under a running call (uninstall), a full disk
+                    log.debug("trace of the end of %s failed: %s", op, exc)
+            else:
+                finish(eid, after, result, args, kwargs)
+            return result
+
+        def finish(eid: int, after: int, result: Any, args: tuple, kwargs: dict) -> None:
+            """The end of a call whose end is not "now": a CUDA event, NCCL's ring, a Work's future, a functional
+            collective (both paths)."""
             try:  # the op has run: nothing may turn its result into an exception now
                 if result is None and not funcol:
-                    if not after:  # AFTER_END
-                        if end is not None:
-                            end(eid)
-                        else:
-                            pack_end(mm, eid * SIZE + END_OFFSET, now())
-                    elif after == AFTER_EVENT:
+                    if after == AFTER_EVENT:
                         completions.add(eid)
                     # AFTER_NOTHING: NCCL's ring gives the end; the record stays open
                 else:
@@ -832,11 +838,18 @@ class Tracer:
                         self._note_async(result, Work, op, args, kwargs)
             except Exception as exc:  # the trace closed under a running call (uninstall), a full disk, no CUDA
                 log.debug("trace of the end of %s failed: %s", op, exc)
-            return result
+
+        def failed(eid: int, exc: BaseException) -> None:
+            """The op raised: its record ends with the error (both paths); the exception goes on to the caller."""
+            try:
+                writer.write({"ev": "end", "id": eid, "t": now(), "error": f"{type(exc).__name__}: {exc}"})
+            except Exception as error:  # a closed trace, a full disk: the user's exception matters, not ours
+                log.debug("trace of the error of %s failed: %s", op, error)
 
         self._traced_code = traced.__code__  # the same for every wrapper: _user_frame knows a traced call by it
         if fast is not None and cacheable:
-            begin = _tracefast.Recorder(fast, sigs, traced.__code__, _NESTED).begin
+            call = _tracefast.Recorder(fast, sigs, traced.__code__, _NESTED, fn, python_path, finish, failed,
+                                       funcol).call
         traced.__distcheck_original__ = fn  # type: ignore[attr-defined]
         return traced
 
@@ -847,11 +860,11 @@ class Tracer:
             if isinstance(result, list) else []
         if not works:
             return
-        try:
-            caller = sys._getframe(2)  # traced's caller
-        except ValueError:
-            return
-        if owner(caller.f_code.co_filename) != USER:
+        caller = sys._getframe(1)  # out to the traced call's caller (finish() is called from C or from Python)
+        while caller is not None and caller.f_code is not self._traced_code:
+            caller = caller.f_back
+        caller = caller.f_back if caller is not None else None
+        if caller is None or owner(caller.f_code.co_filename) != USER:
             return
         from distcheck.rank.usersite import Site
 

@@ -64,12 +64,13 @@ def test_events_carry_the_user_site_shapes_and_completion(fake_world, tmp_path, 
 def test_a_call_with_new_tensors_each_step_reuses_its_description(fake_world, tmp_path, hot_path):
     """Keyword or positional, a fresh tensor of the same shape is the same call: one sig line, no tensor kept."""
     trace.install(tmp_path, 0)
+    gather = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"  # torch < 2.13
     for _ in range(5):
         dist.all_reduce(tensor=torch.ones(4), op=dist.ReduceOp.SUM)
-        dist.all_gather_single(torch.empty(8), torch.ones(4))
+        getattr(dist, gather)(torch.empty(8), torch.ones(4))
     trace.uninstall()
     lines = [json.loads(s) for s in (tmp_path / "trace-rank0.jsonl").read_text().splitlines()]
-    assert [d["op"] for d in lines if d["ev"] == "sig"] == ["all_reduce", "all_gather_single"]
+    assert [d["op"] for d in lines if d["ev"] == "sig"] == ["all_reduce", gather]
     assert len(load_traces(tmp_path)[0].events) == 10
 
 
@@ -312,6 +313,59 @@ def test_the_c_path_keys_a_call_as_the_python_path_does(fake_world, tmp_path):
     assert _begin(recorder(), torch.ones(2)) is None
 
 
+def test_the_c_path_walks_out_through_torchs_frames_to_the_users_instruction(fake_world, tmp_path):
+    """The C path reads the interpreter's frames (no frame objects): out through three frames of a file classified
+    as torch's, its key is the Python path's key for the user's frame, the instruction (f_lasti) included."""
+    if trace._tracefast is None:
+        pytest.skip("the C path was not built here (pip install -e . with a C compiler builds it)")
+    tracer = trace.install(tmp_path, 0)
+    code: dict = {}
+    exec(compile("import sys\n"
+                 "def t0(begin, rec, x, py):\n    return begin(rec, x), py(sys._getframe(0))\n"
+                 "def t1(begin, rec, x, py):\n    return t0(begin, rec, x, py)\n"
+                 "def t2(begin, rec, x, py):\n    return t1(begin, rec, x, py)\n", "/torch/_chain.py", "exec"), code)
+    exec(compile("def user(t2, begin, rec, x, py):\n    y = 1\n    return t2(begin, rec, x, py)\n",
+                 "/user/train.py", "exec"), code)
+    tracer._internal.update({"/torch/_chain.py": True, "/user/train.py": False, __file__: True})
+    x = torch.ones(3)
+
+    def python_path(inner):  # while the user's frame is still in its call
+        user_frame = tracer._user_frame(inner)
+        return user_frame.f_code, user_frame.f_lasti, trace.call_key(user_frame, (x,), {}, torch.Tensor,
+                                                                      tracer._gpu_build)
+
+    for _ in range(3):
+        recorder = trace._tracefast.Recorder(tracer._fast, {}, _wrapper.__code__, trace._NESTED)
+        key, (user_code, lasti, python_key) = code["user"](code["t2"], _begin, recorder, x, python_path)
+        assert user_code is code["user"].__code__ and lasti > 0
+        assert key[:2] == (id(user_code), lasti)
+        assert key == python_key
+
+
+def test_the_c_path_reads_a_tensor_attribute_patched_on_torch_tensor(fake_world, tmp_path, monkeypatch):
+    """The C path calls torch's getters (shape, dtype) straight, kept while torch.Tensor is unchanged: a patch of
+    the class is seen at the next call, and its removal too."""
+    if trace._tracefast is None:
+        pytest.skip("the C path was not built here (pip install -e . with a C compiler builds it)")
+    tracer = trace.install(tmp_path, 0)
+    tracer._internal[__file__] = False
+    recorder = trace._tracefast.Recorder(tracer._fast, {}, _wrapper.__code__, trace._NESTED)
+    x = torch.ones(4)
+    keyed = trace.call_key(None, (x,), {}, torch.Tensor, tracer._gpu_build)[2:]  # (shape, dtype[, is_cuda])
+    assert keyed[:2] == (torch.Size([4]), torch.float32) and _begin(recorder, x)[2:] == keyed
+    real = torch._C.TensorBase.__dict__["shape"]
+    reads = []
+
+    def shape(self):
+        reads.append(1)
+        return real.__get__(self)
+
+    monkeypatch.setattr(torch.Tensor, "shape", property(shape), raising=False)
+    assert _begin(recorder, x)[2:] == keyed and reads == [1]
+    monkeypatch.undo()
+    assert _begin(recorder, x)[2:] == keyed and reads == [1]
+
+
 def test_a_collective_called_straight_from_c_is_traced_without_a_site(fake_world, tmp_path, hot_path):
     """A thread started from C calls the collective with no Python frame above it: traced, with no user line."""
     import _thread
@@ -391,6 +445,34 @@ def test_the_per_peer_sizes_of_an_exchange_are_described_as_torch_splits_them():
                        T) == {"send": [[2], [2]], "recv": [[2], [2]]}
     assert _peer_split("all_reduce", {"tensor": x}, 2, T) is None
     assert _peer_split("all_to_all_single", {"output": x, "input": x}, SPLIT_PEERS + 1, T) is None
+
+
+def test_an_op_that_raises_and_an_async_op_on_both_paths(fake_world, tmp_path, hot_path, line_of):
+    """The C path runs the op itself: an exception the op raises reaches the caller as itself, with the op's
+    frames in its traceback, and the record ends with it; a Work the user's line gets back is handed to on_async
+    with that line (the C path calls finish() from C, the Python path from Python)."""
+    tracer = trace.install(tmp_path, 0)
+    boom = RuntimeError("Connection closed by peer")
+
+    def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        if tensor.numel() == 3:
+            raise boom
+        return dist.all_reduce.__distcheck_original__(tensor, op, group, async_op)
+
+    traced = tracer.wrap(all_reduce, "all_reduce", funcol=False)
+    noted = []
+    tracer.on_async = lambda works, op, args, kwargs, site: noted.append((op, str(site), len(works)))
+    for _ in range(3):  # described once, then cached (in C on the C path)
+        with pytest.raises(RuntimeError) as raised:
+            traced(torch.ones(3))  # RAISES IN THE OP
+        assert raised.value is boom and raised.traceback[-1].name == "all_reduce"
+        traced(torch.ones(2), async_op=True).wait()  # A WORK BACK
+    trace.uninstall()
+    events = load_traces(tmp_path)[0].events
+    line = line_of(__file__, "# RAISES IN THE OP")
+    assert [(e.site, e.error) for e in events[::2]] == [
+        (f"test_tracer.py:{line}", "RuntimeError: Connection closed by peer")] * 3
+    assert noted == [("all_reduce", f"test_tracer.py:{line_of(__file__, '# A WORK BACK')}", 1)] * 3
 
 
 @pytest.mark.parametrize("after", ["end", "event", "nothing"])
