@@ -39,8 +39,12 @@ tests/unit/test_tracer.py checks that both paths find each other's entries.
    more for every frame of torch's it passed (FSDP2's and DTensor's collectives are called from a dozen), at about
    60 ns each on an H200's host. Other versions (or -DDISTCHECK_PUBLIC_FRAMES) use the public API. Every Frame the
    walk holds is a frame still running under this call, so each is borrowed, as is its code. */
-#if PY_VERSION_HEX < 0x030D0000 && !defined(PYPY_VERSION) && !defined(DISTCHECK_PUBLIC_FRAMES)
+#if PY_VERSION_HEX < 0x030D0000 && !defined(PYPY_VERSION) && !defined(DISTCHECK_PUBLIC_FRAMES) && defined(__has_include)
+#if __has_include(<internal/pycore_frame.h>) /* a Python whose headers leave the internal ones out: the public API */
 #define INTERNAL_FRAMES 1
+#endif
+#endif
+#ifdef INTERNAL_FRAMES
 #ifndef Py_BUILD_CORE
 #define Py_BUILD_CORE 1
 #endif
