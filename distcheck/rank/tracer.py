@@ -37,7 +37,8 @@ collective on a no-op process group (docs/performance.md).
 The common case, a call whose description is cached, runs in C (``_tracefast.c``, built where a C compiler is
 there): one call from the wrapper finds the user's frame, keys the call, stores its start, calls torch's function
 and stores its end. Everything else comes back to the Python path below (``python_path``, ``finish``, ``failed``),
-which shares the C path's cache and slot counter, so each rule is written once, here. ``DISTCHECK_TRACE_HOT_PATH=python`` leaves the C path out; the meta line names the path that ran.
+which shares the C path's cache and slot counter, so each rule is written once, here.
+``DISTCHECK_TRACE_HOT_PATH=python`` leaves the C path out; the meta line names the path that ran.
 """
 from __future__ import annotations
 
