@@ -76,19 +76,26 @@ except ImportError:  # not built (no compiler at install, Python < 3.11): the Py
 ENV_HOT_PATH = env.TRACE_HOT_PATH  # "python": leave the C path out (to compare the two, or rule it out)
 if os.environ.get(ENV_HOT_PATH, "").strip().lower() == "python":
     _tracefast = None
-# A C path built from an older layout (a stale build next to a newer tracer) would store records at the wrong place.
-if _tracefast is not None and (_tracefast.RECORD_SIZE, _tracefast.START_TIME_OFFSET, _tracefast.END_OFFSET,
-                               getattr(_tracefast, "UNRECORDED_OFFSET", None)) != (
-        trace_slots.SIZE, trace_slots.START_TIME_OFFSET, trace_slots.END_OFFSET, trace_slots.UNRECORDED_OFFSET):
+
+
+def _current_build(fast: Any) -> bool:
+    """Whether a built C path is this tracer's: one built from an older layout (a stale build next to a newer
+    tracer) would store records at the wrong place, and one from before Recorder.call (2026-11-27) takes none of
+    the wrapper's callbacks."""
+    layout = (fast.RECORD_SIZE, fast.START_TIME_OFFSET, fast.END_OFFSET, getattr(fast, "UNRECORDED_OFFSET", None))
+    return layout == (trace_slots.SIZE, trace_slots.START_TIME_OFFSET, trace_slots.END_OFFSET,
+                      trace_slots.UNRECORDED_OFFSET) and hasattr(fast.Recorder, "call")
+
+
+if _tracefast is not None and not _current_build(_tracefast):
     _tracefast = None
 
 log = logging.getLogger("distcheck")
 
-# What the wrapper does once a synchronous op returned (the second item of a cached sig; _tracefast.c encodes it in
-# the slot it returns: slot, -slot, -(slot + OPEN_BIAS)): write its end now, record a CUDA event for it, or nothing
-# (a synchronous NCCL op whose end NCCL's ring records: no Python call at all on that path).
-AFTER_END, AFTER_EVENT, AFTER_NOTHING = 0, 1, 2  # AFTER_END must stay 0: the wrapper tests it as a falsy int
-OPEN_BIAS = 1 << 40
+# What the wrapper does once a synchronous op returned (the second item of a cached sig, which _tracefast.c reads
+# with the same numbers): write its end now, record a CUDA event for it, or nothing (a synchronous NCCL op whose
+# end NCCL's ring records: no Python call at all on that path).
+AFTER_END, AFTER_EVENT, AFTER_NOTHING = 0, 1, 2
 
 ENV_REPORT_DIR = env.REPORT_DIR
 

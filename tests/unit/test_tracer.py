@@ -273,6 +273,23 @@ def test_the_c_path_stores_records_where_the_readers_look():
         trace_slots.SLOT.size, trace_slots.START_SLOT.size - 8, trace_slots.START_SLOT.size)
 
 
+def test_a_stale_build_of_the_c_path_is_left_out():
+    """A build from another record layout, or from before Recorder.call, is not used (the Python path runs)."""
+    import types
+
+    def build(call: bool, size: int = trace_slots.SIZE):
+        recorder = type("Recorder", (), {"begin": None, **({"call": None} if call else {})})
+        return types.SimpleNamespace(RECORD_SIZE=size, START_TIME_OFFSET=trace_slots.START_TIME_OFFSET,
+                                     END_OFFSET=trace_slots.END_OFFSET, UNRECORDED_OFFSET=trace_slots.UNRECORDED_OFFSET,
+                                     Recorder=recorder)
+
+    assert trace._current_build(build(call=True))
+    assert not trace._current_build(build(call=False))  # the two-call C path of before 2026-11-27
+    assert not trace._current_build(build(call=True, size=trace_slots.SIZE + 8))
+    if trace._tracefast is not None:
+        assert trace._current_build(trace._tracefast)
+
+
 def test_the_c_path_keys_a_call_as_the_python_path_does(fake_world, tmp_path):
     """The two paths share one cache: a key the C path builds must equal the Python path's for the same call, from
     the user's frame, found through torch's frames as tracer._user_frame finds it."""
