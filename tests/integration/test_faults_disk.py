@@ -116,9 +116,10 @@ def stderr_report(stderr: str) -> dict:
 
 
 def test_a_full_report_file_system_stops_the_trace_not_the_ranks(tmp_path, line_of):
-    """The tmpfs fills while both ranks trace 4000 all_reduces (it filled at #1176 and #2457 in one run): recording stops at a collective each trace names,
-    the ranks finish their script (no SIGBUS), the verdict is PASSED with a warning per rank, and the last line
-    printed names report.json only if it was written (else the report is on stderr with a one-line reason)."""
+    """The tmpfs fills while both ranks trace 4000 all_reduces (it filled at #1176 and #2457 in one run): recording
+    stops at a collective each trace names, the ranks finish their script (no SIGBUS), the verdict is PASSED with a
+    warning per rank, and the last line printed names report.json only if it was written (else the report is on
+    stderr with a one-line reason)."""
     why = mount_namespace_available()
     if why is not None:
         pytest.skip(why)
