@@ -34,8 +34,31 @@ ROLE_ENV = env.ROLE
 STDERR_COPY, NODE_WATCHER = "stderr-copy", "node-watcher"
 
 
+def _proc_file(pid: int | str, name: str, whole: bool = False) -> bytes:
+    """/proc/PID/NAME's bytes (OSError when the process is gone). os.open and os.read rather than pathlib's text
+    reads: the sweeps read every process's stat and environ files several times a run, and that way a read costs a
+    third. ``whole``: read to the end (an environment can pass a page); else one read, which holds a stat line."""
+    fd = os.open(f"/proc/{pid}/{name}", os.O_RDONLY)
+    try:
+        data = os.read(fd, 4096)
+        if whole and data:
+            parts = [data]
+            while data:
+                data = os.read(fd, 65536)
+                parts.append(data)
+            data = b"".join(parts)
+        return data
+    finally:
+        os.close(fd)
+
+
+def _stat_fields(pid: int | str) -> list[bytes]:
+    """The fields of /proc/PID/stat after the command name (state first); OSError when the process is gone."""
+    return _proc_file(pid, "stat").rsplit(b")", 1)[1].split()
+
+
 def read_environ(pid: int) -> dict[str, str]:
-    raw = Path(f"/proc/{pid}/environ").read_bytes()
+    raw = _proc_file(pid, "environ", whole=True)
     env = {}
     for item in raw.split(b"\0"):
         key, sep, value = item.partition(b"=")
@@ -53,10 +76,10 @@ def proc_name(pid: int) -> str:
 
 def alive(pid: int) -> bool:
     try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        state = _stat_fields(pid)[0]
     except (OSError, IndexError):
         return False
-    return state not in ("Z", "X")  # a zombie has exited; only its exit status remains
+    return state not in (b"Z", b"X")  # a zombie has exited; only its exit status remains
 
 
 def is_python(pid: int) -> bool | None:
@@ -73,15 +96,14 @@ def is_python(pid: int) -> bool | None:
 
 def children_map() -> dict[int, list[int]]:
     children: dict[int, list[int]] = {}
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
             continue
         try:
-            stat = Path(f"/proc/{entry.name}/stat").read_text()
-        except OSError:
+            ppid = int(_stat_fields(name)[1])
+        except (OSError, IndexError, ValueError):
             continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        children.setdefault(ppid, []).append(int(entry.name))
+        children.setdefault(ppid, []).append(int(name))
     return children
 
 
@@ -164,7 +186,7 @@ def start_ticks(pid: int) -> int | None:
     """When the process started (clock ticks after boot): with its pid, it names one process, never a later one
     that reuses the pid."""
     try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+        return int(_stat_fields(pid)[19])
     except (OSError, IndexError, ValueError):
         return None
 
@@ -227,7 +249,7 @@ def set_child_subreaper() -> bool:
 
 def _environ_entries(pid: int) -> list[bytes]:
     try:
-        return Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        return _proc_file(pid, "environ", whole=True).split(b"\0")
     except OSError:
         return []
 
@@ -246,10 +268,10 @@ def tagged(run_id: str) -> dict[int, str | None]:
     needle = f"{RUN_ID_ENV}={run_id}".encode()
     prefix = f"{ROLE_ENV}=".encode()
     found: dict[int, str | None] = {}
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
             continue
-        pid = int(entry.name)
+        pid = int(name)
         items = _environ_entries(pid)
         if needle in items and alive(pid):
             found[pid] = next((i[len(prefix):].decode(errors="replace") for i in items if i.startswith(prefix)), None)

@@ -18,6 +18,7 @@ call under it (``lightning/pytorch/core/module.py:512 in log``). From that one p
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import re
 import sys
@@ -120,6 +121,16 @@ def _is_user_class(klass: type) -> bool:
 
 
 def _source_of(obj: Any) -> tuple[str, list[str], int] | None:
+    try:
+        return _cached_source(obj)
+    except TypeError:  # unhashable: not a class or a function, so no source either
+        return None
+
+
+@functools.lru_cache(maxsize=512)
+def _cached_source(obj: Any) -> tuple[str, list[str], int] | None:
+    """Once per class or function: for a class, inspect parses its whole module (``ast``) on every call, and the
+    first-forward checks ask for the same few classes once per parameter."""
     try:
         lines, start = inspect.getsourcelines(obj)
         return inspect.getsourcefile(obj) or "", lines, start
