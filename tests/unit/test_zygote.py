@@ -86,3 +86,24 @@ def test_the_agent_is_the_parent_unless_a_stand_in_names_it(monkeypatch):
     assert agent_pid() == os.getppid()
     monkeypatch.setenv(AGENT_PID_ENV, "4242")
     assert agent_pid() == 4242
+
+
+def test_the_preloads_library_teardown_is_switched_off_and_a_later_librarys_is_kept():
+    """What a forked process would run at exit for the ~170 Library objects the preload made: nothing. A Library made
+    after (the user's, in a forked rank) keeps its teardown. Fails if the skip misses torch's finalizers."""
+    import weakref
+
+    import torch.library
+
+    def teardowns(atexit: bool) -> list:
+        return [f for f in list(weakref.finalize._registry)
+                if f.peek() is not None and f.peek()[1] is torch.library._del_library and f.atexit is atexit]
+
+    assert teardowns(True), "torch made no Library with an exit-time teardown: nothing left to test"
+    assert zygote._skip_library_teardown() > 0
+    assert teardowns(True) == [] and teardowns(False)
+    later = torch.library.Library("distcheck_test_zygote", "FRAGMENT")
+    try:
+        assert len(teardowns(True)) == 1
+    finally:
+        del later
