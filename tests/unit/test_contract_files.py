@@ -105,3 +105,38 @@ def test_trace_progress_with_a_hint_reads_only_past_the_last_poll(tmp_path, monk
     assert files.trace_progress(tmp_path, 0, hint) == files.trace_progress(tmp_path, 0) and hint["used"] == 1300
     write(40)  # a new run rewrote the file: the memo is not taken
     assert files.trace_progress(tmp_path, 0, hint) == files.trace_progress(tmp_path, 0) and hint["used"] == 40
+
+
+@pytest.mark.parametrize("written, expect", [
+    ([], 0),  # nothing recorded: the header alone stays
+    (list(range(1, 1001)), 1000),
+    # a thread claimed slot 1000 and was killed before writing it; slots after it were written
+    ([*range(1, 1000), 1001, 1002], 1002),
+    # the same with the gap where the bisection probes first (the middle of the segment), and a later slot
+    # written only in its last bytes (its time, not yet its kind)
+    ([*range(1, 65536), *range(65537, 65600), ("end only", 65601)], 65601),
+])
+def test_truncate_unused_keeps_every_written_slot_and_reads_little(tmp_path, monkeypatch, written, expect):
+    """The launcher cuts a rank's 3 MiB segment down to what was recorded, including slots written after one a
+    killed thread had claimed, and reads a few windows for it rather than the whole file."""
+    import os
+
+    from distcheck.contract import trace_slots
+
+    size = trace_slots.SIZE
+    data = bytearray(trace_slots.header(files.FORMAT)) + bytearray(size * trace_slots.SEGMENT_SLOTS)
+    for slot in written:
+        if isinstance(slot, tuple):
+            trace_slots.END_TIME.pack_into(data, slot[1] * size + trace_slots.END_OFFSET, 2.0)
+        else:
+            trace_slots.SLOT.pack_into(data, slot * size, trace_slots.START, 0, 1, 1.0, 2.0)
+    path = tmp_path / "trace-rank0.bin"
+    path.write_bytes(bytes(data))
+    read = []
+    real_pread = os.pread
+    monkeypatch.setattr(os, "pread", lambda fd, n, off: read.append(n) or real_pread(fd, n, off))
+    trace_slots.truncate_unused(path)
+    assert path.stat().st_size == (expect + 1) * size
+    assert sum(read) < 4 * trace_slots.TAIL_WINDOW * size < len(data) // 8
+    trace_slots.truncate_unused(path)  # already cut: unchanged
+    assert path.stat().st_size == (expect + 1) * size
