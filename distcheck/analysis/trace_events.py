@@ -54,7 +54,7 @@ def load_rank_records(path: str | os.PathLike, rank: int | None = None, merge: b
     except FileNotFoundError:
         return RankTrace(rank, [], [], {}, None)
     try:
-        binary: bytes | None = files.rank_file(path.parent, "trace_events", rank).read_bytes()
+        binary: bytes | None = trace_slots.read_records(files.rank_file(path.parent, "trace_events", rank))
     except OSError:
         binary = None
     trace = parse_lines(text.splitlines(), rank, binary)

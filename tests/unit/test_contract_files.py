@@ -118,7 +118,8 @@ def test_trace_progress_with_a_hint_reads_only_past_the_last_poll(tmp_path, monk
 ])
 def test_truncate_unused_keeps_every_written_slot_and_reads_little(tmp_path, monkeypatch, written, expect):
     """The launcher cuts a rank's 3 MiB segment down to what was recorded, including slots written after one a
-    killed thread had claimed, and reads a few windows for it rather than the whole file."""
+    killed thread had claimed, and reads a few windows for it rather than the whole file; the analysis reads the
+    same records without the tail."""
     import os
 
     from distcheck.contract import trace_slots
@@ -135,6 +136,9 @@ def test_truncate_unused_keeps_every_written_slot_and_reads_little(tmp_path, mon
     read = []
     real_pread = os.pread
     monkeypatch.setattr(os, "pread", lambda fd, n, off: read.append(n) or real_pread(fd, n, off))
+    assert trace_slots.read_records(path) == bytes(data[:(expect + 1) * size])  # what the analysis reads
+    assert sum(read) < (expect + 1) * size + 4 * trace_slots.TAIL_WINDOW * size
+    read.clear()
     trace_slots.truncate_unused(path)
     assert path.stat().st_size == (expect + 1) * size
     assert sum(read) < 4 * trace_slots.TAIL_WINDOW * size < len(data) // 8
