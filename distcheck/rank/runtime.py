@@ -27,6 +27,7 @@ log = logging.getLogger("distcheck")
 
 DEFAULT_TIMEOUT = 300.0
 POLL_MAX = 0.02  # seconds between store checks while waiting for other ranks
+READ_WAIT = 10.0  # seconds rank 0 waits at most, after an exchange, for the others to have read it (SideChannel)
 
 
 @dataclass(frozen=True)
@@ -84,13 +85,21 @@ def setup_logging(info: RankInfo) -> None:
 class SideChannel:
     """All-to-all exchange of small Python objects through the store, each bounded by a timeout."""
 
-    def __init__(self, store: dist.Store, rank: int, world_size: int, timeout: float = DEFAULT_TIMEOUT):
+    def __init__(self, store: dist.Store, rank: int, world_size: int, timeout: float = DEFAULT_TIMEOUT,
+                 rank0_hosts_store: bool | None = None):
         self.store = dist.PrefixStore("distcheck", store)
         self.rank = rank
         self.world_size = world_size
         self.timeout = timeout
         self._counters: dict[str, int] = {}
         self.pending: tuple[str, list[str], list[int]] | None = None
+        # Whether rank 0's own process serves the store: init_process_group's env:// rendezvous outside torchrun's
+        # agent store and distcheck's launcher (which set TORCHELASTIC_USE_AGENT_STORE): mp.spawn, MASTER_ADDR and
+        # MASTER_PORT set by hand. Then a rank 0 that ends right after an exchange takes the store with it while the
+        # others still read their answers ("Connection reset by peer" in multi_get): see _hold_until_read.
+        if rank0_hosts_store is None:
+            rank0_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True)  # as torch reads it
+        self.rank0_hosts_store = rank0_hosts_store
 
     def _next_key(self, tag: str, ranks: Sequence[int]) -> str:
         scope = tag if len(ranks) == self.world_size else f"{tag}@{','.join(map(str, ranks))}"
@@ -109,7 +118,27 @@ class SideChannel:
         self.store.set(f"{base}/{self.rank}", pickle.dumps(obj))
         keys = [f"{base}/{r}" for r in ranks]
         self._wait(tag, keys, ranks, timeout)
-        return [pickle.loads(v) for v in self.store.multi_get(keys)]
+        values = [pickle.loads(v) for v in self.store.multi_get(keys)]
+        if self.rank0_hosts_store and 0 in ranks and len(ranks) > 1:
+            self._hold_until_read(base, ranks)
+        return values
+
+    def _hold_until_read(self, base: str, ranks: list[int]) -> None:
+        """Where rank 0 serves the store: the other ranks say they have read the exchange, and rank 0 returns only
+        then (at most READ_WAIT seconds: a rank that died after publishing must not hold it), so that a script that
+        ends right after (``check_model`` then ``destroy_process_group``) cannot end the store under a reader."""
+        if self.rank != 0:
+            try:
+                self.store.set(f"{base}/read/{self.rank}", b"1")
+            except Exception:  # rank 0 gave up waiting and left: this rank has its answer already
+                pass
+            return
+        readers = [f"{base}/read/{r}" for r in ranks if r != 0]
+        deadline = time.monotonic() + min(self.timeout, READ_WAIT)
+        pause = 0.0005
+        while not self._has_all(readers) and time.monotonic() < deadline:
+            time.sleep(pause)
+            pause = min(pause * 2, POLL_MAX)
 
     def peek(self, key: str) -> Any:
         """A p2p value if it is there already, else None; never waits."""

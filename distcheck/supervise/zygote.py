@@ -89,8 +89,9 @@ def _skip_library_teardown() -> int:
     ``weakref.finalize`` that runs at interpreter exit and takes its operators out of the dispatcher. In a forked
     process that work writes into torch's operator tables, memory it shares with the zygote until written: 8,000
     page copies and 45 ms of CPU per process on this project's 2-core machine, a third of what a forked launcher
-    costs, for a process that is ending anyway (nothing runs after it: forked processes leave through os._exit). Only torch.library's own finalizer
-    is switched off, and only for what exists now: a Library the user's code creates after the fork keeps its own.
+    costs, for a process that is ending anyway (nothing runs after it: forked processes leave through os._exit).
+    Only torch.library's own finalizer is switched off, and only for what exists now: a Library the user's code
+    creates after the fork keeps its own.
     """
     import weakref
 
