@@ -276,15 +276,8 @@ class WatchLoop:
         for rank in files.rank_files(self.report_dir, "trace"):
             if files.flight_progress(self.report_dir, rank) > 0:
                 return False
-            path = files.rank_file(self.report_dir, "trace_events", rank)
-            # Only the slots in use (found by bisection): the file is a 3 MiB segment of mostly zeros, and this
-            # runs at every poll until some rank completed a collective.
-            used = trace_slots.written(path)
-            if used <= 0:
-                continue
-            try:
-                with open(path, "rb") as fh:
-                    records = fh.read(trace_slots.SIZE * (used + 1))
+            try:  # the records alone, not the 3 MiB segment of zeros they start: this runs at every poll
+                records = trace_slots.read_records(files.rank_file(self.report_dir, "trace_events", rank))
             except OSError:
                 continue
             if any(r.t_end is not None for r in trace_slots.iter_slots(records)):
