@@ -69,7 +69,7 @@ ISSUED = 1  # flags bit
 SEGMENT_SLOTS = 1 << 17  # 3 MiB of records per growth step
 # The least the tracer tries to allocate when a full file system refuses a whole segment: one page of records.
 MIN_SEGMENT_SLOTS = 4096 // SIZE
-# How far past the first unused slot truncate_unused looks for slots written after one claimed and never written:
+# How far past the first unused slot _records_end looks for slots written after one claimed and never written:
 # further than the threads of one rank ever record at once.
 TAIL_WINDOW = 4096
 # Which other per-rank files lost writes (the header's ``lost`` bits), and how a report names them.

@@ -29,7 +29,7 @@ from distcheck.rank.error_context import error_context
 from distcheck.rank.stack_hooks import remove_rank_hooks
 from distcheck.rank.usersite import traceback_site
 from distcheck.rank.runtime import end_rank, hard_exit
-from distcheck.processes import agent_pid, restart_count
+from distcheck.processes import agent_pid, restart_count, start_ticks
 
 log = logging.getLogger("distcheck")
 
@@ -192,15 +192,17 @@ def refuse_self_launch(script: Path) -> None:
 def _torchrun_default_dir() -> Path:
     """All local ranks must agree on the default directory: stamp it with the start time of their common parent
     (torchrun's agent), not each rank's own clock."""
+    agent = agent_pid()
+    ticks = start_ticks(agent)
     try:
-        agent = agent_pid()
-        ticks = int(Path(f"/proc/{agent}/stat").read_text().rsplit(")", 1)[1].split()[19])
         btime = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
                      if line.startswith("btime"))
-        return default_report_dir(btime + ticks / os.sysconf("SC_CLK_TCK"), suffix=agent)
     except (OSError, ValueError, IndexError, StopIteration):
-        run_id = os.environ.get("TORCHELASTIC_RUN_ID", "run")
-        return Path.cwd() / f"distcheck-report-{run_id}"
+        btime = None
+    if ticks is not None and btime is not None:
+        return default_report_dir(btime + ticks / os.sysconf("SC_CLK_TCK"), suffix=agent)
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "run")
+    return Path.cwd() / f"distcheck-report-{run_id}"
 
 
 def _execute(script: Path, script_args: list[str], tracer) -> tuple[bool, int]:

@@ -133,12 +133,7 @@ class SideChannel:
             except Exception:  # rank 0 gave up waiting and left: this rank has its answer already
                 pass
             return
-        readers = [f"{base}/read/{r}" for r in ranks if r != 0]
-        deadline = time.monotonic() + min(self.timeout, READ_WAIT)
-        pause = 0.0005
-        while not self._has_all(readers) and time.monotonic() < deadline:
-            time.sleep(pause)
-            pause = min(pause * 2, POLL_MAX)
+        self._poll([f"{base}/read/{r}" for r in ranks if r != 0], time.monotonic() + min(self.timeout, READ_WAIT))
 
     def peek(self, key: str) -> Any:
         """A p2p value if it is there already, else None; never waits."""
@@ -155,17 +150,22 @@ class SideChannel:
 
     def _wait(self, tag: str, keys: list[str], ranks: list[int], timeout: float | None) -> None:
         seconds = self.timeout if timeout is None else timeout
-        deadline = time.monotonic() + seconds
         self.pending = (tag, keys, ranks)
-        # Poll with check() rather than one long wait(): a Python signal handler (SIGTERM from torchrun when
-        # another rank died) only runs between calls, and it is what lets this rank still write what it knows.
+        if not self._poll(keys, time.monotonic() + seconds):
+            raise ChannelTimeout(tag, self.missing() or list(ranks), seconds)
+        self.pending = None
+
+    def _poll(self, keys: list[str], deadline: float) -> bool:
+        """Whether every key is in the store before ``deadline``. Polls with check() rather than one long wait(): a
+        Python signal handler (SIGTERM from torchrun when another rank died) only runs between calls, and it is
+        what lets this rank still write what it knows."""
         pause = 0.0005
         while not self._has_all(keys):
             if time.monotonic() >= deadline:
-                raise ChannelTimeout(tag, self.missing() or list(ranks), seconds)
+                return False
             time.sleep(pause)
             pause = min(pause * 2, POLL_MAX)
-        self.pending = None
+        return True
 
     def missing(self) -> list[int]:
         """Ranks that have not yet published their part of the exchange this rank is waiting in."""
