@@ -11,8 +11,10 @@ TORCH_VERSION ?= 2.13.0
 TORCH_INDEX ?=
 NPROC ?= 2
 PY := $(VENV)/bin/python
-# what runs from the venv writes .pyc files, whatever the caller's environment says (set-up compiles none first)
+# what runs from the venv writes .pyc files, whatever the caller's environment says (see the set-up)
 RUN := env -u PYTHONDONTWRITEBYTECODE
+WARM_IMPORTS := import sys; sys.modules["numpy"] = None; \
+	import torch, torch.distributed.tensor.parallel, torch.distributed.fsdp, torch._dynamo
 STAMP := $(VENV)/.installed-$(TORCH_VERSION)
 
 .PHONY: setup check test test-unit bench soak clean
@@ -22,18 +24,22 @@ setup: $(STAMP)
 # torch goes in first, pinned, so that the unpinned "torch" in pyproject.toml is already satisfied and pip never
 # pulls a multi-GB CUDA build onto a CPU machine. The editable install also compiles the tracer's C hot path
 # (setup.py, optional: without a C compiler the tracer takes its Python path); a changed .c file re-runs it.
-# Nothing is byte-compiled here (pip --no-compile): a module's .pyc is written by the first process that imports
-# it (the targets below run with PYTHONDONTWRITEBYTECODE unset), and the suite imports only ~2,600 of
-# site-packages' ~6,000 modules. Compiling all of them first (compileall -j 0) took 25 s of a 59 s set-up and saved
-# the suite nothing measurable (5 min 42 s without it, 5 min 17 s to 5 min 47 s with it, 2026-11-27). The venv's
-# own pip (23.2, from ensurepip) installs everything here, so it is not upgraded first (5 s and a download).
-# distcheck builds with the venv's setuptools and wheel (--no-build-isolation, what pyproject.toml's build-system
-# asks for, installed first): an isolated build env took 10 s of the set-up, fetching setuptools each time.
+# pip byte-compiles nothing (--no-compile): a module's .pyc is written by the first process that imports it (every
+# target below runs with PYTHONDONTWRITEBYTECODE unset), and the suite imports only ~2,600 of site-packages' ~6,000
+# modules; compileall of all of them took 25 s of a 59 s set-up. What every rank, test worker and the tests' zygote
+# import (torch, DTensor, FSDP2, torch._dynamo: 1,600 modules) is imported once here, while pip installs distcheck
+# beside it (numpy kept out: pip may be writing it then), so that their .pyc files exist before the suite: the
+# zygote and the 3 workers importing them at once took 23 s with no .pyc files, 9 s after that one import (13 s).
+# The venv's own pip (23.2, from ensurepip) installs everything, so it is not upgraded first (5 s and a download).
+# distcheck builds with the venv's setuptools and wheel (--no-build-isolation; pyproject.toml's build-system, put
+# in first) instead of an isolated build env fetched every time (6 s).
 $(STAMP): pyproject.toml setup.py distcheck/rank/_tracefast.c
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --no-compile "torch==$(TORCH_VERSION)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
-	$(PY) -m pip install --quiet --no-compile "setuptools>=64" wheel
-	$(PY) -m pip install --quiet --no-compile --no-build-isolation -e ".[test]"
+	$(RUN) $(PY) -W ignore -c '$(WARM_IMPORTS)' & warm=$$!; \
+	$(PY) -m pip install --quiet --no-compile "setuptools>=64" wheel && \
+	$(PY) -m pip install --quiet --no-compile --no-build-isolation -e ".[test]"; installed=$$?; \
+	wait $$warm; exit $$installed
 	touch $(STAMP)
 
 check: $(STAMP)

@@ -310,7 +310,10 @@ def test_every_line_of_a_flood_of_rank_output_arrives_whole(tmp_path, launch):
     assert seen == {"0": list(range(n)), "1": list(range(n))}
     ours = [line for line in stderr.splitlines() if line.startswith("distcheck")]
     for rank in (0, 1):
-        assert (out / f"stderr-rank{rank}.txt").exists(), (sorted(p.name for p in out.iterdir()), ours, stdout[-1500:])
+        # distcheck's own lines first: pytest cuts a long message, and "no copy of its stderr" would say why.
+        assert (out / f"stderr-rank{rank}.txt").exists(), (
+            f"no stderr-rank{rank}.txt; distcheck's lines on stderr: {ours}; files: "
+            f"{sorted(p.name for p in out.iterdir())}; stdout: {stdout[-1500:]}")
         copy = (out / f"stderr-rank{rank}.txt").read_bytes()
         assert len(copy) <= 3 * keep + 1024  # bounded: head (to a line end), cut line, at most 2 × keep after it
         lines = copy.decode().splitlines()

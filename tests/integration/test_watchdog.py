@@ -114,7 +114,10 @@ def test_native_fixture_really_holds_the_gil():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                          env=env_for_ranks())
     during, after = map(int, out.stdout.split())
-    assert during <= 2 and after >= 10, (during, after)
+    # A thread that ticks every 5 ms gets ~200 ticks in a free second. A tick or two on each side of the C call
+    # (the GIL passes between the two threads just before and after it) is not the GIL being free: 3 was seen
+    # with 4 test workers on 2 cores.
+    assert during <= 5 and after >= 10, (during, after)
 
 
 def test_watch_loop_fires_only_after_progress_stops(tmp_path):
