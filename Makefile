@@ -56,7 +56,7 @@ test-unit: $(STAMP)
 	$(RUN) $(PY) -m pytest -q tests/unit
 
 bench: $(STAMP)
-	$(PY) -m pip install --quiet -e ".[test,bench]"
+	$(PY) -m pip install --quiet --no-compile --no-build-isolation -e ".[test,bench]"
 	$(RUN) $(PY) bench/run_all.py
 
 soak: $(STAMP)
