@@ -17,8 +17,11 @@ def test_a_long_environment_its_parent_and_its_end_are_read_as_they_are():
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "DISTCHECK_TEST_LONG": tail, "DISTCHECK_RUN_ID": "readers"}
     proc = subprocess.Popen(["sleep", "30"], env=env)
     try:
-        deadline = time.monotonic() + 10  # /proc shows the new environment once the exec is through
-        while processes.proc_name(proc.pid) != "sleep" and time.monotonic() < deadline:
+        # /proc shows the new environment once the exec is through. The kernel renames the process (comm) before it
+        # lays out the new stack, so for a moment comm says "sleep" and environ reads empty: wait for both.
+        deadline = time.monotonic() + 10
+        while (processes.proc_name(proc.pid) != "sleep" or not processes.read_environ(proc.pid)) \
+                and time.monotonic() < deadline:
             time.sleep(0.01)
         assert processes.read_environ(proc.pid) == env
         assert processes.role_of(proc.pid) is None
