@@ -325,7 +325,6 @@ def test_every_line_of_a_flood_of_rank_output_arrives_whole(tmp_path, launch):
     launch.assert_none_left()
 
 
-
 def test_the_stderr_copier_starts_on_the_standard_librarys_core_alone(tmp_path):
     """Every rank starts a copier: its start imports stderr_file and what the interpreter loads anyway, not typing,
     importlib.util or signal's enums (25 of its 50 ms of CPU; bench/bench_copier_start.py)."""
@@ -337,6 +336,7 @@ def test_the_stderr_copier_starts_on_the_standard_librarys_core_alone(tmp_path):
     imported = {line.rsplit("|", 1)[1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")}
     assert "stderr_file" in imported and (tmp_path / "copy.txt").exists(), sorted(imported)
     assert not imported & {"typing", "importlib.util", "enum", "signal", "re", "collections"}, sorted(imported)
+
 
 HELPERS_THEN_WAIT = textwrap.dedent('''
     import subprocess
