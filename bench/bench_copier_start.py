@@ -4,8 +4,8 @@ end at once): this tree against another commit, in turn, in one run. Every rank 
     .venv/bin/python bench/bench_copier_start.py --against 1da11fc     # A B A B, 40 starts of each per turn
     .venv/bin/python bench/bench_copier_start.py                       # this tree alone
 
-B is `git archive` of the commit's distcheck/ in a temporary folder. The figure is user + system time of the
-copier processes (RUSAGE_CHILDREN), per start.
+B is that commit's tree as bench_run_cpu.py's `checkout` makes it (a temporary folder). The figure is user +
+system time of the copier processes (RUSAGE_CHILDREN), per start.
 """
 from __future__ import annotations
 
@@ -17,6 +17,8 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from bench_run_cpu import checkout  # bench/ is on the path: this file is run as a script
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -38,20 +40,20 @@ def per_start(tree: Path, starts: int, copy_to: str) -> float:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--against", help="a commit to compare with (git archive of its distcheck/)")
+    parser.add_argument("--against", help="a commit to compare this tree with")
     parser.add_argument("--starts", type=int, default=40)
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
     folder = tempfile.mkdtemp(prefix="distcheck-bench-copier-")
+    trees = {"this tree": ROOT}
     try:
-        trees = {"this tree": ROOT}
         if args.against:
-            other = Path(folder) / "other"
-            other.mkdir()
-            archive = subprocess.run(["git", "archive", args.against, "distcheck"], cwd=ROOT, capture_output=True,
-                                     check=True, timeout=60).stdout
-            subprocess.run(["tar", "-x", "-C", str(other)], input=archive, check=True, timeout=60)
-            trees[args.against] = other
+            try:
+                trees[args.against] = checkout(args.against)
+            except subprocess.CalledProcessError:
+                print(f"bench_copier_start: {args.against} is not a commit here (name one: HEAD~1, a hash)",
+                      file=sys.stderr)
+                return 2
         copy_to = os.path.join(folder, "copy.txt")
         for name, tree in trees.items():  # warm-up: .pyc files written, caches filled
             per_start(tree, 3, copy_to)
@@ -63,6 +65,8 @@ def main() -> int:
             print(f"{name}: {', '.join(f'{v:.1f}' for v in values)} CPU-ms per copier start")
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+        if args.against in trees:
+            shutil.rmtree(trees[args.against], ignore_errors=True)
     return 0
 
 

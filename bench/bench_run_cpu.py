@@ -72,8 +72,12 @@ def measure(tree: Path, runs: int) -> dict[str, tuple[float, float]]:
 
 def checkout(rev: str) -> Path:
     folder = Path(tempfile.mkdtemp(prefix="distcheck-bench-rev-"))
-    archive = subprocess.run(["git", "archive", rev, "distcheck", "setup.py", "pyproject.toml"], cwd=ROOT,
-                             capture_output=True, check=True, timeout=60).stdout
+    try:
+        archive = subprocess.run(["git", "archive", rev, "distcheck", "setup.py", "pyproject.toml"], cwd=ROOT,
+                                 capture_output=True, check=True, timeout=60).stdout
+    except subprocess.CalledProcessError:  # not a commit: the caller says so; nothing is left behind
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
     subprocess.run(["tar", "-x", "-C", str(folder)], input=archive, check=True, timeout=60)
     subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--inplace"], cwd=folder, capture_output=True,
                    timeout=300)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from launch_helpers import BIN, FRESH, TAG, env_for_ranks, load_report, tagged
+from launch_helpers import BIN, FRESH, ROOT, TAG, env_for_ranks, load_report, tagged
 
 def describe(pids: list[int]) -> str:
     """Each process with its parent and state (a leftover's parent says who failed to end it)."""
@@ -328,7 +328,7 @@ def test_every_line_of_a_flood_of_rank_output_arrives_whole(tmp_path, launch):
 def test_the_stderr_copier_starts_on_the_standard_librarys_core_alone(tmp_path):
     """Every rank starts a copier: its start imports stderr_file and what the interpreter loads anyway, not typing,
     importlib.util or signal's enums (25 of its 50 ms of CPU; bench/bench_copier_start.py)."""
-    copier = Path(__file__).resolve().parents[2] / "distcheck" / "rank" / "stderr_tee.py"
+    copier = ROOT / "distcheck" / "rank" / "stderr_tee.py"
     done = subprocess.run([sys.executable, "-I", "-S", "-X", "importtime", str(copier), "--copy",
                            str(tmp_path / "copy.txt")], stdin=subprocess.DEVNULL, capture_output=True, text=True,
                           timeout=60)
