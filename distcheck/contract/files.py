@@ -173,6 +173,8 @@ def tidy(report_dir: str | os.PathLike) -> None:
         path.unlink(missing_ok=True)
     for path in rank_files(report_dir, "flight_status").values():  # a progress counter, not an artifact
         path.unlink(missing_ok=True)
+    for path in Path(report_dir).glob(".flight-rank*.status.tmp"):  # a rank killed while it rewrote its status
+        path.unlink(missing_ok=True)
     try:
         (Path(report_dir) / FLIGHT_REQUEST).unlink(missing_ok=True)
     except OSError:  # the report dir was removed or replaced under the run: nothing of ours is left in it

@@ -5,50 +5,80 @@
 Three lines: the progress token (the sum of every group's last enqueued and last completed collective numbers, which
 grows whenever the process group enqueues or completes one, Python-called or not: DDP's buckets, compiled graphs),
 then ``{"<ring>:<group>": last enqueued, ...}``, then the rank's recent looks at those counts,
-``[[time, {"<ring>:<group>": last enqueued, ...}], ...]`` (wall-clock seconds, the last HISTORY_S of them). The
-watch loop reads the first (files.flight_progress); the live straggler look (supervise/live_stragglers.py) reads the
-third: a rank whose groups enqueued fewer collectives than its peers' at the same moment has not reached the one
-they wait in.
+``[[time, {"<ring>:<group>": last enqueued, ...}, since], ...]`` (wall-clock seconds, the last HISTORY_S of them;
+``since``: the look before, so a change the look saw happened after ``since`` and by ``time``). The watch loop reads
+the first (files.flight_progress); the live straggler look (supervise/live_stragglers.py) reads the third: a rank
+whose groups enqueued fewer collectives than its peers' at the same moment has not reached the one they wait in.
 
 Why the looks and their times: the rank reads its counters every POLL_S but rewrites this file at most every
 WRITE_S (a small file rewritten ten times a second by every rank of a big job is a load on a shared file system),
 and its peers rewrite theirs at their own moments. Counts taken half a second apart, in steps shorter than that,
 showed a slow rank level with or ahead of the rank waiting for it at a quarter of the looks; counts taken at the same
-moment, from each rank's looks, do not. A file of one or two lines (an older writer) has no looks.
+moment, from each rank's looks, do not.
+
+Why ``since``: a look sees a change up to POLL_S (more on a loaded machine) after it happened, and the ranks look at
+their own moments. A slow rank enters collective k at the moment the rank waiting for it completes k - 1 and enters
+k + 1; if the slow rank's look comes a few ms before its peer's, every moment just after the slow rank's look has
+the two level, and the moment every file covers is such a moment. Found on a 2-rank run where whole stretches of
+looks saw the straggler level with the rank it kept waiting. So a rank's count at a moment is a range
+(:meth:`FlightStatus.bounds`: a change seen by the next look may or may not have come by then), and the live look
+compares the ranks at the latest moment at which the ranges decide it. A file of one or two lines (an older writer)
+has no looks; a look without ``since`` (an older writer) is taken to have followed the one before by POLL_S.
+
+The file is replaced whole (a temporary file and a rename): a reader never sees it half written.
 """
 from __future__ import annotations
 
 import json
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 POLL_S = 0.1  # how often a rank reads its counters (a 43 µs call on gloo)
 WRITE_S = 0.5  # how often at most it rewrites the file; a change is in it within WRITE_S + POLL_S
 HISTORY_S = 1.2  # the looks each rewrite carries: more than WRITE_S + POLL_S, so consecutive files overlap
 
 
+Look = tuple[float, dict[str, int], float]  # (time, {"<ring>:<group>": last enqueued}, the look before it)
+
+
 @dataclass
 class FlightStatus:
     progress: int = 0
     enqueued: dict[str, int] = field(default_factory=dict)
-    looks: list[tuple[float, dict[str, int]]] = field(default_factory=list)  # oldest first
+    looks: list[Look] = field(default_factory=list)  # oldest first
 
-    def at(self, moment: float) -> dict[str, int]:
-        """The counts the rank had at ``moment``: its last look at or before it (the counts stay as they were
-        between two looks); its first look when it has none that early; the latest counts without looks."""
+    def bounds(self, moment: float) -> tuple[dict[str, int], dict[str, int]] | None:
+        """What the rank's counts were at ``moment``, as ``(at least, at most)``: those of its last look at or
+        before it (counts only grow), and those of its last look whose change could have come by then (``since``
+        before ``moment``). None before its first look (what came before is not in the file); a file without looks:
+        its counts, at every moment. Valid up to the moment the file covers (live_stragglers.counts_at_one_moment)."""
         if not self.looks:
-            return self.enqueued
-        earlier = [counts for t, counts in self.looks if t <= moment]
-        return earlier[-1] if earlier else self.looks[0][1]
+            return self.enqueued, self.enqueued
+        if moment < self.looks[0][0]:
+            return None
+        seen = [look[1] for look in self.looks if look[0] <= moment][-1]
+        # the first look's counts held at its time, whenever they came (its ``since`` may be that time)
+        possible = next((look[1] for look in reversed(self.looks[1:]) if look[2] < moment), self.looks[0][1])
+        return seen, possible
 
 
-def text(status: dict[str, tuple[int, int]], looks: list[tuple[float, dict[str, int]]] = ()) -> str:
+def text(status: dict[str, tuple[int, int]], looks: list[Look] = ()) -> str:
     """The file's content for ``{group: (last enqueued, last completed)}`` (rank/flight_recorder.read_status) and
     the rank's recent looks at the enqueued counts, oldest first."""
     total = sum(max(0, e) + max(0, c) for e, c in status.values())
     compact = (",", ":")
+    rows = [[round(t, 3), counts, round(since, 3)] for t, counts, since in looks]
     return (f"{total}\n{json.dumps({g: e for g, (e, _) in status.items()}, separators=compact)}\n"
-            f"{json.dumps([[round(t, 3), counts] for t, counts in looks], separators=compact)}\n")
+            f"{json.dumps(rows, separators=compact)}\n")
+
+
+def write(path: Path, text: str) -> None:
+    """Replace the file whole: the supervisor reads it at its own moments, and an open that truncated it before the
+    write (Path.write_text) showed it empty, or half written, to a look that came between (OSError propagates)."""
+    tmp = path.with_name(f".{path.name}.tmp")  # one writer per file: the rank's status thread
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 def read(path: str | os.PathLike) -> FlightStatus:
@@ -65,10 +95,11 @@ def read(path: str | os.PathLike) -> FlightStatus:
         enqueued = {str(g): int(n) for g, n in groups.items()} if isinstance(groups, dict) else {}
     except (ValueError, TypeError, AttributeError):
         enqueued = {}
-    looks: list[tuple[float, dict[str, int]]] = []
+    looks: list[Look] = []
     try:
-        for t, counts in json.loads(third) if third.strip() else []:
-            looks.append((float(t), {str(g): int(n) for g, n in counts.items()}))
+        for t, counts, *since in json.loads(third) if third.strip() else []:
+            t = float(t)
+            looks.append((t, {str(g): int(n) for g, n in counts.items()}, float(since[0]) if since else t - POLL_S))
     except (ValueError, TypeError, AttributeError):
         looks = []
     return FlightStatus(progress, enqueued, looks)

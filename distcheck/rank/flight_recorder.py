@@ -602,7 +602,8 @@ class Sink:
         self._stop = threading.Event()
         self._last: dict[str, tuple[int, int]] | None = None  # what the file says
         self._written = 0.0
-        self._looks: list[tuple[float, dict[str, int]]] = []  # (time, enqueued counts) at each change, oldest first
+        self._looks: list[flight_status_file.Look] = []  # (time, enqueued counts, the look before) at each change
+        self._looked: float | None = None  # the time of the last look: a change the next one sees came after it
         self._answered = time.time()  # a request left in a reused report dir is not for this run
         self._thread = threading.Thread(target=self._run, name="distcheck-flight", daemon=True)
 
@@ -618,10 +619,11 @@ class Sink:
         if status:
             counts = {g: e for g, (e, _) in status.items()}
             if not self._looks or self._looks[-1][1] != counts:
-                self._looks.append((now, counts))
+                self._looks.append((now, counts, self._looked if self._looked is not None else now))
                 _group_names()  # new groups since the last look: remembered before the script destroys them
             if status != self._last and now - self._written >= flight_status_file.WRITE_S:
                 self._write(status, now)
+        self._looked = now
         try:
             asked = self.request_path.stat().st_mtime
         except OSError:
@@ -633,13 +635,13 @@ class Sink:
     def _write(self, status: dict[str, tuple[int, int]], now: float) -> None:
         """One small write: the watch loop reads the progress (files.flight_progress), the live straggler look the
         looks, the last of them at this moment (contract/flight_status_file.py)."""
-        recent = [i for i, (t, _) in enumerate(self._looks) if t >= now - flight_status_file.HISTORY_S]
+        recent = [i for i, look in enumerate(self._looks) if look[0] >= now - flight_status_file.HISTORY_S]
         # the counts the window starts with: the last change before it
         del self._looks[:max(0, (recent[0] if recent else len(self._looks)) - 1)]
         self._last, self._written = status, now
         try:
-            last = [(now, self._looks[-1][1])] if self._looks[-1][0] < now else []  # the counts still hold now
-            self.status_path.write_text(flight_status_file.text(status, self._looks + last))
+            last = [(now, self._looks[-1][1], now)] if self._looks[-1][0] < now else []  # the counts hold now
+            flight_status_file.write(self.status_path, flight_status_file.text(status, self._looks + last))
         except OSError:
             pass
 

@@ -6,10 +6,13 @@ The report's stragglers part (analysis/stragglers.py) comes at the end, from who
 it before that. Every LOOK_S the supervisor reads each rank's ``flight-rank<R>.status`` (contract/
 flight_status_file.py: how many collectives each of its process groups enqueued, DDP's buckets and compiled graphs
 included, as the rank saw them ten times a second, with the times it saw them) and takes every rank's counts at one
-moment, the latest that every rank's file covers. A rank whose count in some group is below a peer's at that moment
-has not reached the collective that peer entered: the peer waits for it. When one rank, and only that rank, is behind
-at 70% of the last LOOKS looks (10 s by default), and it moved at least twice meanwhile (a rank that does not move
-is stuck: the watch loop's hang), the supervisor logs one line naming it. Once per rank per run;
+moment. A rank whose count in some group is below a peer's at that moment has not reached the collective that peer
+entered: the peer waits for it. A rank's count at a moment is known as a range (a change its next look saw may have
+come before that moment or after); the moment is the latest that every rank's file covers at which the ranges
+decide who is behind (a moment inside a change a look had not seen yet made a slow rank look level with the rank
+waiting for it, in whole runs of looks). When one rank, and only that rank, is behind at 70% of the last LOOKS looks
+(10 s by default), and it moved at least twice meanwhile (a rank that does not move is stuck: the watch loop's
+hang), the supervisor logs one line naming it. Once per rank per run;
 DISTCHECK_STRAGGLER_LOOKS sets LOOKS ("0": no line). Without the Flight Recorder's counters
 (DISTCHECK_FLIGHT_RECORDER=0) there is nothing to look at.
 
@@ -31,30 +34,51 @@ LOOK_S = 1.0
 LOOKS = 10
 
 
-def behind(enqueued: Mapping[int, Mapping[str, int]]) -> set[int]:
-    """The ranks that have not reached a collective a peer of theirs has enqueued, in some group both are in."""
-    members: dict[str, dict[int, int]] = {}
+def behind(enqueued: Mapping[int, Mapping[str, int]],
+           at_most: Mapping[int, Mapping[str, int]] | None = None) -> set[int] | None:
+    """The ranks that have not reached a collective a peer of theirs has enqueued, in some group both are in.
+    ``enqueued``: the counts each rank had at least; ``at_most``: those it had at most (the same when not given).
+    A rank is behind when even its most is below a peer's least; None when the ranges leave some rank neither
+    surely behind nor surely level with every peer."""
+    at_most = enqueued if at_most is None else at_most
+    members: dict[str, dict[int, tuple[int, int]]] = {}
     for rank, groups in enqueued.items():
         for group, count in groups.items():
-            members.setdefault(group, {})[rank] = count
+            members.setdefault(group, {})[rank] = (count, at_most.get(rank, {}).get(group, count))
     late: set[int] = set()
     for counts in members.values():
         if len(counts) < 2:
             continue
-        top = max(counts.values())
-        late.update(r for r, n in counts.items() if n < top)
+        top = max(low for low, _ in counts.values())
+        for rank, (low, high) in counts.items():
+            if high < top:
+                late.add(rank)
+            elif any(low < peer_high for peer, (_, peer_high) in counts.items() if peer != rank):
+                return None  # it may be behind a peer's latest collective, or not
     return late
 
 
 def counts_at_one_moment(statuses: Mapping[int, flight_status_file.FlightStatus],
-                         now: float) -> dict[int, dict[str, int]]:
-    """Every rank's enqueued counts at the latest moment all their files cover. A file covers up to its last look;
-    a rank whose counts did not move is not rewritten, and its counts hold until at least WRITE_S + POLL_S ago (a
-    change would be in the file by then)."""
+                         now: float) -> tuple[dict[int, dict[str, int]], set[int]] | None:
+    """Every rank's enqueued counts (at least) and the ranks behind, at the latest moment at which the ranks' counts
+    decide who is behind (:func:`behind` with FlightStatus.bounds), up to the latest moment all their files cover;
+    None when no moment in the files decides it. A file covers up to its last look; a rank whose counts did not
+    move is not rewritten, and its counts hold until at least WRITE_S + POLL_S ago (a change would be in the file
+    by then)."""
     settled = now - flight_status_file.WRITE_S - flight_status_file.POLL_S
     covered = [max(s.looks[-1][0], settled) for s in statuses.values() if s.looks]
-    moment = min(covered) if covered else now
-    return {rank: s.at(moment) for rank, s in statuses.items()}
+    until = min(covered) if covered else now
+    # A moment's answer changes only where some rank's range does: at a look or at the look before it.
+    moments = {until} | {t for s in statuses.values() for look in s.looks for t in (look[0], look[2]) if t < until}
+    for moment in sorted(moments, reverse=True):
+        ranges = {rank: s.bounds(moment) for rank, s in statuses.items()}
+        if any(r is None for r in ranges.values()):
+            return None  # before some rank's first look: earlier moments are not in its file either
+        low = {rank: r[0] for rank, r in ranges.items() if r[0]}
+        late = behind(low, {rank: r[1] for rank, r in ranges.items() if r[0]})
+        if late is not None:
+            return low, late
+    return None
 
 
 # Of the last LOOKS looks, at least this share must find the same rank alone behind: the counts are the ranks' own
@@ -78,15 +102,27 @@ class LiveStragglers:
         self.announced: set[int] = set()
 
     def look(self, now: float) -> str | None:
-        """The line logged at this look, if any."""
+        """The line logged at this look, if any. Never raises: the run's watch loop calls it, and a line that
+        cannot be had is no reason to lose the run (the look is then off for the run)."""
         if self.looks <= 0 or (self.last_look is not None and now - self.last_look < self.every):
             return None
         self.last_look = now
-        current = counts_at_one_moment({rank: flight_status_file.read(path)
-                                        for rank, path in files.rank_files(self.report_dir, "flight_status").items()},
-                                       time.time())
-        current = {r: g for r, g in current.items() if g}
-        late = behind(current)
+        try:
+            return self._look()
+        except Exception as exc:
+            log.warning("distcheck: the live straggler look failed (%s: %s); no live straggler line in this run",
+                        type(exc).__name__, exc)
+            self.looks = 0
+            return None
+
+    def _look(self) -> str | None:
+        moment = counts_at_one_moment({rank: flight_status_file.read(path)
+                                       for rank, path in files.rank_files(self.report_dir, "flight_status").items()},
+                                      time.time())
+        if moment is None:  # no moment in the files decides who is behind: a look that finds no one
+            self.window.append((None, False))
+            return None
+        current, late = moment
         moved = {r for r, g in current.items() if self.previous.get(r) not in (None, g)}
         self.previous = current
         rank = next(iter(late)) if len(late) == 1 else None
