@@ -35,7 +35,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 from distcheck.contract import files, stack_dump_file, stack_hook_file, watcher_file
 from distcheck.contract.findings import Finding, Note, format_ranks
@@ -50,7 +50,7 @@ from distcheck.supervise.procs import RunTree
 from distcheck.supervise.watch import HUNG, STARTUP_TIMEOUT, HangDump, WatchLoop, script_ended
 
 if TYPE_CHECKING:
-    from distcheck.supervise.node_exchange import MergedNodes, NodeEnv, StoreChannel
+    from distcheck.supervise.node_exchange import MergedNodes, NodeEnv, NodeLink, StoreChannel
 
 log = logging.getLogger("distcheck")
 
@@ -292,10 +292,12 @@ def _watch(report_dir: str, timeout: float, native: bool, parent: int, attempt: 
 
     if result.state == HUNG:
         pids = local_ranks(report_dir, host, attempt.number)
-        publish(compose(evidence(HANG, world=world_size or len(pids), note=f"no progress for {timeout:g}s",
-                                 findings=result.hang_findings,
-                                 check_seconds=(result.diagnosed_at or 0) - (result.declared_at or 0))))
-        terminate(list(pids.values()), grace=2.0)
+        try:
+            publish(compose(evidence(HANG, world=world_size or len(pids), note=f"no progress for {timeout:g}s",
+                                     findings=result.hang_findings,
+                                     check_seconds=(result.diagnosed_at or 0) - (result.declared_at or 0))))
+        finally:  # whatever the report met, the hung ranks end: a watcher that died here left the job hung
+            terminate(list(pids.values()), grace=2.0)
         files.tidy(report_dir)
         return 1
     stopped = diagnose_stop(report_dir, out_dir, native, world_size)
@@ -331,9 +333,7 @@ def _watch_nodes(report_dir: str, timeout: float, native: bool, parent: int, env
     ``command`` (``distcheck run``): node 0's watcher writes the run's report once every node's ranks ended their
     scripts, from its own ranks' files and the other nodes' final summaries; its exit code is the verdict. Each
     node's local rank 0 waits for its watcher after its script, so a script-ended rank counts as ended here."""
-    from distcheck.supervise.node_exchange import (GATHER_TIMEOUT, NodeLink, summarize_node, wait_for_report,
-                                                   where_line)
-    from distcheck.supervise.hang import diagnose_hang
+    from distcheck.supervise.node_exchange import NodeLink, summarize_node, wait_for_report, where_line
 
     host = env.host
     out_dir = Path(report_dir) / f"node-{host}"  # this node's own artifacts (its stacks), named by host
@@ -393,23 +393,10 @@ def _watch_nodes(report_dir: str, timeout: float, native: bool, parent: int, env
             if link.remote_hang is None:
                 channel.announce_hang(env.node, host)
             pids = local_ranks(report_dir, host, attempt.number)
-            findings = diagnose_hang(pids, report_dir, native=native, timeout=timeout, world_size=env.world_size,
-                                     out_dir=out_dir)
-            channel.publish(summarize_node(env, report_dir, set(pids), hung=True,
-                                           stacks_path=out_dir / files.STACKS_JSON))
-            note = f"no progress for {timeout:g}s"
-            if env.reports:
-                _publish_job_report(evidence(HANG, Path(report_dir), note=note), env, channel, native,
-                                    attempt.number)
-            else:
-                waited = GATHER_TIMEOUT + 15.0
-                location = wait_for_report(channel, link, time.monotonic() + waited)
-                if location is None:  # node 0 is gone: this node's report, with what it knows
-                    _say(where_line(location, waited, env, gone=channel.broken))
-                    publish(compose(evidence(NODE0_GONE, note=note, findings=findings, local_ranks=set(env.ranks))))
-                else:
-                    _say(where_line(location, waited))
-            terminate(list(pids.values()), grace=2.0)
+            try:
+                _report_hang(pids, env, channel, link, report_dir, out_dir, native, timeout, attempt.number, evidence)
+            finally:  # whatever the report met, the hung ranks end: a watcher that died here left the job hung
+                terminate(list(pids.values()), grace=2.0)
             files.tidy(report_dir)
             return 1
         stopped = diagnose_stop(report_dir, out_dir, native, env.world_size, local_only=True)
@@ -449,6 +436,29 @@ def _watch_nodes(report_dir: str, timeout: float, native: bool, parent: int, env
     finally:
         link.stop.set()
         cancel.set()
+
+
+def _report_hang(pids: Mapping[int, int], env: NodeEnv, channel: StoreChannel, link: NodeLink, report_dir: str,
+                 out_dir: Path, native: bool, timeout: float, attempt: int, evidence: Callable[..., Evidence]) -> None:
+    """One node of several, hung: dump this node's ranks, send the summary; node 0 writes the job's report, the
+    others wait for its location (or write their own once node 0 is gone)."""
+    from distcheck.supervise.hang import diagnose_hang
+    from distcheck.supervise.node_exchange import GATHER_TIMEOUT, summarize_node, wait_for_report, where_line
+
+    findings = diagnose_hang(pids, report_dir, native=native, timeout=timeout, world_size=env.world_size,
+                             out_dir=out_dir)
+    channel.publish(summarize_node(env, report_dir, set(pids), hung=True, stacks_path=out_dir / files.STACKS_JSON))
+    note = f"no progress for {timeout:g}s"
+    if env.reports:
+        _publish_job_report(evidence(HANG, Path(report_dir), note=note), env, channel, native, attempt)
+        return
+    waited = GATHER_TIMEOUT + 15.0
+    location = wait_for_report(channel, link, time.monotonic() + waited)
+    if location is None:  # node 0 is gone: this node's report, with what it knows
+        _say(where_line(location, waited, env, gone=channel.broken))
+        publish(compose(evidence(NODE0_GONE, note=note, findings=findings, local_ranks=set(env.ranks))))
+    else:
+        _say(where_line(location, waited))
 
 
 def _parent_of(pid: int) -> int | None:
@@ -599,6 +609,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--log", default=None, help="log file (default: stderr)")
     parser.add_argument("--command", default=None, help="write the report of this `distcheck run` command")
     args = parser.parse_args(argv)
+    from distcheck.supervise.console import survive_lost_console
+
+    survive_lost_console()  # the job's console may go away; the watcher still ends a hung job (console.py)
     logging.basicConfig(level=logging.INFO, format=f"[distcheck watcher {socket.gethostname()}] %(message)s",
                         filename=args.log)
     return serve(args.report_dir, args.timeout, args.native, args.parent, args.world_size, args.local_world_size,

@@ -234,6 +234,37 @@ def test_node_watcher_under_torchrun_ends_the_job_and_writes_the_report(line_of,
     assert time.monotonic() < deadline, "node watcher still running"
 
 
+def test_a_hung_torchrun_job_ends_after_its_console_went_away(line_of, tmp_path):
+    """`torchrun ... | head`, a closed terminal, a killed CI log reader: the job's console is a pipe nobody reads
+    when the watcher prints the hang's report. The BrokenPipeError ended the watcher before it ended the hung ranks,
+    and the job hung for good (still running a minute later). The watcher drops what it cannot print, says so in its
+    log, and ends the job; the report is whole."""
+    report_dir = tmp_path / "report"
+    console_r, console_w = os.pipe()
+    proc = start_process(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "distcheck", "run",
+                          "--timeout", "5", "--report-dir", str(report_dir), "--", str(FIXTURES / "hang_python.py")],
+                         env_for_ranks(None), new_session=True, stdout=console_w, stderr=console_w)
+    os.close(console_w)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and len(list(report_dir.glob("stackhook-pid*.json"))) < 2:
+            time.sleep(0.1)  # both ranks run: the console goes away before the hang is declared
+        os.close(console_r)
+        code = proc.wait(timeout=60)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+    assert code != 0
+    report = json.loads((report_dir / "report.json").read_text())
+    (f,) = report["findings"]
+    assert f["kind"] == "hang" and f["ranks"] == [1] and f"hang_python.py:{line_of('hang_python.py', '# HANG')}" in \
+        f["message"], f["message"]
+    (log,) = report_dir.glob("watcher-*.log")
+    assert "the console is gone (BrokenPipeError on stderr)" in log.read_text(), log.read_text()
+    assert not list(report_dir.glob("stackhook-pid*.json"))  # the watcher went on to its tidy-up
+
+
 def _cmdline(pid: int) -> str:
     """A process's command line, "" once it has ended (it may end between the listing and the read)."""
     try:
