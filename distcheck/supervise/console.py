@@ -1,13 +1,16 @@
-"""The job's console for the node watcher, which must do its work when nobody reads the console any more.
+"""The console of distcheck's own processes outside the ranks, which must do their work when nobody reads it.
 
     python -m distcheck.supervise.node_watcher ...   # main() calls survive_lost_console() first
+    distcheck run --nproc 2 -- train.py | head       # so does cli.main, outside torchrun (not in a rank)
 
-The watcher writes the report's text and the "report is on node 0" line to the job's console (its stderr, which is
+The node watcher writes the report's text and the "report is on node 0" line to the job's console (its stderr, which is
 local rank 0's, which torchrun shows). When that console goes away (the terminal closed, `torchrun ... | head`,
 the CI step's log reader or a test harness killed), a write raises BrokenPipeError (or EIO for a hung-up
 terminal). Raised in the middle of a hang's report, it ended the watcher before it ended the hung ranks: the job
-then hung for good, which is what the watcher is there to prevent. So its stdout and stderr drop what cannot be
-written, say once in the watcher's log file that the console is gone, and never raise.
+then hung for good, which is what the watcher is there to prevent. The launcher (``run --nproc``, ``compare``) and
+``report``/``stacks`` print the report last: there the error turned a PASSED run's exit code into 1, with a
+traceback. So their stdout and stderr drop what cannot be written, say once (in the watcher's log file) that the
+console is gone, and never raise. A rank's streams are the user's and stay as they are.
 """
 from __future__ import annotations
 
@@ -28,8 +31,8 @@ class LostConsoleTolerant:
     def _lose(self, exc: OSError) -> None:
         if not self.lost:
             self.lost = True
-            log.warning("the console is gone (%s on %s): what this watcher prints is dropped; the report and the "
-                        "log file are still written", type(exc).__name__, self._name)
+            log.warning("the console is gone (%s on %s): what distcheck prints to it is dropped; the report files "
+                        "are still written", type(exc).__name__, self._name)
 
     def write(self, text: str) -> int:
         if not self.lost:

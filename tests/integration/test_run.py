@@ -370,6 +370,35 @@ def test_the_supervisor_names_the_straggler_while_the_run_goes_on(tmp_path):
     assert "of the last 4 looks (1 s apart) it alone had not reached the collective rank 0 waited in" in lines[0]
 
 
+def test_a_passing_run_whose_output_nobody_reads_exits_0_with_its_report(tmp_path):
+    """`distcheck run ... | head` or `| grep -q PASSED`: stdout closes before the report is printed. The write's
+    BrokenPipeError ended the launcher with a traceback and exit code 1 for a PASSED run; the verdict is the exit
+    code, whoever reads the rest, and stderr says once that the console is gone."""
+    import os
+    import subprocess
+
+    from launch_helpers import env_for_ranks
+
+    from distcheck.supervise.zygote import start_process
+
+    out = tmp_path / "report"
+    stdout_r, stdout_w = os.pipe()
+    os.close(stdout_r)  # nobody reads it
+    with open(tmp_path / "stderr.txt", "w") as err:
+        proc = start_process(["-m", "distcheck", "run", "--nproc", "2", "--report-dir", str(out), "--",
+                              str(FIXTURES / "hang_none.py"), "--steps", "2"], env_for_ranks(None), new_session=True,
+                             stdout=stdout_w, stderr=err.fileno())
+        os.close(stdout_w)
+        try:
+            code = proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            raise
+    stderr = (tmp_path / "stderr.txt").read_text()
+    assert code == 0 and load_report(out)["ok"], stderr
+    assert "Traceback" not in stderr and stderr.count("the console is gone (BrokenPipeError on stdout)") == 1, stderr
+
+
 def test_a_balanced_job_names_no_straggler(tmp_path):
     """Steps of 0.15 s on both ranks and a line after 3 of 4 looks: when the look compared the ranks' counts as their
     status threads had seen them, at the moment every file covered, one thread looking a few ms before the other

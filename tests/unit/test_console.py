@@ -21,8 +21,8 @@ def test_writes_to_a_console_whose_reader_is_gone_are_dropped_once_said(caplog):
         console.flush()
     assert console.lost
     said = [r.getMessage() for r in caplog.records if "console is gone" in r.getMessage()]
-    assert said == ["the console is gone (BrokenPipeError on stderr): what this watcher prints is dropped; the "
-                    "report and the log file are still written"]
+    assert said == ["the console is gone (BrokenPipeError on stderr): what distcheck prints to it is dropped; the "
+                    "report files are still written"]
     assert console.fileno() == write_end  # the rest is the stream's
     stream.close()  # nothing buffered (write_through): closes quietly
 
