@@ -4,18 +4,19 @@
 
 Each node's watcher (supervise/node_watcher.py) reads only its own node's files. Under torchrun every node already
 reaches one TCPStore: the agent of node 0 (the node of global rank 0) hosts it at MASTER_ADDR:MASTER_PORT for the
-ranks' process group. The watchers connect to it as clients, under a key prefix of their own
-(``distcheck/<run id>/<restart>/``), every call bounded by a timeout, and never touch the ranks' keys.
+ranks' process group. The watchers connect to it as clients (supervise/store_client.py, which needs no torch),
+under a key prefix of their own (``distcheck/<run id>/<restart>/``), every call bounded by a timeout, and never touch
+the ranks' keys.
 
 What travels is bounded per node, whatever the job's length: a NodeSummary (contract/node_summary.py) holds the
-node's ranks' exit states (with a failed rank's error and the last lines of its stderr), each rank's progress summary
-(analysis/progress.RankProgress: last started/completed collective, the one it waits on, per-group counts), at
-the end its ranks' time inside each of their last collectives (analysis/stragglers.durations: node 0 names a
+node's ranks' exit states (with a failed rank's error and the last lines of its stderr), each rank's progress
+summary (analysis/progress.RankProgress: last started/completed collective, the one it waits on, per-group counts),
+at the end its ranks' time inside each of their last collectives (analysis/stragglers.durations: node 0 names a
 straggler of another host by it) and, after a hang, the node's grouped stacks (its stacks.json document, whose
-distinct stacks are stored once with the ranks' ranges). Three small counters and flags make the rest O(1) per poll and per node: a progress counter each
-node bumps when its ranks' traces grow (so no node declares a hang while another still progresses), a hang flag
-(the first node to see the job hung makes every node dump at once) and the report's location (node 0 writes the
-one complete report; every other node prints one line saying where it is).
+distinct stacks are stored once with the ranks' ranges). Three small counters and flags make the rest O(1) per poll
+and per node: a progress counter each node bumps when its ranks' traces grow (so no node declares a hang while
+another still progresses), a hang flag (the first node to see the job hung makes every node dump at once) and the
+report's location (node 0 writes the one complete report; every other node prints one line saying where it is).
 
 Node 0 gathers the summaries with a deadline; a node that sent nothing by then is named once ("node 3 sent
 nothing"), never each of its ranks as failed. The merge itself (:func:`merge_summaries`,
@@ -280,11 +281,19 @@ class StoreChannel:
 
     @classmethod
     def connect(cls, env: NodeEnv, timeout: float = STORE_TIMEOUT) -> StoreChannel | None:
-        try:
-            from torch.distributed import TCPStore
+        """A client of torchrun's store: distcheck's own (store_client.py: no torch to import), or torch's when
+        the store does not answer that one's handshake (a protocol that changed)."""
+        from distcheck.supervise.store_client import ProtocolError, StoreClient
 
-            store = TCPStore(env.store_host, env.store_port, None, False, timedelta(seconds=timeout),
-                             wait_for_workers=False)
+        try:
+            try:
+                store: Any = StoreClient(env.store_host, env.store_port, timeout)
+            except ProtocolError as exc:
+                log.info("%s: using torch's TCPStore client", exc)
+                from torch.distributed import TCPStore
+
+                store = TCPStore(env.store_host, env.store_port, None, False, timedelta(seconds=timeout),
+                                 wait_for_workers=False)
         except Exception as exc:  # no store, no exchange: this node's report stays on the node
             log.warning("cannot reach torchrun's store at %s:%d: %s", env.store_host, env.store_port, exc)
             return None
