@@ -9,8 +9,9 @@ the CI step's log reader or a test harness killed), a write raises BrokenPipeErr
 terminal). Raised in the middle of a hang's report, it ended the watcher before it ended the hung ranks: the job
 then hung for good, which is what the watcher is there to prevent. The launcher (``run --nproc``, ``compare``) and
 ``report``/``stacks`` print the report last: there the error turned a PASSED run's exit code into 1, with a
-traceback. So their stdout and stderr drop what cannot be written, say once (in the watcher's log file) that the
-console is gone, and never raise. A rank's streams are the user's and stay as they are.
+traceback. So their stdout and stderr drop what cannot be written, say once that the console is gone (on the
+other stream if it still works, in the watcher's log file), and never raise. A rank's streams are the user's and
+stay as they are.
 """
 from __future__ import annotations
 
