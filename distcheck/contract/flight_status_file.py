@@ -29,6 +29,7 @@ The file is replaced whole (a temporary file and a rename): a reader never sees 
 """
 from __future__ import annotations
 
+import bisect
 import json
 import os
 from dataclasses import dataclass, field
@@ -47,19 +48,25 @@ class FlightStatus:
     progress: int = 0
     enqueued: dict[str, int] = field(default_factory=dict)
     looks: list[Look] = field(default_factory=list)  # oldest first
+    _times: list[float] | None = field(default=None, init=False, repr=False, compare=False)
+    _sinces: list[float] = field(default_factory=list, init=False, repr=False, compare=False)
 
     def bounds(self, moment: float) -> tuple[dict[str, int], dict[str, int]] | None:
         """What the rank's counts were at ``moment``, as ``(at least, at most)``: those of its last look at or
         before it (counts only grow), and those of its last look whose change could have come by then (``since``
         before ``moment``). None before its first look (what came before is not in the file); a file without looks:
-        its counts, at every moment. Valid up to the moment the file covers (live_stragglers.counts_at_one_moment)."""
+        its counts, at every moment. Valid up to the moment the file covers (live_stragglers.counts_at_one_moment).
+        Both times grow look by look (``since`` is the look before), so each is a bisection."""
         if not self.looks:
             return self.enqueued, self.enqueued
         if moment < self.looks[0][0]:
             return None
-        seen = [look[1] for look in self.looks if look[0] <= moment][-1]
+        if self._times is None:
+            self._times = [look[0] for look in self.looks]
+            self._sinces = [look[2] for look in self.looks[1:]]
+        seen = self.looks[bisect.bisect_right(self._times, moment) - 1][1]
         # the first look's counts held at its time, whenever they came (its ``since`` may be that time)
-        possible = next((look[1] for look in reversed(self.looks[1:]) if look[2] < moment), self.looks[0][1])
+        possible = self.looks[bisect.bisect_left(self._sinces, moment)][1]
         return seen, possible
 
 

@@ -153,6 +153,33 @@ def test_a_balanced_job_whose_ranks_look_at_different_moments_has_no_one_behind(
         assert late == set() and counts == {0: {"gloo:0": last - 1}, 1: {"gloo:0": last - 1}}
 
 
+def test_many_ranks_are_compared_at_the_latest_moment_no_count_is_in_doubt():
+    """64 ranks, each looking at its own phase: the latest MOMENTS moments all fall inside some rank's change (each
+    look of each rank sees one), so the look goes back to the latest moment no rank's count is in doubt. Rank 7 is
+    0.25 s late at each all-reduce (the others enter collective k as it enters k - 1), then the same ranks balanced.
+    Trying every moment instead took seconds a look on 512 ranks."""
+    import random
+
+    from distcheck.contract.flight_status_file import FlightStatus
+    from distcheck.supervise.live_stragglers import MOMENTS, counts_at_one_moment
+
+    rng = random.Random(0)
+
+    def status(late: bool) -> FlightStatus:
+        lag = rng.uniform(0.0, 0.1)  # when this rank's looks come
+        looks = [(0.25 * (k + late) + lag, {"g": k}, 0.25 * (k + late) + lag - 0.1) for k in range(1, 9)]
+        return FlightStatus(0, looks[-1][1], looks)
+
+    for straggler in (7, None):
+        statuses = {r: status(r == straggler) for r in range(64)}
+        until = min(s.looks[-1][0] for s in statuses.values())
+        moments = {x for s in statuses.values() for look in s.looks for x in (look[0], look[2]) if x < until}
+        assert len(moments) > MOMENTS
+        counts, late = counts_at_one_moment(statuses, now=until + 0.05)
+        assert late == ({7} if straggler == 7 else set())
+        assert len({c["g"] for r, c in counts.items() if r != 7}) == 1  # the others known level at that moment
+
+
 def test_a_rank_with_one_look_and_a_look_that_fails_do_not_end_the_run(tmp_path, monkeypatch, caplog):
     """A rank's first look has no look before it (its ``since`` is its own time): at that very moment its counts
     are those it saw. A look that raises anyway turns the line off for the run, with a warning, and returns."""
