@@ -51,6 +51,12 @@ class FlightStatus:
     _times: list[float] | None = field(default=None, init=False, repr=False, compare=False)
     _sinces: list[float] = field(default_factory=list, init=False, repr=False, compare=False)
 
+    def doubts(self) -> list[tuple[float, float]]:
+        """The intervals (``since``, ``time``] in which the rank's counts changed unseen: a look that saw a change,
+        from the look before it. Outside them (from the first look on) its counts are known."""
+        pairs = zip(self.looks, self.looks[1:])
+        return [(since, t) for (_, before, _), (t, counts, since) in pairs if counts != before]
+
     def bounds(self, moment: float) -> tuple[dict[str, int], dict[str, int]] | None:
         """What the rank's counts were at ``moment``, as ``(at least, at most)``: those of its last look at or
         before it (counts only grow), and those of its last look whose change could have come by then (``since``

@@ -75,8 +75,7 @@ def counts_at_one_moment(statuses: Mapping[int, flight_status_file.FlightStatus]
     # within the latest MOMENTS, and trying every moment cost seconds a look on 512 ranks.
     moments = {until} | {t for s in statuses.values() for look in s.looks for t in (look[0], look[2]) if t < until}
     latest = sorted(moments, reverse=True)[:MOMENTS]
-    exact = _latest_exact_moment(statuses, until)
-    for moment in latest + ([exact] if exact is not None and exact < latest[-1] else []):
+    for moment in latest:
         ranges = {rank: s.bounds(moment) for rank, s in statuses.items()}
         if any(r is None for r in ranges.values()):
             return None  # before some rank's first look: earlier moments are not in its file either
@@ -84,14 +83,18 @@ def counts_at_one_moment(statuses: Mapping[int, flight_status_file.FlightStatus]
         late = behind(low, {rank: r[1] for rank, r in ranges.items() if r[0]})
         if late is not None:
             return low, late
-    return None
+    exact = _latest_exact_moment(statuses, until)
+    if exact is None or exact >= latest[-1]:  # none, or already tried
+        return None
+    low = {rank: s.bounds(exact)[0] for rank, s in statuses.items()}
+    low = {rank: counts for rank, counts in low.items() if counts}
+    return low, behind(low)  # every count known: behind() decides
 
 
 def _latest_exact_moment(statuses: Mapping[int, flight_status_file.FlightStatus], until: float) -> float | None:
     """The latest moment up to ``until`` that is inside no rank's change interval (``since``, ``time``] and not
     before any rank's first look: every count is known there. None when the files have no such moment."""
-    doubt = sorted((since, t) for s in statuses.values() for (_, before, _), (t, counts, since)
-                   in zip(s.looks, s.looks[1:]) if counts != before and since < until)
+    doubt = sorted((since, t) for s in statuses.values() for since, t in s.doubts() if since < until)
     merged: list[list[float]] = []  # the union of the intervals: disjoint, and apart (a shared end is in doubt)
     for since, t in doubt:
         if merged and since <= merged[-1][1]:
