@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
-import os
 import re
 import sys
 from typing import NoReturn, Sequence
@@ -83,7 +82,9 @@ def join_negative_values(argv: list[str]) -> list[str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     typed = list(sys.argv[1:] if argv is None else argv)
-    if not ("RANK" in os.environ and "WORLD_SIZE" in os.environ):  # not a rank: the streams are distcheck's own
+    from distcheck.options import in_torchrun
+
+    if not in_torchrun():  # not a rank: the streams are distcheck's own
         from distcheck.supervise.console import survive_lost_console
 
         survive_lost_console()  # `distcheck run ... | head`: the verdict is the exit code, whoever reads the rest

@@ -29,6 +29,11 @@ def is_launcher(argv: "list[str] | tuple[str, ...]", environ: "dict[str, str] | 
 ENV_SUPERVISED = env.SUPERVISED
 
 
+def in_torchrun() -> bool:
+    """Whether this process is a rank (torchrun's, or the launcher's: both set RANK and WORLD_SIZE)."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
 # Choices the CLI validates before importing torch (checks/models.py and checks/parallelize.py use the same names).
 BUILTIN_MODEL = "builtin"
 PARALLEL_MODES = ("fsdp", "ddp", "tp")

@@ -38,7 +38,8 @@ import os
 import sys
 
 from distcheck.errors import UsageError
-from distcheck.options import ENV_SUPERVISED, CompareOptions, RunOptions, check_capacity, seconds, tolerance
+from distcheck.options import (ENV_SUPERVISED, CompareOptions, RunOptions, check_capacity, in_torchrun, seconds,
+                               tolerance)
 
 DEFAULT_TIMEOUT = 300.0
 
@@ -102,7 +103,7 @@ def options(args: argparse.Namespace) -> CompareOptions:
 
 def main(args: argparse.Namespace) -> int:
     opts = options(args)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ and os.environ.get(ENV_SUPERVISED) != "1":
+    if in_torchrun() and os.environ.get(ENV_SUPERVISED) != "1":
         raise UsageError("compare launches its own ranks (1, then N): run it with python -m distcheck compare, "
                          "not under torchrun")
     check_capacity(opts.nprocs, args.oversubscribe)

@@ -28,7 +28,7 @@ import sys
 from pathlib import Path
 
 from distcheck.errors import UsageError
-from distcheck.options import ENV_SUPERVISED, RunOptions, check_capacity, count, seconds
+from distcheck.options import ENV_SUPERVISED, RunOptions, check_capacity, count, in_torchrun, seconds
 
 DEFAULT_TIMEOUT = 300.0
 DEFAULT_DRIFT_STEPS = 3
@@ -90,10 +90,6 @@ def options(args: argparse.Namespace) -> RunOptions:
     script, script_args = validate_script(list(args.script_args))
     return RunOptions(script, tuple(script_args), nproc, timeout, args.report_dir, args.native,
                       command_line(args.argv), drift_steps=steps)
-
-
-def in_torchrun() -> bool:
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
 def main(args: argparse.Namespace) -> int:
