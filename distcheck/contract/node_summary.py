@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Mapping
 
-SUMMARY_FORMAT = 1
+SUMMARY_FORMAT = 2  # 2: digests, findings and the job's shape added (1 is still read)
 MAX_SUMMARY_BYTES = 4 << 20  # a node's summary, stacks included; past it the stacks stay on the node
 RUNNING = "running"
 
@@ -55,12 +57,20 @@ class NodeSummary:
     # {position: {rank: seconds inside the collective}} of its ranks' last positions (analysis/stragglers.durations):
     # node 0 compares ranks of several hosts by it, their clocks being another matter
     durations: dict[str, dict[str, float]] = field(default_factory=dict)
+    # {rank: {group: [count, [digest per window]]}} of its ranks' collective signatures (analysis/collective_digests):
+    # node 0 compares collectives across nodes by them, and asks for one window's signatures where they differ
+    digests: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # what the node's own report found about its ranks alone (a local collective_mismatch, a zero-code check),
+    # bounded: node 0's report carries them beside the causes it composes from the states
+    findings: list[dict[str, Any]] = field(default_factory=list)
+    job: dict[str, Any] = field(default_factory=dict)  # the job as this node saw it: world_size, nnodes, ...
 
     def to_json(self) -> dict[str, Any]:
         return {"format": SUMMARY_FORMAT, "node": self.node, "host": self.host, "ranks": self.ranks,
                 "states": [s.to_json() for s in self.states.values()], "progress": self.progress,
                 "stacks": self.stacks, "hung": self.hung, "final": self.final, "note": self.note,
-                "report_dir": self.report_dir, "durations": self.durations}
+                "report_dir": self.report_dir, "durations": self.durations, "digests": self.digests,
+                "findings": self.findings, "job": self.job}
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> NodeSummary:
@@ -68,17 +78,40 @@ class NodeSummary:
         return cls(int(d["node"]), str(d.get("host", "")), [int(r) for r in d.get("ranks") or []],
                    {s.rank: s for s in states}, dict(d.get("progress") or {}), d.get("stacks"),
                    bool(d.get("hung")), bool(d.get("final")), str(d.get("note", "")), str(d.get("report_dir", "")),
-                   {str(k): dict(v) for k, v in (d.get("durations") or {}).items()})
+                   {str(k): dict(v) for k, v in (d.get("durations") or {}).items()},
+                   {str(k): dict(v) for k, v in (d.get("digests") or {}).items()},
+                   [dict(f) for f in d.get("findings") or []], dict(d.get("job") or {}))
 
     def encode(self, limit: int = MAX_SUMMARY_BYTES) -> bytes:
         """The JSON, bounded: past ``limit`` the stacks stay on the node (its stacks.json) and a note says so."""
         data = json.dumps(self.to_json(), separators=(",", ":")).encode()
-        if len(data) <= limit or (self.stacks is None and not self.durations):
+        if len(data) <= limit or (self.stacks is None and not self.durations and len(self.findings) <= 4):
             return data
-        slim = dataclasses.replace(self, stacks=None, durations={},
+        slim = dataclasses.replace(self, stacks=None, durations={}, findings=self.findings[:4],
                                    note=(self.note + "; " if self.note else "") +
                                    f"its stacks and collective times ({len(data)} bytes) are too large to send: "
                                    f"see stacks.txt and the traces on {self.host}")
         return json.dumps(slim.to_json(), separators=(",", ":")).encode()
 
 
+
+
+FILE = "summary.json"  # in a node's own folder (node-<host>/): what it sent, or would have sent, to node 0
+
+
+def write(folder: str | os.PathLike, summary: NodeSummary) -> Path:
+    """The summary beside the node's own report, whole or not at all: ``distcheck report`` merges the nodes' folders
+    from it into the report node 0 would have written. Raises OSError."""
+    target = Path(folder) / FILE
+    tmp = target.with_name(f"{FILE}.{os.getpid()}.tmp")
+    tmp.write_bytes(summary.encode())
+    tmp.replace(target)
+    return target
+
+
+def read(folder: str | os.PathLike) -> NodeSummary | None:
+    """The node summary a node's folder holds, or None (none, or not one)."""
+    try:
+        return NodeSummary.from_json(json.loads((Path(folder) / FILE).read_bytes()))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None

@@ -31,6 +31,17 @@ class WatcherState:
     reported: int = NOT_YET  # the last attempt whose watch is over
     code: int | None = None  # that attempt's exit code
     ranks: list[int] = field(default_factory=list)  # the pids of that attempt's ranks the watch saw
+    # Several nodes: the ranks whose end this node's own report (node-<host>/) already holds, in attempt
+    # ``covered_attempt``. A rank that failed waits (bounded) until it is covered before it exits, so that the
+    # report exists when torchrun returns, even if the watcher is killed then (rank/entry.py).
+    covered: list[int] = field(default_factory=list)
+    covered_attempt: int = NOT_YET
+    # The last attempt whose exchange is in place (every node's watcher on node 0's exchange store, which outlives
+    # torchrun's agents; or given up): what a node sends after its torchrun ended still reaches node 0.
+    exchange_attempt: int = NOT_YET
+
+    def covers(self, attempt: int, rank: int) -> bool:
+        return self.covered_attempt == attempt and rank in self.covered and self.exchange_attempt >= attempt
 
     def done_with(self, attempt: int, pid: int | None = None) -> bool:
         """Whether the watch of ``attempt`` is over; with ``pid``, the watch of that rank's attempt (after a change
@@ -58,7 +69,9 @@ def read(report_dir: str | os.PathLike, host: str | None = None) -> WatcherState
         return WatcherState(int(data["pid"]), None if data.get("ticks") is None else int(data["ticks"]),
                             str(data["agent"]), int(data["watching"]), int(data.get("reported", NOT_YET)),
                             None if data.get("code") is None else int(data["code"]),
-                            [int(pid) for pid in data.get("ranks") or []])
+                            [int(pid) for pid in data.get("ranks") or []],
+                            [int(r) for r in data.get("covered") or []], int(data.get("covered_attempt", NOT_YET)),
+                            int(data.get("exchange_attempt", NOT_YET)))
     except (OSError, ValueError, TypeError, KeyError, AttributeError):
         return None
 

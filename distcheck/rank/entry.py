@@ -55,6 +55,10 @@ def run_in_rank(opts: RunOptions) -> int:
     supervised = os.environ.get(ENV_SUPERVISED) == "1"
     report_dir = Path(opts.report_dir) if opts.report_dir else _torchrun_default_dir()
     report_dir = prepare_report_dir(report_dir).resolve()
+    if not supervised:  # several nodes: global rank 0 forks the exchange's store now, while single-threaded
+        from distcheck.rank.exchange_host import fork_if_node0
+
+        fork_if_node0(report_dir)
     os.environ[sink.ENV_REPORT_DIR] = str(report_dir)
     if not supervised:
         start_attempt(report_dir, info.rank)
@@ -94,6 +98,10 @@ def run_in_rank(opts: RunOptions) -> int:
     if supervised or not ok:
         # Under torchrun a failed rank exits at once with its own code, as it would without distcheck: torchrun's
         # agent ends the others (their stop dumps say where they were) and the node watcher writes the report.
+        # On several nodes it first waits (bounded) until its node's own report holds its failure: torchrun may
+        # return, and a CI step or Slurm kill the watcher, as soon as this process exits.
+        if not supervised and not ok:
+            wait_until_covered(report_dir, info.rank)
         end(0 if ok else code or 1, returned=ok)
     if watcher is not None:
         # Local rank 0 waits for its node's watcher, so that the report exists when torchrun returns, and exits
@@ -102,6 +110,35 @@ def run_in_rank(opts: RunOptions) -> int:
         end(_report_verdict(watcher, report_dir, opts.timeout, info.rank == 0), returned=True)
     end(0, returned=True)
     return 0  # not reached
+
+
+# Seconds a failed rank on one node of several waits for its node's report (~0.2 s) and, early in a job, for the
+# exchange store node 0's watcher starts (its `import torch`: 1.5 to 4 s) to be in place on every node.
+NODE_REPORT_WAIT = 6.0
+
+
+def wait_until_covered(report_dir: Path, rank: int, limit: float = NODE_REPORT_WAIT) -> bool:
+    """On one node of several, wait until the node watcher's own report of this node holds this rank's end
+    (contract/watcher_file.WatcherState.covers); at once on one node, or without a live watcher."""
+    try:
+        world, local = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    except ValueError:
+        return False
+    if world <= local:
+        return False
+    from distcheck.rank.bootstrap import live_watcher
+
+    attempt = restart_count()
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        state = live_watcher(report_dir)
+        if state is None:
+            return False
+        if state.covers(attempt, rank):
+            return True
+        time.sleep(0.02)
+    log.warning("distcheck: this node's report did not hold rank %d's failure within %.0fs", rank, limit)
+    return False
 
 
 def start_attempt(report_dir: Path, rank: int) -> None:

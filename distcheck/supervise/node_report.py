@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from distcheck.contract import files
-from distcheck.contract.findings import Finding, Note
+from distcheck.contract.findings import Finding, Note, format_ranks
 
 if TYPE_CHECKING:
     from distcheck.analysis.trace_events import RankTrace
@@ -36,9 +36,11 @@ NODE0_GONE = "node 0 gone"  # a hang on a node whose node 0 never wrote the job'
 STOPPED = "stopped"  # torchrun passed a stop signal on to the ranks: they dumped their stacks and died
 ENDED = "ended"  # every rank ended by itself (a `run`: this watcher writes its report)
 RANK0_DIED = "rank 0 died"  # rank 0 ended before writing its own report (consistency)
+NODE = "node"  # one node of several: its own report in node-<host>/, from its ranks' files only, before any exchange
 
 # The check the watcher adds to a report, by how the watch ended.
-_CHECK_OF = {HANG: "watchdog", NODE0_GONE: "watchdog", STOPPED: "stopped", RANK0_DIED: "report", ENDED: "report"}
+_CHECK_OF = {HANG: "watchdog", NODE0_GONE: "watchdog", STOPPED: "stopped", RANK0_DIED: "report", ENDED: "report",
+             NODE: "report"}
 _STACKS = {files.STACKS_TXT: files.STACKS_TXT, files.STACKS_JSON: files.STACKS_JSON}
 
 
@@ -72,6 +74,7 @@ class Evidence:
     command: str | None = None  # the `distcheck run` command line this watcher was given
     agent: int | None = None  # torchrun's agent: only its ranks' traces count (a reused dir may hold others)
     nodes: Nodes | None = None  # node 0 of several: the other nodes' summaries
+    stopped: set[int] = field(default_factory=set)  # ranks torchrun stopped (their stop dumps), in a node's report
 
     @property
     def hung(self) -> bool:
@@ -98,12 +101,15 @@ class Publication:
     earlier_attempts: dict[Path, Built] = field(default_factory=dict)  # built from their files: written there
     traces: dict[int, RankTrace] = field(default_factory=dict)  # what the report's trace.json is drawn from
     trace_dir: Path | None = None  # where that trace.json goes (the ranks' report dir)
+    console: bool = True  # printed to the job's console (a node's own report is not: node 0 prints the job's)
 
 
 def compose(e: Evidence) -> Publication:
     """The report of the watch that ``e`` describes, and where it goes."""
     if e.nodes is not None:
         return _job_report(e, e.nodes)
+    if e.ending == NODE:
+        return _own_node_report(e)
     if e.ending == ENDED:
         built = ended_run_report(e.report_dir, e.command or "distcheck run", e.world_size, e.timeout, e.seconds,
                                  e.agent)
@@ -126,6 +132,8 @@ def publish(pub: Publication) -> int:
     write_report(pub.report, pub.out_dir)
     for f in pub.diagnosis:
         log.warning("[%s] %s", f.kind, f.message)
+    if not pub.console:
+        return pub.report.exit_code
     # stderr: the console of the job, through local rank 0's stderr, which torchrun shows
     stream = sys.stdout if pub.to_stdout else sys.stderr
     stream.write(render_text(pub.report, pub.out_dir))
@@ -161,6 +169,27 @@ def _node_report(e: Evidence) -> Publication:
                        e.report_dir)
 
 
+def _own_node_report(e: Evidence) -> Publication:
+    """One node's own report (``node-<host>/``), from its ranks' files alone: how each of them ended or where it
+    still is, its causes, its collectives compared among themselves. Written before any exchange, and again as its
+    ranks end, so that what the node knows survives a failed exchange and a watcher killed with its torchrun.
+    The other nodes' ranks are not this node's to tell: they are left out, never called missing."""
+    from distcheck.analysis.trace_events import load_traces
+    from distcheck.supervise import run_report
+
+    local = e.local_ranks or set()
+    traces = {r: t for r, t in load_traces(e.report_dir).items() if r in local}
+    running = e.running or set()
+    outcomes = {r: o for r, o in run_report.outcomes_from_traces(traces, e.world_size, False,
+                                                                 running | e.stopped).items() if r in local}
+    report = run_report.build_report(e.report_dir, e.command or command_of(traces), e.world_size, traces, outcomes,
+                                     e.timeout, e.seconds, stop_reason=e.note, warnings=e.warnings)
+    report.findings += [f for f in e.findings if f not in report.findings]
+    if running:
+        report.sections["still running when this node's report was written"] = format_ranks(sorted(running))
+    return Publication(report, e.out_dir, False, [], console=False)
+
+
 def _job_report(e: Evidence, nodes: Nodes) -> Publication:
     """Node 0's report of the whole job: its own ranks' files and every other node's summary. The hang finding
     (``e.findings``) was diagnosed from every node's stacks; a node that sent nothing is named once."""
@@ -172,7 +201,8 @@ def _job_report(e: Evidence, nodes: Nodes) -> Publication:
     mine = set(env.ranks)
     traces = {r: t for r, t in load_traces(e.report_dir).items() if r in mine}
     findings = list(e.findings)
-    silent = silent_nodes_finding(merged.silent, nodes.waited, f"{env.store_host}:{env.store_port}")
+    silent = silent_nodes_finding(merged.silent, nodes.waited, f"{env.store_host}:{env.store_port}", merged.hosts,
+                                  merged.dirs)
     if silent is not None:
         findings.append(silent)
     outcomes = {r: o for r, o in run_report.outcomes_from_traces(traces, env.world_size, e.hung,
@@ -184,12 +214,51 @@ def _job_report(e: Evidence, nodes: Nodes) -> Publication:
     # The run analysis keeps a hang finding only where a rank still ran: these are the job's own findings.
     if so_far is None and traces:
         report.findings += [f for f in findings if f not in report.findings]
+    from distcheck.analysis.progress import progress_by_rank
+
+    progress = {**merged.progress, **progress_by_rank(traces)}
+    report.findings = fold_node_consequences(report.findings, progress)
     if e.hung:
         report.artifacts.update(_STACKS)
     report.artifacts.setdefault(f"node-{env.host}", f"node-{env.host}")  # this node's own stacks
     # The other nodes' files stay on their nodes: where, by host.
     report.data["nodes"] = nodes_json(merged, env, str(e.report_dir.resolve()))
     return Publication(report, e.report_dir, False, findings, traces=traces, trace_dir=e.report_dir)
+
+
+def fold_node_consequences(findings: list[Finding], progress: dict) -> list[Finding]:
+    """Node 0's findings with the consequences folded into their cause, as on one node: a rank that failed or died
+    in or after a collective that differs across nodes failed because of it; a rank that only lost its peer, while
+    that peer's node sent nothing, is not the cause either (the silent node is: its own report says why)."""
+    from distcheck.analysis.torch_errors import brief, lost_peer
+
+    crossed = [f for f in findings if f.kind == "collective_mismatch" and f.detail.get("across_nodes")
+               and f.detail.get("position")]
+    silent = next((f for f in findings if f.kind == "rank_failure" and f.detail.get("silent_nodes")), None)
+    out = []
+    for f in findings:
+        if f.kind != "rank_failure" or f is silent:
+            out.append(f)
+            continue
+        cause = next((x for x in crossed if all(_in_or_after(progress.get(r), x) for r in f.ranks)), None)
+        said = f.detail.get("error") or ""
+        if cause is None and silent is not None and said and lost_peer(said):
+            cause = silent
+        if cause is None:
+            out.append(f)
+            continue
+        what = brief(said) if said else None
+        cause.message += (f"; then {format_ranks(f.ranks)} " + (f"failed ({what})" if what else
+                                                                "failed" if said else "died") + " there")
+        cause.detail.setdefault("consequences", []).append({"ranks": f.ranks, "message": f.message})
+    return out
+
+
+def _in_or_after(p, mismatch: Finding) -> bool:
+    """Whether a rank's last collective is the mismatched one (or a later one of its group)."""
+    last = p.last_started if p is not None else None
+    return (last is not None and last.seq is not None and last.group == mismatch.detail.get("group_name")
+            and last.seq >= int(mismatch.detail["position"]))
 
 
 def _with_diagnosis(e: Evidence, so_far: Report | None, traces: dict[int, RankTrace], outcomes: dict,

@@ -35,7 +35,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Mapping, Sequence
 
 from distcheck.contract import files, stack_dump_file, stack_hook_file, watcher_file
 from distcheck.contract.findings import Finding, Note, format_ranks
@@ -44,12 +44,13 @@ from distcheck.contract.watcher_file import WatcherState
 from distcheck.processes import (RUN_ID_ENV, alive, launcher_id, read_environ, restart_count,
                                  restarts_left, start_ticks, terminate, torchrun_run_id)
 from distcheck.supervise.live_stragglers import LiveStragglers
-from distcheck.supervise.node_report import (ENDED, HANG, NODE0_GONE, RANK0_DIED, STOPPED, Evidence, Nodes, compose,
+from distcheck.supervise.node_report import (ENDED, HANG, NODE, NODE0_GONE, RANK0_DIED, STOPPED, Evidence, Nodes, compose,
                                              publish, written_since)
 from distcheck.supervise.procs import RunTree
 from distcheck.supervise.watch import HUNG, STARTUP_TIMEOUT, HangDump, WatchLoop, script_ended
 
 if TYPE_CHECKING:
+    from distcheck.contract.node_summary import NodeSummary
     from distcheck.supervise.node_exchange import MergedNodes, NodeEnv, NodeLink, StoreChannel
 
 log = logging.getLogger("distcheck")
@@ -90,6 +91,8 @@ class NodeRanks:
         self.agent, self.traced, self.exchange = agent, traced, exchange
         self.last: dict[int, int] = {}
         self.published: frozenset[int] = frozenset()  # the ended ranks last published to the other nodes
+        # several nodes: writes this node's own report for the ranks still running, returns its summary
+        self.own_report: Callable[[set[int], bool], NodeSummary | None] | None = None
 
     def live(self) -> dict[int, int]:
         ranks = local_ranks(self.report_dir, self.host, self.attempt.number)
@@ -114,15 +117,23 @@ class NodeRanks:
         return done
 
     def _publish(self, done: set[int], running: dict[int, int]) -> None:
-        """Node 0's report learns how this node's ranks ended, not only that their files are elsewhere."""
-        from distcheck.supervise.node_exchange import summarize_node
-
+        """Each change of this node's ended ranks: its own report (node-<host>/) is rewritten from its ranks' files
+        first, then its summary goes to node 0, so that node 0's report learns how this node's ranks ended, not
+        only that their files are elsewhere. A failed rank waits for the first (rank/entry.py)."""
         env, channel = self.exchange
         ended = frozenset(done | {r for r in running if script_ended(self.report_dir, r)})
-        if not env.reports and ended != self.published:
-            self.published = ended
-            channel.publish(summarize_node(env, self.report_dir, set(running),
-                                           final=bool(self.seen) and not running))
+        if ended == self.published:
+            return
+        self.published = ended
+        if self.own_report is None:
+            return
+        still = {r for r in running if r not in ended}
+        # Never final here: the final summary, with the stop dumps of the ranks torchrun then stopped, comes once
+        # the watch is over.
+        summary = self.own_report(still, False)
+        if summary is not None and not env.reports:
+            channel.publish(summary)
+        _cover(self.report_dir, self.attempt.number, ended)
 
 
 def local_ranks(report_dir: str | os.PathLike, host: str | None = None, attempt: int | None = None) -> dict[int, int]:
@@ -192,7 +203,8 @@ def serve(report_dir: str, timeout: float, native: bool = False, parent: int = 0
             environ[name] = str(value)
     attempt = Attempt(restart_count(), environ, os.environ.get(RUN_ID_ENV))
     me = os.getpid()
-    state = WatcherState(me, start_ticks(me), launcher_id(agent) if agent else "", attempt.number)
+    global _STATE
+    state = _STATE = WatcherState(me, start_ticks(me), launcher_id(agent) if agent else "", attempt.number)
     while True:
         _write_state(report_dir, state)
         code = watch(report_dir, timeout, native, parent, attempt, agent, command)
@@ -207,9 +219,30 @@ def serve(report_dir: str, timeout: float, native: bool = False, parent: int = 0
         state.watching = attempt.number
 
 
+_STATE: WatcherState | None = None  # this watcher's state, as serve() keeps it
+
+
+_STATE_LOCK = threading.Lock()  # the watch and the exchange's thread both rewrite the state
+
+
+def _cover(report_dir: str | os.PathLike, attempt: int, ranks: Iterable[int]) -> None:
+    """This node's own report now holds the end of ``ranks``: the failed ones among them may exit."""
+    if _STATE is not None:
+        _STATE.covered, _STATE.covered_attempt = sorted(ranks), attempt
+        _write_state(str(report_dir), _STATE)
+
+
+def _exchange_ready(report_dir: str | os.PathLike, attempt: int) -> None:
+    """The exchange of ``attempt`` is in place (or given up): a failed rank no longer waits for it."""
+    if _STATE is not None and _STATE.exchange_attempt < attempt:
+        _STATE.exchange_attempt = attempt
+        _write_state(str(report_dir), _STATE)
+
+
 def _write_state(report_dir: str, state: WatcherState) -> None:
     try:
-        watcher_file.write(report_dir, state)
+        with _STATE_LOCK:
+            watcher_file.write(report_dir, state)
     except OSError as exc:  # a full report disk: the ranks then wait for this process itself (rank/entry.py)
         log.warning("could not write the watcher's state: %s", exc)
 
@@ -333,15 +366,17 @@ def _watch_nodes(report_dir: str, timeout: float, native: bool, parent: int, env
     ``command`` (``distcheck run``): node 0's watcher writes the run's report once every node's ranks ended their
     scripts, from its own ranks' files and the other nodes' final summaries; its exit code is the verdict. Each
     node's local rank 0 waits for its watcher after its script, so a script-ended rank counts as ended here."""
-    from distcheck.supervise.node_exchange import NodeLink, summarize_node, wait_for_report, where_line
+    from distcheck.supervise.node_exchange import ExchangeHost, NodeLink, summarize_node, wait_for_report, where_line
 
     host = env.host
-    out_dir = Path(report_dir) / f"node-{host}"  # this node's own artifacts (its stacks), named by host
+    out_dir = Path(report_dir) / f"node-{host}"  # this node's own report and artifacts (its stacks), named by host
     out_dir.mkdir(parents=True, exist_ok=True)
     seen: set[int] = set()
     cancel = threading.Event()
     link = NodeLink(env, channel, report_dir, lambda: tuple(files.trace_progress(report_dir, r) for r in env.ranks),
-                    cancel)
+                    cancel, on_exchange=lambda: _exchange_ready(report_dir, attempt.number))
+    if env.reports:  # node 0's own store for the exchange, which outlives torchrun's agents (rank 0 forked it)
+        link.host = ExchangeHost(report_dir, attempt.number)
     agent = agent or _parent_of(parent)
     source = NodeRanks(report_dir, host, tree, seen, attempt, script_end_ends=command is not None, agent=agent,
                        traced=env.ranks, exchange=(env, channel))
@@ -350,6 +385,16 @@ def _watch_nodes(report_dir: str, timeout: float, native: bool, parent: int, env
     started = time.monotonic()
     started_wall = time.time()
     ended_by_rank = threading.Event()
+
+    def own_report(running: set[int], final: bool, findings: Sequence[Finding] = (), warnings: Sequence[Note] = (),
+                   note: str | None = None, stopped: Iterable[int] = ()) -> NodeSummary | None:
+        """This node's own report from its ranks' files alone, then the summary it sends (and keeps beside it)."""
+        return write_own_report(env, report_dir, out_dir, timeout, time.monotonic() - started, started_wall, running,
+                                final, command, findings, warnings, note, stopped)
+
+    if command is not None:
+        source.own_report = own_report
+    threading.Thread(target=_warm_imports, daemon=True).start()
 
     def on_term(signum, frame) -> None:  # consistency ends its watcher once the run is over (SIGTERM)
         ended_by_rank.set()
@@ -384,6 +429,7 @@ def _watch_nodes(report_dir: str, timeout: float, native: bool, parent: int, env
                     _say(where_line(location, 3.0))
             return 0
         hung = result.state == HUNG or link.remote_hang is not None
+        log.info("the watch of this node's ranks ended (%s)", "hung" if hung else "ranks ended")
 
         def evidence(ending: str, out: Path = out_dir, **found) -> Evidence:
             return Evidence(ending, Path(report_dir), out, env.world_size, timeout, time.monotonic() - started,
@@ -400,42 +446,111 @@ def _watch_nodes(report_dir: str, timeout: float, native: bool, parent: int, env
             files.tidy(report_dir)
             return 1
         stopped = diagnose_stop(report_dir, out_dir, native, env.world_size, local_only=True)
-        if stopped is not None:
-            # torchrun passed a stop signal on: its store goes down with node 0's agent, so each node reports its
-            # own ranks in node-<host>/ (`distcheck report` merges them), naming no other node's rank.
-            dead = stopped.detail["died_first"]
-            note = (f"{format_ranks(dead)} ended first; torchrun stopped the others" if dead
-                    else f"stopped from outside by {stopped.detail['stopped_by']}")
-            publish(compose(evidence(STOPPED, note=note, findings=[stopped], local_ranks=set(env.ranks),
-                                     running=set(stopped.detail["stopped_ranks"]))))
-            files.tidy(report_dir)
-            return 1
         # Every rank of this node has ended: cut their trace records' unwritten tails before reading them, or a
         # record file still at its preallocated size reads as a big job's, whose traces are only summarized.
         files.tidy(report_dir)
-        if env.reports and command is not None:  # the run's report: every rank of this node ended its script
-            return _publish_job_report(evidence(ENDED, Path(report_dir), command=command), env, channel, native,
-                                       attempt.number)
-        if env.reports:
-            if 0 in seen and not written_since(Path(report_dir), started_wall):
-                # Rank 0 died before it could write the report: the job's report, from every node's summary.
-                _publish_job_report(evidence(RANK0_DIED, Path(report_dir),
-                                             note="rank 0 ended before writing the report"), env, channel, native,
-                                    attempt.number)
-                return 1
-            if written_since(Path(report_dir), started_wall):
+        findings: list[Finding] = []
+        warnings: list[Note] = []
+        note = None
+        stopped_ranks: set[int] = set()
+        if stopped is not None:
+            # torchrun passed a stop signal on. After a rank's own failure the stop is its consequence: where the
+            # stopped ranks were is a warning, the failure is the finding.
+            dead, failed = stopped.detail["died_first"], stopped.detail.get("failed_first", [])
+            note = (f"{format_ranks(failed or dead)} ended first; torchrun stopped the others" if failed or dead
+                    else f"stopped from outside by {stopped.detail['stopped_by']}")
+            findings, warnings = ([], [as_warning(stopped)]) if failed else ([stopped], [])
+            stopped_ranks = set(stopped.detail["stopped_ranks"])
+        rank0_died = command is None and env.reports and 0 in seen and not written_since(Path(report_dir),
+                                                                                           started_wall)
+        if command is None and env.reports and stopped is None and not rank0_died:
+            if written_since(Path(report_dir), started_wall):  # consistency's rank 0 wrote the job's report
                 channel.publish_report(host, str(Path(report_dir).resolve() / files.REPORT_TXT))
             return 0
-        if seen:
-            channel.publish(summarize_node(env, report_dir, set(), final=True))
-            # torchrun's agents wait for each other at exit (300 s), so the report comes within that.
-            waited = 300.0
-            location = wait_for_report(channel, link, time.monotonic() + waited)
-            _say(where_line(location, waited, env, gone=channel.broken))
-        return 0
+        # This node's own report first, from its ranks' files alone (node-<host>/), before any exchange: what the
+        # node knows survives a failed exchange, and a watcher killed right after torchrun exits.
+        summary = (own_report(set(), True, findings, warnings, note, stopped_ranks)
+                   if command is not None or stopped else None)
+        if summary is None:
+            summary = summarize_node(env, report_dir, set(), final=True, digests=True)
+        if not env.reports:
+            channel.publish(summary)
+            location = _serve_node0(channel, link, env, report_dir, agent)
+            _say(where_line(location, 0.0, env, gone=channel.broken, own=out_dir / files.REPORT_TXT
+                            if (out_dir / files.REPORT_JSON).exists() else None))
+            return 1 if stopped is not None else 0
+        if rank0_died:
+            note = "rank 0 ended before writing the report"
+        ending = STOPPED if stopped is not None else (RANK0_DIED if rank0_died else ENDED)
+        code = _publish_job_report(evidence(ending, Path(report_dir), command=command, note=note, findings=findings,
+                                            warnings=warnings, running=stopped_ranks), env, channel, native,
+                                   attempt.number, agent, summary)
+        return 1 if stopped is not None or rank0_died else code
     finally:
         link.stop.set()
         cancel.set()
+        if not env.reports:
+            channel.say_bye(env.node)
+
+
+def _warm_imports() -> None:
+    """What composing a report imports, loaded while the ranks run: a failed rank waits for its node's report."""
+    try:
+        import distcheck.analysis.collective_digests  # noqa: F401
+        import distcheck.supervise.run_report  # noqa: F401
+    except Exception:
+        pass
+
+
+def write_own_report(env: NodeEnv, report_dir: str | os.PathLike, out_dir: Path, timeout: float, seconds: float,
+                     started_wall: float, running: set[int], final: bool, command: str | None,
+                     findings: Sequence[Finding] = (), warnings: Sequence[Note] = (),
+                     note: str | None = None, stopped: Iterable[int] = ()) -> NodeSummary | None:
+    """This node's own report (out_dir = node-<host>/) and its summary (node-<host>/summary.json), both from its
+    ranks' files; the summary. Never raises: a report that cannot be written costs the report, not the watch."""
+    from distcheck.contract import node_summary
+    from distcheck.supervise.node_exchange import summarize_node
+
+    try:
+        pub = compose(Evidence(NODE, Path(report_dir), out_dir, env.world_size, timeout, seconds, started_wall,
+                               note=note, findings=list(findings), warnings=list(warnings), running=set(running),
+                               local_ranks=set(env.ranks), command=command, stopped=set(stopped)))
+        publish(pub)
+        own = [f for f in pub.report.findings if f.kind not in ("rank_failure", "hang")]
+        summary = summarize_node(env, report_dir, set(running), final=final, findings=own + list(findings),
+                                 digests=final, stopped=stopped)
+        node_summary.write(out_dir, summary)
+        return summary
+    except Exception:
+        log.exception("this node's own report failed")
+        return None
+
+
+def _serve_node0(channel: StoreChannel, link: NodeLink, env: NodeEnv, report_dir: str, agent: int | None,
+                 poll: float = 0.05) -> str | None:
+    """Another node than node 0, its ranks ended and its summary sent: answer node 0's questions (the signatures
+    of a window where the digests differ) until node 0 says where its report is. Bounded: torchrun's agents wait
+    for each other at exit (300 s), and once this node's agent has ended, AFTER_AGENT seconds more."""
+    from distcheck.supervise.node_exchange import AFTER_AGENT, window_answer
+
+    deadline = time.monotonic() + 300.0
+    agent_gone: float | None = None
+    answered = False
+    while True:
+        found = link.report or channel.report_location()
+        if found:
+            return found
+        if not answered:
+            asks = channel.asked(env.node)
+            if asks is not None:
+                channel.answer_windows(env.node, window_answer(report_dir, asks, env.ranks))
+                answered = True
+        now = time.monotonic()
+        if agent_gone is None and agent and not alive(agent):
+            agent_gone = now
+        if channel.broken or now >= deadline or agent_gone is not None and now - agent_gone >= AFTER_AGENT:
+            return None
+        time.sleep(poll)
 
 
 def _report_hang(pids: Mapping[int, int], env: NodeEnv, channel: StoreChannel, link: NodeLink, report_dir: str,
@@ -487,29 +602,125 @@ def _say(line: str) -> None:
     sys.stderr.flush()
 
 
-def _publish_job_report(evidence: Evidence, env: NodeEnv, channel: StoreChannel, native: bool, attempt: int) -> int:
-    """Node 0's report of the whole job: gather every other node's summary through the store (with a deadline),
-    diagnose a hang once from every node's stacks, compose and publish the report, then tell the other nodes
-    where it is. Its exit code."""
-    from distcheck.supervise.node_exchange import GATHER_TIMEOUT, merge_summaries
+def _publish_job_report(evidence: Evidence, env: NodeEnv, channel: StoreChannel, native: bool, attempt: int,
+                        agent: int | None = None, own: NodeSummary | None = None) -> int:
+    """Node 0's report of the whole job: gather every other node's summary through the store (with a deadline,
+    and no longer than AFTER_AGENT once node 0's torchrun agent has ended), compare the nodes' collectives by their
+    digests, diagnose a hang once from every node's stacks, compose and publish the report, then tell the other
+    nodes where it is. Its exit code."""
+    from distcheck.supervise.node_exchange import AFTER_AGENT, GATHER_TIMEOUT, merge_summaries
 
     others = [n for n in range(env.nnodes) if n != env.node]
     began = time.monotonic()
+    stop = _after_agent(agent, AFTER_AGENT)
+    log.info("gathering the other nodes' summaries (torchrun's agent: %s)", agent)
     got = channel.gather(others, began + GATHER_TIMEOUT, ready=lambda s: s.final or (s.hung and s.stacks is not None
-                                                                                    or s.hung and bool(s.note)))
+                                                                                    or s.hung and bool(s.note)),
+                         stop=stop)
     waited = time.monotonic() - began
     merged = merge_summaries(got, others, env.node_ranks, evidence.hung)
     log.info("summaries from %d of %d other nodes after %.1fs", len(got), len(others), waited)
     if evidence.hung:
         evidence.findings = [_job_hang(evidence, env, merged, native)]
         evidence.running = set(local_ranks(evidence.report_dir, env.host, attempt))
-    else:
+    elif evidence.running is None:
         evidence.running = set()
+    if own is not None and not evidence.hung:
+        evidence.findings += compare_nodes(env, channel, evidence.report_dir, own, got, stop)
+        evidence.findings += remote_findings(got, env)
     evidence.nodes = Nodes(env, merged, waited)
     code = publish(compose(evidence))
     channel.publish_report(env.host, str(evidence.report_dir.resolve() / files.REPORT_TXT))
-    channel.await_report_seen(len(others) - len(merged.silent), time.monotonic() + 3.0)
+    channel.await_report_seen(len(others) - len(merged.silent), time.monotonic() + (0.5 if stop() else 3.0))
     return code
+
+
+def _after_agent(agent: int | None, grace: float) -> Callable[[], bool]:
+    """True once torchrun's ``agent`` has been gone for ``grace`` seconds: a watcher never outlives its agent by
+    more (what it has not got by then, it reports as missing)."""
+    gone: list[float] = []
+
+    def stop() -> bool:
+        if agent is None:
+            return False
+        if not gone:
+            if alive(agent):
+                return False
+            gone.append(time.monotonic())
+        return time.monotonic() - gone[0] >= grace
+
+    return stop
+
+
+def compare_nodes(env: NodeEnv, channel: StoreChannel, report_dir: Path, own: NodeSummary,
+                  got: Mapping[int, NodeSummary], stop: Callable[[], bool], limit: float = 2.0) -> list[Finding]:
+    """Collectives compared op by op across nodes: the digests first, then the signatures of the first differing
+    window of each group, asked of the nodes whose ranks differ there (bounded by ``limit`` and ``stop``)."""
+    from distcheck.analysis.collective_digests import (RankDigests, cross_node_divergence, event_from_json,
+                                                       first_windows)
+    from distcheck.supervise.node_exchange import window_answer
+
+    summaries = {env.node: own, **got}
+    digests = {int(r): {g: RankDigests.from_json(d) for g, d in groups.items()}
+               for s in summaries.values() for r, groups in s.digests.items()}
+
+    def node_of(rank: int) -> int:
+        return rank // max(env.local_world_size, 1)
+
+    asks = first_windows(digests, node_of)
+    if not asks:
+        return []
+    by_node: dict[int, list] = {}
+    for ask in asks:
+        for node in sorted({node_of(r) for r in ask.ranks}):
+            by_node.setdefault(node, []).append(ask)
+    answers: dict[int, dict] = {}
+    if env.node in by_node:
+        answers[env.node] = window_answer(report_dir, by_node.pop(env.node), env.ranks)
+    for node, node_asks in by_node.items():
+        channel.ask_windows(node, node_asks)
+    deadline = time.monotonic() + limit
+    while by_node and time.monotonic() < deadline and not stop() and not channel.broken:
+        answers.update(channel.answers([n for n in by_node if n not in answers]))
+        if all(n in answers for n in by_node):
+            break
+        time.sleep(0.05)
+    hosts = {n: s.host for n, s in summaries.items()}
+    out = []
+    for ask in asks:
+        events = {}
+        for r in ask.ranks:
+            sent = (answers.get(node_of(r)) or {}).get(str(r), {}).get(ask.group)
+            if sent is not None:
+                events[r] = {int(p): event_from_json(r, e) for p, e in sent.items()}
+        finding = cross_node_divergence(ask, events, lambda r: hosts.get(node_of(r), f"node {node_of(r)}"))
+        if finding is None and len(events) < len(ask.ranks):
+            silent = sorted({node_of(r) for r in ask.ranks if r not in events})
+            finding = Finding("collective_mismatch", sorted(ask.ranks), (
+                f"collectives #{ask.lo + 1} to #{ask.hi} on group {ask.group} differ across nodes (their signatures' "
+                f"digests differ), but node{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))} did not "
+                f"say what its ranks issued there: compare the traces in each node's report dir"),
+                {"group_name": ask.group, "window": [ask.lo + 1, ask.hi], "across_nodes": True})
+        if finding is not None:
+            out.append(finding)
+    return out
+
+
+def remote_findings(got: Mapping[int, NodeSummary], env: NodeEnv) -> list[Finding]:
+    """What the other nodes' own reports found about their ranks alone (a collective mismatch among them, a
+    zero-code check), which their states do not carry."""
+    out = []
+    for node, summary in sorted(got.items()):
+        mine = set(summary.ranks)
+        for data in summary.findings:
+            try:
+                f = Finding.from_json(data)
+            except (KeyError, TypeError, ValueError):
+                continue
+            if f.kind not in ("rank_failure", "hang") and set(f.ranks) <= mine:
+                f.detail.setdefault("node", summary.host)
+                out.append(f)
+    return out
 
 
 def _job_hang(evidence: Evidence, env: NodeEnv, merged: MergedNodes, native: bool) -> Finding:

@@ -146,6 +146,7 @@ class FakeChannel:
     """The store as NodeLink sees it: counters and flags another node sets."""
 
     broken = False
+    exchange = True  # already on node 0's exchange store
 
     def __init__(self) -> None:
         self.count, self.hang, self.report, self.published = 0, None, None, []

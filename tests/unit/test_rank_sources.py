@@ -77,18 +77,19 @@ def test_the_node_watcher_counts_a_rank_that_ended_before_it_looked(tmp_path):
 
 
 def test_the_node_watcher_publishes_each_change_of_the_ended_ranks(tmp_path, monkeypatch):
-    from distcheck.supervise import node_exchange
-
-    monkeypatch.setattr(node_exchange, "summarize_node",
-                        lambda env, report_dir, running, final: ("summary", sorted(running), final))
+    """Each change of the ended ranks: this node's own report first (never final while the watch runs: the last
+    summary comes once it is over), then the summary to node 0, except on node 0 itself."""
     _trace(tmp_path, 2, ppid=4242)
     sent: list = []
+    written: list = []
     channel = SimpleNamespace(publish=sent.append)
     env = SimpleNamespace(ranks=[2, 3], reports=False)
     source = NodeRanks(tmp_path, "here", FakeTree(), set(), Attempt(0, {}, None), agent=4242, traced=env.ranks,
                        exchange=(env, channel))
+    source.own_report = lambda running, final: written.append((sorted(running), final)) or ("summary", final)
     assert source.finished() == {2} and source.finished() == {2}
-    assert sent == [("summary", [], True)]  # once: the ended ranks did not change
+    assert written == [([], False)] and sent == [("summary", False)]  # once: the ended ranks did not change
     node0 = NodeRanks(tmp_path, "here", FakeTree(), set(), Attempt(0, {}, None), agent=4242, traced=env.ranks,
                       exchange=(SimpleNamespace(ranks=[2, 3], reports=True), channel))
-    assert node0.finished() == {2} and len(sent) == 1  # the node that writes the report publishes no summary
+    node0.own_report = source.own_report
+    assert node0.finished() == {2} and len(written) == 2 and len(sent) == 1  # node 0 writes, publishes nothing
