@@ -26,19 +26,31 @@ from distcheck.contract.findings import Finding, format_ranks
 WINDOW = 256  # positions per digest: 20,000 collectives are 79 digests (1.3 KB of hex) per rank and group
 
 
+TAIL_WINDOWS = 2  # the windows at a rank's end whose signatures also travel one by one (16 hex digits each)
+
+
 @dataclass
 class RankDigests:
-    """One rank's collectives on one group: how many, and the digest of each WINDOW of their signatures."""
+    """One rank's collectives on one group: how many, the digest of each WINDOW of their signatures, and each
+    signature's hash in its last TAIL_WINDOWS windows (from position ``tail_from``): ranks that stopped a few
+    collectives apart (one failed, the others lost it) compare there without asking their nodes."""
 
     count: int
     windows: list[str]
+    tail_from: int = 0
+    tail: str = ""  # 16 hex digits per position
 
     def to_json(self) -> list[Any]:
-        return [self.count, self.windows]
+        return [self.count, self.windows, self.tail_from, self.tail]
 
     @classmethod
     def from_json(cls, data: Sequence[Any]) -> RankDigests:
-        return cls(int(data[0]), [str(w) for w in data[1]])
+        return cls(int(data[0]), [str(w) for w in data[1]], int(data[2]) if len(data) > 2 else 0,
+                   str(data[3]) if len(data) > 3 else "")
+
+    def hash_at(self, pos: int) -> str | None:
+        i = pos - self.tail_from
+        return self.tail[16 * i:16 * i + 16] if 0 <= i and 16 * (i + 1) <= len(self.tail) else None
 
 
 def signature_hash(desc: Mapping[str, Any], rank: int) -> int:
@@ -79,16 +91,23 @@ def rank_digests(sigs: Mapping[int, Mapping[str, Any]], sig_numbers: Sequence[in
         out: dict[str, RankDigests] = {}
         for group, members in groups.items():
             seq = lookup[numbers[np.isin(numbers, np.array(members, dtype=np.uint32))]]
+            tail_from = max(0, (-(-len(seq) // window) - TAIL_WINDOWS) * window)
             out[group] = RankDigests(len(seq), [_digest(seq[i:i + window].tobytes())
-                                                for i in range(0, len(seq), window)])
+                                                for i in range(0, len(seq), window)],
+                                     tail_from, "".join(f"{int(h):016x}" for h in seq[tail_from:].tolist()))
         return out
     except ImportError:  # the watcher runs without numpy too: the same digests, in Python
         for number in sig_numbers:
             group, value = hashes.get(int(number), (None, 0))
             if group is not None:
                 per_group.setdefault(group, []).append(value)
-        return {g: RankDigests(len(v), [_digest(b"".join(x.to_bytes(8, "little") for x in v[i:i + window]))
-                                        for i in range(0, len(v), window)]) for g, v in per_group.items()}
+        out = {}
+        for g, v in per_group.items():
+            tail_from = max(0, (-(-len(v) // window) - TAIL_WINDOWS) * window)
+            out[g] = RankDigests(len(v), [_digest(b"".join(x.to_bytes(8, "little") for x in v[i:i + window]))
+                                          for i in range(0, len(v), window)],
+                                 tail_from, "".join(f"{x:016x}" for x in v[tail_from:]))
+        return out
 
 
 def _digest(data: bytes) -> str:
@@ -134,8 +153,13 @@ def first_windows(digests: Mapping[int, Mapping[str, RankDigests]], node_of: Cal
                 break
             full = {r: d.windows[w] for r, d in reach.items() if d.count >= hi}
             partial = {r: d for r, d in reach.items() if d.count < hi}
-            if len(set(full.values())) > 1 or partial and (full or len({d.windows[w] for d in partial.values()}) > 1
-                                                           or len({d.count for d in partial.values()}) > 1):
+            differs = len(set(full.values())) > 1
+            if not differs and partial and (full or len({d.windows[w] for d in partial.values()}) > 1
+                                            or len({d.count for d in partial.values()}) > 1):
+                # Ranks that ended inside this window: compared position by position as far as each went, from
+                # the signatures' hashes their summaries carry; asked of their nodes where those do not reach.
+                differs = _tails_differ(reach, lo, hi)
+            if differs:
                 # Only the ranks of one representative per distinct digest and node need to say what they issued.
                 chosen: dict[tuple[int, str], int] = {}
                 for r in sorted(reach):
@@ -143,6 +167,25 @@ def first_windows(digests: Mapping[int, Mapping[str, RankDigests]], node_of: Cal
                 asks.append(WindowAsk(group, lo, hi, sorted(chosen.values())))
                 break
     return asks
+
+
+def _tails_differ(reach: Mapping[int, RankDigests], lo: int, hi: int) -> bool:
+    """Whether ranks that reach into window [lo, hi) may differ there: True where their hashes differ at a position
+    both reached, or where a rank's hashes do not cover what it reached (then its node is asked)."""
+    for pos in range(lo, hi):
+        seen = set()
+        for d in reach.values():
+            if pos >= d.count:
+                continue
+            h = d.hash_at(pos)
+            if h is None:
+                return True
+            seen.add(h)
+        if len(seen) > 1:
+            return True
+        if not seen:
+            return False
+    return False
 
 
 def cross_node_divergence(ask: WindowAsk, events: Mapping[int, Mapping[int, TraceEvent]],

@@ -81,6 +81,13 @@ def merge_reports(dirs: list[Path]) -> tuple[Report, str]:
     from distcheck.supervise.node_exchange import merge_stack_documents
     from distcheck.supervise.stacks import load_stacks_document, render_stacks_summary
 
+    if len(dirs) > 1:
+        from distcheck.supervise.node_report import job_report_from_nodes
+
+        # Node report dirs of one job (each with node-<host>/summary.json): the report node 0 would have written.
+        job = job_report_from_nodes(dirs)
+        if job is not None:
+            return job, ""
     reports = [load_report(d) for d in dirs]
     if len(reports) == 1:
         return reports[0], ""

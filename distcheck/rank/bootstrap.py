@@ -14,7 +14,8 @@ from pathlib import Path
 
 from distcheck.contract import watcher_file
 from distcheck.contract.watcher_file import WatcherState
-from distcheck.processes import NODE_WATCHER, ROLE_ENV, agent_pid, alive, launcher_id, restarts_left, start_ticks
+from distcheck.processes import (NODE_WATCHER, ROLE_ENV, agent_pid, alive, launcher_id, restart_count,
+                                 restarts_left, start_ticks)
 
 
 def rank_bootstrap(report_dir: str | os.PathLike, timeout: float, native: bool = False,
@@ -53,6 +54,7 @@ def rank_bootstrap(report_dir: str | os.PathLike, timeout: float, native: bool =
                                command)
     tee_stderr(report_dir, rank)  # failure reports quote the last lines of this rank's stderr
     group_keepalive.install()  # a DDP script's end must not deadlock in torch's teardown (see the module)
+    isolate_attempt_keys()  # before the script's init_process_group: attempt N must not read attempt N-1's keys
     # A restarted attempt's ranks are not below the watcher an earlier attempt's local rank 0 started (that rank is
     # gone, and the watcher with it from the agent's tree): under Yama ptrace_scope=1 they name the watcher itself
     # as the one process (with its py-spy children) allowed to read their stacks.
@@ -64,6 +66,39 @@ def rank_bootstrap(report_dir: str | os.PathLike, timeout: float, native: bool =
         if tracing.current() is None:
             tracing.install(report_dir, rank)
     return node_watcher
+
+
+def isolate_attempt_keys() -> None:
+    """Under torchrun on one node, give each attempt (``--max-restarts``) a key space of its own in the agent's store.
+
+    torchrun's agent serves one TCPStore for all its attempts (the same MASTER_PORT, TORCHELASTIC_USE_AGENT_STORE),
+    and torch 2.13's env:// rendezvous adds no per-attempt prefix (rendezvous._create_c10d_store: "we create a new
+    TCPStore for every retry", which the shared agent store no longer does). So attempt N finds attempt N-1's keys:
+    gloo's connectFullMesh reads a dead rank's address ("default_pg/0//cpu//0/<rank>") before its new incarnation
+    overwrote it, and connects to it (Connection refused) or picks its listen/connect role from the stale port and
+    waits forever (both ranks in init_process_group); distcheck's side channel ("default_pg/0//distcheck/...")
+    returns attempt N-1's values. On several nodes the agents' restart counts can differ (a membership change
+    restarts without counting), so there the keys stay as torch leaves them."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True) or os.environ.get("GROUP_WORLD_SIZE") != "1" \
+            or "TORCHELASTIC_RESTART_COUNT" not in os.environ:
+        return
+    try:
+        import torch.distributed as dist
+        import torch.distributed.rendezvous  # noqa: F401 - the name is the module's rendezvous() function
+
+        rendezvous = sys.modules["torch.distributed.rendezvous"]
+    except Exception:  # no torch.distributed: no process group to isolate
+        return
+    original = getattr(rendezvous, "_create_c10d_store", None)
+    if original is None or getattr(original, "distcheck_attempt", False):
+        return
+    prefix = f"distcheck/attempt-{restart_count()}"
+
+    def create_c10d_store(*args, **kwargs):
+        return dist.PrefixStore(prefix, original(*args, **kwargs))
+
+    create_c10d_store.distcheck_attempt = True  # type: ignore[attr-defined]
+    rendezvous._create_c10d_store = create_c10d_store
 
 
 class NodeWatcher:

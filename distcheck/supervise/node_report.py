@@ -15,13 +15,14 @@ import logging
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable, Mapping
 
 from distcheck.contract import files
 from distcheck.contract.findings import Finding, Note, format_ranks
 
 if TYPE_CHECKING:
     from distcheck.analysis.trace_events import RankTrace
+    from distcheck.contract.node_summary import NodeSummary
     from distcheck.contract.report import Report
     from distcheck.supervise.node_exchange import MergedNodes, NodeEnv
 
@@ -381,3 +382,111 @@ def report_so_far(out_dir: Path, since: float | None = None) -> Report | None:
         return load_report(out_dir)
     except Exception:  # a report being rewritten right now, or not ours: start a fresh one
         return None
+
+
+def compare_nodes(env: NodeEnv, summaries: Mapping[int, NodeSummary],
+                  answer: Callable[[dict[int, list]], dict[int, dict]]) -> list[Finding]:
+    """Collectives compared op by op across nodes: the digests of every node's summary first, then the signatures
+    of the first differing window of each group, asked of the nodes whose ranks differ there (``answer``: the
+    store under torchrun, the nodes' own folders for ``distcheck report``)."""
+    from distcheck.analysis.collective_digests import (RankDigests, cross_node_divergence, event_from_json,
+                                                       first_windows)
+
+    digests = {int(r): {g: RankDigests.from_json(d) for g, d in groups.items()}
+               for s in summaries.values() for r, groups in s.digests.items()}
+
+    def node_of(rank: int) -> int:
+        return rank // max(env.local_world_size, 1)
+
+    asks = first_windows(digests, node_of)
+    if not asks:
+        return []
+    by_node: dict[int, list] = {}
+    for ask in asks:
+        for node in sorted({node_of(r) for r in ask.ranks}):
+            by_node.setdefault(node, []).append(ask)
+    answers = answer(by_node)
+    hosts = {n: s.host for n, s in summaries.items()}
+    out = []
+    for ask in asks:
+        events = {}
+        for r in ask.ranks:
+            sent = (answers.get(node_of(r)) or {}).get(str(r), {}).get(ask.group)
+            if sent is not None:
+                events[r] = {int(p): event_from_json(r, e) for p, e in sent.items()}
+        finding = cross_node_divergence(ask, events, lambda r: hosts.get(node_of(r), f"node {node_of(r)}"))
+        if finding is None and len(events) < len(ask.ranks):
+            silent = sorted({node_of(r) for r in ask.ranks if r not in events})
+            finding = Finding("collective_mismatch", sorted(ask.ranks), (
+                f"collectives #{ask.lo + 1} to #{ask.hi} on group {ask.group} differ across nodes (their signatures' "
+                f"digests differ), but node{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))} did not "
+                f"say what its ranks issued there: compare the traces in each node's report dir"),
+                {"group_name": ask.group, "window": [ask.lo + 1, ask.hi], "across_nodes": True})
+        if finding is not None:
+            out.append(finding)
+    return out
+
+
+def remote_findings(got: Mapping[int, NodeSummary], env: NodeEnv) -> list[Finding]:
+    """What the other nodes' own reports found about their ranks alone (a collective mismatch among them, a
+    zero-code check), which their states do not carry."""
+    out = []
+    for node, summary in sorted(got.items()):
+        mine = set(summary.ranks)
+        for data in summary.findings:
+            try:
+                f = Finding.from_json(data)
+            except (KeyError, TypeError, ValueError):
+                continue
+            if f.kind not in ("rank_failure", "hang") and set(f.ranks) <= mine:
+                f.detail.setdefault("node", summary.host)
+                out.append(f)
+    return out
+
+
+def job_report_from_nodes(dirs: list[Path]) -> Report | None:
+    """``distcheck report nodeA/rep nodeB/rep``: the job's report as node 0's watcher would have composed it, from
+    each node's own folder (``node-<host>/summary.json``, written before any exchange) and node 0's ranks' files,
+    for a job whose exchange failed or whose watchers were killed. None unless the folders hold node 0's summary
+    and at least one other node's."""
+    from distcheck.analysis.trace_align import STATE_STOPPED
+    from distcheck.contract import node_summary
+    from distcheck.supervise.node_exchange import NodeEnv, merge_summaries, window_answer
+
+    found: dict[int, tuple[NodeSummary, Path]] = {}
+    for d in dirs:
+        for folder in [d, *sorted(d.glob("node-*"))]:
+            summary = node_summary.read(folder)
+            if summary is not None and summary.job:
+                found.setdefault(summary.node, (summary, d))
+    if 0 not in found or len(found) < 2:
+        return None
+    own, node0_dir = found[0]
+    env = NodeEnv.from_json(own.job)
+    others = {n: s for n, (s, _) in found.items() if n != 0}
+    hung = any(s.hung for s, _ in found.values())
+    merged = merge_summaries(others, [n for n in range(env.nnodes) if n != 0], env.node_ranks, hung)
+
+    def answer(asks: dict[int, list]) -> dict[int, dict]:
+        out = {}
+        for node, node_asks in asks.items():
+            if node in found:
+                s, folder = found[node]
+                out[node] = window_answer(folder, node_asks, s.ranks)
+        return out
+
+    findings = [] if hung else compare_nodes(env, {n: s for n, (s, _) in found.items()}, answer)
+    findings += remote_findings(others, env)
+    stopped = {r for r, st in own.states.items() if st.state == STATE_STOPPED}
+    so_far = report_so_far(node0_dir)
+    e = Evidence(HANG if hung else ENDED, node0_dir, node0_dir, env.world_size,
+                 so_far.data.get("timeout", 0.0) if so_far is not None else 0.0, 0.0, 0.0,
+                 findings=findings, running=stopped, command=so_far.command if so_far is not None else None,
+                 nodes=Nodes(env, merged, 0.0))
+    if hung:
+        from distcheck.supervise.node_watcher import _job_hang
+
+        e.findings = [_job_hang(e, env, merged, False)] + findings
+    report = _job_report(e, e.nodes).report
+    report.data["merged_from"] = [str(d) for d in dirs]
+    return report

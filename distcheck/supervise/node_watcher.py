@@ -44,8 +44,8 @@ from distcheck.contract.watcher_file import WatcherState
 from distcheck.processes import (RUN_ID_ENV, alive, launcher_id, read_environ, restart_count,
                                  restarts_left, start_ticks, terminate, torchrun_run_id)
 from distcheck.supervise.live_stragglers import LiveStragglers
-from distcheck.supervise.node_report import (ENDED, HANG, NODE, NODE0_GONE, RANK0_DIED, STOPPED, Evidence, Nodes, compose,
-                                             publish, written_since)
+from distcheck.supervise.node_report import (ENDED, HANG, NODE, NODE0_GONE, RANK0_DIED, STOPPED, Evidence, Nodes,
+                                             compare_nodes, compose, publish, remote_findings, written_since)
 from distcheck.supervise.procs import RunTree
 from distcheck.supervise.watch import HUNG, STARTUP_TIMEOUT, HangDump, WatchLoop, script_ended
 
@@ -93,6 +93,7 @@ class NodeRanks:
         self.published: frozenset[int] = frozenset()  # the ended ranks last published to the other nodes
         # several nodes: writes this node's own report for the ranks still running, returns its summary
         self.own_report: Callable[[set[int], bool], NodeSummary | None] | None = None
+        self.deferred = False  # node 0: the failed ranks are covered once the job's report is written
 
     def live(self) -> dict[int, int]:
         ranks = local_ranks(self.report_dir, self.host, self.attempt.number)
@@ -133,7 +134,22 @@ class NodeRanks:
         summary = self.own_report(still, False)
         if summary is not None and not env.reports:
             channel.publish(summary)
+        if env.reports and not still and self._others_final(env, channel):
+            # Node 0, every other node's last summary in: the job's report comes next, and the failed ranks wait
+            # for it instead (the end of the watch covers them), so that it exists when torchrun returns.
+            self.deferred = True
+            return
         _cover(self.report_dir, self.attempt.number, ended)
+
+    @staticmethod
+    def _others_final(env: NodeEnv, channel: StoreChannel) -> bool:
+        """Whether every other node's ranks have ended, as their last summaries say (the final ones follow)."""
+        from distcheck.contract.node_summary import RUNNING
+
+        others = [n for n in range(env.nnodes) if n != env.node]
+        got = channel.summaries(others)
+        return all(n in got and (got[n].final or all(st.state != RUNNING for st in got[n].states.values()))
+                   for n in others)
 
 
 def local_ranks(report_dir: str | os.PathLike, host: str | None = None, attempt: int | None = None) -> dict[int, int]:
@@ -484,13 +500,15 @@ def _watch_nodes(report_dir: str, timeout: float, native: bool, parent: int, env
         ending = STOPPED if stopped is not None else (RANK0_DIED if rank0_died else ENDED)
         code = _publish_job_report(evidence(ending, Path(report_dir), command=command, note=note, findings=findings,
                                             warnings=warnings, running=stopped_ranks), env, channel, native,
-                                   attempt.number, agent, summary)
+                                   attempt.number, agent, summary, source.deferred)
         return 1 if stopped is not None or rank0_died else code
     finally:
         link.stop.set()
         cancel.set()
         if not env.reports:
             channel.say_bye(env.node)
+        if source.deferred:
+            _cover(report_dir, attempt.number, env.ranks)
 
 
 def _warm_imports() -> None:
@@ -603,16 +621,21 @@ def _say(line: str) -> None:
 
 
 def _publish_job_report(evidence: Evidence, env: NodeEnv, channel: StoreChannel, native: bool, attempt: int,
-                        agent: int | None = None, own: NodeSummary | None = None) -> int:
+                        agent: int | None = None, own: NodeSummary | None = None, deferred: bool = False) -> int:
     """Node 0's report of the whole job: gather every other node's summary through the store (with a deadline,
     and no longer than AFTER_AGENT once node 0's torchrun agent has ended), compare the nodes' collectives by their
     digests, diagnose a hang once from every node's stacks, compose and publish the report, then tell the other
-    nodes where it is. Its exit code."""
+    nodes where it is. ``deferred``: this node's failed ranks wait for this report (NodeRanks.deferred). Its exit
+    code."""
     from distcheck.supervise.node_exchange import AFTER_AGENT, GATHER_TIMEOUT, merge_summaries
 
     others = [n for n in range(env.nnodes) if n != env.node]
     began = time.monotonic()
     stop = _after_agent(agent, AFTER_AGENT)
+    if deferred:
+        # Every node's ranks had ended when this node's last rank did, and that rank waits for this report: the
+        # other nodes' final summaries (their stop dumps, digests) get a second, not the agent's lifetime.
+        stop = _either(stop, _after(time.monotonic() + 1.0))
     log.info("gathering the other nodes' summaries (torchrun's agent: %s)", agent)
     got = channel.gather(others, began + GATHER_TIMEOUT, ready=lambda s: s.final or (s.hung and s.stacks is not None
                                                                                     or s.hung and bool(s.note)),
@@ -625,14 +648,32 @@ def _publish_job_report(evidence: Evidence, env: NodeEnv, channel: StoreChannel,
         evidence.running = set(local_ranks(evidence.report_dir, env.host, attempt))
     elif evidence.running is None:
         evidence.running = set()
+    if not evidence.hung and any(o.state in ("error", "died") for o in merged.outcomes.values()):
+        # A rank of another node failed: torchrun stopping this node's ranks then is its consequence (its agent
+        # lost the rendezvous), where they were is a warning.
+        for f in [f for f in evidence.findings if f.detail.get("stopped_by")]:
+            evidence.findings.remove(f)
+            evidence.warnings.append(as_warning(f))
     if own is not None and not evidence.hung:
-        evidence.findings += compare_nodes(env, channel, evidence.report_dir, own, got, stop)
+        evidence.findings += compare_nodes(env, {env.node: own, **got},
+                                           lambda asks: _ask_nodes(env, channel, evidence.report_dir, asks, stop,
+                                                                   1.0 if deferred else 2.0))
         evidence.findings += remote_findings(got, env)
     evidence.nodes = Nodes(env, merged, waited)
     code = publish(compose(evidence))
     channel.publish_report(env.host, str(evidence.report_dir.resolve() / files.REPORT_TXT))
+    if deferred:  # the failed ranks may go now: the report exists
+        _cover(evidence.report_dir, attempt, env.ranks)
     channel.await_report_seen(len(others) - len(merged.silent), time.monotonic() + (0.5 if stop() else 3.0))
     return code
+
+
+def _after(deadline: float) -> Callable[[], bool]:
+    return lambda: time.monotonic() >= deadline
+
+
+def _either(a: Callable[[], bool], b: Callable[[], bool]) -> Callable[[], bool]:
+    return lambda: a() or b()
 
 
 def _after_agent(agent: int | None, grace: float) -> Callable[[], bool]:
@@ -652,75 +693,25 @@ def _after_agent(agent: int | None, grace: float) -> Callable[[], bool]:
     return stop
 
 
-def compare_nodes(env: NodeEnv, channel: StoreChannel, report_dir: Path, own: NodeSummary,
-                  got: Mapping[int, NodeSummary], stop: Callable[[], bool], limit: float = 2.0) -> list[Finding]:
-    """Collectives compared op by op across nodes: the digests first, then the signatures of the first differing
-    window of each group, asked of the nodes whose ranks differ there (bounded by ``limit`` and ``stop``)."""
-    from distcheck.analysis.collective_digests import (RankDigests, cross_node_divergence, event_from_json,
-                                                       first_windows)
+def _ask_nodes(env: NodeEnv, channel: StoreChannel, report_dir: Path, asks: Mapping[int, list],
+               stop: Callable[[], bool], limit: float = 2.0) -> dict[int, dict]:
+    """The nodes' answers (their ranks' signatures in the windows asked), this node's read from its own files, the
+    others' asked through the store, bounded by ``limit`` and ``stop``."""
     from distcheck.supervise.node_exchange import window_answer
 
-    summaries = {env.node: own, **got}
-    digests = {int(r): {g: RankDigests.from_json(d) for g, d in groups.items()}
-               for s in summaries.values() for r, groups in s.digests.items()}
-
-    def node_of(rank: int) -> int:
-        return rank // max(env.local_world_size, 1)
-
-    asks = first_windows(digests, node_of)
-    if not asks:
-        return []
-    by_node: dict[int, list] = {}
-    for ask in asks:
-        for node in sorted({node_of(r) for r in ask.ranks}):
-            by_node.setdefault(node, []).append(ask)
+    asks = dict(asks)
     answers: dict[int, dict] = {}
-    if env.node in by_node:
-        answers[env.node] = window_answer(report_dir, by_node.pop(env.node), env.ranks)
-    for node, node_asks in by_node.items():
+    if env.node in asks:
+        answers[env.node] = window_answer(report_dir, asks.pop(env.node), env.ranks)
+    for node, node_asks in asks.items():
         channel.ask_windows(node, node_asks)
     deadline = time.monotonic() + limit
-    while by_node and time.monotonic() < deadline and not stop() and not channel.broken:
-        answers.update(channel.answers([n for n in by_node if n not in answers]))
-        if all(n in answers for n in by_node):
+    while asks and time.monotonic() < deadline and not stop() and not channel.broken:
+        answers.update(channel.answers([n for n in asks if n not in answers]))
+        if all(n in answers for n in asks):
             break
         time.sleep(0.05)
-    hosts = {n: s.host for n, s in summaries.items()}
-    out = []
-    for ask in asks:
-        events = {}
-        for r in ask.ranks:
-            sent = (answers.get(node_of(r)) or {}).get(str(r), {}).get(ask.group)
-            if sent is not None:
-                events[r] = {int(p): event_from_json(r, e) for p, e in sent.items()}
-        finding = cross_node_divergence(ask, events, lambda r: hosts.get(node_of(r), f"node {node_of(r)}"))
-        if finding is None and len(events) < len(ask.ranks):
-            silent = sorted({node_of(r) for r in ask.ranks if r not in events})
-            finding = Finding("collective_mismatch", sorted(ask.ranks), (
-                f"collectives #{ask.lo + 1} to #{ask.hi} on group {ask.group} differ across nodes (their signatures' "
-                f"digests differ), but node{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))} did not "
-                f"say what its ranks issued there: compare the traces in each node's report dir"),
-                {"group_name": ask.group, "window": [ask.lo + 1, ask.hi], "across_nodes": True})
-        if finding is not None:
-            out.append(finding)
-    return out
-
-
-def remote_findings(got: Mapping[int, NodeSummary], env: NodeEnv) -> list[Finding]:
-    """What the other nodes' own reports found about their ranks alone (a collective mismatch among them, a
-    zero-code check), which their states do not carry."""
-    out = []
-    for node, summary in sorted(got.items()):
-        mine = set(summary.ranks)
-        for data in summary.findings:
-            try:
-                f = Finding.from_json(data)
-            except (KeyError, TypeError, ValueError):
-                continue
-            if f.kind not in ("rank_failure", "hang") and set(f.ranks) <= mine:
-                f.detail.setdefault("node", summary.host)
-                out.append(f)
-    return out
+    return answers
 
 
 def _job_hang(evidence: Evidence, env: NodeEnv, merged: MergedNodes, native: bool) -> Finding:

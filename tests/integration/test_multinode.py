@@ -6,12 +6,15 @@ each has its own hostname (node-a, node-b, both resolvable through a bind-mounte
 node-local ``--report-dir``. One complete report must come from the node of global rank 0, with no rank called
 failed or "not found" because its files are on the other node.
 """
+import json
 import os
 import shutil
 import signal
 import subprocess
 import threading
+import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -65,26 +68,59 @@ def unshare_refused() -> str | None:
     return None if probe.returncode == 0 else f"unshare --uts --mount is not permitted: {probe.stderr.strip()}"
 
 
-def run_two_nodes(tmp_path: Path, script: str, timeout: float, tag: str, *args: str) -> dict[str, str]:
-    """Two torchrun agents, one per namespaced node, each with 1 rank and a node-local report dir
-    (tmp_path/<host>); the consoles by host."""
+@dataclass
+class Nodes:
+    """What two namespaced nodes left: each console, and when the second torchrun returned (monotonic)."""
+
+    consoles: dict[str, str]
+    last_exit: float
+    reports_at_exit: dict[str, bool]  # whether each host's job report existed when the last torchrun returned
+
+
+def run_two_nodes(tmp_path: Path, script: str, timeout: float, tag: str, *args: str, nproc: int = 1,
+                  env: dict[str, dict[str, str]] | None = None, kill_at_exit: bool = False) -> Nodes:
+    """Two torchrun agents, one per namespaced node, each with ``nproc`` ranks and a node-local report dir
+    (tmp_path/<host>); ``env``: extra variables by host. ``kill_at_exit``: the moment a node's torchrun returns,
+    every process of the run on that node (its UTS namespace) is SIGKILLed, as a CI step or a Slurm job step
+    ends."""
     hosts_file = tmp_path / "hosts"
     hosts_file.write_text("127.0.0.1 localhost\n" + "".join(f"127.0.0.1 {h}\n" for h in HOSTS))
     port = free_port()
     procs = {}
+    logs = {}
     for host in HOSTS:
-        torchrun = [str(BIN / "torchrun"), "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+        torchrun = [str(BIN / "torchrun"), "--nnodes", "2", "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
                     "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"mn-{port}", "-m", "distcheck", "run",
                     "--timeout", str(timeout), "--report-dir", str(tmp_path / host), "--", str(FIXTURES / script),
                     *args]
         inner = f"hostname {host} && mount --bind {hosts_file} /etc/hosts && exec \"$@\""
+        logs[host] = open(tmp_path / f"{host}.console", "w+")
         procs[host] = subprocess.Popen(["unshare", "--uts", "--mount", "bash", "-c", inner, "node", *torchrun],
-                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                       env=env_for_ranks({TAG: tag, **FRESH}), start_new_session=True)
-    consoles = {}
+                                       stdout=logs[host], stderr=subprocess.STDOUT,
+                                       env=env_for_ranks({TAG: tag, **FRESH, **(env or {}).get(host, {})}),
+                                       start_new_session=True)
+    uts: dict[str, str] = {}
+    ended: dict[str, float] = {}
+    deadline = time.monotonic() + 240
     try:
-        for host, proc in procs.items():
-            consoles[host] = proc.communicate(timeout=240)[0]
+        while len(ended) < len(procs) and time.monotonic() < deadline:
+            for host, proc in procs.items():
+                if host not in uts:
+                    try:
+                        uts[host] = os.readlink(f"/proc/{proc.pid}/ns/uts")
+                    except OSError:
+                        pass
+                if host not in ended and proc.poll() is not None:
+                    ended[host] = time.monotonic()
+                    if kill_at_exit and host in uts:
+                        for pid in tagged(tag):
+                            try:
+                                if os.readlink(f"/proc/{pid}/ns/uts") == uts[host]:
+                                    os.kill(pid, signal.SIGKILL)
+                            except OSError:
+                                pass
+            time.sleep(0.01)
+        at_exit = {h: (tmp_path / h / "report.json").exists() for h in HOSTS}
     finally:
         for proc in procs.values():
             try:
@@ -92,7 +128,19 @@ def run_two_nodes(tmp_path: Path, script: str, timeout: float, tag: str, *args: 
             except ProcessLookupError:
                 pass
             proc.wait(timeout=10)
-    return consoles
+    assert len(ended) == len(procs), "the two nodes' torchruns did not end within 240 s"
+    consoles = {}
+    for host, fh in logs.items():
+        fh.seek(0)
+        consoles[host] = fh.read()
+        fh.close()
+    return Nodes(consoles, max(ended.values()), at_exit)
+
+
+def no_watcher_left(tag: str, since: float, within: float = 2.0) -> list[int]:
+    """The run's processes still alive ``within`` seconds after ``since`` (the last torchrun's exit)."""
+    time.sleep(max(0.0, since + within - time.monotonic()))
+    return tagged(tag)
 
 
 def one_report(tmp_path: Path, consoles: dict[str, str]) -> tuple[str, dict]:
@@ -113,7 +161,7 @@ def test_two_nodes_one_report_names_the_stuck_rank_and_the_waiting_collective(tm
     if reason:
         pytest.skip(reason)
     tag = f"multinode-{uuid.uuid4().hex[:8]}"
-    consoles = run_two_nodes(tmp_path, "hang_python.py", 8, tag)
+    consoles = run_two_nodes(tmp_path, "hang_python.py", 8, tag).consoles
     host, report = one_report(tmp_path, consoles)
     assert not report["ok"] and report["world_size"] == 2
     kinds = [f["kind"] for f in report["findings"]]
@@ -140,7 +188,7 @@ def test_two_nodes_without_a_bug_pass_with_every_rank_accounted_for_and_the_stra
     if reason:
         pytest.skip(reason)
     tag = f"multinode-{uuid.uuid4().hex[:8]}"
-    consoles = run_two_nodes(tmp_path, "hang_none.py", 10, tag, "--slow-rank", "1")
+    consoles = run_two_nodes(tmp_path, "hang_none.py", 10, tag, "--slow-rank", "1").consoles
     host, report = one_report(tmp_path, consoles)
     assert report["ok"], report["findings"]
     assert report["stragglers"]["named"] == [1], report["stragglers"]
@@ -151,3 +199,71 @@ def test_two_nodes_without_a_bug_pass_with_every_rank_accounted_for_and_the_stra
                                "1": {"state": "ok", "exit_code": 0, "signal": None}}
     assert report["collectives"] == {"0": 14, "1": 14}  # rank 1's count came from its node
     assert tagged(tag) == []
+
+
+def test_a_crash_on_node_b_is_named_in_the_report_before_torchrun_returns(tmp_path, line_of):
+    """Rank 1 (node-b) raises at its second step; rank 0 (node-a) then loses its peer. The job's report, on node-a,
+    names rank 1's error and line with rank 0's loss folded in, and exists when the last torchrun returns; node-b
+    keeps its own report; nothing of the run is alive 2 s later."""
+    reason = unshare_refused()
+    if reason:
+        pytest.skip(reason)
+    tag = f"multinode-{uuid.uuid4().hex[:8]}"
+    nodes = run_two_nodes(tmp_path, "multinode_crash.py", 15, tag, "--crash-rank", "1")
+    assert no_watcher_left(tag, nodes.last_exit) == []
+    assert nodes.reports_at_exit == {"node-a": True, "node-b": False}, nodes.consoles
+    report = load_report(tmp_path / "node-a")
+    line = line_of("multinode_crash.py", "raise ValueError")
+    (failure,) = report["findings"]
+    assert failure["kind"] == "rank_failure" and failure["ranks"] == [1], report["findings"]
+    assert failure["message"].startswith(f"rank 1 raised ValueError: bad sample in step 1 at multinode_crash.py:{line}"
+                                         "; rank 0 failed in all_reduce #2 on group [0,1]"), failure["message"]
+    assert failure["detail"]["line"] == line
+    own = load_report(tmp_path / "node-b" / "node-node-b")
+    assert [(f["kind"], f["ranks"]) for f in own["findings"]] == [("rank_failure", [1])]
+    assert "the report of this job is on node-a" in nodes.consoles["node-b"]
+
+
+def test_a_crash_on_node_a_leaves_both_node_reports_when_the_watchers_are_killed_at_torchruns_exit(tmp_path,
+                                                                                                   line_of):
+    """2 ranks per node; rank 0 raises; every process of a node is SIGKILLed the moment its torchrun returns. Each
+    node's own report was written before: `distcheck report` merges them into the job's report."""
+    reason = unshare_refused()
+    if reason:
+        pytest.skip(reason)
+    tag = f"multinode-{uuid.uuid4().hex[:8]}"
+    nodes = run_two_nodes(tmp_path, "multinode_crash.py", 15, tag, "--crash-rank", "0", nproc=2, kill_at_exit=True)
+    assert tagged(tag) == []
+    for host in HOSTS:
+        assert (tmp_path / host / f"node-{host}" / "report.json").exists(), (host, nodes.consoles[host])
+        assert (tmp_path / host / f"node-{host}" / "summary.json").exists()
+    line = line_of("multinode_crash.py", "raise ValueError")
+    res = run_python(["-m", "distcheck", "report", "--format", "json", str(tmp_path / "node-a"),
+                      str(tmp_path / "node-b")], timeout=60)
+    assert res.returncode == 1, res.output
+    merged = json.loads(res.stdout)
+    causes = [f for f in merged["findings"] if f["kind"] == "rank_failure"]
+    assert causes[0]["ranks"] == [0] and causes[0]["detail"]["line"] == line, merged["findings"]
+    assert causes[0]["message"].startswith(f"rank 0 raised ValueError: bad sample in step 1 at "
+                                           f"multinode_crash.py:{line}")
+    assert set(merged["nodes"]) == set(HOSTS)
+
+
+def test_a_node_set_up_differently_is_named_as_a_collective_mismatch_across_nodes(tmp_path, line_of):
+    """node-b's ranks all-reduce [48] where node-a's all-reduce [64]: gloo aborts, and each node alone sees nothing
+    wrong. Node 0 compares the nodes' digests and names the collective, both sides and both lines."""
+    reason = unshare_refused()
+    if reason:
+        pytest.skip(reason)
+    tag = f"multinode-{uuid.uuid4().hex[:8]}"
+    nodes = run_two_nodes(tmp_path, "multinode_shape_mismatch.py", 15, tag, env={"node-b": {"MODEL_WIDTH": "48"}})
+    assert no_watcher_left(tag, nodes.last_exit) == []
+    report = load_report(tmp_path / "node-a")
+    line = line_of("multinode_shape_mismatch.py", "dist.all_reduce(grad)")
+    (mismatch,) = report["findings"]
+    assert mismatch["kind"] == "collective_mismatch" and mismatch["ranks"] == [0, 1], report["findings"]
+    assert mismatch["message"].startswith(
+        f"collective #1 on group [0,1] differs in shapes across nodes: rank 0 (node-a) issued all_reduce [64] "
+        f"float32 SUM at multinode_shape_mismatch.py:{line}; rank 1 (node-b) issued all_reduce [48] float32 SUM at "
+        f"multinode_shape_mismatch.py:{line}"), mismatch["message"]
+    assert mismatch["detail"]["line"] == line and mismatch["detail"]["across_nodes"]
