@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/bench_restarts.py --runs 10
 
-The job (bench/_restart_train.py) fails its first torchrun attempt after init_process_group and one DDP step, and
+The job (fixtures/torchrun_restart_after_init.py) fails its first torchrun attempt after init_process_group and one DDP step, and
 passes its second (``--standalone --nproc-per-node 2 --max-restarts 1``). A run passes when torchrun exits 0 (under
 distcheck the report's verdict, the last attempt's, is also read). torch 2.13's agent serves one store for every
 attempt and its env:// rendezvous adds no per-attempt prefix, so attempt 1's gloo can read attempt 0's dead
@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-JOB = Path(__file__).resolve().parent / "_restart_train.py"
+JOB = ROOT / "fixtures" / "torchrun_restart_after_init.py"
 BIN = Path(sys.executable).parent
 
 

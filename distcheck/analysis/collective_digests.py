@@ -207,9 +207,9 @@ def cross_node_divergence(ask: WindowAsk, events: Mapping[int, Mapping[int, Trac
         for (_, brief, site), ranks in sorted(buckets.items(), key=lambda kv: kv[1][0]):
             hosts = sorted({host_of(r) for r in ranks})
             parts.append(f"{format_ranks(ranks)} ({', '.join(hosts)}) issued {brief}" + (f" at {site}" if site else ""))
-        group = list(members) if members else sorted(present)
-        label = "[" + ",".join(map(str, group)) + "]" if len(group) <= 16 else f"of {len(group)} ranks"
         first = next(iter(present.values()))
+        group = list(members) if members else list(first.pg) or sorted(present)
+        label = "[" + ",".join(map(str, group)) + "]" if len(group) <= 16 else f"of {len(group)} ranks"
         largest = max(buckets.values(), key=len)
         odd = sorted(present) if len(largest) * 2 <= len(present) else sorted(
             r for rs in buckets.values() if rs is not largest for r in rs)

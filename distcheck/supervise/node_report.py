@@ -484,9 +484,33 @@ def job_report_from_nodes(dirs: list[Path]) -> Report | None:
                  findings=findings, running=stopped, command=so_far.command if so_far is not None else None,
                  nodes=Nodes(env, merged, 0.0))
     if hung:
-        from distcheck.supervise.node_watcher import _job_hang
-
-        e.findings = [_job_hang(e, env, merged, False)] + findings
+        e.findings = [job_hang(e, env, merged, False)] + findings
     report = _job_report(e, e.nodes).report
     report.data["merged_from"] = [str(d) for d in dirs]
     return report
+
+
+def job_hang(evidence: Evidence, env: NodeEnv, merged: MergedNodes, native: bool) -> Finding:
+    """The job's one hang finding, from the stacks of every node (this node's stacks.json and the ones the others
+    sent), grouped together; stacks.txt/.json of the whole job go to the report dir."""
+    from distcheck.analysis.progress import progress_by_rank
+    from distcheck.analysis.trace_events import load_traces
+    from distcheck.supervise.hang import hang_from_stacks
+    from distcheck.supervise.node_exchange import merge_stack_documents, stacks_from_document
+    from distcheck.supervise.stacks import load_stacks_document
+
+    report_dir, timeout = evidence.report_dir, evidence.timeout
+    traces = {r: t for r, t in load_traces(report_dir).items() if r in set(env.ranks)}
+    progress = progress_by_rank(traces)
+    progress.update(merged.progress)
+    docs = []
+    local_stacks = report_dir / f"node-{env.host}" / files.STACKS_JSON
+    if local_stacks.exists():
+        docs.append(load_stacks_document(local_stacks))
+    docs += [stacks_from_document(d) for d in merged.stack_docs]
+    stacks, errors, _, clashes = merge_stack_documents(docs)
+    hosts = {env.host: env.ranks, **{merged.hosts[n]: env.node_ranks(n) for n in merged.hosts}}
+    return hang_from_stacks(
+        stacks, errors, progress, env.world_size, timeout, f"no progress for {timeout:g}s: ", native=native,
+        out_dir=report_dir, title=f"distcheck watchdog: no progress for {timeout:g}s (stacks of {len(hosts)} "
+        f"nodes: {', '.join(sorted(hosts))})", notes=clashes + merged.notes)

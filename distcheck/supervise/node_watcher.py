@@ -45,7 +45,8 @@ from distcheck.processes import (RUN_ID_ENV, alive, launcher_id, read_environ, r
                                  restarts_left, start_ticks, terminate, torchrun_run_id)
 from distcheck.supervise.live_stragglers import LiveStragglers
 from distcheck.supervise.node_report import (ENDED, HANG, NODE, NODE0_GONE, RANK0_DIED, STOPPED, Evidence, Nodes,
-                                             compare_nodes, compose, publish, remote_findings, written_since)
+                                             compare_nodes, compose, job_hang, publish, remote_findings,
+                                             written_since)
 from distcheck.supervise.procs import RunTree
 from distcheck.supervise.watch import HUNG, STARTUP_TIMEOUT, HangDump, WatchLoop, script_ended
 
@@ -644,7 +645,7 @@ def _publish_job_report(evidence: Evidence, env: NodeEnv, channel: StoreChannel,
     merged = merge_summaries(got, others, env.node_ranks, evidence.hung)
     log.info("summaries from %d of %d other nodes after %.1fs", len(got), len(others), waited)
     if evidence.hung:
-        evidence.findings = [_job_hang(evidence, env, merged, native)]
+        evidence.findings = [job_hang(evidence, env, merged, native)]
         evidence.running = set(local_ranks(evidence.report_dir, env.host, attempt))
     elif evidence.running is None:
         evidence.running = set()
@@ -712,32 +713,6 @@ def _ask_nodes(env: NodeEnv, channel: StoreChannel, report_dir: Path, asks: Mapp
             break
         time.sleep(0.05)
     return answers
-
-
-def _job_hang(evidence: Evidence, env: NodeEnv, merged: MergedNodes, native: bool) -> Finding:
-    """The job's one hang finding, from the stacks of every node (this node's stacks.json and the ones the others
-    sent), grouped together; stacks.txt/.json of the whole job go to the report dir."""
-    from distcheck.analysis.progress import progress_by_rank
-    from distcheck.analysis.trace_events import load_traces
-    from distcheck.supervise.hang import hang_from_stacks
-    from distcheck.supervise.node_exchange import merge_stack_documents, stacks_from_document
-    from distcheck.supervise.stacks import load_stacks_document
-
-    report_dir, timeout = evidence.report_dir, evidence.timeout
-    traces = {r: t for r, t in load_traces(report_dir).items() if r in set(env.ranks)}
-    progress = progress_by_rank(traces)
-    progress.update(merged.progress)
-    docs = []
-    local_stacks = report_dir / f"node-{env.host}" / files.STACKS_JSON
-    if local_stacks.exists():
-        docs.append(load_stacks_document(local_stacks))
-    docs += [stacks_from_document(d) for d in merged.stack_docs]
-    stacks, errors, _, clashes = merge_stack_documents(docs)
-    hosts = {env.host: env.ranks, **{merged.hosts[n]: env.node_ranks(n) for n in merged.hosts}}
-    return hang_from_stacks(
-        stacks, errors, progress, env.world_size, timeout, f"no progress for {timeout:g}s: ", native=native,
-        out_dir=report_dir, title=f"distcheck watchdog: no progress for {timeout:g}s (stacks of {len(hosts)} "
-        f"nodes: {', '.join(sorted(hosts))})", notes=clashes + merged.notes)
 
 
 def diagnose_stop(report_dir: str, out_dir: Path, native: bool, world_size: int | None, local_only: bool = False):

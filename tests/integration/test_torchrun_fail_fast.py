@@ -41,9 +41,27 @@ def test_a_passing_torchrun_job_has_its_report_when_torchrun_returns(tmp_path):
     assert report["ok"] and report["findings"] == [] and "distcheck PASSED" in res.stdout
 
 
+def test_a_restart_after_gloos_rendezvous_passes_its_second_attempt(tmp_path):
+    """Attempt 0 fails after init_process_group and a DDP step, under --standalone: attempt 1 must not read attempt
+    0's keys in the agent's shared store (gloo's dead addresses), and passes."""
+    from launch_helpers import run_python
+
+    out = tmp_path / "report"
+    res = run_python(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
+                      "-m", "distcheck", "run", "--timeout", "60", "--report-dir", str(out), "--",
+                      str(FIXTURES / "torchrun_restart_after_init.py")], timeout=200)
+    assert res.returncode == 0, res.output
+    report = load_report(out)
+    assert report["ok"] and report["findings"] == []
+    first, last = report["attempts"]
+    assert first["ok"] is False and last["summary"] == "PASSED"
+    earlier = load_report(out / "attempt-0")
+    assert any(f["kind"] == "rank_failure" and f["message"].startswith("rank 1 raised OSError: shard-1.bin")
+               for f in earlier["findings"]), earlier["findings"]
+
+
 def test_a_job_that_passes_on_its_second_attempt_passes_and_the_report_lists_both(tmp_path, line_of):
-    """Real torchrun restarts (static rendezvous: --standalone's c10d one reconnects gloo to the first attempt's
-    ranks with torch 2.13, plain torchrun too)."""
+    """Real torchrun restarts (a static rendezvous here; --standalone's in the test above)."""
     from launch_helpers import run_python
 
     out = tmp_path / "report"

@@ -82,14 +82,14 @@ def test_the_node_watcher_publishes_each_change_of_the_ended_ranks(tmp_path, mon
     _trace(tmp_path, 2, ppid=4242)
     sent: list = []
     written: list = []
-    channel = SimpleNamespace(publish=sent.append)
-    env = SimpleNamespace(ranks=[2, 3], reports=False)
+    channel = SimpleNamespace(publish=sent.append, summaries=lambda nodes: {})
+    env = SimpleNamespace(ranks=[2, 3], reports=False, nnodes=2, node=1)
     source = NodeRanks(tmp_path, "here", FakeTree(), set(), Attempt(0, {}, None), agent=4242, traced=env.ranks,
                        exchange=(env, channel))
     source.own_report = lambda running, final: written.append((sorted(running), final)) or ("summary", final)
     assert source.finished() == {2} and source.finished() == {2}
     assert written == [([], False)] and sent == [("summary", False)]  # once: the ended ranks did not change
     node0 = NodeRanks(tmp_path, "here", FakeTree(), set(), Attempt(0, {}, None), agent=4242, traced=env.ranks,
-                      exchange=(SimpleNamespace(ranks=[2, 3], reports=True), channel))
+                      exchange=(SimpleNamespace(ranks=[2, 3], reports=True, nnodes=2, node=0), channel))
     node0.own_report = source.own_report
     assert node0.finished() == {2} and len(written) == 2 and len(sent) == 1  # node 0 writes, publishes nothing
