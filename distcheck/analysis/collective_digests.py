@@ -15,7 +15,7 @@ Pure: the callers read the ranks' files (supervise/node_exchange.py) and move th
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from distcheck.analysis.call_signature import differing_fields, signature
@@ -122,6 +122,7 @@ class WindowAsk:
     lo: int
     hi: int
     ranks: list[int]
+    stands_for: dict[int, list[int]] = field(default_factory=dict)  # rank -> the ranks that sent its digests
 
     def to_json(self) -> dict[str, Any]:
         return {"group": self.group, "lo": self.lo, "hi": self.hi, "ranks": self.ranks}
@@ -141,15 +142,25 @@ def first_windows(digests: Mapping[int, Mapping[str, RankDigests]], node_of: Cal
         for group, d in groups.items():
             by_group.setdefault(group, {})[rank] = d
     asks = []
-    for group, ranks in sorted(by_group.items()):
-        if len({node_of(r) for r in ranks}) < 2:
+    for group, all_ranks in sorted(by_group.items()):
+        if len({node_of(r) for r in all_ranks}) < 2:
             continue
+        # Ranks that sent the same count and digests are one: one of them stands for all (100,000 ranks of a
+        # correct job are a single representative, compared against nothing).
+        alike: dict[tuple, int] = {}
+        members: dict[int, list[int]] = {}
+        for r in sorted(all_ranks):
+            d = all_ranks[r]
+            members.setdefault(alike.setdefault((d.count, tuple(d.windows), d.tail_from, d.tail), r), []).append(r)
+        if len(alike) < 2:
+            continue
+        ranks = {r: all_ranks[r] for r in alike.values()}
         longest = max(len(d.windows) for d in ranks.values())
         for w in range(longest):
             lo, hi = w * window, (w + 1) * window
             # Ranks that reach into this window; one that stopped inside it is compared up to where it stopped.
             reach = {r: d for r, d in ranks.items() if d.count > lo}
-            if len({node_of(r) for r in reach}) < 2:
+            if len(reach) < 2:
                 break
             full = {r: d.windows[w] for r, d in reach.items() if d.count >= hi}
             partial = {r: d for r, d in reach.items() if d.count < hi}
@@ -160,11 +171,12 @@ def first_windows(digests: Mapping[int, Mapping[str, RankDigests]], node_of: Cal
                 # the signatures' hashes their summaries carry; asked of their nodes where those do not reach.
                 differs = _tails_differ(reach, lo, hi)
             if differs:
-                # Only the ranks of one representative per distinct digest and node need to say what they issued.
-                chosen: dict[tuple[int, str], int] = {}
+                # Only one rank per distinct digest needs to say what it issued (its node is asked, no other).
+                chosen: dict[str, int] = {}
+                stands: dict[int, list[int]] = {}
                 for r in sorted(reach):
-                    chosen.setdefault((node_of(r), reach[r].windows[w]), r)
-                asks.append(WindowAsk(group, lo, hi, sorted(chosen.values())))
+                    stands.setdefault(chosen.setdefault(reach[r].windows[w], r), []).extend(members[r])
+                asks.append(WindowAsk(group, lo, hi, sorted(chosen.values()), stands))
                 break
     return asks
 
@@ -202,21 +214,27 @@ def cross_node_divergence(ask: WindowAsk, events: Mapping[int, Mapping[int, Trac
         fields = differing_fields(list(present.values()))
         buckets: dict[tuple, list[int]] = {}
         for r, e in sorted(present.items()):
-            buckets.setdefault((signature(e), e.brief(), e.site), []).append(r)
+            # a representative stands for every rank that sent its digests
+            buckets.setdefault((signature(e), e.brief(), e.site), []).extend(ask.stands_for.get(r, [r]))
         parts = []
-        for (_, brief, site), ranks in sorted(buckets.items(), key=lambda kv: kv[1][0]):
+        for (_, brief, site), ranks in sorted(buckets.items(), key=lambda kv: min(kv[1])):
+            ranks.sort()
             hosts = sorted({host_of(r) for r in ranks})
-            parts.append(f"{format_ranks(ranks)} ({', '.join(hosts)}) issued {brief}" + (f" at {site}" if site else ""))
+            shown = ", ".join(hosts[:4]) + (f" and {len(hosts) - 4} more nodes" if len(hosts) > 4 else "")
+            parts.append(f"{format_ranks(ranks)} ({shown}) issued {brief}" + (f" at {site}" if site else ""))
         first = next(iter(present.values()))
+        size = int(first.extra.get("pg_size") or 0)
         group = list(members) if members else list(first.pg) or sorted(present)
-        label = "[" + ",".join(map(str, group)) + "]" if len(group) <= 16 else f"of {len(group)} ranks"
+        label = ("[" + ",".join(map(str, group)) + "]" if len(group) <= 16 and not size
+                 else f"{ask.group} ({size or len(group)} ranks)")
         largest = max(buckets.values(), key=len)
-        odd = sorted(present) if len(largest) * 2 <= len(present) else sorted(
+        total = sum(len(rs) for rs in buckets.values())
+        odd = sorted(r for rs in buckets.values() for r in rs) if len(largest) * 2 <= total else sorted(
             r for rs in buckets.values() if rs is not largest for r in rs)
         message = (f"collective #{pos + 1} on group {label} differs in {', '.join(fields) or 'signature'} across "
                    f"nodes: " + "; ".join(parts))
         detail: dict[str, Any] = {
-            "group": group, "group_name": ask.group, "position": pos + 1, "divergence": "different",
+            "group": group if len(group) <= 64 else None, "group_size": size or len(group), "group_name": ask.group, "position": pos + 1, "divergence": "different",
             "fields": fields, "across_nodes": True,
             "issued": {str(r): {**e.to_json(), "host": host_of(r)} for r, e in sorted(present.items())}}
         if first.line is not None:
@@ -237,5 +255,6 @@ def event_from_json(rank: int, d: Mapping[str, Any]) -> TraceEvent:
 
 def events_json(events: Iterable[tuple[int, TraceEvent]]) -> dict[str, dict[str, Any]]:
     """``{position: event JSON}`` of one rank's window, what a node sends back for a WindowAsk."""
-    return {str(pos): {**e.to_json(), "extra": {k: v for k, v in e.extra.items() if k in ("uneven", "objects")}}
+    return {str(pos): {**e.to_json(), "extra": {**{k: v for k, v in e.extra.items() if k in ("uneven", "objects")},
+                                                **({"pg_size": len(e.pg)} if len(e.pg) > 16 else {})}}
             for pos, e in events}

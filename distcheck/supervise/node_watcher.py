@@ -48,7 +48,7 @@ from distcheck.supervise.node_report import (ENDED, HANG, NODE, NODE0_GONE, RANK
                                              compare_nodes, compose, job_hang, publish, remote_findings,
                                              written_since)
 from distcheck.supervise.procs import RunTree
-from distcheck.supervise.watch import HUNG, STARTUP_TIMEOUT, HangDump, WatchLoop, script_ended
+from distcheck.supervise.watch import HUNG, STARTUP_TIMEOUT, HangDump, WatchLoop, script_ended, script_passed
 
 if TYPE_CHECKING:
     from distcheck.contract.node_summary import NodeSummary
@@ -126,8 +126,13 @@ class NodeRanks:
         ended = frozenset(done | {r for r in running if script_ended(self.report_dir, r)})
         if ended == self.published:
             return
-        self.published = ended
+        newly, self.published = ended - self.published, ended
         if self.own_report is None:
+            return
+        if not any(not script_passed(self.report_dir, r) for r in newly):
+            # Ranks whose script passed wait for nothing: the node's report comes once the watch is over (a
+            # rewrite per rank would read every rank's trace again, seconds on a node of 8 long traces).
+            _cover(self.report_dir, self.attempt.number, ended)
             return
         still = {r for r in running if r not in ended}
         # Never final here: the final summary, with the stop dumps of the ranks torchrun then stopped, comes once

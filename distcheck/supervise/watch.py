@@ -288,17 +288,28 @@ class WatchLoop:
 def script_ended(report_dir: str | os.PathLike, rank: int) -> bool:
     """Whether the rank wrote its exit line: its script is over and it is ending by itself (the last line of its
     trace, read from the end of the file)."""
+    return _exit_line(report_dir, rank) is not None
+
+
+def script_passed(report_dir: str | os.PathLike, rank: int) -> bool:
+    """Whether the rank's exit line says its script returned (False: it raised, or wrote no exit line)."""
+    line = _exit_line(report_dir, rank)
+    return line is not None and (b'"ok":true' in line or b'"ok": true' in line)
+
+
+def _exit_line(report_dir: str | os.PathLike, rank: int) -> bytes | None:
     try:
         with open(files.rank_file(report_dir, "trace", rank), "rb") as fh:
             size = fh.seek(0, os.SEEK_END)
             fh.seek(max(0, size - 4096))
             lines = fh.read().splitlines()
     except OSError:
-        return False
+        return None
     for line in reversed(lines):
         if line.strip():
-            return line.lstrip().startswith(b'{"ev":"exit"') or line.lstrip().startswith(b'{"ev": "exit"')
-    return False
+            line = line.lstrip()
+            return line if line.startswith((b'{"ev":"exit"', b'{"ev": "exit"')) else None
+    return None
 
 
 def starting_text(ranks: list[int]) -> str:

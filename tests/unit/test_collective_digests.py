@@ -39,7 +39,7 @@ def test_a_node_that_issued_another_shape_is_asked_for_that_window_only():
     d = {0: digests(calls, 0), 1: digests(calls, 1), 2: digests(odd, 2), 3: digests(odd, 3)}
     (ask,) = first_windows(d, node_of)
     assert (ask.group, ask.lo, ask.hi) == ("0,1,2,3", WINDOW, 2 * WINDOW)
-    assert ask.ranks == [0, 2]  # one rank per node and digest
+    assert ask.ranks == [0, 2] and ask.stands_for == {0: [0, 1], 2: [2, 3]}  # one rank per distinct digest
 
 
 def test_ranks_of_one_node_are_that_nodes_to_compare():
@@ -57,7 +57,8 @@ def test_ranks_that_stopped_a_few_collectives_apart_agree_without_asking():
 def test_a_rank_far_ahead_of_a_stopped_one_is_asked_where_the_hashes_do_not_reach():
     d = {0: digests([AR64] * (4 * WINDOW), 0), 2: digests([AR64] * 10, 2)}
     d[0]["0,1,2,3"].tail_from, d[0]["0,1,2,3"].tail = 2 * WINDOW, ""  # as a summary past the bound would hold
-    assert first_windows(d, node_of) == [WindowAsk("0,1,2,3", 0, WINDOW, [0, 2])]
+    (ask,) = first_windows(d, node_of)
+    assert (ask.group, ask.lo, ask.hi, ask.ranks) == ("0,1,2,3", 0, WINDOW, [0, 2])
 
 
 def test_the_divergence_names_each_sides_ranks_nodes_signatures_and_lines():
