@@ -16,7 +16,6 @@ one), at most WAIT_FOR_WATCHER seconds without one, and the watcher's end of the
 from __future__ import annotations
 
 import os
-import signal
 
 WAIT_FOR_WATCHER = 60.0  # seconds it serves before node 0's watcher is known (local rank 0 starts it)
 GONE_GRACE = 1.0  # seconds it outlives the watcher it served
@@ -51,12 +50,9 @@ def fork_if_node0(report_dir: str | os.PathLike) -> int | None:
 def _serve(report_dir: str, attempt: int) -> None:
     code = 1
     try:
-        os.setpgid(0, 0)  # out of rank 0's process group: a signal to the rank's group is not for the store
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            signal.signal(sig, signal.SIG_DFL)
-        devnull = os.open(os.devnull, os.O_RDWR)
-        for fd in (0, 1, 2):  # the console pipes close when torchrun ends, not when this process does
-            os.dup2(devnull, fd)
+        from distcheck.rank.store_host import detach
+
+        detach()
         from datetime import timedelta
 
         import torch.distributed as dist

@@ -35,15 +35,22 @@ def host_if_asked() -> None:
     os.close(lifeline)
 
 
+def detach() -> None:
+    """In a store host just forked from rank 0 (this one, and rank/exchange_host.py's): out of rank 0's process
+    group (a signal to the rank's group is not for the store), the stop signals' default actions back, and the
+    console let go (its pipes close when the launcher or torchrun ends, not when this process does)."""
+    os.setpgid(0, 0)
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)
+    devnull = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(devnull, fd)
+
+
 def _serve(listen_fd: int, lifeline: int, world_size: int) -> None:
     code = 1
     try:
-        os.setpgid(0, 0)  # out of rank 0's process group: a signal to the rank's group is not for the store
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            signal.signal(sig, signal.SIG_DFL)
-        devnull = os.open(os.devnull, os.O_RDWR)
-        for fd in (0, 1, 2):  # the console pipes close when the launcher ends, not when this process does
-            os.dup2(devnull, fd)
+        detach()
         from datetime import timedelta
 
         import torch.distributed as dist

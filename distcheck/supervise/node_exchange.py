@@ -35,7 +35,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
-from distcheck.analysis.collective_digests import RankDigests, WindowAsk
+from distcheck.analysis.collective_digests import WindowAsk
 from distcheck.analysis.progress import RankProgress
 from distcheck.analysis.trace_align import (STATE_DIED, STATE_ERROR, STATE_HUNG, STATE_OK, STATE_STOPPED,
                                             RankOutcome)
