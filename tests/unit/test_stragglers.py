@@ -117,6 +117,26 @@ def test_what_every_rank_does_each_step_is_not_why_the_late_one_is_late():
     assert s.ranks[1].spent[fwd] > s.ranks[1].spent[load]  # what the whole gap alone would have named
 
 
+def test_a_collective_whose_ring_gives_no_end_ends_no_earlier_than_its_last_member_began_it():
+    """gloo's ring says a DDP bucket all-reduce completed but not when: its end is its creation. Rank 0 then sat
+    inside it (its main thread in loss.backward(), waiting for the bucket) until rank 1 arrived; those samples are
+    its wait, not what it did each step, and must not cancel rank 1's backward (the compute-straggler fixture lost
+    its backward line on a loaded machine this way)."""
+    from distcheck.contract.samples_file import Place
+
+    steps = [1000.0 + i for i in range(24)]
+    fwd = Place("/w/train.py", 25, "forward", "forward")
+    bwd = Place("/w/train.py", 41, "main", "backward")
+    late = [t + 0.6 for t in steps]  # rank 1: forward 0.3 s then backward 0.3 s after the previous collective
+    traces = {0: trace(0, steps, ends=steps), 1: trace(1, late, ends=late)}
+    rank0 = [(t + 0.6 * k / 6, bwd) for t in steps for k in range(1, 6)]  # waiting inside its backward
+    rank1 = [(t + 0.6 + 0.1 * k, fwd if k <= 3 else bwd) for t in steps for k in range(1, 6)]
+    s = analyze(traces, {0: sorted(rank0), 1: sorted(rank1)})
+    (note,) = s.notes()
+    assert note.ranks == [1] and "main (train.py:41, backward) 40%" in note.message, note.message
+    assert "forward (train.py:25, forward) 60%" in note.message
+
+
 def test_the_sampler_names_what_the_stack_is_doing():
     import sys
 
