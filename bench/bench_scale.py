@@ -33,7 +33,7 @@ W=512 C=1000: <= 3 s.
 Many nodes (``--nodes N --ranks-per-node P``, W = N*P ranks, one world group):
 
     .venv/bin/python bench/bench_scale.py --nodes 16 --coll 1000 --verbose
-    .venv/bin/python bench/bench_scale.py --nodes 12500 --ranks-per-node 8 --coll 20000 --slim-groups --verbose
+    .venv/bin/python bench/bench_scale.py --nodes 12500 --ranks-per-node 8 --coll 20000 --verbose
 
 prints per shape ``scale nodes=N ranks=W coll=C shape=S seconds=X peak_mb=Y node_seconds=Z node_mb=M``: seconds
 and peak_mb are node 0 composing the job's report (node_watcher._publish_job_report: gather, compare_nodes,
@@ -56,9 +56,8 @@ Targets: node 0 <= 30 s and <= 2 GB, each summary <= 1 s and <= 1 MB. The simula
 * on a hang, node 0's own ranks count as still running (local_ranks is given their pids: the simulation has no
   live processes); no node sends stacks (a real hung node sends its stacks.json document): the ranks are placed
   by their progress alone;
-* --slim-groups: node 0 gets the summaries with their progress's big groups named instead of listed (see
-  slim_groups): what a fix would send, not today's format; node_seconds/node_mb stay today's. Without it at
-  W=100000 each summary is ~14 MB and 12,500 of them (175 GB) cannot be simulated here.
+* a summary names each group of more than 64 ranks once (contract/node_summary.py: the world as a range), and
+  node 0 shares one list per group over the summaries it reads.
 """
 from __future__ import annotations
 
@@ -322,12 +321,13 @@ def node_dir(base: Path, node: int) -> Path:
     return base / f"node-{node:05d}"
 
 
-def summarize(base: Path, node: int, nnodes: int, per_node: int, shape: str, slim: bool = False) -> dict:
+def summarize(base: Path, node: int, nnodes: int, per_node: int, shape: str) -> dict:
     """One node's watcher building its summary from its ranks' files (fresh process): what ``_watch_nodes`` calls
     once its ranks ended (``summarize_node(..., final=True, digests=True)``), or on a hang what ``_report_hang``
     sends (not final, hung, its ranks still running). Writes the encoded summary to ``summary-<node>.json``."""
-    from distcheck.supervise import node_exchange  # noqa: F401  (imported while the ranks run: _warm_imports)
-    from distcheck.analysis import collective_digests  # noqa: F401
+    from distcheck.supervise import node_exchange, node_watcher
+
+    node_watcher._warm_imports()  # what the watcher imports while its ranks run
 
     env = node_env(node, nnodes, per_node)
     t0 = time.perf_counter()
@@ -340,29 +340,8 @@ def summarize(base: Path, node: int, nnodes: int, per_node: int, shape: str, sli
     seconds = time.perf_counter() - t0
     out = {"seconds": seconds, "mb": len(data) / 2**20,
            "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
-    if slim:
-        data = json.dumps(slim_groups(json.loads(data)), separators=(",", ":")).encode()
-        out["slim_mb"] = len(data) / 2**20
     (base / f"summary-{node}.json").write_bytes(data)
     return out
-
-
-def slim_groups(summary: dict) -> dict:
-    """--slim-groups: the summary as it would be if its progress named a big group instead of listing it (the
-    "pg" of each CollectiveRef and GroupProgress: the whole [0, 1, ..., W-1] list, three times per rank), as
-    rank_trace.pg_json does for report.json past PG_INLINE ranks. Not what distcheck sends today."""
-    from distcheck.analysis.rank_trace import PG_INLINE
-
-    def slim(d):
-        pg = d.get("pg") if isinstance(d, dict) else None
-        size = (pg.count(",") + 1 if isinstance(pg, str) else len(pg)) if pg else 0
-        return {**d, "pg": None, "pg_size": size} if size > PG_INLINE else d
-
-    for p in summary.get("progress", {}).values():
-        for key in ("last_started", "last_completed", "first_open", "last_failed"):
-            p[key] = slim(p.get(key))
-        p["groups"] = {g: slim(v) for g, v in (p.get("groups") or {}).items()}
-    return summary
 
 
 def relabel(summary: dict, node: int, typical: int, per_node: int) -> dict:
@@ -560,8 +539,7 @@ def run_nodes(args) -> int:
             gen_s = time.perf_counter() - t0
             built = {}
             for node, role in layout["real"].items():
-                res = subprocess.run(me + ["--summarize", f"{shape}:{node}", "--dir", str(base)]
-                                     + (["--slim-groups"] if args.slim_groups else []),
+                res = subprocess.run(me + ["--summarize", f"{shape}:{node}", "--dir", str(base)],
                                      capture_output=True, text=True, timeout=600)
                 if res.returncode != 0:
                     sys.stderr.write(res.stdout + res.stderr)
@@ -586,9 +564,6 @@ def run_nodes(args) -> int:
             if args.verbose or problem:
                 roles = ", ".join(f"{role} node {n}: {built[n]['seconds']:.3f}s {built[n]['mb']:.3f}MB "
                                   f"peak {built[n]['peak_mb']:.0f}MB" for n, role in layout["real"].items())
-                if args.slim_groups:
-                    print(f"    node 0 got slimmed summaries (--slim-groups: progress names big groups, "
-                          f"{max(b['slim_mb'] for b in built.values()):.3f} MB each), not today's")
                 print(f"    simulated: {len(layout['real'])} nodes written and summarized for real ({roles}); "
                       f"the other {nnodes - len(layout['real'])} summaries are node 1's re-labelled "
                       f"(files {gen_s:.1f}s, re-labelling {relabel_s:.1f}s)")
@@ -626,15 +601,12 @@ def main() -> int:
     ap.add_argument("--nodes", type=int, default=None,
                     help="node 0 composing the job's report from N nodes' summaries (see the docstring)")
     ap.add_argument("--ranks-per-node", type=int, default=8)
-    ap.add_argument("--slim-groups", action="store_true",
-                    help="--nodes: node 0 gets the summaries with their progress's big groups named, not listed "
-                         "(what a fix would send; node_seconds/node_mb stay today's)")
     ap.add_argument("--summarize", metavar="SHAPE:NODE", help=argparse.SUPPRESS)  # one node's summary, fresh
     ap.add_argument("--compose", metavar="SHAPE", help=argparse.SUPPRESS)  # node 0's report, fresh process
     args = ap.parse_args()
     if args.summarize:
         shape, node = args.summarize.split(":")
-        print(json.dumps(summarize(args.dir, int(node), args.nodes, args.ranks_per_node, shape, args.slim_groups)))
+        print(json.dumps(summarize(args.dir, int(node), args.nodes, args.ranks_per_node, shape)))
         return 0
     if args.compose:
         print(json.dumps(compose_job(args.dir, args.nodes, args.ranks_per_node, args.compose)))

@@ -149,9 +149,13 @@ def first_windows(digests: Mapping[int, Mapping[str, RankDigests]], node_of: Cal
         # correct job are a single representative, compared against nothing).
         alike: dict[tuple, int] = {}
         members: dict[int, list[int]] = {}
+        keys: dict[int, tuple] = {}  # id(d) -> its key: ranks that share one decoded entry are keyed once
         for r in sorted(all_ranks):
             d = all_ranks[r]
-            members.setdefault(alike.setdefault((d.count, tuple(d.windows), d.tail_from, d.tail), r), []).append(r)
+            key = keys.get(id(d))
+            if key is None:
+                key = keys[id(d)] = (d.count, tuple(d.windows), d.tail_from, d.tail)
+            members.setdefault(alike.setdefault(key, r), []).append(r)
         if len(alike) < 2:
             continue
         ranks = {r: all_ranks[r] for r in alike.values()}

@@ -44,6 +44,7 @@ class Location:
     collective: str | None = None
     seq: int | None = None
     pg: list[int] | None = None
+    group: str | None = None  # the collective's process group key (analysis/progress.process_group)
     file: str = ""
     line: int = 0
     func: str = ""
@@ -235,6 +236,7 @@ def locate(ranks: list[int], stack: RankStack | None, progress: RankProgress | N
         op = stack_collective(main)
         if pending is not None:
             loc.collective, loc.seq, loc.pg, loc.via = pending.op, pending.seq, pending.pg, pending.via
+            loc.group = pending.group
             if pending.file:
                 loc.file, loc.line = pending.file, pending.line
         elif op is not None:
@@ -242,6 +244,7 @@ def locate(ranks: list[int], stack: RankStack | None, progress: RankProgress | N
         return loc
     if pending is not None:
         loc.collective, loc.seq, loc.pg, loc.via = pending.op, pending.seq, pending.pg, pending.via
+        loc.group = pending.group
         loc.file, loc.line, loc.func = pending.file, pending.line, pending.op
     return loc
 
@@ -365,7 +368,7 @@ def diagnose(stacks: Sequence[RankStack], progress: dict[int, RankProgress] | No
         # Unplaced ranks: one location per dump error, or past SMALL_WORLD ranks one in all (each error names
         # its pid: one location per rank otherwise; every error is in stacks.json).
         unplaced = ("?", errors_by_rank.get(r, "") if len(all_ranks) <= SMALL_WORLD else "")
-        key = (pend.op, pend.seq, tuple(pend.pg or ()), pend.file, pend.line) if pend else unplaced
+        key = (pend.op, pend.seq, _group_id(pend), pend.file, pend.line) if pend else unplaced
         stackless.setdefault(key, []).append(r)
     for ranks in stackless.values():
         reason = errors_by_rank.get(ranks[0], "")
@@ -451,7 +454,14 @@ def _passed(p: RankProgress | None, waiting: Location) -> bool:
     """Whether the rank's trace shows it completed the collective the others wait in (or one after it)."""
     last = p.last_completed if p is not None else None
     return (last is not None and waiting.seq is not None and last.seq is not None and last.seq >= waiting.seq
-            and (last.pg or None) == (waiting.pg or None))
+            and _group_id(last) == _group_id(waiting))
+
+
+def _group_id(c: Any) -> Any:
+    """A collective's group, cheap to compare: its name when known (process_group's key), else its ranks. A
+    100,000-rank world's list, made a tuple or compared once per rank, cost seconds per rank."""
+    name = getattr(c, "group", None)
+    return name if name else tuple(getattr(c, "pg", None) or ())
 
 
 def _last_seen(ranks: list[int], progress: dict[int, RankProgress]) -> str:

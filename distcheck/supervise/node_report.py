@@ -15,7 +15,7 @@ import logging
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from distcheck.contract import files
 from distcheck.contract.findings import Finding, Note, format_ranks
@@ -392,7 +392,16 @@ def compare_nodes(env: NodeEnv, summaries: Mapping[int, NodeSummary],
     from distcheck.analysis.collective_digests import (RankDigests, cross_node_divergence, event_from_json,
                                                        first_windows)
 
-    digests = {int(r): {g: RankDigests.from_json(d) for g, d in groups.items()}
+    # Ranks with the same digests share one decoded entry (contract/node_summary's digest_table): decoded once
+    decoded: dict[int, RankDigests] = {}
+
+    def rank_digests(d: Any) -> RankDigests:
+        got = decoded.get(id(d))
+        if got is None:
+            got = decoded[id(d)] = RankDigests.from_json(d)
+        return got
+
+    digests = {int(r): {g: rank_digests(d) for g, d in groups.items()}
                for s in summaries.values() for r, groups in s.digests.items()}
 
     def node_of(rank: int) -> int:

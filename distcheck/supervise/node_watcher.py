@@ -520,6 +520,9 @@ def _watch_nodes(report_dir: str, timeout: float, native: bool, parent: int, env
 def _warm_imports() -> None:
     """What composing a report imports, loaded while the ranks run: a failed rank waits for its node's report."""
     try:
+        import numpy  # noqa: F401  (the trace slots' reader; 0.5 s here, cold)
+        import numpy.ma  # noqa: F401  (np.unique's first call imports it)
+
         import distcheck.analysis.collective_digests  # noqa: F401
         import distcheck.supervise.run_report  # noqa: F401
     except Exception:

@@ -57,6 +57,52 @@ def test_summary_round_trip_keeps_states_errors_and_progress():
     assert rank_outcome(back.states[2], hung=False).state == STATE_STOPPED
 
 
+def test_a_summary_names_each_big_group_once_and_node_0_shares_its_list():
+    """A 100,000-rank world listed in each rank's refs made a node's summary 13.5 MB: a group of more than 64 ranks
+    is sent once (a range when its ranks are one), every ref of it points there, and node 0's decoded refs of one
+    group, over every summary, are one list."""
+    world = list(range(100_000))
+    dp = list(range(3, 100_000, 8))  # a data-parallel group of a 2-D mesh: a range with a step
+    odd = [0, 5, 6] + list(range(10, 100))  # neither: listed
+    prog = {}
+    for r in (8, 9):
+        p = RankProgress(r)
+        p.last_started = CollectiveRef("all_reduce", 7, world, "t.py:3", "/w/t.py", 3, group="0")
+        p.last_completed = CollectiveRef("all_gather", 6, dp, "t.py:4", "/w/t.py", 4, group="3")
+        p.first_open = CollectiveRef("broadcast", 2, odd, "t.py:5", "/w/t.py", 5, group="5")
+        p.groups = {"0": GroupProgress("0", world, 7, 6), "2": GroupProgress("2", [8, 9], 1, 1)}
+        prog[str(r)] = p.to_json()
+    s = NodeSummary(1, "node-b", [8, 9], {8: RankState(8, RUNNING), 9: RankState(9, RUNNING)}, prog)
+    data = s.encode()
+    assert len(data) < 3000, len(data)
+    sent = json.loads(data)
+    assert sent["groups"][:2] == [{"range": [0, 100_000, 1]}, {"range": [3, 100_003, 8]}]
+    assert sent["groups"][2] == {"ranks": odd} and len(sent["groups"]) == 3
+    assert sent["progress"]["8"]["last_started"]["pg"] == "@0" and sent["progress"]["9"]["groups"]["2"]["pg"] == [8, 9]
+    back = NodeSummary.from_json(sent)
+    again = NodeSummary.from_json(json.loads(data))
+    p8, p9 = (RankProgress.from_json(r, back.progress[str(r)]) for r in (8, 9))
+    assert p8.last_started.pg == world and p8.last_completed.pg == dp and p8.first_open.pg == odd
+    assert p8.groups["0"].pg == world and p9.groups["2"].pg == [8, 9]
+    shared = RankProgress.from_json(8, again.progress["8"]).last_started.pg
+    assert p8.last_started.pg is p9.last_started.pg is p9.groups["0"].pg is shared
+    assert s.progress["8"]["last_started"]["pg"] is world  # encoding left the node's own progress as it was
+    # the node's ranks that issued the same collectives send their digests once; node 0 gets one object for them
+    s.digests = {"8": {"0": [7, ["ab" * 8], 0, "cd" * 8]}, "9": {"0": [7, ["ab" * 8], 0, "cd" * 8]},
+                 "10": {"0": [6, ["ef" * 8], 0, ""]}}
+    sent = json.loads(s.encode())
+    assert sent["digest_table"] == [[7, ["ab" * 8], 0, "cd" * 8], [6, ["ef" * 8], 0, ""]]
+    assert sent["digests"] == {"8": {"0": 0}, "9": {"0": 0}, "10": {"0": 1}}
+    back = NodeSummary.from_json(sent)
+    assert back.digests == s.digests and back.digests["8"]["0"] is back.digests["9"]["0"]
+    # a summary of format 2 (groups and digests inline) still reads
+    old = {**sent, "format": 2, "progress": json.loads(json.dumps(prog)), "digests": s.digests}
+    del old["groups"], old["digest_table"]
+    old_back = NodeSummary.from_json(old)
+    assert RankProgress.from_json(8, old_back.progress["8"]).last_started.pg == world
+    assert old_back.digests == s.digests
+
+
 def test_summary_is_bounded_stacks_stay_on_the_node():
     big = {"format": 2, "ranks": [{"rank": 2, "threads": [{"frames": ["x" * 1000] * 200}]}]}
     s = summary(1, {2: RankState(2, RUNNING)}, hung=True, stacks=big)
