@@ -355,16 +355,10 @@ def _watch(report_dir: str, timeout: float, native: bool, parent: int, attempt: 
             terminate(list(pids.values()), grace=2.0)
         files.tidy(report_dir)
         return 1
-    stopped = diagnose_stop(report_dir, out_dir, native, world_size)
-    if stopped is not None:  # torchrun passed a stop signal on to the ranks: they dumped their stacks and died
-        dead, failed = stopped.detail["died_first"], stopped.detail.get("failed_first", [])
-        note = (f"{format_ranks(failed or dead)} ended first; torchrun stopped the others" if failed or dead
-                else f"stopped from outside by {stopped.detail['stopped_by']}")
-        # After a rank's own failure the stop is its consequence: where the stopped ranks were is a warning,
-        # the failure is the finding.
-        findings, warnings = ([], [as_warning(stopped)]) if failed else ([stopped], [])
-        publish(compose(evidence(STOPPED, note=note, findings=findings, warnings=warnings, command=command,
-                                 running=set(stopped.detail["stopped_ranks"]))))
+    stop = StopEnding.of(diagnose_stop(report_dir, out_dir, native, world_size))
+    if stop.stopped is not None:  # torchrun passed a stop signal on to the ranks: they dumped their stacks and died
+        publish(compose(evidence(STOPPED, note=stop.note, findings=stop.findings, warnings=stop.warnings,
+                                 command=command, running=stop.ranks)))
         files.tidy(report_dir)
         return 1
     if expected is not None:  # the run's report: every rank ended by itself
@@ -467,22 +461,12 @@ def _watch_nodes(report_dir: str, timeout: float, native: bool, parent: int, env
                 terminate(list(pids.values()), grace=2.0)
             files.tidy(report_dir)
             return 1
-        stopped = diagnose_stop(report_dir, out_dir, native, env.world_size, local_only=True)
+        stop = StopEnding.of(diagnose_stop(report_dir, out_dir, native, env.world_size, local_only=True))
+        stopped, findings, warnings, note = stop.stopped, stop.findings, stop.warnings, stop.note
+        stopped_ranks = stop.ranks
         # Every rank of this node has ended: cut their trace records' unwritten tails before reading them, or a
         # record file still at its preallocated size reads as a big job's, whose traces are only summarized.
         files.tidy(report_dir)
-        findings: list[Finding] = []
-        warnings: list[Note] = []
-        note = None
-        stopped_ranks: set[int] = set()
-        if stopped is not None:
-            # torchrun passed a stop signal on. After a rank's own failure the stop is its consequence: where the
-            # stopped ranks were is a warning, the failure is the finding.
-            dead, failed = stopped.detail["died_first"], stopped.detail.get("failed_first", [])
-            note = (f"{format_ranks(failed or dead)} ended first; torchrun stopped the others" if failed or dead
-                    else f"stopped from outside by {stopped.detail['stopped_by']}")
-            findings, warnings = ([], [as_warning(stopped)]) if failed else ([stopped], [])
-            stopped_ranks = set(stopped.detail["stopped_ranks"])
         rank0_died = command is None and env.reports and 0 in seen and not written_since(Path(report_dir),
                                                                                            started_wall)
         if command is None and env.reports and stopped is None and not rank0_died:
@@ -774,6 +758,29 @@ def diagnose_stop(report_dir: str, out_dir: Path, native: bool, world_size: int 
     finding.detail["died_first"] = dead
     finding.detail["failed_first"] = failed
     return finding
+
+
+@dataclass
+class StopEnding:
+    """How a run torchrun stopped ends, on one node or several (the one ladder both watchers climb): a stop after
+    a rank's own failure is its consequence (where the stopped ranks were is a warning, the failure the finding);
+    a stop from outside is the finding."""
+
+    stopped: Finding | None = None
+    findings: list[Finding] = field(default_factory=list)
+    warnings: list[Note] = field(default_factory=list)
+    note: str | None = None
+    ranks: set[int] = field(default_factory=set)
+
+    @classmethod
+    def of(cls, stopped: Finding | None) -> StopEnding:
+        if stopped is None:
+            return cls()
+        dead, failed = stopped.detail["died_first"], stopped.detail.get("failed_first", [])
+        note = (f"{format_ranks(failed or dead)} ended first; torchrun stopped the others" if failed or dead
+                else f"stopped from outside by {stopped.detail['stopped_by']}")
+        findings, warnings = ([], [as_warning(stopped)]) if failed else ([stopped], [])
+        return cls(stopped, findings, warnings, note, set(stopped.detail["stopped_ranks"]))
 
 
 def as_warning(stopped: Finding) -> Note:
