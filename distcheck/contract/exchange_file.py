@@ -12,6 +12,8 @@ import os
 import socket
 from pathlib import Path
 
+from distcheck.contract import atomic_file
+
 NAME = "exchange-{host}-{attempt}.json"
 
 
@@ -21,10 +23,7 @@ def path(report_dir: str | os.PathLike, attempt: int, host: str | None = None) -
 
 def write(report_dir: str | os.PathLike, attempt: int, port: int, pid: int) -> None:
     """Whole or not at all. Raises OSError."""
-    target = path(report_dir, attempt)
-    tmp = target.with_name(target.name + f".{pid}.tmp")
-    tmp.write_text(json.dumps({"port": port, "pid": pid}))
-    tmp.replace(target)
+    atomic_file.write_text(path(report_dir, attempt), json.dumps({"port": port, "pid": pid}))
 
 
 def read(report_dir: str | os.PathLike, attempt: int) -> tuple[int, int] | None:

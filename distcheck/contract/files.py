@@ -173,7 +173,8 @@ def tidy(report_dir: str | os.PathLike) -> None:
         path.unlink(missing_ok=True)
     for path in rank_files(report_dir, "flight_status").values():  # a progress counter, not an artifact
         path.unlink(missing_ok=True)
-    for path in Path(report_dir).glob(".flight-rank*.status.tmp"):  # a rank killed while it rewrote its status
+    # a rank killed while it rewrote its status (contract/atomic_file.py's temporary name)
+    for path in Path(report_dir).glob(".flight-rank*.status.*.tmp"):
         path.unlink(missing_ok=True)
     try:
         (Path(report_dir) / FLIGHT_REQUEST).unlink(missing_ok=True)

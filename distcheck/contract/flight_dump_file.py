@@ -13,23 +13,19 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 from pathlib import Path
 from typing import Any
 
-from distcheck.contract import files
+from distcheck.contract import atomic_file, files
 
 
 def write(report_dir: str | os.PathLike, rank: int, doc: dict[str, Any]) -> OSError | None:
     """Write the document whole (temporary file, then rename); the error of a full disk, which must not break the
     user's training, or None."""
-    path = files.rank_file(report_dir, "flight", rank)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     try:
-        tmp.write_text(json.dumps({files.FORMAT_KEY: files.FORMAT, **doc}, separators=(",", ":"), default=str))
-        os.replace(tmp, path)
+        atomic_file.write_text(files.rank_file(report_dir, "flight", rank),
+                               json.dumps({files.FORMAT_KEY: files.FORMAT, **doc}, separators=(",", ":"), default=str))
     except OSError as exc:
-        tmp.unlink(missing_ok=True)
         return exc
     return None
 

@@ -35,6 +35,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from distcheck.contract import atomic_file
+
 POLL_S = 0.1  # how often a rank reads its counters (a 43 µs call on gloo)
 WRITE_S = 0.5  # how often at most it rewrites the file; a change is in it within WRITE_S + POLL_S
 HISTORY_S = 1.2  # the looks each rewrite carries: more than WRITE_S + POLL_S, so consecutive files overlap
@@ -89,9 +91,7 @@ def text(status: dict[str, tuple[int, int]], looks: list[Look] = ()) -> str:
 def write(path: Path, text: str) -> None:
     """Replace the file whole: the supervisor reads it at its own moments, and an open that truncated it before the
     write (Path.write_text) showed it empty, or half written, to a look that came between (OSError propagates)."""
-    tmp = path.with_name(f".{path.name}.tmp")  # one writer per file: the rank's status thread
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    atomic_file.write_text(path, text)
 
 
 def read(path: str | os.PathLike) -> FlightStatus:

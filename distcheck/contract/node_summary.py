@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from distcheck.contract import atomic_file
+
 # 3: big groups named once in "groups" (2: digests, findings and the job's shape added; 1 and 2 are still read)
 SUMMARY_FORMAT = 3
 GROUP_INLINE = 64  # a progress entry's group of more ranks is named (analysis/rank_trace.PG_INLINE's size)
@@ -229,11 +231,7 @@ FILE = "summary.json"  # in a node's own folder (node-<host>/): what it sent, or
 def write(folder: str | os.PathLike, summary: NodeSummary) -> Path:
     """The summary beside the node's own report, whole or not at all: ``distcheck report`` merges the nodes' folders
     from it into the report node 0 would have written. Raises OSError."""
-    target = Path(folder) / FILE
-    tmp = target.with_name(f"{FILE}.{os.getpid()}.tmp")
-    tmp.write_bytes(summary.encode())
-    tmp.replace(target)
-    return target
+    return atomic_file.write_bytes(Path(folder) / FILE, summary.encode())
 
 
 def read(folder: str | os.PathLike) -> NodeSummary | None:

@@ -14,7 +14,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Iterable
 
-from distcheck.contract import files
+from distcheck.contract import atomic_file, files
 
 
 @dataclass
@@ -43,7 +43,7 @@ class HookInfo:
 
 def write(report_dir: str | os.PathLike, info: HookInfo) -> None:
     """Raises OSError (a full or failing report disk): the caller decides what the rank does without it."""
-    files.hook_file(report_dir, info.pid).write_text(json.dumps(info.to_json()))
+    atomic_file.write_text(files.hook_file(report_dir, info.pid), json.dumps(info.to_json()))
 
 
 def remove(report_dir: str | os.PathLike, pid: int) -> None:

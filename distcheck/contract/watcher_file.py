@@ -18,6 +18,8 @@ import socket
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from distcheck.contract import atomic_file
+
 NAME = "watcher-{host}.json"
 NOT_YET = -1  # ``reported`` before the first attempt's watch is over
 
@@ -56,10 +58,7 @@ def path(report_dir: str | os.PathLike, host: str | None = None) -> Path:
 
 def write(report_dir: str | os.PathLike, state: WatcherState) -> None:
     """Whole or not at all (a reader never sees half a file). Raises OSError: a full report disk."""
-    target = path(report_dir)
-    tmp = target.with_name(target.name + f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(asdict(state)))
-    tmp.replace(target)
+    atomic_file.write_text(path(report_dir), json.dumps(asdict(state)))
 
 
 def read(report_dir: str | os.PathLike, host: str | None = None) -> WatcherState | None:

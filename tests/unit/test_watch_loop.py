@@ -126,13 +126,18 @@ def test_a_vanished_report_dir_ends_the_startup_allowance(tmp_path):
 def test_a_full_disk_at_start_up_costs_the_hook_file_not_the_rank(tmp_path, monkeypatch):
     """A report disk that is full when a rank starts must not kill it: the stack-hook file is only a hint for the
     watcher (py-spy still dumps the rank)."""
-    real = Path.write_text
+    import builtins
 
-    def full(self, *args, **kwargs):
-        if self.name.startswith("stackhook-pid"):
+    from distcheck.contract import atomic_file
+
+    real = builtins.open
+
+    def full(file, *args, **kwargs):  # the disk fills while the hook file's temporary copy is written
+        if "stackhook-pid" in str(file):
             raise OSError(28, "No space left on device")
-        return real(self, *args, **kwargs)
+        return real(file, *args, **kwargs)
 
-    monkeypatch.setattr(Path, "write_text", full)
+    monkeypatch.setattr(atomic_file, "open", full, raising=False)
     info = install_rank_hooks(tmp_path, rank=0)
     assert info.pid == os.getpid() and not list(tmp_path.glob("stackhook-pid*"))
+    assert not list(tmp_path.glob(".stackhook-pid*"))  # no temporary file left either
