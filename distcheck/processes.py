@@ -108,6 +108,35 @@ def children_map() -> dict[int, list[int]]:
     return children
 
 
+def live_parents() -> dict[int, int]:
+    """``{pid: parent pid}`` of every live process (zombies left out), from one scan of /proc."""
+    parents: dict[int, int] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            fields = _stat_fields(name)
+            if fields[0] not in (b"Z", b"X"):
+                parents[int(name)] = int(fields[1])
+        except (OSError, IndexError, ValueError):
+            continue
+    return parents
+
+
+def environ_holds(pid: int, item: str) -> bool:
+    """Whether the process's environment holds ``item`` ("KEY=value") exactly; False when it cannot be read."""
+    return item.encode() in _environ_entries(pid)
+
+
+def cmdline(pid: int) -> list[str] | None:
+    """The process's argv, None when it is gone or cannot be read."""
+    try:
+        raw = _proc_file(pid, "cmdline", whole=True)
+    except OSError:
+        return None
+    return [a.decode(errors="replace") for a in raw.split(b"\0") if a]
+
+
 def safe_environ(pid: int) -> dict[str, str]:
     try:
         return read_environ(pid)

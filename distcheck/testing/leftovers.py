@@ -93,29 +93,12 @@ def _is_tests(site: Site | None) -> bool:
 
 def _processes(tag: str | None) -> set[int]:
     """Live processes that descend from this one or carry its tag (this process excluded)."""
+    from distcheck.processes import environ_holds, live_parents
+
     me = os.getpid()
-    parents: dict[int, int] = {}
-    found: set[int] = set()
-    needle = f"{ENV_TAG}={tag}".encode() if tag else None
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit() or int(entry.name) == me:
-            continue
-        pid = int(entry.name)
-        try:
-            with open(f"/proc/{pid}/stat") as fh:
-                fields = fh.read().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if fields[0] in ("Z", "X"):
-            continue
-        parents[pid] = int(fields[1])
-        if needle is not None:
-            try:
-                with open(f"/proc/{pid}/environ", "rb") as fh:
-                    if needle in fh.read().split(b"\0"):
-                        found.add(pid)
-            except OSError:
-                pass
+    parents = live_parents()
+    parents.pop(me, None)
+    found = {pid for pid in parents if environ_holds(pid, f"{ENV_TAG}={tag}")} if tag else set()
     for pid in parents:
         seen, up = set(), pid
         while up in parents and up not in seen:  # up the parent chain to this process
@@ -128,10 +111,10 @@ def _processes(tag: str | None) -> set[int]:
 
 
 def _cmdline(pid: int, limit: int = 100) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as fh:
-            argv = [a.decode(errors="replace") for a in fh.read().split(b"\0") if a]
-    except OSError:
+    from distcheck.processes import cmdline
+
+    argv = cmdline(pid)
+    if argv is None:
         return "?"
     if argv and os.path.basename(argv[0]).startswith("python"):
         argv[0] = "python"
