@@ -26,14 +26,20 @@ text into a message that names parameters and lines instead of indices; torch's 
   NCCL numbers every op it runs on a group, including those torch issues from C++ (DDP's gradient all-reduces)
   that the tracer does not see, so a disagreeing op is said to be a guess, not named.
 * "Duplicate GPU detected : rank 1 and rank 0 both on CUDA device 1a000": two ranks on one GPU.
+* A DataLoader worker's exception, which torch re-raises in the main process at ``for x in loader`` with the
+  worker's traceback in its text ("Caught IndexError in DataLoader worker process 0. Original Traceback ..."):
+  :func:`worker_error` reads the worker's own line from it.
 """
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Any
 
+from distcheck.analysis.frame_owner import USER, owner
 from distcheck.analysis.progress import CollectiveRef, rank_progress
 from distcheck.contract.findings import format_names
+from distcheck.contract.site import file_line
 
 _DDP_UNUSED = "Expected to have finished reduction in the prior iteration"
 _DDP_INDICES = re.compile(r"Parameter indices which did not receive grad for rank \d+:\s*([\d ]+)")
@@ -325,6 +331,44 @@ def _gloo_timeout(message: str, context: dict[str, Any]) -> dict[str, Any] | Non
 
 # torch's C++ errors start with their source location ("[/__w/pytorch/.../pair.cc:553] "): noise to a user.
 _CPP_LOCATION = re.compile(r"^((?:\w+Error: )?)\[[^\]\s]*\.(?:cc|cpp|h|hpp):\d+\]\s*")
+
+
+# torch re-raises a DataLoader worker's exception in the main process (torch/_utils.py ExceptionWrapper) with the
+# worker's traceback in the message: "Caught IndexError in DataLoader worker process 0.\nOriginal Traceback (most
+# recent call last):\n  File ...". The main process's own traceback only reaches ``for x in loader``.
+_WORKER = re.compile(r"^Caught (\w+) in DataLoader worker process (\d+)\.\s*\nOriginal Traceback \(most recent call "
+                     r"last\):\n", re.S)
+_TB_FRAME = re.compile(r'^  File "([^"]+)", line (\d+), in (\S+)', re.M)
+
+
+@dataclass
+class WorkerError:
+    """A DataLoader worker's exception as the main process re-raised it: which worker, what it raised, and the
+    innermost frame of the user's code in its traceback (None when it shows none: a library dataset's own code)."""
+
+    worker: int
+    exc_type: str
+    text: str  # its last line without the type: "list index out of range"
+    file: str | None
+    line: int | None
+    func: str | None
+
+    @property
+    def site(self) -> str | None:
+        return file_line(self.file, self.line)
+
+
+def worker_error(message: str) -> WorkerError | None:
+    """The worker's exception inside a re-raised DataLoader error's ``message``, else None."""
+    m = _WORKER.match(message or "")
+    if m is None:
+        return None
+    body = message[m.end():]
+    last = (body.strip().splitlines() or [""])[-1]
+    text = last.split(": ", 1)[1] if last.startswith(f"{m.group(1)}:") and ": " in last else last
+    user = [f for f in _TB_FRAME.findall(body) if owner(f[0]) == USER]
+    file, line, func = (user[-1][0], int(user[-1][1]), user[-1][2]) if user else (None, None, None)
+    return WorkerError(int(m.group(2)), m.group(1), text, file, line, func)
 
 
 def first_line(text: str, limit: int = 200) -> str:

@@ -33,7 +33,7 @@ from distcheck.analysis.hang import hang_finding as make_hang_finding
 from distcheck.analysis.ops import PEER_OPS
 from distcheck.analysis.progress import (FAILED, ISSUED, ISSUED_NOTE, CollectiveRef, RankProgress, group_counts,
                                          process_group, progress_by_rank)
-from distcheck.analysis.torch_errors import brief, first_line, lost_peer, translate
+from distcheck.analysis.torch_errors import brief, first_line, lost_peer, translate, worker_error
 from distcheck.analysis.trace_events import P2P_OPS, RankError, RankTrace, TraceEvent
 from distcheck.contract.findings import SMALL_WORLD, Finding, format_ranks, rank_ranges, ranks_keyed
 
@@ -567,15 +567,24 @@ def failure_finding(o: RankOutcome, traces: dict[int, RankTrace], outcomes: dict
     others = [r for r in everyone if r not in ranks]
     detail: dict[str, Any] = {"exit_code": o.exit_code, "signal": o.signal,
                               "positions": {r: position_of(r, progress.get(r), outcomes.get(r)) for r in everyone}}
+    whose = ""  # "'s DataLoader worker 0": the process of the rank that raised, when not the rank itself
     if o.error is not None:
         err = o.error
         detail.update(exception=err.exc_type, error=err.message, traceback=err.traceback)
         where = f" at {err.site}" if err.site else ""
         what = f"raised {err.exc_type}: {first_line(err.message)}{where}"
+        worker = worker_error(err.message)
         if translated and translated.get("message"):  # torch's text stays in detail["error"]
             what = f"raised {err.exc_type}{where}: {translated['message']}"
             detail.update(translated.get("detail") or {})
-        if err.line is not None:
+        elif worker is not None and worker.site:  # the worker's own line, not the main process's `for x in loader`
+            whose = f"'s DataLoader worker {worker.worker}"
+            what = (f"raised {worker.exc_type}: {worker.text} at {worker.site} (in {worker.func}), re-raised in the "
+                    f"rank{where}")
+            detail.update(worker=worker.worker, loader_file=err.file, loader_line=err.line)
+        if worker is not None and worker.site and not (translated and translated.get("message")):
+            detail.update(file=worker.file, line=worker.line)
+        elif err.line is not None:
             detail.update(file=err.file, line=err.line)
     elif o.signal:
         what = f"died from {o.signal}" + (f" (exit code {o.exit_code})" if o.exit_code is not None else "")
@@ -594,7 +603,7 @@ def failure_finding(o: RankOutcome, traces: dict[int, RankTrace], outcomes: dict
         what += _cut_note(traces.get(o.rank))
     positions = "; ".join(describe_position(r, progress.get(r), outcomes.get(r), traces.get(r))
                           + _cut_note(traces.get(r)) for r in others)
-    message = f"{format_ranks(ranks)} {what}" + (f"; {positions}" if positions else "")
+    message = f"{format_ranks(ranks)}{whose} {what}" + (f"; {positions}" if positions else "")
     if len(ranks) > 1:
         detail["errors"] = {r: outcomes[r].error.message for r in ranks
                             if r in outcomes and outcomes[r].error is not None}

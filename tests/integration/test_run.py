@@ -89,6 +89,20 @@ def test_rank_crash(line_of, tmp_path):
     assert ".cc:" not in f["message"] and ("gloo lost its connection" in f["message"] or "waits in" in f["message"])
 
 
+def test_a_dataloader_workers_exception_is_named_at_the_workers_line(line_of, tmp_path):
+    """torch re-raises the worker's IndexError at ``for x in loader``; the finding names the worker, its error and
+    its own line (read from torch's re-raised message), and keeps the loop's line beside it."""
+    res, report, _ = run_fixture(tmp_path, "loader_worker_raises.py")
+    assert res.returncode == 1, res.output
+    f = only(report, "rank_failure")
+    line, loop = line_of("loader_worker_raises.py", "# BUG: rank 1"), line_of("loader_worker_raises.py", "for x in")
+    assert f["ranks"] == [1] and f["detail"]["line"] == line and f["detail"]["file"].endswith("loader_worker_raises.py")
+    assert f["detail"]["worker"] == 0 and f["detail"]["loader_line"] == loop
+    assert f["message"].startswith(
+        f"rank 1's DataLoader worker 0 raised IndexError: list index out of range at loader_worker_raises.py:{line} "
+        f"(in __getitem__), re-raised in the rank at loader_worker_raises.py:{loop}"), f["message"]
+
+
 def test_hang_is_bounded_by_timeout(line_of, tmp_path):
     start = time.monotonic()
     res, report, _ = run_fixture(tmp_path, "coll_hang.py", timeout=4)

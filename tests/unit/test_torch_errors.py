@@ -233,3 +233,28 @@ def test_a_watchdog_error_raised_in_a_rank_points_at_its_traced_collective():
     outcome = RankOutcome(1, STATE_ERROR, exit_code=1, error=trace.errors[0])
     [f] = analyze_run({1: trace}, {1: outcome}, world_size=2)
     assert f.detail["nccl_seq"] == 5 and "the traced all_reduce #5 at train.py:15" in f.message
+
+
+# torch 2.13's re-raised DataLoader worker error (torch/_utils.py ExceptionWrapper.reraise), as str(exc).
+WORKER_RAISED = (
+    "Caught IndexError in DataLoader worker process 1.\nOriginal Traceback (most recent call last):\n"
+    '  File "/v/lib/python3.11/site-packages/torch/utils/data/_utils/worker.py", line 374, in _worker_loop\n'
+    "    data = fetcher.fetch(index)  # type: ignore[possibly-undefined]\n"
+    '  File "/v/lib/python3.11/site-packages/torch/utils/data/_utils/fetch.py", line 54, in <listcomp>\n'
+    "    data = [self.dataset[idx] for idx in possibly_batched_index]\n"
+    '  File "/home/u/job/data.py", line 40, in __getitem__\n    return self.load(i)\n'
+    '  File "/home/u/job/data.py", line 31, in load\n    return self.rows[i]\n'
+    "IndexError: list index out of range\n")
+
+
+def test_a_dataloader_workers_error_is_read_from_the_re_raised_message():
+    from distcheck.analysis.torch_errors import worker_error
+
+    w = worker_error(WORKER_RAISED)
+    assert (w.worker, w.exc_type, w.text, w.site, w.func) == (1, "IndexError", "list index out of range",
+                                                              "data.py:31", "load")
+    # a library dataset's own code only: which worker and what it raised, no user line
+    library = WORKER_RAISED.replace("/home/u/job/data.py", "/v/lib/python3.11/site-packages/datasets/arrow.py")
+    assert worker_error(library).file is None and worker_error(library).exc_type == "IndexError"
+    assert worker_error("list index out of range") is None
+    assert worker_error("Caught IndexError in DataLoader worker process 0.") is None  # no traceback: not torch's
