@@ -43,6 +43,7 @@ _PER_RANK = {
     "flight": "flight-rank{rank}.json",
     "flight_status": "flight-rank{rank}.status",
     "samples": "samples-rank{rank}.jsonl",  # where the main thread was, a few times a second (rank/sampler.py)
+    "saves": "saves-rank{rank}.jsonl",  # each torch.save to a named file: path, content digest, line (saves_file.py)
     "faulthandler": "faulthandler-rank{rank}.txt",  # stack dump fallback (contract/stack_dump_file.py)
     "stderr": "stderr-rank{rank}.txt",  # the rank's stderr, bounded, for the failure reports (contract/stderr_file.py)
     # Every thread's stack, dumped by the rank itself when torchrun's agent passes on a stop signal.
@@ -98,7 +99,7 @@ def hook_files(report_dir: str | os.PathLike) -> list[Path]:
 
 def remove_rank_files(report_dir: str | os.PathLike, ranks: Iterable[int],
                       kinds: Iterable[str] = ("trace", "trace_events", "findings", "autocheck", "stderr", "flight",
-                                               "flight_status", "samples")) -> None:
+                                               "flight_status", "samples", "saves")) -> None:
     """Per-rank files are appended to: a reused report dir must not mix in an earlier run."""
     for rank in ranks:
         for kind in kinds:

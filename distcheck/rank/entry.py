@@ -72,6 +72,10 @@ def run_in_rank(opts: RunOptions) -> int:
     os.environ[ENV_DRIFT_STEPS] = str(opts.drift_steps)  # run --steps K, for rank/autocheck/replica_drift.py
     # Finds the models (fully_shard/DDP/TP) and optimizers by itself; DISTCHECK_AUTOCHECK=0 turns it off.
     checker = autocheck.install(report_dir, info.rank)
+    if autocheck.enabled():  # each torch.save to a named file, for several ranks writing one (analysis/shared_files)
+        from distcheck.rank import save_watch
+
+        save_watch.install(report_dir, info.rank)
     # Stack hooks (ptrace permission for our launcher, faulthandler fallback); under plain torchrun also the node
     # watcher, a process outside the ranks that dumps their stacks on a hang even when one holds the GIL, and
     # writes the report once every rank has ended (on several nodes: node 0's watcher); the ranks only write files.

@@ -29,7 +29,8 @@ from distcheck.contract import files
 from distcheck.supervise.chrome_trace import write_chrome_trace
 from distcheck.contract.findings import CheckResult, Finding, Note, format_ranks
 from distcheck.contract.report import Report
-from distcheck.contract import autocheck_file, findings_file
+from distcheck.analysis.shared_files import several_writers
+from distcheck.contract import autocheck_file, findings_file, saves_file
 from distcheck.contract.stderr_file import tail
 
 log = logging.getLogger("distcheck")
@@ -57,6 +58,7 @@ def build_report(report_dir: Path, command: str, world_size: int, traces: dict[i
     findings = analyze_run(traces, outcomes, world_size, timeout=timeout, hang_findings=hang_findings,
                            progress=progress)
     findings = merge_same_on_ranks(merge_mesh_errors(findings + findings_file.collect(report_dir)))
+    findings += several_writers(saves_file.read_all(report_dir))  # one file, several torch.save writers
     # Zero-code checks: model_check (its time), and the first NaN/Inf merged from every rank's own record.
     auto_findings, auto_checks, auto_notes = report_parts(report_dir)
     findings = fold_first_bad(findings + auto_findings)
@@ -87,7 +89,7 @@ def build_report(report_dir: Path, command: str, world_size: int, traces: dict[i
         if records.exists():
             artifacts[records.stem + "-records"] = records.name
     artifacts[files.CHROME_TRACE] = files.CHROME_TRACE  # drawn from ``traces`` when published: write_trace_view
-    for kind in ("findings", "autocheck", "stderr", "flight", "samples"):
+    for kind in ("findings", "autocheck", "stderr", "flight", "samples", "saves"):
         for path in files.rank_files(report_dir, kind).values():
             artifacts[path.stem] = path.name
     outcomes_json = {str(r): {"state": o.state, "exit_code": o.exit_code, "signal": o.signal}

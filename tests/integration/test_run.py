@@ -103,6 +103,21 @@ def test_a_dataloader_workers_exception_is_named_at_the_workers_line(line_of, tm
         f"(in __getitem__), re-raised in the rank at loader_worker_raises.py:{loop}"), f["message"]
 
 
+def test_ranks_that_save_different_contents_to_one_file_are_named_with_the_path_and_line(line_of, tmp_path):
+    """Every FSDP2 rank torch.saves its shards to one path and resumes from it: silent without distcheck (the file
+    holds the last writer's halves); a tensor_divergence naming the path, both ranks and the line."""
+    res, report, out = run_fixture(tmp_path, "save_shards_one_file.py")
+    assert res.returncode == 1, res.output
+    (f,) = report["findings"]
+    line = line_of("save_shards_one_file.py", "# BUG")
+    assert f["kind"] == "tensor_divergence" and f["ranks"] == [0, 1], report["findings"]
+    assert f["detail"]["line"] == line and f["detail"]["file"].endswith("save_shards_one_file.py")
+    assert f["detail"]["path"].endswith("/model.pt") and f["detail"]["save"] == 1
+    assert f["message"].startswith(f"ranks 0-1 each torch.save different contents to the same file "
+                                   f"{f['detail']['path']} at save_shards_one_file.py:{line} (2 different contents")
+    assert "saves-rank0" in report["artifacts"]
+
+
 def test_hang_is_bounded_by_timeout(line_of, tmp_path):
     start = time.monotonic()
     res, report, _ = run_fixture(tmp_path, "coll_hang.py", timeout=4)
