@@ -88,6 +88,11 @@ _DTYPES = {"Float": "float32", "Double": "float64", "Half": "float16", "BFloat16
            "Int": "int32", "Short": "int16", "Char": "int8", "Byte": "uint8", "Bool": "bool"}
 
 
+def dtype_name(dtype: str) -> str:
+    """A dtype as torch's ring names it (c10's ``Float``) in torch's Python spelling (``float32``)."""
+    return _DTYPES.get(str(dtype), str(dtype).lower())
+
+
 @dataclass
 class FlightDump:
     rank: int
@@ -104,6 +109,9 @@ class FlightDump:
     # it adds nothing, so it does not keep a big job's traces from being summarized (trace_events.load_traces).
     all_traced: bool = False
     t: float = 0.0  # when it was dumped: graph runs after it are not in it (graph_run_events)
+    # How often the rank began each phase kind ("backward", "ddp_forward", ...) and its optimizer.step() count
+    # ("optimizer_step"), over the whole run (the phases themselves are only the last few thousand)
+    counts: dict[str, int] = field(default_factory=dict)
 
 
 def load_dump(report_dir: str | os.PathLike, rank: int) -> FlightDump | None:
@@ -122,7 +130,8 @@ def load_dump(report_dir: str | os.PathLike, rank: int) -> FlightDump | None:
                       dict(data.get("pg_status") or {}), str(data.get("reason", "")),
                       dropped=bool(entries) and int(entries[0].get("record_id") or 0) > 0, window=window,
                       seen=frozenset(str(k) for k in data.get("seen") or ()),
-                      all_traced=bool(data.get("all_traced")) and not entries, t=float(data.get("t") or 0.0))
+                      all_traced=bool(data.get("all_traced")) and not entries, t=float(data.get("t") or 0.0),
+                      counts={str(k): int(v) for k, v in (data.get("counts") or {}).items()})
 
 
 def _group(entry: dict[str, Any]) -> str:
@@ -290,7 +299,7 @@ def merge(events: list[Any], dump: FlightDump | None, event_type: Callable[..., 
         # an all-to-all may split unevenly by design; anything else compares its inputs.
         side = "output" if op == "scatter" else "input"
         sizes = [] if op == "all_to_all" else entry.get(f"{side}_sizes")
-        dtypes = [_DTYPES.get(str(d), str(d).lower()) for d in entry.get(f"{side}_dtypes") or []]
+        dtypes = [dtype_name(d) for d in entry.get(f"{side}_dtypes") or []]
         untraced.append(event_type(
             rank=dump.rank, id=0, seq=seq, pg=tuple(int(r) for r in ranks),
             op=op, shapes=[list(s) for s in sizes or []], dtypes=dtypes, reduce_op=None, peer=None,

@@ -142,6 +142,9 @@ class RankTrace:
     # when its ring was not dumped (analysis/flight_recorder.graph_run_events).
     graphs: dict[int, dict[str, Any]] = field(default_factory=dict)
     graph_runs: list[GraphRun] = field(default_factory=list)
+    # From its Flight Recorder dump: how many backward(), DDP forwards and optimizer.step() it ran, and the lines of
+    # its last backward() (analysis/step_counts.py); empty without a dump
+    step_counts: dict[str, Any] = field(default_factory=dict)
 
 
 _GROUPS: dict[str, tuple[int, ...]] = {}  # "0,1,...": its ranks, parsed once per process (a group's string is long)

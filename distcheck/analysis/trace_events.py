@@ -64,7 +64,17 @@ def load_rank_records(path: str | os.PathLike, rank: int | None = None, merge: b
                                              since=float(trace.meta.get("t", 0.0)))
         trace.flight_dumped = dump is not None
         _add_graph_runs(trace, dump)
+        _add_step_counts(trace, dump)
     return trace
+
+
+def _add_step_counts(trace: RankTrace, dump: flight_recorder.FlightDump | None) -> None:
+    """What the rank's dump counted of its steps (analysis/step_counts.py), with its last backward()'s line."""
+    if dump is None or not dump.counts:
+        return
+    last = next((p for p in reversed(dump.phases) if p.get("kind") == "backward"), None)
+    trace.step_counts = {**dump.counts, **({"backward_file": last.get("file"), "backward_line": last.get("line")}
+                                           if last else {})}
 
 
 def _add_graph_runs(trace: RankTrace, dump: flight_recorder.FlightDump | None) -> None:
@@ -122,6 +132,7 @@ def load_traces(report_dir: str | os.PathLike, summarize: bool | None = None) ->
         if traces is not None:  # None: a trace the summary cannot take (see trace_summary.RankFollower)
             for rank, trace in traces.items():
                 trace.flight_dumped = dumps.get(rank) is not None
+                _add_step_counts(trace, dumps.get(rank))
             return traces
     traces = {rank: load_rank_records(path, rank, merge=False) for rank, path in paths.items()}
     floor = flight_recorder.common_floor(dumps)
@@ -130,6 +141,7 @@ def load_traces(report_dir: str | os.PathLike, summarize: bool | None = None) ->
         trace.events = flight_recorder.merge(trace.events, _recorded_part(trace, dumps[rank]), TraceEvent,
                                              since=float(trace.meta.get("t", 0.0)), floor=floor)
         _add_graph_runs(trace, dumps[rank])
+        _add_step_counts(trace, dumps[rank])
     return traces
 
 

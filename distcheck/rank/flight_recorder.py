@@ -100,11 +100,16 @@ class Phases:
         self.open: dict[int, dict[str, Any]] = {}
         self.graphs: dict[int, dict[str, Any]] = {}
         self.seen: set[str] = set()  # every kind ever begun (a DDP model built long ago still owns the buckets)
+        # How many of each kind began, and each optimizer's step() count: a rank that skipped a step the others
+        # ran has run fewer backward() when its DDP all-reduces no longer pair (analysis/step_counts.py)
+        self.counts: collections.Counter[str] = collections.Counter()
+        self.steps: dict[int, int] = {}
         self._ids = itertools.count(1).__next__
 
     def begin(self, kind: str, file: str | None, line: int | None, **extra: Any) -> int:
         pid = self._ids()
         self.seen.add(kind)
+        self.counts[kind] += 1
         self.open[pid] = {"kind": kind, "file": file, "line": line, "t0": time.time(), "t1": None, **extra}
         return pid
 
@@ -114,9 +119,21 @@ class Phases:
             phase["t1"] = time.time()
             self.done.append(phase)
 
+    def stepped(self, optimizer: Any) -> None:
+        self.steps[id(optimizer)] = self.steps.get(id(optimizer), 0) + 1
+
+    def reset(self) -> None:
+        """A pytest pool runs test after test in one process: an earlier test's DDP model and counts are gone."""
+        self.seen.clear()
+        self.counts.clear()
+        self.steps.clear()
+
     def snapshot(self) -> dict[str, Any]:
+        # optimizer.step(): the most any one optimizer took (a container's inner optimizers step with it)
+        counts = {**self.counts, "optimizer_step": max(self.steps.values(), default=0)}
         return {"phases": list(self.done) + [dict(p) for p in list(self.open.values())],
-                "graphs": {str(k): v for k, v in list(self.graphs.items())}, "seen": sorted(self.seen)}
+                "graphs": {str(k): v for k, v in list(self.graphs.items())}, "seen": sorted(self.seen),
+                "counts": counts}
 
 
 phases = Phases()
@@ -170,6 +187,9 @@ def install_phases() -> None:
         Join.__exit__ = user_phase("join")(Join.__exit__)  # the shadow all-reduces of ranks out of data
     except ImportError:  # pragma: no cover - every supported torch has Join
         pass
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    register_optimizer_step_post_hook(lambda optimizer, args, kwargs: phases.stepped(optimizer))
 
 
 # -- compiled graphs ------------------------------------------------------------------------------------------------
@@ -669,7 +689,7 @@ def start(report_dir: str | os.PathLike, rank: int, lines: Any = None) -> None:
     except Exception as exc:  # a torch without these hooks: untraced entries are named less precisely
         log.debug("distcheck: flight recorder hooks not installed: %s", exc)
     stop()
-    phases.seen.clear()  # a pytest pool runs test after test in one process: a DDP model of an earlier test is gone
+    phases.reset()  # a pytest pool runs test after test in one process: a DDP model of an earlier test is gone
     _group_names()
     _sink = Sink(report_dir, rank)
     _sink.start()

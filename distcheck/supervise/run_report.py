@@ -30,6 +30,7 @@ from distcheck.supervise.chrome_trace import write_chrome_trace
 from distcheck.contract.findings import CheckResult, Finding, Note, format_ranks
 from distcheck.contract.report import Report
 from distcheck.analysis.shared_files import several_writers
+from distcheck.analysis.step_counts import add_to_hang as add_uneven_steps
 from distcheck.contract import autocheck_file, findings_file, saves_file
 from distcheck.contract.stderr_file import tail
 
@@ -69,6 +70,8 @@ def build_report(report_dir: Path, command: str, world_size: int, traces: dict[i
     # Stages whose schedules disagree fail inside step() with torch's shape errors: the disagreement is the cause.
     findings = fold_consequences(findings)
     add_stderr_tails(report_dir, findings, traces)
+    for f in findings:  # ranks that ran different numbers of training steps: what a DDP hang came from
+        add_uneven_steps(f, traces, progress)
     if remote is not None:
         findings = without_contradicted(findings, remote, set(traces))
         for f in findings:

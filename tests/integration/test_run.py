@@ -118,6 +118,22 @@ def test_ranks_that_save_different_contents_to_one_file_are_named_with_the_path_
     assert "saves-rank0" in report["artifacts"]
 
 
+def test_a_rank_that_skipped_a_step_is_named_with_each_ranks_backward_and_step_counts(line_of, tmp_path):
+    """Rank 1 `continue`s past one step: DDP's all-reduces pair different steps until rank 0's last backward()
+    waits for one rank 1 never issues. The hang gives each rank's counts and the waiting backward()'s line."""
+    res, report, _ = run_fixture(tmp_path, "ddp_skipped_step.py", timeout=10)
+    assert res.returncode == 1, res.output
+    f = only(report, "hang")
+    backward, barrier = line_of("ddp_skipped_step.py", "# BACKWARD"), line_of("ddp_skipped_step.py", "dist.barrier()")
+    assert f["ranks"] == [0, 1] and f["detail"]["line"] == backward, f["message"]
+    assert f["detail"]["step_counts"] == {"0": {"backward": 4, "optimizer_step": 3},
+                                          "1": {"backward": 3, "optimizer_step": 3}}
+    assert (f"rank 0 is in all_reduce #9 (DDP gradient bucket all-reduce at ddp_skipped_step.py:{backward}); rank 1 "
+            f"is in barrier #1 (ddp_skipped_step.py:{barrier}); backward() ran 4 times on rank 0, 3 times on rank 1, "
+            f"optimizer.step() 3 times on every rank: rank 1 ran 1 training step fewer than rank 0") in f["message"]
+    assert f"rank 0's backward() #4 at ddp_skipped_step.py:{backward} waits for an all-reduce rank 1 never" in f["message"]
+
+
 def test_hang_is_bounded_by_timeout(line_of, tmp_path):
     start = time.monotonic()
     res, report, _ = run_fixture(tmp_path, "coll_hang.py", timeout=4)
