@@ -371,7 +371,9 @@ def fold_consequences(findings: list[Finding]) -> list[Finding]:
             continue
         said = cause.detail.setdefault("consequences", {})
         if f.kind == "rank_failure":  # the first failure folded is the root; its peers' errors followed it
-            cause.detail.setdefault("failed", {"ranks": list(f.ranks), "error": _said(f)})
+            # with its line: where the rank failed (its schedule.step(...)) is what the user looks at next
+            cause.detail.setdefault("failed", {"ranks": list(f.ranks), "error": _said(f), "file": f.detail.get("file"),
+                                               "line": f.detail.get("line")})
         for r in f.ranks:
             said.setdefault(str(r), _said(f))
         for r, text in (f.detail.get("consequences") or {}).items():  # the peers that lost the failed rank
@@ -382,8 +384,9 @@ def fold_consequences(findings: list[Finding]) -> list[Finding]:
             # trace_align keeps as a failure's consequences the backend errors of the peers that lost it
             others = sorted(set(map(int, said)) - set(failed["ranks"]))
             lost = f" ({format_ranks(others)} then lost {'its peer' if len(others) == 1 else 'their peers'})"
-            p.message += (f". Then, inside step(), {format_ranks(failed['ranks'])} failed with torch's "
-                          f"{failed['error']}{lost if others else ''}")
+            at = file_line(failed.get("file"), failed.get("line"))
+            p.message += (f". Then, inside step(){f' at {at}' if at else ''}, {format_ranks(failed['ranks'])} failed "
+                          f"with torch's {failed['error']}{lost if others else ''}")
         elif said:
             first = min(said, key=int)
             p.message += f". Then, inside step(), rank {first}: {said[first]}"

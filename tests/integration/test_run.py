@@ -470,3 +470,7 @@ def test_pipeline_stages_with_different_microbatch_counts_name_both_schedules_no
             f"{line}); stage 1 the targets into 2 of 8 (:{line})") in f["message"], f["message"]
     assert "The size of tensor a (4) must match the size of tensor b (8)" in f["detail"]["consequences"]["1"]
     assert not any(x["kind"] == "rank_failure" for x in report["findings"])  # the error is evidence, not the cause
+    # the absorbed failure keeps its line: where rank 1 failed, its schedule.step(...)
+    step = line_of("pp_microbatch_mismatch.py", "schedule.step(target=y")
+    assert f["detail"]["failed"]["line"] == step and f["detail"]["failed"]["ranks"] == [1]
+    assert f"Then, inside step() at pp_microbatch_mismatch.py:{step}, rank 1 failed with torch's" in f["message"]

@@ -99,8 +99,11 @@ def test_failures_inside_step_become_evidence_and_others_stay():
     assert pipe.detail["consequences"] == {"1": "RuntimeError: The size of tensor a (4) must match the size of "
                                                 "tensor b (8) at non-singleton dimension 0",
                                            "0": "RuntimeError: Connection closed by peer"}
-    assert ("Then, inside step(), rank 1 failed with torch's RuntimeError: The size of tensor a (4) must match "
-            "the size of tensor b (8) at non-singleton dimension 0 (rank 0 then lost its peer)") in pipe.message
+    assert ("Then, inside step() at pp.py:24, rank 1 failed with torch's RuntimeError: The size of tensor a (4) "
+            "must match the size of tensor b (8) at non-singleton dimension 0 (rank 0 then lost its peer)"
+            ) in pipe.message
+    assert pipe.detail["failed"] == {"ranks": [1], "error": pipe.detail["consequences"]["1"], "file": FILE,
+                                     "line": 24}  # the absorbed failure keeps its line
 
 
 def test_a_signal_after_the_step_began_is_evidence_but_not_without_a_mismatch():
