@@ -29,7 +29,7 @@ from typing import Any, Sequence
 from distcheck.analysis.call_signature import differing_fields, signature
 from distcheck.analysis.split_matrix import FIX as SPLIT_FIX, LIST_FIX as SPLIT_LIST_FIX, PairMismatch, blamed
 from distcheck.analysis.split_matrix import describe as describe_pairs, mismatched_pairs, split_of
-from distcheck.analysis.hang import hang_finding as make_hang_finding
+from distcheck.analysis.hang import hang_finding
 from distcheck.analysis.ops import PEER_OPS
 from distcheck.analysis.progress import (FAILED, ISSUED, ISSUED_NOTE, CollectiveRef, RankProgress, group_counts,
                                          process_group, progress_by_rank)
@@ -610,7 +610,7 @@ def failure_finding(o: RankOutcome, traces: dict[int, RankTrace], outcomes: dict
     return Finding("rank_failure", ranks, message, detail)
 
 
-def hang_finding(traces: dict[int, RankTrace], outcomes: dict[int, RankOutcome], timeout: float,
+def hang_from_traces(traces: dict[int, RankTrace], outcomes: dict[int, RankOutcome], timeout: float,
                  progress: dict[int, RankProgress] | None = None) -> Finding:
     """No progress for ``timeout`` seconds: every rank's position, from the traces alone."""
     progress = progress if progress is not None else progress_by_rank(traces)
@@ -626,7 +626,7 @@ def hang_finding(traces: dict[int, RankTrace], outcomes: dict[int, RankOutcome],
     message = (f"no progress for {timeout:g}s: "
                + "; ".join(describe_position(r, progress.get(r), outcomes.get(r), traces.get(r))
                            + _cut_note(traces.get(r)) for r in ranks))
-    return make_hang_finding(hung, message, timeout=timeout, progress=progress, site=site, positions=positions)
+    return hang_finding(hung, message, timeout=timeout, progress=progress, site=site, positions=positions)
 
 
 def _explained_by(o: RankOutcome, divergences: list[Divergence], progress: RankProgress | None) -> Divergence | None:
@@ -695,7 +695,7 @@ def analyze_run(traces: dict[int, RankTrace], outcomes: dict[int, RankOutcome], 
     findings += find_p2p_mismatches(traces, outcomes)
     findings += failures
     if any(o.state == STATE_HUNG for o in outcomes.values()):
-        findings += hang_findings if hang_findings else [hang_finding(traces, outcomes, timeout or 0.0, progress)]
+        findings += hang_findings if hang_findings else [hang_from_traces(traces, outcomes, timeout or 0.0, progress)]
     return findings
 
 

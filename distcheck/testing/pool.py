@@ -34,7 +34,9 @@ FAILURE_GRACE = 5.0  # seconds the other ranks get once one rank failed
 
 
 @dataclass
-class RankOutcome:
+class PoolOutcome:
+    """One rank's outcome of one pytest test (not a run's RankOutcome: analysis/trace_align.py)."""
+
     rank: int
     status: str  # "passed", "failed", "skipped", "died", "hung"
     text: str = ""
@@ -58,7 +60,7 @@ class PoolRanks:
 
     def __init__(self, pool: Pool) -> None:
         self.pool = pool
-        self.outcomes: dict[int, RankOutcome] = {}
+        self.outcomes: dict[int, PoolOutcome] = {}
 
     def finished(self) -> set[int]:
         outcomes = self.outcomes
@@ -67,7 +69,7 @@ class PoolRanks:
                 continue
             if self.pool.procs[rank].poll() is not None:
                 code = self.pool.procs[rank].returncode
-                outcomes[rank] = RankOutcome(rank, "died", f"rank {rank} exited with code {code} "
+                outcomes[rank] = PoolOutcome(rank, "died", f"rank {rank} exited with code {code} "
                                              f"(signal {-code})" if code < 0 else f"rank {rank} exited "
                                              f"with code {code}")
             elif conn.poll(0):
@@ -159,7 +161,7 @@ class Pool:
                 raise RuntimeError(f"rank {rank} of the distributed test pool failed to join the process group")
 
     def run(self, job: TestJob, should_stop: Callable[[set[int]], str | None] | None = None,
-            ) -> tuple[list[RankOutcome], bool, str | None]:
+            ) -> tuple[list[PoolOutcome], bool, str | None]:
         """Run one test on every rank. Returns the outcomes and whether it hung (the pool is then retired).
 
         ``should_stop(finished_ranks)`` is asked about once a second after STOP_AFTER seconds: a reason means the
@@ -182,7 +184,7 @@ class Pool:
         hung = result.state != DONE
         for rank in range(self.world_size):
             if rank not in outcomes:
-                outcomes[rank] = RankOutcome(rank, "hung", "")
+                outcomes[rank] = PoolOutcome(rank, "hung", "")
         if not hung and job.trace_dir and all(o.status == "passed" for o in outcomes.values()):
             self._out_of_step(job.trace_dir, outcomes)
         if hung or any(o.status != "passed" and o.status != "skipped" for o in outcomes.values()):
@@ -190,7 +192,7 @@ class Pool:
         return [outcomes[r] for r in range(self.world_size)], hung, result.stop_reason
 
     @staticmethod
-    def _out_of_step(trace_dir: str, outcomes: dict[int, RankOutcome]) -> None:
+    def _out_of_step(trace_dir: str, outcomes: dict[int, PoolOutcome]) -> None:
         """Every rank passed, but some issued more collectives on a group than its peers: the next test's
         collectives would pair with these. The ranks that issued them fail the test (testing/leftovers.py)."""
         from distcheck.testing.leftovers import out_of_step, rank_text
@@ -202,7 +204,7 @@ class Pool:
             return
         for rank, items in extra.items():
             if rank in outcomes:
-                outcomes[rank] = RankOutcome(rank, "failed", rank_text(items), items)
+                outcomes[rank] = PoolOutcome(rank, "failed", rank_text(items), items)
 
     def _stderr_size(self, rank: int) -> int:
         from distcheck.contract import files

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from distcheck.contract import env
 from distcheck.testing import leftovers
-from distcheck.testing.pool import RankOutcome, TestJob
+from distcheck.testing.pool import PoolOutcome, TestJob
 
 
 class RankContext:
@@ -119,16 +119,16 @@ def _without_runner(frames: list) -> list:
     return list(frames[start:]) if start < len(frames) else list(frames)
 
 
-def _outcome(rank: int, exc: BaseException) -> RankOutcome:
+def _outcome(rank: int, exc: BaseException) -> PoolOutcome:
     name = type(exc).__name__
     if name in ("Skipped", "SkipTest"):
-        return RankOutcome(rank, "skipped", str(exc))
+        return PoolOutcome(rank, "skipped", str(exc))
     tb = traceback.TracebackException.from_exception(exc)
     tb.stack = traceback.StackSummary.from_list(_without_runner(tb.stack))
-    return RankOutcome(rank, "failed", "".join(tb.format()))
+    return PoolOutcome(rank, "failed", "".join(tb.format()))
 
 
-def _with_leftovers(result: RankOutcome, watch, job: TestJob, backend: str) -> RankOutcome:
+def _with_leftovers(result: PoolOutcome, watch, job: TestJob, backend: str) -> PoolOutcome:
     """The test fails when it left a thread, a child process or a pending collective on this rank (the processes
     are ended here); its pool is then retired. A rank whose test failed anyway is not asked about its collectives:
     those left pending are the failure's consequence."""
@@ -148,7 +148,7 @@ def _with_leftovers(result: RankOutcome, watch, job: TestJob, backend: str) -> R
     if not found:
         return result
     text = leftovers.rank_text(found)
-    return RankOutcome(result.rank, "failed", f"{result.text.rstrip()}\n{text}" if result.text.strip() else text,
+    return PoolOutcome(result.rank, "failed", f"{result.text.rstrip()}\n{text}" if result.text.strip() else text,
                        found)
 
 
@@ -201,12 +201,12 @@ def main() -> int:
             kwargs = {k: (ctx if getattr(v, "_distcheck_placeholder", False) else v) for k, v in job.kwargs.items()}
             watch.start()
             fn(**kwargs)
-            result = RankOutcome(rank, "passed")
+            result = PoolOutcome(rank, "passed")
         except BaseException as exc:  # noqa: BLE001 - every failure is reported, labelled with its rank
             result = _outcome(rank, exc)
             translated = explain(exc) if result.status == "failed" and isinstance(exc, Exception) else None
             if translated is not None:  # torch's text stays above; what it means, in the model's terms, below
-                result = RankOutcome(rank, "failed", f"{result.text.rstrip()}\n[distcheck] {translated['message']}")
+                result = PoolOutcome(rank, "failed", f"{result.text.rstrip()}\n[distcheck] {translated['message']}")
         finally:
             watch.stop()
         if checker is not None:
@@ -219,7 +219,7 @@ def main() -> int:
             autocheck.uninstall()
             if found and result.status in ("passed", "failed"):
                 text = autocheck.failure_text(found)
-                result = RankOutcome(rank, "failed", f"{result.text.rstrip()}\n{text}" if result.text else text)
+                result = PoolOutcome(rank, "failed", f"{result.text.rstrip()}\n{text}" if result.text else text)
         if tracer is not None:
             tracer.note({"ev": "exit", "ok": result.status == "passed", "code": 0 if result.status == "passed" else 1})
         result = _with_leftovers(result, watch, job, backend)
@@ -228,7 +228,7 @@ def main() -> int:
         try:
             state.restore()
         except Exception as exc:  # noqa: BLE001 - a state that cannot be restored retires this pool
-            result = RankOutcome(rank, "failed", f"{result.text}\n[distcheck] the test left state this rank cannot "
+            result = PoolOutcome(rank, "failed", f"{result.text}\n[distcheck] the test left state this rank cannot "
                                  f"restore ({type(exc).__name__}: {exc}): the pool is retired".strip())
         fn = kwargs = None  # the test's objects die here, and then the groups it destroyed (see group_keepalive)
         group_keepalive.release()

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 from distcheck.supervise.launcher import LauncherRanks, Supervisor
 from distcheck.supervise.node_watcher import Attempt, NodeRanks
 from distcheck.supervise.watch import RankFunctions
-from distcheck.testing.pool import Pool, PoolRanks, RankOutcome
+from distcheck.testing.pool import Pool, PoolRanks, PoolOutcome
 
 
 class FakeProc:
@@ -54,7 +54,7 @@ def test_the_pool_collects_outcomes_as_ranks_finish():
 
     pool = Pool(3, "gloo", [])
     pool.procs = [FakeProc(20), FakeProc(21, -9), FakeProc(22)]
-    pool.conns = [Conn(RankOutcome(0, "passed")), Conn(), Conn()]
+    pool.conns = [Conn(PoolOutcome(0, "passed")), Conn(), Conn()]
     source = PoolRanks(pool)
     assert source.live() == {0: 20, 2: 22}  # rank 1 died
     assert source.finished() == {0, 1} and not source.outcomes[0].text
