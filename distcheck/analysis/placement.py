@@ -1,13 +1,16 @@
-"""Pure placement analysis (no process group): placement rows, the compact table, and FSDP2/TP coverage rules.
+"""Pure placement analysis (no process group): placement rows, the compact table, and FSDP2/FSDP1/TP coverage rules.
 
 The rows come from distcheck.checks.placement.describe_model; everything here works on them alone, so the rules are
-unit-tested on hand-made rows as well as on real FSDP2/TP models.
+unit-tested on hand-made rows as well as on real FSDP2/FSDP1/TP models. An FSDP1 row is one original parameter of a
+unit's flat parameter (checks/fsdp1.py): its global shape, the elements this rank holds as its local shape, and
+what every rank of the unit's shard group holds (``flat_shard``).
 """
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from distcheck.analysis.flat_shards import holdings_text
 from distcheck.contract.findings import Finding, Note, format_names
 from distcheck.contract.site import file_line
 
@@ -42,7 +45,9 @@ class PlacementRow:
     fsdp: str | None = None  # fqn of the fully_shard module that manages it ("<root>" for the root)
     tp_style: str | None = None  # parallel style applied to the owning module
     ddp: bool = False
-    fsdp_ignored: bool = False  # passed to fully_shard(ignored_params=...): unmanaged on purpose
+    fsdp_ignored: bool = False  # fully_shard(ignored_params=...), FSDP1's ignored_modules: unmanaged on purpose
+    fsdp1: str | None = None  # the sharding strategy of the FSDP1 unit that manages it (``fsdp`` names the unit)
+    flat_shard: list[int] | None = None  # FSDP1: elements of it each rank of the unit's shard group holds
     file: str | None = None  # where the user's code defines it, when it is user code
     line: int | None = None
 
@@ -94,8 +99,12 @@ def mesh_label(row: PlacementRow) -> str:
 
 
 def manager(row: PlacementRow) -> str:
+    if row.fsdp1 is not None:
+        return f"fsdp1:{row.fsdp} {row.fsdp1}"
     if row.fsdp is not None:
         return f"fsdp:{row.fsdp}"
+    if row.fsdp_ignored:
+        return "ignored"
     if row.ddp:
         return "ddp"
     if row.tp_style:
@@ -108,7 +117,7 @@ def render_placement_table(rows: list[PlacementRow]) -> str:
     header = ("name", "kind", "class", "mesh", "placements", "global", "local", "bytes/rank", "managed by")
     body = []
     for r in rows:
-        placements = ",".join(short_placement(p) for p in r.placements) if r.placements else "-"
+        placements = ",".join(short_placement(p) for p in r.placements) if r.placements else flat_label(r)
         body.append((r.name, "param" if r.role == "parameter" else "buffer", r.cls, mesh_label(r), placements,
                      "x".join(map(str, r.global_shape)) or "()", "x".join(map(str, r.local_shape)) or "()",
                      human_bytes(r.bytes_per_rank), manager(r)))
@@ -116,13 +125,29 @@ def render_placement_table(rows: list[PlacementRow]) -> str:
     lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths)).rstrip()]
     lines += ["  ".join(c.ljust(w) for c, w in zip(b, widths)).rstrip() for b in body]
     params = [r for r in rows if r.role == "parameter"]
-    fsdp = sorted({r.fsdp for r in params if r.fsdp is not None})
+    fsdp2 = [r for r in params if r.fsdp is not None and r.fsdp1 is None]
+    fsdp1 = [r for r in params if r.fsdp1 is not None]
+    managed = f"{len(fsdp2)} managed by FSDP2"
+    if fsdp2:
+        managed += f" (fully_shard on: {', '.join(sorted({r.fsdp for r in fsdp2}))})"
+    if fsdp1:
+        managed = (f"{len(fsdp1)} managed by FSDP1 (units: {', '.join(dict.fromkeys(r.fsdp for r in fsdp1))}; "
+                   f"{', '.join(sorted({r.fsdp1 for r in fsdp1}))})" + (f"; {managed}" if fsdp2 else ""))
+    ignored = sum(r.fsdp_ignored for r in params)
     lines.append(f"{len(params)} parameters, {human_bytes(sum(r.bytes_per_rank for r in params))} per rank; "
-                 f"{sum(r.fsdp is not None for r in params)} managed by FSDP2"
-                 + (f" (fully_shard on: {', '.join(fsdp)})" if fsdp else "")
+                 f"{managed}" + (f"; {ignored} ignored by FSDP" if ignored else "")
                  + f"; {sum(r.cls == 'DTensor' for r in params)} DTensor, "
                  f"{sum(r.cls != 'DTensor' for r in params)} plain")
     return "\n".join(lines) + "\n"
+
+
+def flat_label(row: PlacementRow) -> str:
+    """The placements cell of an FSDP1 row: ``flat 161|95`` (the elements ranks 0, 1 of the shard group hold),
+    ``R`` where every rank holds all of it (NO_SHARD), ``R,flat ...`` under HYBRID_SHARD; ``-`` for other rows."""
+    if row.flat_shard is None:
+        return "-"
+    flat = "R" if len(row.flat_shard) == 1 else f"flat {holdings_text(row.flat_shard)}"
+    return f"R,{flat}" if row.mesh_dim_names and row.mesh_dim_names[0] == "replicate" and flat != "R" else flat
 
 
 def _where(row: PlacementRow) -> str:
@@ -144,7 +169,8 @@ def _global_bytes(row: PlacementRow) -> int:
 
 
 def _nearest(fqn: str, containers: list[str]) -> str | None:
-    """The deepest fully_shard module fqn that contains module ``fqn`` ("<root>" contains everything)."""
+    """The deepest fully_shard module (or FSDP1 unit) fqn that contains module ``fqn`` ("<root>" contains
+    everything)."""
     best = None
     for c in containers:
         if c == "<root>" or fqn == c or fqn.startswith(c + "."):
@@ -175,8 +201,9 @@ def _consequence(row: PlacementRow, scope: str) -> str:
 
 
 def coverage_findings(rows: list[PlacementRow], fsdp_modules: list[str], ranks: list[int]) -> list[Finding]:
-    """Parameters left out of FSDP2/TP sharding or placed unexpectedly: one finding per cause, naming every
-    parameter it covers (``detail.params``; ``detail.param`` is the first)."""
+    """Parameters left out of FSDP2/FSDP1/TP sharding or placed unexpectedly: one finding per cause, naming every
+    parameter it covers (``detail.params``; ``detail.param`` is the first). ``fsdp_modules``: the fully_shard
+    modules' or FSDP1 units' names ("<root>" for the model)."""
     params = [r for r in rows if r.role == "parameter"]
     out: dict[str, Finding] = {}
     # A TP style whose module kept its weight replicated (on every mesh dim FSDP does not shard).
@@ -204,25 +231,28 @@ def coverage_findings(rows: list[PlacementRow], fsdp_modules: list[str], ranks: 
                 f"computes all of it, so the module is not parallelized at all",
                 style=style)
     if fsdp_modules:
+        fsdp1 = any(r.fsdp1 for r in params)
+        label, call, unit = ("FSDP1", "FullyShardedDataParallel", "FSDP1 unit") if fsdp1 else \
+            ("FSDP2", "fully_shard", "fully_shard module")
         for r in params:
-            # ignored_params is FSDP2's documented way to leave a parameter out (its user reduces its gradient;
-            # the replicas' drift check sees it if not): not a coverage gap
+            # ignored_params (FSDP2) and ignored_modules (FSDP1) are the documented ways to leave a parameter out
+            # (its user reduces its gradient; the replicas' drift check sees it if not): not a coverage gap
             if r.name in out or r.fsdp is not None or r.ddp or r.fsdp_ignored:
                 continue
             anc = _nearest(r.module, fsdp_modules)
             if anc is not None:
-                why = (f"it sits under fully_shard module '{anc}' but FSDP2 does not manage it: it was added "
-                       f"after fully_shard")
+                why = (f"it sits under {unit} '{anc}' but {label} does not manage it: it was added "
+                       f"after {call}")
                 reason = "added_after_fully_shard"
             else:
                 path = f"'{r.module}' nor the root module has" if r.module else "the root module has"
-                why = (f"neither {path} fully_shard; wrap the root module with fully_shard(model) after its "
-                       f"blocks") if r.module else (f"{path} no fully_shard; wrap it with fully_shard(model) "
+                why = (f"neither {path} {call}; wrap the root module with {call}(model) after its "
+                       f"blocks") if r.module else (f"{path} no {call}; wrap it with {call}(model) "
                                                      f"after its blocks")
                 reason = "not_wrapped"
             out[r.name] = _finding(
                 r, ranks, reason,
-                f"{r.name} {_size(r)} is not managed by FSDP2 while the rest of the model is{_where(r)}: {why}; "
+                f"{r.name} {_size(r)} is not managed by {label} while the rest of the model is{_where(r)}: {why}; "
                 f"{_consequence(r, 'the data-parallel ranks')}",
                 fsdp_ancestor=anc)
     # Under tensor parallelism alone, plain replicated parameters outside any parallel style (norms, embedding,
@@ -316,18 +346,20 @@ def _grouped(found: list[Finding], rows: dict[str, PlacementRow]) -> list[Findin
         # The single finding's message after "<name> <size>": the cause and the consequence, which the group shares.
         cause = first.message.split(_where(member_rows[0]) + ": ", 1)[-1] if _where(member_rows[0]) else \
             first.message.split(": ", 1)[-1]
+        label, call = ("FSDP1", "FullyShardedDataParallel") if any(r.fsdp1 for r in rows.values()) else \
+            ("FSDP2", "fully_shard")
         if first.detail["reason"] == "not_wrapped":
             modules = [m for m in dict.fromkeys(r.module for r in member_rows) if m]
-            cause = ((f"no fully_shard covers {', '.join(repr(m) for m in modules[:SHOWN])}" + (" or " if modules
-                      else "") + "the root module") if modules else "the root module has no fully_shard") + \
-                "; wrap the root module with fully_shard(model) after its blocks; " + \
+            cause = ((f"no {call} covers {', '.join(repr(m) for m in modules[:SHOWN])}" + (" or " if modules
+                      else "") + "the root module") if modules else f"the root module has no {call}") + \
+                f"; wrap the root module with {call}(model) after its blocks; " + \
                 _consequence(member_rows[0], "the data-parallel ranks")
         for one, many in (("its gradient is never", "their gradients are never"), ("it will drift", "they will drift"),
                           ("its gradient is reduced", "their gradients are reduced"),
                           ("every rank holds all of it (it is", "every rank holds all of them (they are")):
             cause = cause.replace(one, many)
-        lead = {"not_wrapped": "are not managed by FSDP2 while the rest of the model is",
-                "added_after_fully_shard": "are not managed by FSDP2 while the rest of the model is",
+        lead = {"not_wrapped": f"are not managed by {label} while the rest of the model is",
+                "added_after_fully_shard": f"are not managed by {label} while the rest of the model is",
                 "tp_replicated": f"of module '{first.detail['module']}' stayed replicated",
                 "other_mesh": f"live on mesh {first.detail['mesh']}"}.get(first.detail["reason"], "")
         message = f"{len(names)} parameters, {human_bytes(total)} in all, {lead}: {shown}{where}: {cause}"

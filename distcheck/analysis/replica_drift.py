@@ -26,6 +26,11 @@ _WHY = {
     "tp": ("a plain (non-DTensor) parameter of a tensor-parallel model got a different gradient on each rank, "
            "e.g. a norm applied to sequence-sharded activations: give it a plan entry (SequenceParallel()) so its "
            "gradient is reduced"),
+    "fsdp1": ("FSDP1's replicas (NO_SHARD, or HYBRID_SHARD's replicate group) got different gradients or updates: a "
+              "gradient changed on one rank after FSDP reduced it, or an update under a rank condition"),
+    "fsdp1_ignored": ("a parameter of FullyShardedDataParallel's ignored_modules got a different gradient on each "
+                      "rank: FSDP1 never reduces it, so all-reduce its gradient yourself (and divide by the world "
+                      "size) before optimizer.step(), or let FSDP manage it"),  # when its wrap site is unknown
     "dtensor": ("Replicate DTensor parameters (HSDP's replicate dim, a TP layer's replicated bias) got different "
                 "gradients or updates on different ranks: a gradient not reduced over the replicate mesh dim, or "
                 "changed on one rank after the reduction"),
@@ -98,6 +103,14 @@ def _finding(step: int, divs: list, by_rank: dict[int, dict[str, Any]]) -> Findi
                     f"call{'s' if n != 1 else ''} before that step ran under no_sync() at {_where(file, line)}; "
                     "run the last micro-batch's backward() outside no_sync() so DDP averages the gradients.")
         cause = "no_sync"
+    elif _ignored_site(divs, by_rank) is not None:
+        file, line = _ignored_site(divs, by_rank)
+        them = "its gradient" if len(names) == 1 else "their gradients"
+        message += (f"\nFSDP1 never reduces {them}: {'it is' if len(names) == 1 else 'they are'} in the "
+                    f"ignored_modules of FullyShardedDataParallel(...) at {_where(file, line)}, so each rank "
+                    f"applied its own; all-reduce {them} yourself (and divide by the world size) before "
+                    "optimizer.step(), or let FSDP manage the module.")
+        cause = "fsdp1_ignored"
     else:
         kinds = sorted({key[0] if isinstance(key[0], str) else "dtensor" for key in _keys(divs, by_rank)})
         message += "\nLikely cause: " + "; or ".join(_WHY[k] for k in kinds if k in _WHY) + "."
@@ -107,6 +120,17 @@ def _finding(step: int, divs: list, by_rank: dict[int, dict[str, Any]]) -> Findi
               "step_site": row.get("site"),
               "backwards": {str(r): [x.get("backwards"), x.get("unsynced")] for r, x in sorted(by_rank.items())}}
     return Finding("tensor_divergence", ranks, message, detail)
+
+
+def _ignored_site(divs: list, by_rank: dict[int, dict[str, Any]]) -> tuple[str, int] | None:
+    """Where the FSDP1 model whose ignored_modules hold every drifted parameter was wrapped (the key's third item:
+    ``["fsdp1_ignored", ranks, [file, line]]``), or None when some of them are something else."""
+    keys = _keys(divs, by_rank)
+    sites = {tuple(k[2]) for k in keys if k and k[0] == "fsdp1_ignored" and len(k) > 2 and k[2]}
+    if len(sites) != 1 or any(not k or k[0] != "fsdp1_ignored" for k in keys):
+        return None
+    file, line = next(iter(sites))
+    return file, line
 
 
 def _keys(divs: list, by_rank: dict[int, dict[str, Any]]) -> list:

@@ -119,9 +119,33 @@ def _fsdp_managed(model: nn.Module) -> dict[int, str]:
     return managed
 
 
+def _fsdp1_row(model: nn.Module, op: Any) -> PlacementRow:
+    """An FSDP1 original parameter (checks/fsdp1.OrigParam) as a placement row."""
+    from distcheck.checks.fsdp1 import clean_name, data_parallel_ranks
+
+    unit = op.unit
+    info = unit.handle.flat_param._param_infos[op.index]
+    if op.replicate_ranks:
+        mesh_shape, names = [len(op.replicate_ranks), len(op.shard_ranks)], ["replicate", "shard"]
+        ranks = data_parallel_ranks(unit.module) or sorted(set(op.shard_ranks) | set(op.replicate_ranks))
+    else:  # NO_SHARD's group holds whole copies: a replicate dim
+        names = ["shard"] if unit.handle.uses_sharded_strategy else ["replicate"]
+        mesh_shape, ranks = [len(op.shard_ranks)], op.shard_ranks
+    site = param_site(model, op.path)
+    return PlacementRow(
+        name=op.name, role="parameter", cls="Tensor", dtype=str(op.dtype), mesh_shape=mesh_shape,
+        mesh_dim_names=names, mesh_ranks=_compact_ranks(ranks), placements=None, global_shape=op.shape,
+        local_shape=[op.here], bytes_per_rank=op.here * op.dtype.itemsize, requires_grad=op.requires_grad,
+        module=clean_name(unit.prefix + info.module_name), module_type=type(info.module).__name__, fsdp=unit.label,
+        fsdp1=unit.strategy, flat_shard=op.held, file=site.file, line=site.line)
+
+
 def describe_model(model: nn.Module) -> list[PlacementRow]:
-    """One row per parameter and buffer (deduplicated like named_parameters), in module order."""
+    """One row per parameter and buffer (deduplicated like named_parameters), in module order; an FSDP1 unit's
+    flat parameter (or its views) as one row per original parameter."""
     from torch.nn.parallel import DistributedDataParallel
+
+    from distcheck.checks import fsdp1
 
     ddp_ignored: set[str] = set()
     is_ddp = isinstance(model, DistributedDataParallel)
@@ -140,9 +164,20 @@ def describe_model(model: nn.Module) -> list[PlacementRow]:
             if b is not None:
                 owners.setdefault(id(b), (mname, mod, bname))
     rows: list[PlacementRow] = []
+    units = fsdp1.units(model)
+    index = fsdp1.FlatIndex([model]) if units else None
+    originals = {(id(u.module), op.index): op for u in units for op in fsdp1.original_params(u)}
+    fsdp1_ignored = fsdp1.ignored_params(model) if units else {}
     named = [(n, "parameter", p) for n, p in model.named_parameters()]
     named += [(n, "buffer", b) for n, b in model.named_buffers() if b is not None]
     for name, role, t in named:
+        hit = index.find(t) if index and role == "parameter" else None
+        if hit is not None:  # FSDP1: a flat parameter stands for all of its unit's parameters, a view for one
+            unit, i = hit
+            count = len(unit.handle.flat_param._fqns)
+            rows += [_fsdp1_row(model, originals[(id(unit.module), j)])
+                     for j in ([i] if i is not None else range(count))]
+            continue
         mname, mod, attr = owners.get(id(t), ("", model, name.rsplit(".", 1)[-1]))
         if _is_dtensor(t):
             mesh = t.device_mesh
@@ -160,14 +195,16 @@ def describe_model(model: nn.Module) -> list[PlacementRow]:
         file, line = site.file, site.line
         inner = mname.split(".", 1)[1] if is_ddp and mname.startswith("module") and "." in mname else ""
         rows.append(PlacementRow(
-            name=name, role=role, cls=cls, dtype=str(t.dtype), mesh_shape=mesh_shape, mesh_dim_names=mesh_names,
+            name=fsdp1.clean_name(name) if units else name, role=role, cls=cls, dtype=str(t.dtype),
+            mesh_shape=mesh_shape, mesh_dim_names=mesh_names,
             mesh_ranks=mesh_ranks, placements=placements, global_shape=list(t.shape),
             local_shape=list(local.shape), bytes_per_rank=local.numel() * local.element_size(),
-            requires_grad=bool(getattr(t, "requires_grad", False)), module=mname, module_type=type(mod).__name__,
+            requires_grad=bool(getattr(t, "requires_grad", False)),
+            module=fsdp1.clean_name(mname) if units else mname, module_type=type(mod).__name__,
             fsdp=managed.get(id(t)) if role == "parameter" else None, tp_style=styles.get(mname),
             ddp=is_ddp and role == "parameter" and name.removeprefix("module.") not in ddp_ignored
             and inner not in ddp_ignored,
-            fsdp_ignored=bool(getattr(t, FSDP_IGNORED, False)), file=file, line=line))
+            fsdp_ignored=bool(getattr(t, FSDP_IGNORED, False)) or id(t) in fsdp1_ignored, file=file, line=line))
     return rows
 
 
@@ -206,14 +243,17 @@ def check_model(model: nn.Module, *, skip: Iterable[str] = (), where: str = "(ch
     import torch.distributed as dist
 
     from distcheck.rank import sink
+    from distcheck.checks import fsdp1
     from distcheck.checks.mesh import check_live_mesh
-    from distcheck.checks.replicas import compare_replicas, named_tensors
+    from distcheck.checks.replicas import compare_replicas, named_tensors, replica_key
     from distcheck.rank.runtime import current_channel
 
     rows = describe_model(model)
     channel = current_channel()
     rank = dist.get_rank() if dist.is_initialized() else 0
-    local = coverage_findings(rows, [fqn for fqn, _ in fsdp_modules(model)], [rank])
+    units = fsdp1.units(model)
+    managers = [fqn for fqn, _ in fsdp_modules(model)] + [u.label for u in units]
+    local = coverage_findings(rows, managers, [rank])
     if rank == 0:  # the same on every rank: one warning for all of them
         notes = mixed_mesh_notes(rows, list(range(channel.world_size)) if channel is not None else [rank])
         for note in notes:
@@ -238,8 +278,11 @@ def check_model(model: nn.Module, *, skip: Iterable[str] = (), where: str = "(ch
 
     ddp = isinstance(model, DistributedDataParallel)  # names as the user wrote them, without DDP's "module."
     items = [(n.removeprefix("module.") if ddp else n, role, t) for n, role, t in named_tensors("model", model)]
+    # FSDP1: each unit's local pieces by their original names, compared only where ranks hold the same chunk
+    items, key = fsdp1.replica_items(model, items, replica_key) if units else (items, replica_key)
     items = [(n, role, t) for n, role, t in items if n not in skip]
-    findings += group_findings(compare_replicas("check_model", items, channel, ranks, context=where), where, cause)
+    findings += group_findings(compare_replicas("check_model", items, channel, ranks, context=where, key=key),
+                               where, cause)
     if rank == 0:
         sink.emit(findings, rank)
     return findings

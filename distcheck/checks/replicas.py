@@ -109,10 +109,11 @@ def compare_entries(tag: str, items: list[tuple[str, str, torch.Tensor]], channe
 
 
 def compare_replicas(tag: str, items: list[tuple[str, str, torch.Tensor]], channel: SideChannel,
-                     ranks: list[int], context: str = "") -> list[Finding]:
+                     ranks: list[int], context: str = "", key: Callable[[torch.Tensor], Any] = replica_key
+                     ) -> list[Finding]:
     """Collective over ``ranks`` (through the side channel): every rank returns the same findings, one per
-    differing tensor (check_model groups them by cause)."""
-    compared = compare_entries(tag, items, channel, ranks)
+    differing tensor (check_model groups them by cause); ``key``: which ranks must hold equal values."""
+    compared = compare_entries(tag, items, channel, ranks, key=key)
     return [divergence_finding(div, compared.summaries[div.name], context) for div in compared.divergences]
 
 
@@ -124,7 +125,12 @@ def check_consistent(name: str, obj: Any, group: Any = None) -> list[Finding]:
     ranks = sorted(dist.get_process_group_ranks(group)) if group is not None else list(range(channel.world_size))
     if channel.rank not in ranks:
         return []
-    findings = compare_replicas(f"{name}@{','.join(map(str, ranks))}", named_tensors(name, obj), channel, ranks,
+    from distcheck.checks.fsdp1 import replica_items
+
+    items, key = named_tensors(name, obj), replica_key
+    if isinstance(obj, torch.nn.Module):  # an FSDP1 module: its chunks compared only where ranks hold the same one
+        items, key = replica_items(obj, items, replica_key)
+    findings = compare_replicas(f"{name}@{','.join(map(str, ranks))}", items, channel, ranks, key=key,
                                 context=f"(check_consistent '{name}')" if isinstance(obj, torch.nn.Module) else "")
     if channel.rank == ranks[0]:
         sink.emit(findings, channel.rank)

@@ -29,7 +29,9 @@ Keyword-only extras of :func:`record` (not part of the public ``distcheck.record
   disagreement into a ``tensor_divergence`` finding; ``replicated=False`` always compares the mean.
 
 A DTensor (or a module holding DTensors, as under FSDP2 or tensor parallelism) is gathered with ``full_tensor()``,
-a collective: record it on every rank, in the same order.
+a collective: record it on every rank, in the same order. So is an FSDP1 module (``FullyShardedDataParallel``):
+its flat parameters' chunks are all-gathered per unit and recorded as the original parameters, under their
+unwrapped names (checks/fsdp1.py).
 
 Automatic records (zero-code compare). ``distcheck compare`` sets DISTCHECK_AUTO_RECORD_STEPS=K in each rank; for
 the first K steps ``distcheck.rank.autocheck`` then records, through :func:`record_auto`, the loss passed to
@@ -81,18 +83,21 @@ def tolerance(name: str, rtol: float | None = None, atol: float | None = None) -
 
 
 def record_auto(name: str, value: Any, step: int, file: str | None, line: int | None,
-                replicated: bool | None = None, dp: tuple[int, int] | None = None) -> None:
+                replicated: bool | None = None, dp: tuple[int, int] | None = None, roots: tuple = (),
+                gradients: bool = False) -> None:
     """A record distcheck takes by itself (marked ``auto``), at the user's line given by the caller.
 
-    ``value`` is a tensor, or a list of (key, tensor) for a set of parameters (gathered to full tensors: every rank
-    must call this at the same point when they are DTensors). ``dp``: this rank's (index, size) among the
-    data-parallel ranks, where known, so per-rank values can be summed over the data-parallel ranks only.
+    ``value`` is a tensor, or a list of (key, parameter) for a set of parameters (gathered to full tensors: every rank
+    must call this at the same point when they are DTensors or FSDP1's, whose units are found in the models
+    ``roots``); ``gradients``: record those parameters' gradients instead. ``dp``: this rank's (index, size) among
+    the data-parallel ranks, where known, so per-rank values can be summed over the data-parallel ranks only.
     """
     if not _decided:
         _decide()
     if _recorder is None:
         return
-    _recorder.add(name, value, step, None, None, replicated, auto=True, site=(file, line), dp=dp)
+    _recorder.add(name, value, step, None, None, replicated, auto=True, site=(file, line), dp=dp, roots=roots,
+                  gradients=gradients)
 
 
 def auto_steps() -> int:
@@ -142,10 +147,11 @@ class _Recorder:
 
     def add(self, name: str, value: Any, step: int | None, rtol: float | None, atol: float | None,
             replicated: bool | None, auto: bool = False,
-            site: tuple[str | None, int | None] | None = None, dp: tuple[int, int] | None = None) -> None:
+            site: tuple[str | None, int | None] | None = None, dp: tuple[int, int] | None = None,
+            roots: tuple = (), gradients: bool = False) -> None:
         if self._writer.failed:  # a prefix, not a sieve: after a lost record nothing later is gathered or indexed
             return
-        entry, parts = self._entry(name, value, step, rtol, atol, replicated, auto, site, dp)
+        entry, parts = self._entry(name, value, step, rtol, atol, replicated, auto, site, dp, roots, gradients)
         exc = self._writer.append(entry, parts)
         if exc is not None:
             self._fail(name, exc)
@@ -161,7 +167,8 @@ class _Recorder:
 
     def _entry(self, name: str, value: Any, step: int | None, rtol: float | None, atol: float | None,
                replicated: bool | None, auto: bool, site: tuple[str | None, int | None] | None,
-               dp: tuple[int, int] | None = None) -> tuple[records_file.IndexEntry, Iterator[_Part]]:
+               dp: tuple[int, int] | None = None, roots: tuple = (), gradients: bool = False
+               ) -> tuple[records_file.IndexEntry, Iterator[_Part]]:
         """The record's index entry (without its tensors' places) and its tensors, made one at a time as the writer
         takes them: a module's full tensors never all live in memory together."""
         import torch
@@ -171,14 +178,14 @@ class _Recorder:
         self._steps[name] = int(step) + 1
         kind, parts, number = "number", iter(()), None
         if isinstance(value, torch.nn.Module):
-            named = [(n, "parameter", p) for n, p in value.named_parameters()]
-            named += [(n, "buffer", b) for n, b in value.named_buffers() if b is not None]
-            named += [(f"{n}.grad", "gradient", p.grad) for n, p in value.named_parameters() if p.grad is not None]
-            kind, parts, replicated = "module", (_part(normalize_key(n), role, t) for n, role, t in named), True
+            kind, parts, replicated = "module", _module_parts(value), True
         elif auto and isinstance(value, list):
-            # Automatic parameter records: (name, parameter) pairs an optimizer updates, stored like a module.
+            # Automatic parameter records: (name, parameter) pairs an optimizer updates, stored like a module (or,
+            # ``gradients``, their gradients); FSDP1's as the full original parameters, like the reference's.
+            from distcheck.checks.fsdp1 import full_tensors
+
             kind, replicated = "module", True
-            parts = (_part(normalize_key(n), "parameter", t) for n, t in value)
+            parts = (_part(normalize_key(n), "parameter", t) for n, t in full_tensors(value, roots, gradients))
         elif isinstance(value, torch.Tensor):
             if callable(getattr(value, "full_tensor", None)):  # a DTensor: its full tensor is every rank's
                 replicated = True
@@ -203,6 +210,21 @@ class _Recorder:
 
 
 _Part = tuple[records_file.PartMeta, "bytes | memoryview"]
+
+
+def _module_parts(module: Any) -> Iterator[_Part]:
+    """A module's parameters, buffers and gradients as full tensors (DTensors gathered, FSDP1's flat parameters
+    unflattened to the original ones), named as the unwrapped module names them."""
+    from distcheck.checks.fsdp1 import full_tensors
+
+    params = list(module.named_parameters())
+    for n, t in full_tensors(params, [module]):
+        yield _part(normalize_key(n), "parameter", t)
+    for n, b in module.named_buffers():
+        if b is not None:
+            yield _part(normalize_key(n), "buffer", b)
+    for n, g in full_tensors(params, [module], gradients=True):
+        yield _part(normalize_key(f"{n}.grad"), "gradient", g)
 
 
 def _part(key: str, role: str, t: Any) -> _Part:

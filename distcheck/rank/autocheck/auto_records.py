@@ -87,28 +87,32 @@ class AutoRecords:
         step = self.owner.opt_steps.get(id(optimizer), 1) - 1
         if step < self.steps:
             try:
-                names = self._param_names()
+                roots = tuple(self._roots())
+                names = self._param_names(roots)
                 pairs = [(names.get(id(p)) or f"param_groups.{g}.{i}", p)
                          for g, group in enumerate(optimizer.param_groups) for i, p in enumerate(group["params"])]
                 site = caller_site()
                 if step == 0:
-                    self._record_grads(pairs, site)
-                records.record_auto(records.AUTO_PARAMS, pairs, step, site.file, site.line)
+                    self._record_grads(pairs, site, roots)
+                records.record_auto(records.AUTO_PARAMS, pairs, step, site.file, site.line, roots=roots)
                 self.count += 1
             except Exception as exc:
                 log.warning("distcheck: recording the parameters failed: %s: %s", type(exc).__name__, exc)
         # Every model has run forward by the end of the first step: the naming hook has done its job.
         self.stop_naming()
 
-    def _record_grads(self, pairs: list[tuple[str, Any]], site: Any) -> None:
+    def _record_grads(self, pairs: list[tuple[str, Any]], site: Any, roots: tuple) -> None:
+        from distcheck.checks.fsdp1 import FlatIndex
         from distcheck.rank import records
 
         try:
             # After the step the gradients are still on the parameters (a closure computed them inside it); a
-            # DTensor's full_tensor() is a collective every rank reaches here, as for the parameters.
-            grads = [(n, p.grad) for n, p in pairs if p.grad is not None]
-            if grads:
-                records.record_auto(files.AUTO_GRADS, grads, 0, site.file, site.line)
+            # DTensor's full_tensor() is a collective every rank reaches here, as for the parameters. FSDP1's
+            # gradients are read from its flat parameters (a view of another rank's chunk has no .grad here), so
+            # whether there are any must not depend on this rank's chunk either.
+            index = FlatIndex(roots)
+            if any(p.grad is not None or index.find(p) is not None for _, p in pairs):
+                records.record_auto(files.AUTO_GRADS, pairs, 0, site.file, site.line, roots=roots, gradients=True)
                 self.count += 1
         except Exception as exc:
             log.warning("distcheck: recording the gradients failed: %s: %s", type(exc).__name__, exc)
@@ -124,13 +128,17 @@ class AutoRecords:
                 log.debug("data-parallel coordinate failed: %s", exc)
         return self._dp
 
-    def _param_names(self) -> dict[int, str]:
-        """id(parameter) -> its name in the outermost module holding it (watched roots, then modules that ran)."""
+    def _roots(self) -> list[Any]:
+        """The outermost modules: watched roots, then modules whose forward ran before the first step."""
         from distcheck.rank.autocheck.discovery import outermost
 
         modules = self.owner.models.alive() + [m for m in (r() for r in self._called.values()) if m is not None]
+        return outermost(modules)
+
+    def _param_names(self, roots: tuple) -> dict[int, str]:
+        """id(parameter) -> its name in the outermost module holding it (watched roots, then modules that ran)."""
         names: dict[int, str] = {}
-        for m in outermost(modules):
+        for m in roots:
             for n, p in m.named_parameters():
                 names.setdefault(id(p), n)
         return names

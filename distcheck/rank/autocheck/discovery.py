@@ -2,12 +2,12 @@
 
     python -m distcheck run --nproc 2 -- train.py      # installed in every rank by rank/autocheck
 
-Every module passed to fully_shard / DDP / parallelize_module / distribute_module (rank/autocheck/patches.py) gets
-a one-shot forward pre-hook, prepended so it runs before FSDP2's own (the parameters are still sharded
-DTensors). The first forward of a watched module checks its root (the outermost watched module containing it)
-once: what ``check_model`` runs (placements, FSDP2/TP coverage, meshes, replica consistency, all through the side
-channel, never the user's process group), plus a scan of every parameter and buffer for values no initializer
-produces (``bad_values``). Its time goes to the report's ``model_check``.
+Every module passed to fully_shard / DDP / parallelize_module / distribute_module, and every outermost FSDP1
+``FullyShardedDataParallel`` (rank/autocheck/patches.py), gets a one-shot forward pre-hook, prepended so it runs
+before FSDP's own (the parameters are still sharded). The first forward of a watched module checks its root (the
+outermost watched module containing it) once: what ``check_model`` runs (placements, FSDP2/FSDP1/TP coverage,
+meshes, replica consistency, all through the side channel, never the user's process group), plus a scan of every
+parameter and buffer for values no initializer produces (``bad_values``). Its time goes to the report's ``model_check``.
 """
 from __future__ import annotations
 
@@ -38,8 +38,9 @@ def outermost(modules: list[Any]) -> list[Any]:
 
 
 def user_name(name: str) -> str:
-    """A parameter's name as the user wrote it: DDP's ``module.`` prefix is not part of it."""
-    return name.removeprefix("module.")
+    """A parameter's name as the user wrote it: DDP's ``module.`` prefix is not part of it, nor FSDP1's and
+    activation checkpointing's wrapper modules (torch's own ``clean_tensor_name`` drops the same two)."""
+    return name.removeprefix("module.").replace("_fsdp_wrapped_module.", "").replace("_checkpoint_wrapped_module.", "")
 
 
 class ModelWatch:
@@ -165,7 +166,8 @@ class ModelWatch:
             since = prewrap.identical_before(root)
             cause = ""
             if since is not None:
-                label = "DistributedDataParallel's construction" if since["how"] == "ddp" else since["how"]
+                label = {"ddp": "DistributedDataParallel's construction",
+                         "fsdp1": "FullyShardedDataParallel's construction"}.get(since["how"], since["how"])
                 cause = (f"They were identical at {label} at {_site_text(since['site'])} and differ at the first "
                          f"forward at {forward}: something in between changed some ranks' copies (a checkpoint "
                          f"or state loaded on one rank only, an update under a rank condition).")
@@ -287,8 +289,12 @@ def _user_class(module: Any) -> type:
 def _root_label(root: Any) -> str:
     from torch.nn.parallel import DistributedDataParallel
 
+    from distcheck.checks.fsdp1 import is_fsdp1
+
     if isinstance(root, DistributedDataParallel):
         return f"DistributedDataParallel({_user_class(root.module).__name__})"
+    if is_fsdp1(root):
+        return f"FullyShardedDataParallel({_user_class(root.module).__name__})"
     return _user_class(root).__name__
 
 

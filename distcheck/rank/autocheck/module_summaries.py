@@ -91,9 +91,9 @@ def _fsdp_coordinate(module: Any) -> DataParallel | None:
 
 def data_parallel(roots: list[Any]) -> DataParallel | None:
     """This rank's data-parallel coordinate, from the process groups of the first fully_shard (FSDP2, HSDP,
-    replicate) or DDP wrapper in ``roots``; (0, 1) for a model only tensor-parallel over the whole world (every rank
-    sees the whole batch); None where nothing says (a script that splits its data and reduces its gradients by
-    hand): the analysis then infers the mapping from the shapes alone."""
+    replicate), FSDP1 or DDP wrapper in ``roots``; (0, 1) for a model only tensor-parallel over the whole world
+    (every rank sees the whole batch); None where nothing says (a script that splits its data and reduces its
+    gradients by hand): the analysis then infers the mapping from the shapes alone."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
@@ -106,7 +106,7 @@ def data_parallel(roots: list[Any]) -> DataParallel | None:
                 pg = module.process_group
                 return DataParallel(dist.get_rank(pg), dist.get_world_size(pg),
                                     frozenset(dist.get_process_group_ranks(pg)))
-            found = _fsdp_coordinate(module)
+            found = _fsdp_coordinate(module) or _fsdp1_coordinate(module)
             if found is not None:
                 return found
         meshes += [p.device_mesh for p in root.parameters() if getattr(p, "device_mesh", None) is not None]
@@ -114,6 +114,16 @@ def data_parallel(roots: list[Any]) -> DataParallel | None:
     if meshes and all(m.size() == world for m in meshes):
         return DataParallel(0, 1, frozenset([dist.get_rank()]))
     return None
+
+
+def _fsdp1_coordinate(module: Any) -> DataParallel | None:
+    """An FSDP1 unit's: its shard group, times its replicate group under HYBRID_SHARD (checks/fsdp1.py)."""
+    from distcheck.checks import fsdp1
+
+    if not fsdp1.is_fsdp1(module):
+        return None
+    at, ranks = fsdp1.data_parallel_index(module), fsdp1.data_parallel_ranks(module)
+    return DataParallel(at[0], at[1], frozenset(ranks)) if at is not None and ranks is not None else None
 
 
 def _mesh_dim_ranks(mesh: Any, dim: int) -> set[int]:

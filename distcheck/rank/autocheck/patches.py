@@ -4,7 +4,7 @@
 
 The functions that parallelize a model are wrapped where users import them from:
 ``torch.distributed.fsdp.fully_shard`` (also reached as ``torch.distributed._composable.fsdp.fully_shard``),
-``DistributedDataParallel.__init__`` (and its ``no_sync``),
+``DistributedDataParallel.__init__`` (and its ``no_sync``), FSDP1's ``FullyShardedDataParallel.__init__``,
 ``torch.distributed.tensor.parallel.parallelize_module``, ``torch.distributed.tensor.distribute_module`` and
 ``distribute_tensor`` (which tensors a call scatters from rank 0, by ``src_data_rank``);
 ``torch.optim.Optimizer.__init__`` counts the optimizers, global optimizer step hooks and ``Tensor.backward`` mark
@@ -160,6 +160,79 @@ def _patch_fsdp(_module: Any) -> None:
 
         sync_wrapper.__distcheck_original__ = sync  # type: ignore[attr-defined]
         fsdp.FSDPModule.set_requires_gradient_sync = sync_wrapper
+    _patch_fsdp1(fsdp)
+
+
+def fsdp1_prewrap(bound: dict[str, Any], world_size: int) -> tuple[list[int] | None, bool] | None:
+    """What ``FullyShardedDataParallel(**bound)`` leaves per rank, by torch's own code (_init_utils.py, torch 2.13):
+    (the ranks that must build the same module, None: every rank; whether its values count). None: the ranks are not
+    known alike on every rank (HYBRID_SHARD's pair of groups not tiling the world), so nothing is compared.
+
+    ``sync_module_states=True`` broadcasts rank 0's parameters and buffers before sharding (over the inter-node
+    group, then the shard group under HYBRID_SHARD): only the structure counts before it, as before DDP's
+    construction. With False (the default) each rank shards its own copy: its values must agree."""
+    import torch.distributed as dist
+
+    values = not bool(bound.get("sync_module_states", False))
+    mesh, group = bound.get("device_mesh"), bound.get("process_group")
+    if mesh is not None:
+        return _mesh_ranks(mesh), values
+    if group is None:
+        return None, values
+    if isinstance(group, (tuple, list)):  # HYBRID_SHARD's (shard group, replicate group)
+        if len(group) == 2 and group[0].size() * group[1].size() == world_size:
+            return None, values
+        return None
+    return sorted(dist.get_process_group_ranks(group)), values
+
+
+def _patch_fsdp1(fsdp: Any) -> None:
+    """FSDP1's ``FullyShardedDataParallel.__init__``: the outermost call (an auto-wrap policy constructs the inner
+    units inside it) compares the module before torch shards it, then watches the wrapped model like DDP's."""
+    cls = getattr(fsdp, "FullyShardedDataParallel", None)
+    if cls is None or hasattr(cls.__init__, "__distcheck_original__"):
+        return
+    init = cls.__init__
+
+    @functools.wraps(init)
+    def fsdp1_wrapper(self: Any, *args: Any, **kwargs: Any) -> None:
+        check = current()
+        if check is None or check.prewrap.depth:  # no check, or an inner unit of the outer call
+            as_user(init, self, *args, **kwargs)
+            return
+        try:
+            import inspect
+
+            import torch.distributed as dist
+
+            bound = inspect.signature(init).bind(self, *args, **kwargs).arguments
+            check.precision.note_mp_policy(bound.get("mixed_precision"), "FullyShardedDataParallel MixedPrecision")
+            found = fsdp1_prewrap(bound, dist.get_world_size())
+            if found is not None:
+                check.prewrap.before("fsdp1", bound.get("module"), found[0], values=found[1])
+        except Exception as exc:
+            log.debug("distcheck: could not compare a model before FullyShardedDataParallel: %s", exc)
+        from distcheck.checks.fsdp1 import WRAP_SITE, data_parallel_ranks
+        from distcheck.rank.usersite import caller_site
+
+        site = caller_site()
+        with check.prewrap.inside():
+            as_user(init, self, *args, **kwargs)
+        check = current()
+        if check is None:
+            return
+        setattr(self, WRAP_SITE, [site.file, site.line])
+        check.watch(self)
+        try:  # the data-parallel ranks' first batches (dp_inputs.py): every rank training this model
+
+            ranks = data_parallel_ranks(self)
+            if ranks is not None:
+                check.dp_inputs.watch(self, [ranks])
+        except Exception as exc:
+            log.debug("distcheck: could not watch FSDP1's first batch: %s", exc)
+
+    fsdp1_wrapper.__distcheck_original__ = init  # type: ignore[attr-defined]
+    cls.__init__ = fsdp1_wrapper
 
 
 def _patch_tensor(_module: Any) -> None:

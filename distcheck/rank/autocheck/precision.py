@@ -7,7 +7,8 @@ under ``torch.autocast(dtype=torch.bfloat16)``, all-gathered in bf16 by FSDP2's 
 gradients a DDP compression hook rounded to bf16. Their 1-rank and N-rank values then agree only to that precision.
 The hooks (rank/autocheck/patches.py) note each such source once, with the user's line:
 - ``torch.autocast`` entered with a 16-bit ``dtype`` (CPU and CUDA; ``torch.cuda.amp.autocast`` is the same class);
-- ``fully_shard(..., mp_policy=MixedPrecisionPolicy(param_dtype=..., reduce_dtype=...))``;
+- ``fully_shard(..., mp_policy=MixedPrecisionPolicy(param_dtype=..., reduce_dtype=...))`` and FSDP1's
+  ``FullyShardedDataParallel(..., mixed_precision=MixedPrecision(param_dtype=..., reduce_dtype=...))``;
 - ``DistributedDataParallel.register_comm_hook`` with torch's ``fp16/bf16_compress_hook`` or ``_wrapper``;
 - a watched model whose parameters are stored in a 16-bit dtype.
 Not seen: an autocast region entered inside a ``torch.compile``d function (Dynamo runs it without calling
@@ -46,13 +47,14 @@ class PrecisionNotes:
             self.note(f"torch.autocast({getattr(ctx, 'device', '?')}, {str(ctx.fast_dtype).replace('torch.', '')})",
                       ctx.fast_dtype)
 
-    def note_mp_policy(self, policy: Any) -> None:
+    def note_mp_policy(self, policy: Any, label: str = "fully_shard MixedPrecisionPolicy") -> None:
+        """FSDP2's ``MixedPrecisionPolicy`` or FSDP1's ``MixedPrecision`` (the same two fields)."""
         if policy is None:
             return
         for field in ("param_dtype", "reduce_dtype"):
             dtype = getattr(policy, field, None)
             if dtype is not None:
-                self.note(f"fully_shard MixedPrecisionPolicy({field}={str(dtype).replace('torch.', '')})", dtype)
+                self.note(f"{label}({field}={str(dtype).replace('torch.', '')})", dtype)
 
     def note_comm_hook(self, hook: Any) -> None:
         name = getattr(hook, "__qualname__", getattr(hook, "__name__", "")) or ""

@@ -2,10 +2,11 @@
 
     python -m distcheck run --nproc 2 -- train.py      # every rank; DISTCHECK_AUTOCHECK=0 turns it off
 
-At each call of ``fully_shard``, ``DistributedDataParallel(...)``, ``parallelize_module`` or ``distribute_module``
-(rank/autocheck/patches.py), before torch runs, the ranks of the call's mesh or process group compare the module's
-not-yet-parallelized parameters and buffers: names, shapes, dtypes and fingerprints (checks/fingerprint.py) in one
-side-channel exchange, never the user's process group (no entry in the user's trace). That is the only point where
+At each call of ``fully_shard``, ``DistributedDataParallel(...)``, ``FullyShardedDataParallel(...)``,
+``parallelize_module`` or ``distribute_module`` (rank/autocheck/patches.py), before torch runs, the ranks of the
+call's mesh or process group compare the module's not-yet-parallelized parameters and buffers: names, shapes, dtypes
+and fingerprints (checks/fingerprint.py) in one side-channel exchange, never the user's process group (no entry in
+the user's trace). That is the only point where
 rank-seeded init is visible: fully_shard slices each rank's own copy, DDP's construction broadcast copies rank 0's
 values over the others. A tensor-parallel DTensor is compared with the ranks holding the same shard (its
 coordinate on every non-Replicate mesh dim); a meta tensor holds nothing yet (rank 0 alone built real weights and
@@ -14,6 +15,9 @@ What each call leaves per rank follows torch's own code (read in torch 2.13):
 - ``fully_shard`` broadcasts nothing: every rank keeps its slice of its own copy, so every value must agree.
 - ``DistributedDataParallel`` broadcasts rank 0's parameters and buffers at construction (``init_sync=True``, the
   default): only the structure counts before it; values too with ``init_sync=False``.
+- FSDP1's ``FullyShardedDataParallel`` (its outermost call: an auto-wrap policy builds the inner units inside it)
+  shards each rank's own copy unless ``sync_module_states=True`` (not the default) broadcasts rank 0's first: values
+  count without it, only the structure with it.
 - ``parallelize_module`` / ``distribute_module``: every ``ParallelStyle`` (and distribute_module's default
   replication) converts parameters with ``distribute_tensor(..., src_data_rank=...)``, default 0, which scatters (or
   broadcasts) rank 0's values and discards the others' (torch/distributed/tensor/parallel/style.py, _api.py). The
@@ -52,13 +56,16 @@ SHOWN = 4  # names a message spells out; detail.params has them all
 DIRECT_CHECKS = 16  # distribute_tensor(..., src_data_rank=None) calls compared per process (see the docstring)
 
 _LABEL = {"fully_shard": "fully_shard", "ddp": "DistributedDataParallel(...)",
-          "parallelize_module": "parallelize_module", "distribute_module": "distribute_module",
+          "fsdp1": "FullyShardedDataParallel(...)", "parallelize_module": "parallelize_module",
+          "distribute_module": "distribute_module",
           "distribute_tensor": "distribute_tensor(..., src_data_rank=None)"}
 
 # Why a call leaves these values as each rank built them (row["why"]), for the finding's message.
 _WHY = {
     "fully_shard": "fully_shard broadcasts nothing: each rank keeps its own slice of its own copy",
     "ddp_no_sync": "DistributedDataParallel(init_sync=False) skips the construction broadcast of rank 0's values",
+    "fsdp1": ("FullyShardedDataParallel broadcasts nothing without sync_module_states=True: each rank keeps its own "
+              "chunk of its own copy"),
     "left_plain": "no ParallelStyle of the plan converts them, so they stay plain tensors with each rank's values",
     "src_none": "they were converted with src_data_rank=None, which keeps each rank's local values instead of "
                 "scattering rank 0's",
@@ -179,7 +186,7 @@ class PreWrap:
                     if src is None and self._styles_without_src:
                         row["styles"] = self._styles_without_src
                 else:
-                    row["why"] = "ddp_no_sync" if row.get("how") == "ddp" else "fully_shard"
+                    row["why"] = {"ddp": "ddp_no_sync", "fsdp1": "fsdp1"}.get(row.get("how"), "fully_shard")
             keep.append(row)
         kept = {id(r) for r in keep}
         dropped = [r for r in self.pending if id(r) not in kept]
@@ -541,10 +548,13 @@ def _unwrapped_tensors(how: str, module: Any) -> list[tuple[str, str, Any]]:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # pragma: no cover
         FSDPModule = ()
+    from distcheck.checks.fsdp1 import is_fsdp1
+
     if not isinstance(module, nn.Module):
         return []
-    sharded = {name for name, m in module.named_modules() if m is not module and FSDPModule
-               and isinstance(m, FSDPModule)}
+    # FSDP2 modules and FSDP1 units wrapped by an earlier call hold shards now (compared at that call)
+    sharded = {name for name, m in module.named_modules() if m is not module and (
+        FSDPModule and isinstance(m, FSDPModule) or is_fsdp1(m))}
     ignored = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()) or ()) if how == "ddp" else set()
 
     def skip(name: str, t: Any) -> bool:

@@ -6,10 +6,13 @@
 What must be identical across ranks, by how the script parallelized its model: a DDP model's parameters on every
 rank of its process group; a DTensor parameter on the ranks that share its coordinates on every non-Replicate
 mesh dim (HSDP's replicate dim, a TP layer's replicated bias); a plain parameter of a tensor-parallel model on
-every rank of its TP mesh. At the first forward (the baseline) and after each of the first K optimizer steps, this
-rank fingerprints those parameters (about one ``torch.sum`` over them; nothing at all for a plain FSDP2 model,
-which replicates nothing) and writes the fingerprints to ``autocheck-rank<R>.json``. The supervisor compares the
-ranks' files (analysis/replica_drift.py), so no rank ever waits for another here.
+every rank of its TP mesh; an FSDP1 unit's chunk on the ranks that hold the same one (NO_SHARD, HYBRID_SHARD's
+replicate group), by original parameter, and the parameters of FSDP1's ``ignored_modules`` on every rank that trains
+the model. At the first forward (the baseline) and after each of the first K optimizer steps, this rank
+fingerprints those parameters (about one ``torch.sum`` over them; nothing at all for a plain FSDP2 model, or FSDP1
+with FULL_SHARD and nothing ignored, which replicate nothing) and writes the fingerprints to
+``autocheck-rank<R>.json``. The supervisor compares the ranks' files (analysis/replica_drift.py), so no rank ever
+waits for another here.
 
 To say what the script did, backward() calls under DDP's ``no_sync()`` are counted per step, with the line of the
 ``with model.no_sync():`` that turned the gradient all-reduce off.
@@ -48,10 +51,14 @@ def replicated_params(roots: list[Any]) -> list[tuple[str, Any, Any]]:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
+    from distcheck.checks import fsdp1
     from distcheck.checks.replicas import replica_key
 
     out: list[tuple[str, Any, Any]] = []
     for root in roots:
+        if fsdp1.units(root):
+            out += _fsdp1_replicated(root)
+            continue
         named = list(root.named_parameters())
         plain_group = None
         if isinstance(root, DistributedDataParallel):
@@ -73,6 +80,29 @@ def replicated_params(roots: list[Any]) -> list[tuple[str, Any, Any]]:
                     out.append((user_name(name), [list(key[0]), list(key[1]), [list(c) for c in key[2]]], p))
             elif plain_group is not None and len(plain_group[1]) > 1:
                 out.append((user_name(name), plain_group, p))
+    return out
+
+
+def _fsdp1_replicated(root: Any) -> list[tuple[str, Any, Any]]:
+    """An FSDP1 model's replicas: each unit's local pieces where other ranks hold the same chunk (NO_SHARD's group,
+    HYBRID_SHARD's replicate group), and the parameters of its ``ignored_modules`` (FSDP1 never reduces their
+    gradients) over every rank that trains the model."""
+    from distcheck.checks import fsdp1
+
+    units = fsdp1.units(root)
+    index = fsdp1.FlatIndex([root])
+    out: list[tuple[str, Any, Any]] = []
+    for unit in index.units:
+        ranks = fsdp1.replicated(unit)
+        if ranks is None:
+            continue
+        key = ["fsdp1", ranks, fsdp1.shard_key(unit)[2]]
+        out += [(name, key, piece) for name, piece in fsdp1.local_pieces(unit) if piece.numel()]
+    everyone = fsdp1.data_parallel_ranks(units[0].module)
+    if everyone and len(everyone) > 1:
+        key = ["fsdp1_ignored", everyone, getattr(units[0].module, fsdp1.WRAP_SITE, None)]
+        ignored = fsdp1.ignored_params(root)
+        out += [(user_name(n), key, p) for n, p in root.named_parameters() if id(p) in ignored]
     return out
 
 
