@@ -20,7 +20,7 @@ from typing import Any, Iterable, Sequence
 from distcheck.analysis.frame_owner import LIBRARY, TORCH, USER, display_path, native_owner, owner, package
 from distcheck.analysis.ops import C10D_OPS, FUNCOL_OPS
 from distcheck.contract.findings import SMALL_WORLD, format_ranks, rank_ranges
-from distcheck.contract.site import base_name, file_line
+from distcheck.contract.site import base_name, file_line, with_line
 
 # Names of torch.distributed entry points: a rank whose stack passes through one of these (inside torch) waits in
 # that collective. Used when no trace says which collective a rank is in (`distcheck stacks` on a foreign job).
@@ -49,7 +49,7 @@ class Frame:
     @property
     def where(self) -> str:
         """``train.py:88``, the form findings use."""
-        return f"{self.basename}:{self.line}" if self.line else self.basename
+        return with_line(self.basename, self.line)
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"name": self.name, "file": self.file, "line": self.line, "native": self.native}
@@ -302,7 +302,7 @@ class ShownFrame:
             return f"{self.name} ({loc})" + ("  [native]" if self.native else "")
         # a library is named by its path inside the package: "module.py" alone says nothing about which library
         path = display_path(self.file) if self.owner == LIBRARY and not self.native else os.path.basename(self.file)
-        loc = f"{path}:{self.line}" if self.line else path
+        loc = with_line(path, self.line)
         more = f", {self.count} frames" if self.count > 1 else ""
         return f"[{self.owner}] {self.name} ({loc}{more})"
 
@@ -626,7 +626,7 @@ def render_all_threads(stacks: list[RankStack]) -> str:
             text = f"Thread {tid} {t.name or ''} {'(' + ', '.join(flags) + ')' if flags else ''}"
             lines.append(" ".join(text.split()) if len(group) > 1 else text.rstrip())
             for f in t.frames:
-                loc = f"{f.file}:{f.line}" if f.line else f.file
+                loc = with_line(f.file, f.line)
                 lines.append(f"    {f.name} ({loc})")
         lines.append("")
     return "\n".join(lines)

@@ -21,6 +21,12 @@ def file_line(file: str | None, line: int | None) -> str | None:
     return f"{base_name(file)}:{line}"
 
 
+def with_line(path: str, line: int | None) -> str:
+    """``path:88``, or the path alone when the line is unknown: a frame as stacks print it (whatever ``path`` is:
+    a base name, a display path or a native library)."""
+    return f"{path}:{line}" if line else path
+
+
 def base_name(file: str) -> str:
     return file.replace("\\", "/").rsplit("/", 1)[-1]
 
