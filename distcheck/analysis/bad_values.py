@@ -398,8 +398,10 @@ def merge_states(states: dict[int, dict[str, Any]]) -> tuple[list[Finding], list
         seconds = max(sum(c["seconds"] for c in mc) for mc in model_checks)
         roots = sorted({c["root"] for mc in model_checks for c in mc})
         bad = sum(c["findings"] for mc in model_checks for c in mc)
+        # A model whose own forward never ran is checked at the first optimizer.step(); its label says so.
+        when = "" if any(" (at " in r for r in roots) else " at the first forward"
         checks.append(CheckResult("model_check", bad == 0, seconds,
-                                  note=f"found by itself at the first forward: {', '.join(roots)}"))
+                                  note=f"found by itself{when}: {', '.join(roots)}"))
     else:
         checks.append(CheckResult("model_check", True, 0.0,
                                   note="no model passed to fully_shard/DDP/parallelize_module/distribute_module"))

@@ -5,7 +5,8 @@
 Each rank's ``autocheck-rank<R>.json`` holds, under ``replica_drift.checked``, one row per fingerprinted point: the
 baseline at the first forward (step -1), then one per optimizer step: every replicated parameter as
 ``[name, replica key, dtype, shape, chunk bounds, chunk sums]``, plus how many backward() calls that step had and
-how many of them ran under DDP's ``no_sync()``. Parameters the baseline already shows different are the first
+how many of them ran under DDP's ``no_sync()``, and the line of a forward that went around DDP
+(``model.module(x)``) when the step was built on one. Parameters the baseline already shows different are the first
 forward's ``tensor_divergence`` (check_model), not drift. The first step after which some parameter differs
 between ranks with equal keys is one ``tensor_divergence`` finding for all the parameters it touched.
 """
@@ -88,6 +89,7 @@ def _finding(step: int, divs: list, by_rank: dict[int, dict[str, Any]]) -> Findi
     step_file, step_line = _site(row.get("site"))
     no_sync = next((r for _, r in sorted(by_rank.items())
                     if r.get("backwards") and r.get("unsynced") == r.get("backwards")), None)
+    bypass = next((r["ddp_bypass_site"] for _, r in sorted(by_rank.items()) if r.get("ddp_bypass_site")), None)
     shown = format_names(names, FIRST_NAMES)
     count = f"{len(names)} parameter{'s' if len(names) != 1 else ''}"
     ordinal = "the first optimizer.step()" if step == 0 else f"optimizer.step() #{step}"
@@ -96,7 +98,14 @@ def _finding(step: int, divs: list, by_rank: dict[int, dict[str, Any]]) -> Findi
                f"({_where(step_file, step_line)}), though they agreed before it: {shown}.")
     cause = None
     file, line = step_file, step_line
-    if no_sync is not None:
+    if bypass is not None:
+        file, line = _site(bypass)
+        message += (f"\nDDP never averaged the gradients: the step's forward called the wrapped module directly at "
+                    f"{_where(file, line)} (model.module(...)), so DistributedDataParallel's own forward, which arms "
+                    "the gradient all-reduce of the next backward(), never ran in that step. Call model(x), not "
+                    "model.module(x), for the training forward.")
+        cause = "ddp_bypassed"
+    elif no_sync is not None:
         file, line = _site(no_sync.get("no_sync_site"))
         n = no_sync["backwards"]
         message += (f"\nGradients were not all-reduced: {'the' if n == 1 else 'all'} {n} backward() "
@@ -149,6 +158,10 @@ _FROZEN = {
                             "building the optimizer"),
     "no_params": ("the optimizer (built at {built}) holds no parameters: build it over the model's parameters "
                   "(an exhausted generator or a filter that kept nothing gives an empty list)"),
+    "built_before_wrap": ("every gradient was None: the optimizer was built at {built}, before {wrap_call} at "
+                          "{wrapped} replaced the model's parameters with new ones, so it holds the old tensors, "
+                          "which no backward() reaches. Build the optimizer after {wrap_call}, over the "
+                          "parameters it put in the model (model.parameters())"),
     "no_backward": "every gradient was None: no backward() ran before the step",
     "no_grad": ("every gradient was None though backward() ran: it never reached the optimizer's parameters (a loss "
                 "computed under torch.no_grad() or detached, or an optimizer over another model's parameters)"),
@@ -171,15 +184,19 @@ def frozen_finding(states: dict[int, dict[str, Any]]) -> Finding | None:
     step_file, step_line = _site({"file": first["site"][0], "line": first["site"][1]} if first.get("site") else None)
     sync = first.get("sync_off") or [None, None]
     built = first.get("built") or [None, None]
+    wrapped = first.get("wrap_site") or [None, None]
     why = _FROZEN.get(cause, "nothing had a gradient").format(
-        sync=_where(*sync), built=_where(*built), params=first.get("params"))
+        sync=_where(*sync), built=_where(*built), params=first.get("params"), wrapped=_where(*wrapped),
+        wrap_call=first.get("wrap_call") or "the parallelizing call")
     n = len(rows)
     message = (f"optimizer.step() changed no parameter on {format_ranks(sorted(frozen))} in the first "
                f"{n} step{'s' if n != 1 else ''} ({first.get('optimizer', 'optimizer')} at "
                f"{_where(step_file, step_line)}): {why}.")
-    file, line = {"gradient_sync_off": sync, "requires_grad_false": built, "no_params": built}.get(
-        cause, [step_file, step_line])
+    file, line = {"gradient_sync_off": sync, "requires_grad_false": built, "no_params": built,
+                  "built_before_wrap": built}.get(cause, [step_file, step_line])
     detail = {"cause": cause, "file": file, "line": line, "steps": n, "step_site": first.get("site"),
               "params": first.get("params"), "per_rank": {str(r): [x.get("cause") for x in rs]
                                                           for r, rs in frozen.items()}}
+    if cause == "built_before_wrap":  # the call that replaced the parameters the optimizer holds
+        detail.update(wrap_call=first.get("wrap_call"), wrap_site=first.get("wrap_site"), built=first.get("built"))
     return Finding("bad_values", sorted(frozen), message, detail)

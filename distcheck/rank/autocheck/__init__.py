@@ -171,6 +171,7 @@ class AutoCheck:
         # The frame of torch's step wrapper: it stays on the stack while the step runs, closures included
         # (Lightning's and LBFGS's optimizer.step(closure) run forward and backward() inside the step).
         self._stepping, self._step_frame = optimizer, _torch_step_frame()
+        self.models.on_first_step()  # a model whose own forward never ran (model.module(x)) is checked here
         self.async_work.on_optimizer_step(optimizer)
         step = self.opt_steps.get(id(optimizer), 0)
         self.opt_steps[id(optimizer)] = step + 1
@@ -186,6 +187,8 @@ class AutoCheck:
         step = self.opt_steps.get(id(optimizer), 1) - 1
         # After the step, not before: a closure (LBFGS, Lightning) computes the gradients inside it.
         self.frozen.on_optimizer_step(optimizer, step)
+        if self.frozen.rows and self.frozen.rows[-1]["step"] == step:  # this step's row: was it built too early?
+            self.prewrap.replaced.explain(self.frozen.rows[-1], optimizer)
         self.records.on_optimizer_step_done(optimizer)
         self.drift.on_optimizer_step_done(step)
         self.module_summaries.finish_step()

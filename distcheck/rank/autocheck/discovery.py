@@ -8,6 +8,10 @@ before FSDP's own (the parameters are still sharded). The first forward of a wat
 outermost watched module containing it) once: what ``check_model`` runs (placements, FSDP2/FSDP1/TP coverage,
 meshes, replica consistency, all through the side channel, never the user's process group), plus a scan of every
 parameter and buffer for values no initializer produces (``bad_values``). Its time goes to the report's ``model_check``.
+
+A model is found by what happens to it, not only by how it is called: a watched model whose own forward never ran
+before the first ``optimizer.step()`` (a step built on ``ddp_model.module(x)``, which goes around DDP's forward) is
+checked at that step instead, before the update, so its replicas still get their baseline.
 """
 from __future__ import annotations
 
@@ -63,6 +67,7 @@ class ModelWatch:
         self.backward_order: dict[str, int] = {}  # parameter name -> position in backward order
         self.on_watch: list[Any] = []  # callbacks run when a module is watched (names may change)
         self.warnings: list[dict[str, Any]] = []  # report.json "warnings" entries (mixed meshes in a correct model)
+        self._stepped = False  # the first optimizer.step() came: models not checked by then are checked there
 
     def keep(self, found: list[Finding]) -> None:
         """Findings this rank reports for its group (the lead): to the run's sink, or the pytest pool's file."""
@@ -117,7 +122,24 @@ class ModelWatch:
             self._global.remove()
             self._global = None
 
-    def on_first_forward(self, module: Any) -> None:
+    def on_first_step(self) -> None:
+        """The first optimizer.step() (its pre-hook: nothing updated yet): check every watched model whose own
+        forward never ran, e.g. a DDP model whose training step calls ``model.module(x)``."""
+        if self._stepped or self.checking:
+            return
+        self._stepped = True
+        for root in outermost(self.alive()):
+            if not self._is_checked(root):
+                self.on_first_forward(root, at="the first optimizer.step()")
+
+    def _is_checked(self, module: Any) -> bool:
+        for ref in self._checked:
+            done = ref()
+            if done is not None and any(sub is module for sub in done.modules()):
+                return True
+        return False
+
+    def on_first_forward(self, module: Any, at: str = "the first forward") -> None:
         if self.checking:
             return
         handle = self._hooks.get(id(module))
@@ -126,28 +148,27 @@ class ModelWatch:
         if self._global is not None:
             self._global.remove()
             self._global = None
-        for ref in self._checked:
-            done = ref()
-            if done is not None and any(sub is module for sub in done.modules()):
-                return
+        if self._is_checked(module):
+            return
         root = self.root_of(module)
         self._checked.append(weakref.ref(root))
         self.checking = True
         started = time.perf_counter()
         found: list[Finding] = []
         try:
-            found = self.check_root(root)
+            found = self.check_root(root, at)
         except Exception as exc:  # a failing check must never break the user's training
             log.warning("distcheck: the automatic model check failed: %s: %s", type(exc).__name__, exc)
         finally:
             self.checking = False
         seconds = time.perf_counter() - started
-        self.model_checks.append({"root": _root_label(root), "seconds": seconds, "findings": len(found)})
+        label = _root_label(root) if at == "the first forward" else f"{_root_label(root)} (at {at})"
+        self.model_checks.append({"root": label, "seconds": seconds, "findings": len(found)})
         self._record_forward_order(root)
         self.owner.drift.on_first_forward()  # the replicas' baseline: before any step could make them drift
         self.owner.write_state()
 
-    def check_root(self, root: Any) -> list[Finding]:
+    def check_root(self, root: Any, at: str = "the first forward") -> list[Finding]:
         import torch
 
         from distcheck.checks.placement import check_model, describe_model
@@ -168,10 +189,10 @@ class ModelWatch:
             if since is not None:
                 label = {"ddp": "DistributedDataParallel's construction",
                          "fsdp1": "FullyShardedDataParallel's construction"}.get(since["how"], since["how"])
-                cause = (f"They were identical at {label} at {_site_text(since['site'])} and differ at the first "
-                         f"forward at {forward}: something in between changed some ranks' copies (a checkpoint "
-                         f"or state loaded on one rank only, an update under a rank condition).")
-            findings = check_model(root, skip=reported, where=f"at the first forward ({forward})", cause=cause,
+                cause = (f"They were identical at {label} at {_site_text(since['site'])} and differ at {at} at "
+                         f"{forward}: something in between changed some ranks' copies (a checkpoint or state loaded "
+                         f"on one rank only, an update under a rank condition).")
+            findings = check_model(root, skip=reported, where=f"at {at} ({forward})", cause=cause,
                                    warnings=self.warnings)  # emits on rank 0 when a sink is set
             local = self._scan_values(root)
             # Source lines cost an inspect per parameter: only for what is flagged (normally nothing).

@@ -105,13 +105,38 @@ def _before(how: str, args: tuple, kwargs: dict) -> None:
         log.debug("distcheck: could not compare a model before %s: %s", how, exc)
 
 
+def _params_before(check: Any, args: tuple, kwargs: dict) -> dict[int, Any] | None:
+    """The parameters an outermost parallelizing call may replace, while an optimizer exists (prewrap.py)."""
+    if check.prewrap.depth:
+        return None
+    try:
+        return check.prewrap.replaced.before(_arg(args, kwargs, 0, "module"))
+    except Exception as exc:
+        log.debug("distcheck: could not note the parameters before a parallelizing call: %s", exc)
+        return None
+
+
+def _params_after(check: Any, before: dict[int, Any] | None, how: str | None, modules: Any) -> None:
+    """Which optimizers' parameters the call took away: theirs is the call's line (``built_before_wrap``)."""
+    if not before:
+        return
+    from distcheck.rank.usersite import caller_site
+
+    try:
+        check.prewrap.replaced.after(before, f"{how}(...)", modules, caller_site())
+    except Exception as exc:
+        log.debug("distcheck: could not note the parameters a parallelizing call replaced: %s", exc)
+
+
 def _watching(fn: Callable, pick: Callable[[tuple, dict, Any], Any], how: str | None = None,
               after: Callable[[Any, Any], None] | None = None) -> Callable:
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         check = current()
+        replaced = None
         if how is not None and check is not None:
             _before(how, args, kwargs)
+            replaced = _params_before(check, args, kwargs)
             with check.prewrap.inside():  # parallelize_module's own distribute_module calls are part of it
                 result = as_user(fn, *args, **kwargs)
         else:
@@ -120,6 +145,7 @@ def _watching(fn: Callable, pick: Callable[[tuple, dict, Any], Any], how: str | 
         if check is not None:
             try:
                 target = pick(args, kwargs, result)
+                _params_after(check, replaced, how, target)
                 for m in target if isinstance(target, (list, tuple)) else [target]:
                     check.watch(m)
                     if after is not None:
@@ -216,11 +242,17 @@ def _patch_fsdp1(fsdp: Any) -> None:
         from distcheck.rank.usersite import caller_site
 
         site = caller_site()
+        replaced = _params_before(check, args, kwargs)
         with check.prewrap.inside():
             as_user(init, self, *args, **kwargs)
         check = current()
         if check is None:
             return
+        try:  # FSDP1 moved the module's parameters into its flat parameter: optimizers built before hold the old
+            if replaced:
+                check.prewrap.replaced.after(replaced, "FullyShardedDataParallel(...)", self, site)
+        except Exception as exc:
+            log.debug("distcheck: could not note the parameters FSDP1 replaced: %s", exc)
         setattr(self, WRAP_SITE, [site.file, site.line])
         check.watch(self)
         try:  # the data-parallel ranks' first batches (dp_inputs.py): every rank training this model
@@ -363,7 +395,11 @@ def patch_once() -> None:
         else:
             as_user(ddp_init, self, *args, **kwargs)
         if current() is not None:
-            current().watch(self)
+            current().watch(self)  # found at construction; checked at its first forward or first step
+            try:  # a step whose forward goes around it (model.module(x)): replica_drift.py
+                current().drift.watch_ddp(self)
+            except Exception as exc:
+                log.debug("distcheck: could not watch DDP's forward: %s", exc)
             try:  # the data-parallel ranks' first batches (dp_inputs.py): the ranks of DDP's process group
                 import torch.distributed as dist
 
@@ -438,6 +474,7 @@ def patch_once() -> None:
         if current() is not None:
             current().optimizers += 1
             current().frozen.note_optimizer(self)
+            current().prewrap.replaced.note_optimizer(self)  # is it built before a call replaces its parameters?
 
     torch.optim.Optimizer.__init__ = opt_wrapper
 

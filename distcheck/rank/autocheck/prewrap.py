@@ -121,6 +121,7 @@ class PreWrap:
         self._idents: dict[int, tuple | None] = {}  # id(pending row) -> the ident of its tensor before the call
         self._styles_without_src: list[str] = []  # the plan's ParallelStyles built with src_data_rank=None
         self.direct_checks = 0
+        self.replaced = ReplacedParams()  # optimizers built before a call replaced their parameters
 
     # -- events -----------------------------------------------------------------------------------------------------
     def note_seed(self, seed: Any) -> None:
@@ -565,3 +566,56 @@ def _unwrapped_tensors(how: str, module: Any) -> list[tuple[str, str, Any]]:
     out = [(n, "parameter", p) for n, p in module.named_parameters() if not skip(n, p)]
     out += [(n, "buffer", b) for n, b in module.named_buffers() if not skip(n, b)]
     return out
+
+
+class ReplacedParams:
+    """Optimizers built before a call that replaced their parameters (fully_shard, FSDP1, parallelize_module).
+
+    ``fully_shard`` swaps each parameter for a new sharded DTensor ``nn.Parameter``, FSDP1 for its flat parameter and
+    a parallel style for a new DTensor parameter: an optimizer built before holds the old tensors, which no backward()
+    reaches. Each outermost parallelizing call, while an optimizer is alive, notes which of the module's parameters
+    it took away; an optimizer holding one of them keeps the call's name and line, and the frozen-step row of that
+    optimizer names them as the cause (``built_before_wrap``). One set of ids per call, nothing per step.
+    """
+
+    def __init__(self) -> None:
+        self._optimizers: list[weakref.ref] = []
+        self.wraps: dict[int, tuple[str, list]] = {}  # id(optimizer) -> (the call, [file, line])
+
+    def note_optimizer(self, optimizer: Any) -> None:
+        self._optimizers.append(weakref.ref(optimizer))
+
+    def _live(self) -> list[Any]:
+        self._optimizers = [ref for ref in self._optimizers if ref() is not None]
+        return [ref() for ref in self._optimizers]
+
+    def before(self, modules: Any) -> dict[int, Any] | None:
+        """The parameters the call may replace, by id (None when no optimizer exists yet: nothing to note)."""
+        if not self._live():
+            return None
+        return {id(p): p for m in _module_list(modules) for p in m.parameters()}
+
+    def after(self, before: dict[int, Any] | None, call: str, modules: Any, site: Site | None) -> None:
+        if not before:
+            return
+        kept = {id(p) for m in _module_list(modules) for p in m.parameters()}
+        gone = before.keys() - kept
+        if not gone:
+            return
+        for opt in self._live():
+            held = {id(p) for g in getattr(opt, "param_groups", []) for p in g.get("params", [])}
+            if id(opt) not in self.wraps and held & gone:
+                self.wraps[id(opt)] = (call, _site_json(site))
+
+    def explain(self, row: dict[str, Any], optimizer: Any) -> None:
+        """A frozen step of an optimizer whose parameters a later call replaced: that call is the cause."""
+        wrap = self.wraps.get(id(optimizer))
+        if wrap is not None and row.get("cause") == "no_grad":
+            row.update(cause="built_before_wrap", wrap_call=wrap[0], wrap_site=wrap[1])
+
+
+def _module_list(modules: Any) -> list[Any]:
+    import torch.nn as nn
+
+    items = modules if isinstance(modules, (list, tuple)) else [modules]
+    return [m for m in items if isinstance(m, nn.Module)]

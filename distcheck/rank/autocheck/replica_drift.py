@@ -15,13 +15,18 @@ with FULL_SHARD and nothing ignored, which replicate nothing) and writes the fin
 waits for another here.
 
 To say what the script did, backward() calls under DDP's ``no_sync()`` are counted per step, with the line of the
-``with model.no_sync():`` that turned the gradient all-reduce off.
+``with model.no_sync():`` that turned the gradient all-reduce off; and a step built on a forward that went around DDP
+(``model.module(x)`` with grad enabled while DDP's own forward, which arms the all-reduce, never ran in that step)
+keeps the line of that forward. Two forward pre-hooks per DDP model (on it and on its ``module``) only set or read a
+flag, and are removed after the K checked steps; the step hooks do the rest.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
+import weakref
 from typing import Any
 
 from distcheck.analysis.replica_drift import fingerprint_row
@@ -117,6 +122,9 @@ class ReplicaDrift:
         self._unsynced = 0  # ... of which ran with DDP's gradient all-reduce off
         self._no_sync_depth = 0
         self._no_sync_site: Site | None = None
+        self._ddp_forward_ran = False  # a DDP model's own forward ran since the last optimizer step
+        self._bypass_site: Site | None = None  # the first grad-enabled forward of a DDP's module around DDP
+        self._bypass_hooks: list[Any] = []
 
     # -- events ----------------------------------------------------------------------------------------------------
     def enter_no_sync(self) -> None:
@@ -125,6 +133,22 @@ class ReplicaDrift:
 
     def exit_no_sync(self) -> None:
         self._no_sync_depth = max(0, self._no_sync_depth - 1)
+
+    def watch_ddp(self, model: Any) -> None:
+        """Note, per step, whether ``model``'s own forward ran and where its ``module`` was called around it."""
+        import torch
+
+        if not self.steps or not isinstance(getattr(model, "module", None), torch.nn.Module):
+            return
+        me = weakref.ref(self)
+        self._bypass_hooks.append(model.register_forward_pre_hook(functools.partial(_ddp_forward, me)))
+        self._bypass_hooks.append(model.module.register_forward_pre_hook(
+            functools.partial(_inner_forward, me, torch.is_grad_enabled)))
+
+    def _stop_bypass_watch(self) -> None:
+        for handle in self._bypass_hooks:
+            handle.remove()
+        self._bypass_hooks = []
 
     def on_backward(self) -> None:
         self._backwards += 1
@@ -137,12 +161,18 @@ class ReplicaDrift:
 
     def on_optimizer_step_done(self, step: int) -> None:
         backwards, unsynced = self._backwards, self._unsynced
+        # A training step built on a forward around DDP: a backward() ran, and DDP's own forward did not.
+        bypass = self._bypass_site if backwards and not self._ddp_forward_ran else None
         self._backwards = self._unsynced = 0
+        self._ddp_forward_ran, self._bypass_site = False, None
+        if step + 1 >= self.steps:
+            self._stop_bypass_watch()  # the later steps are not compared: their forwards pay nothing
         if step >= self.steps or step in self._done_steps or not self.checked:
             return
         self._done_steps.add(step)
         self._take(step, {"backwards": backwards, "unsynced": unsynced,
                           "no_sync_site": self._no_sync_site.detail() if unsynced and self._no_sync_site else None,
+                          "ddp_bypass_site": bypass.detail() if bypass else None,
                           "site": caller_site().detail()})
 
     # -- the fingerprints ------------------------------------------------------------------------------------------
@@ -172,3 +202,17 @@ class ReplicaDrift:
 
     def state(self) -> dict[str, Any]:
         return {"steps": self.steps, "checked": self.checked, "seconds": self.seconds}
+
+
+def _ddp_forward(ref: weakref.ref, module: Any, args: Any) -> None:
+    drift = ref()
+    if drift is not None:
+        drift._ddp_forward_ran = True
+
+
+def _inner_forward(ref: weakref.ref, grad_enabled: Any, module: Any, args: Any) -> None:
+    """The wrapped module's forward: inside DDP's own (the flag is set) it is the normal path and costs a read."""
+    drift = ref()
+    if drift is None or drift._ddp_forward_ran or drift._bypass_site is not None or not grad_enabled():
+        return  # no_grad evaluation of model.module builds no step: not a bypass
+    drift._bypass_site = caller_site()
