@@ -22,8 +22,9 @@ STAMP := $(VENV)/.installed-$(TORCH_VERSION)
 setup: $(STAMP)
 
 # torch goes in first, pinned, so that the unpinned "torch" in pyproject.toml is already satisfied and pip never
-# pulls a multi-GB CUDA build onto a CPU machine. The editable install also compiles the tracer's C hot path
-# (setup.py, optional: without a C compiler the tracer takes its Python path); a changed .c file re-runs it.
+# pulls a multi-GB CUDA build onto a CPU machine. The editable install also compiles the tracer's C hot path and
+# the Flight Recorder dump scanner (setup.py, optional: without a C compiler both take their Python paths); a
+# changed .c file re-runs it.
 # pip byte-compiles nothing (--no-compile): a module's .pyc is written by the first process that imports it (every
 # target below runs with PYTHONDONTWRITEBYTECODE unset), and the suite imports only ~2,600 of site-packages' ~6,000
 # modules; compileall of all of them took 25 s of a 59 s set-up. What every rank, test worker and the tests' zygote
@@ -33,7 +34,7 @@ setup: $(STAMP)
 # The venv's own pip (23.2, from ensurepip) installs everything, so it is not upgraded first (5 s and a download).
 # distcheck builds with the venv's setuptools and wheel (--no-build-isolation; pyproject.toml's build-system, put
 # in first) instead of an isolated build env fetched every time (6 s).
-$(STAMP): pyproject.toml setup.py distcheck/rank/_tracefast.c
+$(STAMP): pyproject.toml setup.py distcheck/rank/_tracefast.c distcheck/contract/_frscan.c
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --no-compile "torch==$(TORCH_VERSION)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(RUN) $(PY) -W ignore -c '$(WARM_IMPORTS)' & warm=$$!; \

@@ -1,6 +1,9 @@
-"""Print a report directory, or merge several (e.g. per-node stack dumps) into one report.
+"""Print a report directory, merge several (e.g. per-node stack dumps) into one report, or diagnose a job from
+torch's own Flight Recorder dumps.
 
-    python -m distcheck report DIR [DIR ...] [--format text|json|github]
+    python -m distcheck report DIR [DIR ...] [--format text|json|github] [--report-dir DIR]
+    python -m distcheck report dumps/              # TORCH_FR_DUMP_TEMP_FILE=dumps/rank_ on the job
+    python -m distcheck report dumps/rank_         # the same, by prefix
 
 ``text`` is report.txt's form; ``json`` is report.json's form; ``github`` prints one workflow command per finding,
 ``::error file=F,line=L::message`` when the finding has a source location (``detail.file``/``detail.line``), else
@@ -14,6 +17,14 @@ node can be the odd one out across the job. A finding the merged view contradict
 not see another node's files took its ranks for dead ("rank 1 ended without finishing its script"), while the
 node that holds rank 1's trace, or the stacks dumped there, show it running.
 
+**Flight Recorder dumps.** A folder (or file prefix) of the per-rank files torch's NCCL watchdog writes on a
+timeout (``TORCH_FR_DUMP_TEMP_FILE``), or that ``_dump_fr_trace`` / ``_dump_fr_trace_json`` return, of a job
+distcheck never saw: contract/torch_fr_dumps.py finds and reads them (pickle or JSON, NCCL's ring or gloo's; a file
+cut off or unreadable is a warning naming it), analysis/fr_postmortem.py diagnoses the job (mismatched
+collectives, who never issued what the others wait in, timeouts). The report is written like every command's:
+``--report-dir DIR``, by default a new ``distcheck-report-<timestamp>/`` in the working directory (the dumps'
+folder is left as it was: it may be read-only, shared, or read again), and printed in ``--format``.
+
 Exit code: 0 when the (merged) report passed, 1 when it holds findings or failed checks, 2 on bad input.
 """
 from __future__ import annotations
@@ -22,18 +33,25 @@ import argparse
 import json
 import os
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
 from distcheck.errors import UsageError
 from distcheck.contract.findings import CheckResult, Finding
-from distcheck.contract.report import Report, load_report, render_text
+from distcheck.contract.report import Report, load_report, prepare_report_dir, render_text, write_report
 
 FORMATS = ("text", "json", "github")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("dirs", nargs="+", metavar="DIR", help="report directories (holding report.json)")
+    parser.add_argument("dirs", nargs="+", metavar="DIR",
+                        help="report directories (holding report.json), or a folder or file prefix of torch's "
+                             "Flight Recorder dumps")
     parser.add_argument("--format", default="text", help="text (default), json, or github (workflow annotations)")
+    parser.add_argument("--report-dir", default=None,
+                        help="also write report.json and report.txt there (for Flight Recorder dumps: where the "
+                             "report goes, by default a new distcheck-report-<timestamp>/ here)")
 
 
 # --- GitHub workflow commands ---------------------------------------------------------------------------------
@@ -178,23 +196,99 @@ def contradicted(f: Finding, states: dict[int, str], alive: set[int]) -> bool:
     return all(r in alive or states.get(r) in RUNNING_STATES for r in f.ranks)
 
 
+# --- torch's Flight Recorder dumps ------------------------------------------------------------------------------
+
+
+def find_dumps(targets: list[str]) -> list[Any]:
+    """The dumps of each target (contract/torch_fr_dumps.DumpSet), or UsageError: several targets are the folders
+    of one job (one per node), so no rank may have dumps in two of them."""
+    from distcheck.contract import torch_fr_dumps
+
+    unique: dict[str, str] = {}  # a target given twice is read once
+    for t in targets:
+        unique.setdefault(os.path.realpath(t) + ("/" if str(t).endswith(("/", os.sep)) else ""), t)
+    sets = [torch_fr_dumps.find(t) for t in unique.values()]
+    owner: dict[int, str] = {}
+    for ds in sets:
+        for f in ds.files:
+            if f.rank in owner and owner[f.rank] != ds.target:
+                raise UsageError(f"rank {f.rank} has dumps in both {owner[f.rank]!r} and {ds.target!r}: pass the "
+                                 "folders of one job (one dump per rank)")
+            owner[f.rank] = ds.target
+    return sets
+
+
+def flight_recorder_report(sets: list[Any], command: str) -> Report:
+    """The diagnosis of a job from torch's dumps alone, read one ring at a time (a 4,096-rank job's rings are never
+    in memory together)."""
+    from distcheck.analysis.fr_postmortem import Postmortem
+    from distcheck.contract import torch_fr_dumps
+
+    start = time.monotonic()
+    pm = Postmortem()
+    for ds in sets:
+        for path, why in ds.skipped:
+            pm.skip(path, why)
+        for ring in torch_fr_dumps.read_all(ds):
+            if isinstance(ring, torch_fr_dumps.Unreadable):
+                pm.unreadable(ring.rank, ring.path, ring.reason)
+            else:
+                pm.add(ring)
+    diag = pm.result()
+    seconds = time.monotonic() - start
+    for c in diag.checks:
+        c.seconds = seconds
+    prefixes = sorted({p for ds in sets for p in ds.prefixes})
+    diag.data["flight_recorder"]["prefixes"] = prefixes
+    return Report(command=command, world_size=diag.world_size, findings=diag.findings, checks=diag.checks,
+                  warnings=diag.warnings, data=diag.data)
+
+
 def main(args: argparse.Namespace) -> int:
     if args.format not in FORMATS:
         raise UsageError(f"--format {args.format!r} is not supported: use one of {', '.join(FORMATS)}")
+    from distcheck.cli import command_line
+    from distcheck.contract.torch_fr_dumps import looks_like_dumps
+
+    dumps = [looks_like_dumps(d) for d in args.dirs]
+    if any(dumps):
+        if not all(dumps):
+            odd = next(d for d, is_dump in zip(args.dirs, dumps) if not is_dump)
+            raise UsageError(f"{odd!r} is not a folder or prefix of Flight Recorder dumps while the other arguments "
+                             "are: pass either report directories or the dumps of one job, not both")
+        sets = find_dumps(list(args.dirs))
+        report_dir = prepare_report_dir(args.report_dir)
+        report = flight_recorder_report(sets, command_line(getattr(args, "argv", ["report", *args.dirs])))
+        write_report(report, report_dir)
+        return _print(report, args.format, report_dir, "")
     dirs = []
     for d in args.dirs:
         path = Path(d)
         if not path.is_dir():
-            raise UsageError(f"{d!r} is not a directory: pass report directories written by distcheck --report-dir")
+            raise UsageError(f"{d!r} is neither a directory nor a prefix of Flight Recorder dumps: pass report "
+                             "directories written by distcheck --report-dir, or the folder or file prefix of torch's "
+                             "dumps (TORCH_FR_DUMP_TEMP_FILE)")
+        if len(args.dirs) == 1 and not (path / "report.json").exists() and not any(path.glob("node-*/report.json")):
+            raise UsageError(f"{d!r} holds neither report.json nor Flight Recorder dumps (files named <prefix><rank>, "
+                             "as TORCH_FR_DUMP_TEMP_FILE names them): pass a directory written by distcheck "
+                             "--report-dir, or the folder or file prefix of torch's dumps (e.g. dumps/rank_)")
         dirs.append(path)
     report, stacks_text = merge_reports(dirs)
-    if args.format == "json":
+    target = None
+    if args.report_dir:
+        target = prepare_report_dir(args.report_dir)
+        write_report(report, target)
+    return _print(report, args.format, target or (dirs[0] if len(dirs) == 1 else None), stacks_text)
+
+
+def _print(report: Report, fmt: str, report_dir: Path | None, stacks_text: str) -> int:
+    if fmt == "json":
         sys.stdout.write(json.dumps(report.to_json(), indent=2) + "\n")
-    elif args.format == "github":
+    elif fmt == "github":
         for line in github_lines(report):
             sys.stdout.write(line + "\n")
     else:
         if stacks_text:
             report.sections["stacks (all nodes)"] = stacks_text
-        sys.stdout.write(render_text(report, dirs[0] if len(dirs) == 1 else None))
+        sys.stdout.write(render_text(report, report_dir))
     return report.exit_code

@@ -66,6 +66,11 @@ class FormatError(UsageError, ValueError):
     """A per-rank file written by a distcheck whose file format this one does not read."""
 
 
+def is_rank_file(name: str) -> bool:
+    """Whether a file name is one of distcheck's per-rank files (``flight-rank3.json``): never torch's own dump."""
+    return any(pattern.match(name) for pattern in _RANK_OF.values())
+
+
 def rank_file(report_dir: str | os.PathLike, kind: str, rank: int) -> Path:
     return Path(report_dir) / _PER_RANK[kind].format(rank=rank)
 

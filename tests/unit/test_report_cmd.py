@@ -117,11 +117,11 @@ def test_merge_of_nodes_all_in_one_place_passes(tmp_path, cli):
 
 def test_bad_input_exits_2_with_one_line(tmp_path, cli):
     res = cli(["report", str(tmp_path / "missing")])
-    assert res.returncode == 2 and res.stderr.count("\n") == 1 and "is not a directory" in res.stderr
+    assert res.returncode == 2 and res.stderr.count("\n") == 1 and "is neither a directory nor a prefix" in res.stderr
     empty = tmp_path / "empty"
     empty.mkdir()
     res = cli(["report", str(empty)])
-    assert res.returncode == 2 and "report.json does not exist" in res.stderr
+    assert res.returncode == 2 and "holds neither report.json nor Flight Recorder dumps" in res.stderr
     ok = make_dir(tmp_path / "ok", [])
     res = cli(["report", str(ok), "--format", "xml"])
     assert res.returncode == 2 and res.stderr.strip() == (
