@@ -10,12 +10,12 @@ from __future__ import annotations
 import json
 import os
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from distcheck.contract import atomic_file
 from distcheck.errors import UsageError
 from distcheck.contract.findings import KINDS, CheckResult, Finding, Note, headline, jsonable
 
@@ -123,30 +123,10 @@ def render_text(report: Report, report_dir: str | os.PathLike | None = None) -> 
     return "\n".join(lines) + "\n"
 
 
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-_UMASK = _umask()
-
-
 def atomic_write(path: str | os.PathLike, text: str) -> None:
-    """Write via a temporary file in the same directory and rename, so readers never see half a file."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp makes 0600; reports are shared like every other file (CI artifacts)
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    """A report file written whole, so readers never see half a file (contract/atomic_file.py, the one atomic
+    write; the report's writers call it by this name)."""
+    atomic_file.write_text(path, text)
 
 
 def default_report_dir(now: float | None = None, suffix: str | int | None = None) -> Path:
