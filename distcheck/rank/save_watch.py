@@ -36,7 +36,8 @@ def install(report_dir: str | os.PathLike, rank: int) -> None:
     if _state.get("installed"):
         return
     original = torch.save
-    _state.update(installed=True, report_dir=Path(report_dir).resolve(), rank=rank, counts={}, host=socket.gethostname())
+    _state.update(installed=True, report_dir=Path(report_dir).resolve(), rank=rank, counts={},
+                  host=socket.gethostname())
 
     @functools.wraps(original)
     def save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> Any:
@@ -94,13 +95,14 @@ def _text(value: Any) -> str:
 
 
 def _leaves(obj: Any, key: str = "", budget: list[int] | None = None) -> Iterator[tuple[str, Any]]:
-    """(path, leaf) of a saved object: dicts, lists and tuples walked, a module by its state_dict."""
+    """(path, leaf) of a saved object: dicts, lists and tuples walked, a module by its parameters and buffers."""
     budget = [_LEAVES] if budget is None else budget
     if budget[0] <= 0:
         return
-    state_dict = getattr(obj, "state_dict", None)
-    if callable(state_dict) and hasattr(obj, "named_parameters"):  # an nn.Module saved whole
-        obj = state_dict()
+    if callable(getattr(obj, "named_parameters", None)) and callable(getattr(obj, "named_buffers", None)):
+        # An nn.Module saved whole: its tensors as they are here, never its state_dict(), which on FSDP1 (a full
+        # state dict) all-gathers, and a save on rank 0 alone would then hang the others
+        obj = {**dict(obj.named_parameters()), **dict(obj.named_buffers())}
     if isinstance(obj, dict):
         for k, v in obj.items():
             yield from _leaves(v, f"{key}.{k}", budget)

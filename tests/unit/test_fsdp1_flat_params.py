@@ -50,9 +50,13 @@ def build(strategy: str = "FULL_SHARD", orig: bool = True, ignore_gate: bool = F
     torch.manual_seed(0)
     net = Model()
     plain = {n: p.detach().clone() for n, p in net.named_parameters()}
-    model = FSDP(net, auto_wrap_policy=ModuleWrapPolicy({Block}), sharding_strategy=ShardingStrategy[strategy],
-                 device_id=torch.device("cpu"), use_orig_params=orig, device_mesh=mesh,
-                 ignored_modules=[net.gate] if ignore_gate else None)
+    import warnings
+
+    with warnings.catch_warnings():  # torch deprecates NO_SHARD ("use DistributedDataParallel"); still supported
+        warnings.filterwarnings("ignore", "The `NO_SHARD` sharding strategy is deprecated", FutureWarning)
+        model = FSDP(net, auto_wrap_policy=ModuleWrapPolicy({Block}), sharding_strategy=ShardingStrategy[strategy],
+                     device_id=torch.device("cpu"), use_orig_params=orig, device_mesh=mesh,
+                     ignored_modules=[net.gate] if ignore_gate else None)
     return plain, model
 
 
