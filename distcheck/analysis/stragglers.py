@@ -255,22 +255,16 @@ def analyze(traces: Mapping[int, Any], samples: Mapping[int, list] | None = None
         starts = {m: events[m].t_start for m in members if m in events}
         before = previous.get((late, id(events[late])))
 
-        def ended(rank: int, e: Any) -> float:
-            # No collective ends before its last member began it: gloo's ring says "completed" without a time (a
-            # DDP bucket's end is its creation), and the stretch from there was the others' wait inside it, not
-            # their own work (their backward's samples then hid the late rank's backward: a flaky compute test)
-            began = [x.t_start for m, x in positions.get((e.group_key, e.seq), {}).items()
-                     if hosts.get(m) == hosts.get(rank)]
-            return max([e.t_end or e.t_start, *began])
         peers = [(m, previous.get((m, id(events[m])))) for m in members
                  if m != late and m in events and samples and samples.get(m)]
         # The first collective has no stretch before it to set against the others': counted only without theirs
         if samples and samples.get(late) and (before is not None or not peers):
             peers = [(m, b) for m, b in peers if b is not None]
-            since = ended(late, before) if before is not None else starts[late] - held
+            since = _ended(positions, hosts, late, before) if before is not None else starts[late] - held
             _count_samples(ranks[late].spent, samples[late], since, starts[late])
             for m, b in peers:  # the same stretch on each other member: its previous collective to this one
-                _count_samples(ranks[late].usual, samples[m], ended(m, b), starts[m], 1 / len(peers))
+                _count_samples(ranks[late].usual, samples[m], _ended(positions, hosts, m, b), starts[m],
+                               1 / len(peers))
         gap = (_label(before) if before is not None else "the start", _label(events[late]))
         entry = ranks[late].gaps.setdefault(gap, [0, 0.0])
         entry[0] += 1
@@ -283,6 +277,14 @@ def analyze(traces: Mapping[int, Any], samples: Mapping[int, list] | None = None
              if v.last >= MIN_LAST and v.last >= LAST_SHARE * v.positions
              and v.held >= max(MIN_WAIT, MIN_WAIT_SHARE * span)]
     return Stragglers({r: v for r, v in ranks.items() if v.positions}, span, named, _windows(reached))
+
+
+def _ended(positions: Mapping[tuple, Mapping[int, Any]], hosts: Mapping[int, Any], rank: int, e: Any) -> float:
+    """When ``rank``'s collective ``e`` ended, no earlier than its last member (on the same host) began it: gloo's
+    ring says "completed" without a time (a DDP bucket's end is its creation), and the stretch from there was the
+    others' wait inside it, not their own work (their backward's samples then hid the late rank's backward)."""
+    began = [x.t_start for m, x in positions.get((e.group_key, e.seq), {}).items() if hosts.get(m) == hosts.get(rank)]
+    return max([e.t_end or e.t_start, *began])
 
 
 def _waits_by_time_inside(members: tuple, events: Mapping[int, Any],
