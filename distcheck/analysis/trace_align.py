@@ -574,6 +574,7 @@ def failure_finding(o: RankOutcome, traces: dict[int, RankTrace], outcomes: dict
         where = f" at {err.site}" if err.site else ""
         what = f"raised {err.exc_type}: {first_line(err.message)}{where}"
         worker = worker_error(err.message)
+        file, line = err.file, err.line
         if translated and translated.get("message"):  # torch's text stays in detail["error"]
             what = f"raised {err.exc_type}{where}: {translated['message']}"
             detail.update(translated.get("detail") or {})
@@ -582,10 +583,9 @@ def failure_finding(o: RankOutcome, traces: dict[int, RankTrace], outcomes: dict
             what = (f"raised {worker.exc_type}: {worker.text} at {worker.site} (in {worker.func}), re-raised in the "
                     f"rank{where}")
             detail.update(worker=worker.worker, loader_file=err.file, loader_line=err.line)
-        if worker is not None and worker.site and not (translated and translated.get("message")):
-            detail.update(file=worker.file, line=worker.line)
-        elif err.line is not None:
-            detail.update(file=err.file, line=err.line)
+            file, line = worker.file, worker.line
+        if line is not None:
+            detail.update(file=file, line=line)
     elif o.signal:
         what = f"died from {o.signal}" + (f" (exit code {o.exit_code})" if o.exit_code is not None else "")
     elif o.state == STATE_ERROR:  # its exit record says it raised, but the error line was lost (a full disk)

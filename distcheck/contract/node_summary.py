@@ -133,8 +133,9 @@ def _named_groups(progress: Mapping[str, Any]) -> tuple[dict[str, Any], list[dic
     """The progress with every group of more than GROUP_INLINE ranks as "@<index>" into the groups it returns.
     The refs of one group share one list (analysis/progress._ranks_list): each is looked at once, by identity."""
     groups: list[dict[str, Any]] = []
-    index: dict[Any, int] = {}  # id(list) -> index, then the ranks' tuple -> index for equal lists not shared
-    keep: list[list[int]] = []  # the lists whose ids index holds, alive while it does
+    # id(list) -> index (the lists stay alive in ``progress`` while this runs), then the ranks' tuple -> index for
+    # equal lists that are not shared
+    index: dict[Any, int] = {}
     out: dict[str, Any] = {}
     for rank, p in progress.items():
         if not isinstance(p, dict):
@@ -155,7 +156,6 @@ def _named_groups(progress: Mapping[str, Any]) -> tuple[dict[str, Any], list[dic
                     i = index[ranks] = len(groups)
                     groups.append(_spec(pg))
                 index[id(pg)] = i
-                keep.append(pg)
             entry["pg"] = f"@{i}"
         out[rank] = p
     return out, groups

@@ -30,3 +30,18 @@ def fake_world(request):
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     yield
     dist.destroy_process_group()
+
+
+@pytest.fixture
+def cli(capsys):
+    """``distcheck ARGS`` in this process: its exit code, stdout and stderr (launch_helpers.Result)."""
+    from launch_helpers import Result
+
+    from distcheck import cli as cli_mod
+
+    def run(argv: list[str]) -> Result:
+        capsys.readouterr()
+        code = cli_mod.main(argv)
+        out, err = capsys.readouterr()
+        return Result(code, out, err)
+    return run

@@ -6,26 +6,12 @@ from pathlib import Path
 
 import pytest
 
-from launch_helpers import Result
-
 from distcheck.analysis.stack_groups import Frame, RankStack, ThreadStack
 from distcheck.contract.findings import CheckResult, Finding
 from distcheck.contract.report import Report, write_report
 from distcheck.supervise.stacks import DumpError, write_stack_artifacts
 
 TORCH = "/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py"
-
-
-@pytest.fixture
-def cli(capsys):
-    from distcheck import cli as cli_mod
-
-    def run(argv: list[str]) -> Result:
-        capsys.readouterr()
-        code = cli_mod.main(argv)
-        out, err = capsys.readouterr()
-        return Result(code, out, err)
-    return run
 
 
 def make_dir(path: Path, findings: list[Finding], ok_check: bool = True, command: str = "distcheck run") -> Path:

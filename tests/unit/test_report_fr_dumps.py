@@ -11,21 +11,8 @@ import json
 import pytest
 
 from fr_dump_builder import Ring, world, write
-from launch_helpers import Result
 
 from distcheck.contract.report import contract_problem
-
-
-@pytest.fixture
-def cli(capsys):
-    from distcheck import cli as cli_mod
-
-    def run(argv: list[str]) -> Result:
-        capsys.readouterr()
-        code = cli_mod.main(argv)
-        out, err = capsys.readouterr()
-        return Result(code, out, err)
-    return run
 
 
 def hung_job(folder, n=3):
