@@ -36,8 +36,8 @@ Many nodes (``--nodes N --ranks-per-node P``, W = N*P ranks, one world group):
     .venv/bin/python bench/bench_scale.py --nodes 12500 --ranks-per-node 8 --coll 20000 --verbose
 
 prints per shape ``scale nodes=N ranks=W coll=C shape=S seconds=X peak_mb=Y node_seconds=Z node_mb=M``: seconds
-and peak_mb are node 0 composing the job's report (node_watcher._publish_job_report: gather, compare_nodes,
-remote_findings, merge_summaries, node_report.compose, publish) in a fresh process; node_seconds / node_mb the
+and peak_mb are node 0 composing the job's report (node_watcher._deliver_job_report: gather, compare_nodes,
+remote_findings, merge_summaries, node_report.compose, deliver) in a fresh process; node_seconds / node_mb the
 slowest / largest summary a real node built (summarize_node(..., final=True, digests=True), or on a hang
 summarize_node(..., hung=True) with its ranks running, and ``summary.encode()``), each in a fresh process.
 Targets: node 0 <= 30 s and <= 2 GB, each summary <= 1 s and <= 1 MB. The simulation:
@@ -251,7 +251,7 @@ def analyse(report_dir: Path, world: int, shape: str) -> tuple[float, float, flo
     before = _snapshot(report_dir)
     t_start = time.perf_counter()
     from distcheck.analysis.trace_events import load_traces
-    from distcheck.contract.report import write_report
+    from distcheck.contract.report import publish
     from distcheck.supervise import run_report
 
     hang_findings = []
@@ -270,7 +270,7 @@ def analyse(report_dir: Path, world: int, shape: str) -> tuple[float, float, flo
     for finding in hang_findings:
         report.artifacts.update(finding.detail.get("artifacts", {}))
     run_report.write_trace_view(report, report_dir, traces)  # what supervised_run publishes with the report
-    write_report(report, report_dir)
+    publish(report, report_dir)
     seconds = time.perf_counter() - t_start
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     after = _snapshot(report_dir)
@@ -380,7 +380,7 @@ def write_others(base: Path, nnodes: int, per_node: int, shape: str) -> None:
 
 
 class BenchChannel:
-    """The StoreChannel node 0's ``_publish_job_report`` talks to, without a store: ``gather`` decodes the other
+    """The StoreChannel node 0's ``_deliver_job_report`` talks to, without a store: ``gather`` decodes the other
     nodes' encoded summaries (others.jsonl) as ``StoreChannel.summaries`` does; ``ask_windows`` encodes the asks
     as the real one does; ``answers`` serves each node's answer as JSON bytes, decoded as the real one does: a real
     node's computed by node_exchange.window_answer on its directory, a re-labelled node's the typical node's answer
@@ -446,7 +446,7 @@ class BenchChannel:
             out[node] = json.loads(raw)  # StoreChannel.answers
         return out
 
-    def publish_report(self, host, path) -> None:
+    def post_report_path(self, host, path) -> None:
         pass
 
     def await_report_seen(self, nodes, deadline, poll=0.05) -> int:
@@ -454,7 +454,7 @@ class BenchChannel:
 
 
 def compose_job(base: Path, nnodes: int, per_node: int, shape: str) -> dict:
-    """Node 0 composing the job's report (fresh process): node_watcher._publish_job_report, as ``_watch_nodes``
+    """Node 0 composing the job's report (fresh process): node_watcher._deliver_job_report, as ``_watch_nodes``
     calls it once its ranks ended (``own``: its own summary) or ``_report_hang`` on a hang, with the channel
     above. Seconds, peak MB, and the report's findings."""
     from distcheck.contract.node_summary import NodeSummary
@@ -479,7 +479,7 @@ def compose_job(base: Path, nnodes: int, per_node: int, shape: str) -> dict:
     saved_stderr = sys.stderr
     sys.stderr = open(os.devnull, "w")  # publish prints the report to the job's console
     try:
-        node_watcher._publish_job_report(evidence, env, channel, False, 0, None, own)
+        node_watcher._deliver_job_report(evidence, env, channel, False, 0, None, own)
     finally:
         sys.stderr.close()
         sys.stderr = saved_stderr

@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from distcheck.contract.findings import CheckResult  # noqa: E402
-from distcheck.contract.report import Report, write_report  # noqa: E402
+from distcheck.contract.report import Report, publish  # noqa: E402
 from distcheck.supervise.stacks import Target, dump_all, find_pyspy  # noqa: E402
 from distcheck.processes import terminate  # noqa: E402
 from distcheck.supervise.watch import HUNG, HangDump, RankFunctions, WatchLoop  # noqa: E402
@@ -93,7 +93,7 @@ def timeout_to_report(nproc: int, timeout: float) -> tuple[float, float, str]:
             result = loop.run()
             if result.state != HUNG:
                 raise SystemExit("the watch loop did not declare the hang")
-            write_report(Report("bench", nproc, result.hang_findings, [CheckResult("watchdog", False, 0.0)]), report_dir)
+            publish(Report("bench", nproc, result.hang_findings, [CheckResult("watchdog", False, 0.0)]), report_dir)
             reported = time.monotonic()
             terminate(list(pids.values()))
             ended = time.monotonic()

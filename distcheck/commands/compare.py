@@ -107,14 +107,14 @@ def main(args: argparse.Namespace) -> int:
         raise UsageError("compare launches its own ranks (1, then N): run it with python -m distcheck compare, "
                          "not under torchrun")
     check_capacity(opts.nprocs, args.oversubscribe)
-    from distcheck.commands.run import publish
+    from distcheck.commands.run import print_report
     from distcheck.supervise.compare_runs import compare
     from distcheck.supervise.signals import StopNow, StopSignals
 
     try:
         with StopSignals() as interrupt:  # installed by __main__ first thing; here when called otherwise
             report, report_dir = compare(opts, interrupt)
-            code = publish(report, report_dir, interrupt)
+            code = print_report(report, report_dir, interrupt)
     except StopNow as stop:
         sys.stderr.write(f"distcheck: {stop}: the ranks were killed; no report was written\n")
         return 1

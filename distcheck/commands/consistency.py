@@ -21,8 +21,8 @@ from distcheck.contract import files
 from distcheck.errors import UsageError
 from distcheck.options import (BUILTIN_MODEL, PARALLEL_MODES, ConsistencyOptions, backstop, count, seconds,
                                tolerance)
-from distcheck.contract.report import (Report, default_report_dir, load_report, prepare_report_dir, render_text,
-                              write_report)
+from distcheck.contract.report import (Report, default_report_dir, load_report, prepare_report_dir, publish,
+                                       remove_report)
 
 if TYPE_CHECKING:
     from distcheck.checks import consistency
@@ -128,7 +128,7 @@ def _run(opts: ConsistencyOptions, session: runtime.Session, check_options: cons
                 session, check_options, ctx, name, "the process was killed before it finished (by a signal, the "
                 "launcher after another rank failed, or the watchdog)", [])
             partial.artifacts.update(consistency.report_files(report_dir))
-            write_report(partial, report_dir)
+            publish(partial, report_dir)
 
     try:
         try:
@@ -138,8 +138,7 @@ def _run(opts: ConsistencyOptions, session: runtime.Session, check_options: cons
             # Bad input found mid-run (a factory that raises): exit 2 with its message, and no partial report
             # pretending the run was killed.
             if session.rank == 0:
-                for name in ("report.json", "report.txt"):
-                    (report_dir / name).unlink(missing_ok=True)
+                remove_report(report_dir)
             raise
         except consistency.Terminated:
             behind = consistency.ranks_behind(session)
@@ -156,7 +155,7 @@ def _run(opts: ConsistencyOptions, session: runtime.Session, check_options: cons
             if session.rank == 0:
                 watched = _watchdog_report(report_dir)
                 if watched is not None:  # the watchdog ended the run: its diagnosis is the report
-                    sys.stdout.write(render_text(watched, report_dir))
+                    publish(watched, report_dir, echo=sys.stdout, write=False)
                 else:
                     _write(report, report_dir)
             return 1
@@ -201,6 +200,4 @@ def _write(report: Report, report_dir: Path) -> None:
 
     report.artifacts.update(consistency.report_files(report_dir))
     report.artifacts.setdefault("report.json", "report.json")
-    write_report(report, report_dir)
-    sys.stdout.write(render_text(report, report_dir))
-    sys.stdout.flush()
+    publish(report, report_dir, echo=sys.stdout)

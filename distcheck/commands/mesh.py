@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 import time
 
 from distcheck.analysis.mesh import (MeshSpec, dim_role, mesh_findings, model_findings, plan_mesh,
@@ -22,7 +23,7 @@ from distcheck.analysis.mesh import (MeshSpec, dim_role, mesh_findings, model_fi
 from distcheck.cli import command_line
 from distcheck.errors import UsageError
 from distcheck.contract.findings import CheckResult, Finding
-from distcheck.contract.report import Report, prepare_report_dir, render_text, write_report
+from distcheck.contract.report import Report, prepare_report_dir, publish
 
 log = logging.getLogger("distcheck")
 
@@ -187,8 +188,7 @@ def main(args: argparse.Namespace) -> int:
 
     report = Report(command_line(args.argv), world, findings=findings, checks=checks, data=data,
                     sections=sections)
-    write_report(report, report_dir)
-    print(render_text(report, report_dir), end="")
+    publish(report, report_dir, echo=sys.stdout)
     return report.exit_code
 
 

@@ -39,7 +39,7 @@ from typing import Any
 
 from distcheck.errors import UsageError
 from distcheck.contract.findings import CheckResult, Finding
-from distcheck.contract.report import Report, load_report, prepare_report_dir, render_text, write_report
+from distcheck.contract.report import Report, load_report, prepare_report_dir, publish
 
 FORMATS = ("text", "json", "github")
 
@@ -259,7 +259,6 @@ def main(args: argparse.Namespace) -> int:
         sets = find_dumps(list(args.dirs))
         report_dir = prepare_report_dir(args.report_dir)
         report = flight_recorder_report(sets, command_line(getattr(args, "argv", ["report", *args.dirs])))
-        write_report(report, report_dir)
         return _print(report, args.format, report_dir, "")
     dirs = []
     for d in args.dirs:
@@ -274,21 +273,23 @@ def main(args: argparse.Namespace) -> int:
                              "--report-dir, or the folder or file prefix of torch's dumps (e.g. dumps/rank_)")
         dirs.append(path)
     report, stacks_text = merge_reports(dirs)
-    target = None
-    if args.report_dir:
-        target = prepare_report_dir(args.report_dir)
-        write_report(report, target)
-    return _print(report, args.format, target or (dirs[0] if len(dirs) == 1 else None), stacks_text)
+    target = prepare_report_dir(args.report_dir) if args.report_dir else None
+    return _print(report, args.format, target, dirs[0] if len(dirs) == 1 else None, stacks_text)
 
 
-def _print(report: Report, fmt: str, report_dir: Path | None, stacks_text: str) -> int:
-    if fmt == "json":
+def _print(report: Report, fmt: str, target: Path | None, shown: Path | None = None, stacks_text: str = "") -> int:
+    """Write the report into ``target`` (--report-dir, or where the dumps' report goes) and print it in ``fmt``;
+    ``shown``: the one directory read, named as the report's place when nothing is written. The merged stack groups
+    are printed with the text, not written: each node's stacks files hold them."""
+    if target is not None:
+        publish(report, target)
+    if fmt == "text":
+        if stacks_text:
+            report.sections["stacks (all nodes)"] = stacks_text
+        publish(report, target or shown, echo=sys.stdout, write=False)
+    elif fmt == "json":
         sys.stdout.write(json.dumps(report.to_json(), indent=2) + "\n")
     elif fmt == "github":
         for line in github_lines(report):
             sys.stdout.write(line + "\n")
-    else:
-        if stacks_text:
-            report.sections["stacks (all nodes)"] = stacks_text
-        sys.stdout.write(render_text(report, report_dir))
     return report.exit_code

@@ -113,7 +113,7 @@ def main(args: argparse.Namespace) -> int:
                 from distcheck.supervise.supervised_run import supervised_run
 
                 report, report_dir = supervised_run(opts, opts.nproc or 1, interrupt)
-            return publish(report, report_dir, interrupt)
+            return print_report(report, report_dir, interrupt)
     except StopNow as stop:
         sys.stderr.write(f"distcheck: {stop}: the ranks were killed; no report was written (per-rank traces stay "
                          f"in the report directory)\n")
@@ -124,7 +124,7 @@ def stopped_before_launch(opts: RunOptions, nproc: int, interrupt) -> tuple:
     """The report of a run stopped from outside before any rank was launched: a stop during start-up."""
     from distcheck.contract import files
     from distcheck.contract.findings import CheckResult
-    from distcheck.contract.report import Report, prepare_report_dir, write_report
+    from distcheck.contract.report import Report, prepare_report_dir, publish
     from distcheck.supervise.signals import stop_finding
 
     report_dir = prepare_report_dir(opts.report_dir).resolve()
@@ -134,22 +134,20 @@ def stopped_before_launch(opts: RunOptions, nproc: int, interrupt) -> tuple:
     report = Report(command=opts.command, world_size=nproc, findings=[finding],
                     checks=[CheckResult("ranks_completed", False, 0.0,
                                         note=f"stopped from outside by {interrupt.cause} during start-up")])
-    write_report(report, report_dir)
+    publish(report, report_dir)
     return report, report_dir
 
 
-def publish(report, report_dir: Path, interrupt) -> int:
-    """Print the report; a stop signal that stopped nothing (it came after every rank had finished, even while the
-    report was printed) is a warning in it (supervise/signals.settle), written again."""
-    from distcheck.contract.report import render_text, write_report
+def print_report(report, report_dir: Path, interrupt) -> int:
+    """Print the written report; a stop signal that stopped nothing (it came after every rank had finished, even
+    while the report was printed) is a warning in it (supervise/signals.settle), written again."""
+    from distcheck.contract.report import publish
     from distcheck.supervise.signals import settle
 
-    if settle(report, interrupt) and report.unwritten is None:
-        write_report(report, report_dir)
-    sys.stdout.write(render_text(report, report_dir))
-    sys.stdout.flush()
+    rewrite = settle(report, interrupt) and report.unwritten is None
+    publish(report, report_dir, echo=sys.stdout, write=rewrite)
     # It came while the report was printed: the files say so (unless they could not be written at all: then the
     # report already went to stderr).
     if settle(report, interrupt) and report.unwritten is None:
-        write_report(report, report_dir)
+        publish(report, report_dir)
     return report.exit_code

@@ -54,7 +54,7 @@ def parse_pids(values: list[str]) -> list[int]:
 
 def main(args: argparse.Namespace) -> int:
     from distcheck.cli import command_line
-    from distcheck.contract.report import Report, prepare_report_dir, write_report
+    from distcheck.contract.report import Report, prepare_report_dir, publish
     from distcheck.supervise.hang import load_progress
 
     pids = parse_pids(args.pids)
@@ -105,7 +105,7 @@ def main(args: argparse.Namespace) -> int:
         report = Report(command=command_line(getattr(args, "argv", ["stacks", *args.pids])), world_size=ws,
                         findings=findings, checks=[CheckResult("stacks", not findings, seconds)],
                         artifacts=artifacts, data={"dump_errors": [e.to_json() for e in errors]})
-        written = write_report(report, report_dir)
+        written = publish(report, report_dir)  # its text is the stack groups printed above
         if not args.json:  # a report that could not be written went to stderr with its reason: never name it
             sys.stdout.write(f"report: {written}\n" if written is not None else
                              f"report: not written ({report.unwritten}); report.json went to stderr\n")

@@ -13,9 +13,10 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from distcheck.contract import atomic_file
+from distcheck.contract.files import REPORT_JSON, REPORT_TXT
 from distcheck.errors import UsageError
 from distcheck.contract.findings import KINDS, CheckResult, Finding, Note, headline, jsonable
 
@@ -42,7 +43,7 @@ class Report:
     data: dict[str, Any] = field(default_factory=dict)
     sections: dict[str, str] = field(default_factory=dict)
     warnings: list[Note] = field(default_factory=list)  # never change ok or the exit code
-    # Why write_report could not write it (None: written, or not tried): the text then names no report file.
+    # Why publish could not write it (None: written, or not tried): the text then names no report file.
     unwritten: str | None = field(default=None, compare=False)
 
     @property
@@ -154,15 +155,39 @@ def prepare_report_dir(path: str | os.PathLike | None) -> Path:
     return target
 
 
-def write_report(report: Report, report_dir: str | os.PathLike) -> Path | None:
-    """Write report.json and report.txt into report_dir; returns the report.json path.
+def publish(report: Report, report_dir: str | os.PathLike | None, echo: TextIO | None = None,
+            write: bool = True) -> Path | None:
+    """The one way a report leaves distcheck: report.json and report.txt into ``report_dir`` (when there is one),
+    then its text to ``echo`` (stdout for a command's own report, the job's stderr for a node watcher's, None when
+    the caller prints in another form: ``report --format json``, ``stacks``). ``write=False`` prints a report
+    already written there, unchanged. Returns the report.json path, or None when nothing was written (no
+    directory, or one that refused the files: then report.json went to stderr).
 
-    The one writer of report files. When the directory stopped being writable during the run (deleted, full,
+        python -m distcheck run --nproc 2 -- train.py      # every command's report ends here
+    """
+    written = _write_files(report, Path(report_dir)) if report_dir is not None and write else None
+    if echo is not None:
+        echo.write(render_text(report, report_dir))
+        echo.flush()
+    return written
+
+
+def remove_report(report_dir: str | os.PathLike) -> None:
+    """Remove a report directory's report.json and report.txt: a command about to write a new report there (an
+    earlier run's must not pass for this one's), or one that ended on bad input and writes none."""
+    for name in (REPORT_TXT, REPORT_JSON):
+        (Path(report_dir) / name).unlink(missing_ok=True)
+
+
+def _write_files(report: Report, report_dir: Path) -> Path | None:
+    """Write report.json and report.txt into report_dir (for :func:`publish`, their one caller); returns the
+    report.json path.
+
+    When the directory stopped being writable during the run (deleted, full,
     replaced), the report is not lost: report.json goes to stderr after a line saying why, neither file is left
     behind (report.txt alone would point at a report.json that is not there), ``report.unwritten`` says why for
     :func:`render_text`, and None is returned.
     """
-    report_dir = Path(report_dir)
     report.unwritten = None
     report.artifacts.setdefault("report.txt", "report.txt")
     written: list[Path] = []

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from distcheck.contract.findings import CheckResult, Finding, Note
-from distcheck.contract.report import Report, prepare_report_dir, write_report
+from distcheck.contract.report import Report, prepare_report_dir, publish, remove_report
 from distcheck.options import CompareOptions
 from distcheck.supervise.signals import Interrupt, stop_finding
 from distcheck.supervise.supervised_run import supervised_run
@@ -116,8 +116,7 @@ def compare(opts: CompareOptions, interrupt: Interrupt | None = None) -> tuple[R
     from distcheck.contract.autocheck_file import read_all as load_autocheck_states
 
     report_dir = prepare_report_dir(opts.run.report_dir).resolve()
-    for name in ("report.json", "report.txt"):
-        (report_dir / name).unlink(missing_ok=True)
+    remove_report(report_dir)
     plan = [(1, REFERENCE_DIR, True)] + [(n, f"nproc{n}", False) for n in opts.nprocs]
     # Always recorded (cheap: K steps); dropped by the analysis when the script records anything itself. The
     # ranks cannot know that in advance, and stopping at the first explicit record could leave ranks that record
@@ -214,5 +213,5 @@ def compare(opts: CompareOptions, interrupt: Interrupt | None = None) -> tuple[R
                                                "explicit_records": has_explicit(*loaded.values()),
                                                "loss_conventions": conventions},
                     sections=tables, warnings=warnings)
-    write_report(report, report_dir)
+    publish(report, report_dir)  # printed by the command
     return report, report_dir

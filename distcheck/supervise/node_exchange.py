@@ -392,7 +392,7 @@ class StoreChannel:
             self.fallback, self.fallback_failures = self.store, 0
             self.store, self.failures, self.exchange = store, 0, True
         if self.last is not None:
-            self.publish(self.last)
+            self.send_summary(self.last)
 
     def _from_fallback(self, key: str) -> bytes | None:
         """A key from torchrun's store, once this channel moved to the exchange: what a node that never found the
@@ -480,7 +480,7 @@ class StoreChannel:
             return None
         return self._call(f"get {key}", lambda: self.store.get(self.prefix + key))
 
-    def publish(self, summary: NodeSummary) -> bool:
+    def send_summary(self, summary: NodeSummary) -> bool:
         self.last = summary
         data = summary.encode()
         done = self._call("set summary", lambda: self.store.set(f"{self.prefix}node/{summary.node}", data) or True)
@@ -588,7 +588,7 @@ class StoreChannel:
                     pass
         return out
 
-    def publish_report(self, host: str, path: str) -> None:
+    def post_report_path(self, host: str, path: str) -> None:
         self._call("set report", lambda: self.store.set(self.prefix + "report", f"{host}:{path}"))
         store = getattr(self, "fallback", None)
         if store is not None and self.fallback_failures < 3:  # a node still on torchrun's store looks there
@@ -795,7 +795,7 @@ class NodeLink(threading.Thread):
             if self.report is None and self._report_written():
                 # Published at once: node 0's torchrun, and the store with it, ends soon after its ranks.
                 self.report = str(self.report_dir.resolve() / "report.txt")
-                self.channel.publish_report(self.env.host, self.report)
+                self.channel.post_report_path(self.env.host, self.report)
         elif self.report is None:
             self.report = self.channel.report_location()
 

@@ -119,27 +119,23 @@ def compose(e: Evidence) -> Publication:
     return _node_report(e)
 
 
-def publish(pub: Publication) -> int:
+def deliver(pub: Publication) -> int:
     """Write the report (and the earlier attempts' that were missing) and print it to the job's console; its exit
     code."""
-    from distcheck.contract.report import render_text, write_report
+    from distcheck.contract.report import publish as publish_report
     from distcheck.supervise.run_report import write_trace_view
 
     for folder, built in pub.earlier_attempts.items():
         write_trace_view(built.report, folder, built.traces)
-        write_report(built.report, folder)
+        publish_report(built.report, folder)
     if pub.trace_dir is not None:
         write_trace_view(pub.report, pub.trace_dir, pub.traces)
-    write_report(pub.report, pub.out_dir)
+    # stderr: the console of the job, through local rank 0's stderr, which torchrun shows
+    console = (sys.stdout if pub.to_stdout else sys.stderr) if pub.console else None
+    publish_report(pub.report, pub.out_dir, echo=console)
     for f in pub.diagnosis:
         log.warning("[%s] %s", f.kind, f.message)
-    if not pub.console:
-        return pub.report.exit_code
-    # stderr: the console of the job, through local rank 0's stderr, which torchrun shows
-    stream = sys.stdout if pub.to_stdout else sys.stderr
-    stream.write(render_text(pub.report, pub.out_dir))
-    stream.flush()
-    if pub.to_stdout:
+    if console is sys.stdout:
         log.info("report written: %s", "PASSED" if pub.report.ok else f"FAILED ({len(pub.report.findings)} findings)")
     return pub.report.exit_code
 

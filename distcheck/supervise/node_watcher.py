@@ -45,7 +45,7 @@ from distcheck.processes import (RUN_ID_ENV, alive, launcher_id, read_environ, r
                                  restarts_left, start_ticks, terminate, torchrun_run_id)
 from distcheck.supervise.live_stragglers import LiveStragglers
 from distcheck.supervise.node_report import (ENDED, HANG, NODE, NODE0_GONE, RANK0_DIED, STOPPED, Evidence, Nodes,
-                                             compare_nodes, compose, job_hang, publish, remote_findings,
+                                             compare_nodes, compose, deliver, job_hang, remote_findings,
                                              written_since)
 from distcheck.supervise.procs import RunTree
 from distcheck.supervise.watch import HUNG, STARTUP_TIMEOUT, HangDump, WatchLoop, script_ended, script_passed
@@ -115,10 +115,10 @@ class NodeRanks:
                              if r not in self.seen and _traced_under(self.report_dir, r, self.agent))
         done = self.seen - set(running)
         if self.exchange is not None:
-            self._publish(done, running)
+            self._post(done, running)
         return done
 
-    def _publish(self, done: set[int], running: dict[int, int]) -> None:
+    def _post(self, done: set[int], running: dict[int, int]) -> None:
         """Each change of this node's ended ranks: its own report (node-<host>/) is rewritten from its ranks' files
         first, then its summary goes to node 0, so that node 0's report learns how this node's ranks ended, not
         only that their files are elsewhere. A failed rank waits for the first (rank/entry.py)."""
@@ -139,7 +139,7 @@ class NodeRanks:
         # the watch is over.
         summary = self.own_report(still, False)
         if summary is not None and not env.reports:
-            channel.publish(summary)
+            channel.send_summary(summary)
         if env.reports and not still and self._others_final(env, channel):
             # Node 0, every other node's last summary in: the job's report comes next, and the failed ranks wait
             # for it instead (the end of the watch covers them), so that it exists when torchrun returns.
@@ -348,7 +348,7 @@ def _watch(report_dir: str, timeout: float, native: bool, parent: int, attempt: 
     if result.state == HUNG:
         pids = local_ranks(report_dir, host, attempt.number)
         try:
-            publish(compose(evidence(HANG, world=world_size or len(pids), note=f"no progress for {timeout:g}s",
+            deliver(compose(evidence(HANG, world=world_size or len(pids), note=f"no progress for {timeout:g}s",
                                      findings=result.hang_findings,
                                      check_seconds=(result.diagnosed_at or 0) - (result.declared_at or 0))))
         finally:  # whatever the report met, the hung ranks end: a watcher that died here left the job hung
@@ -357,18 +357,18 @@ def _watch(report_dir: str, timeout: float, native: bool, parent: int, attempt: 
         return 1
     stop = StopEnding.of(diagnose_stop(report_dir, out_dir, native, world_size))
     if stop.stopped is not None:  # torchrun passed a stop signal on to the ranks: they dumped their stacks and died
-        publish(compose(evidence(STOPPED, note=stop.note, findings=stop.findings, warnings=stop.warnings,
+        deliver(compose(evidence(STOPPED, note=stop.note, findings=stop.findings, warnings=stop.warnings,
                                  command=command, running=stop.ranks)))
         files.tidy(report_dir)
         return 1
     if expected is not None:  # the run's report: every rank ended by itself
-        code = publish(compose(evidence(ENDED, world=expected, command=command, agent=agent)))
+        code = deliver(compose(evidence(ENDED, world=expected, command=command, agent=agent)))
         files.tidy(report_dir)
         return code
     if 0 in seen and not written_since(out_dir, started_wall):
         # Rank 0 died before it could write the report (SIGKILLed, or stopped by torchrun after another rank
         # died): the run's report, from the ranks' files, so that the death is still named.
-        publish(compose(evidence(RANK0_DIED, note="rank 0 ended before writing the report", running=set())))
+        deliver(compose(evidence(RANK0_DIED, note="rank 0 ended before writing the report", running=set())))
         files.tidy(report_dir)
         return 1
     return 0
@@ -437,7 +437,7 @@ def _watch_nodes(report_dir: str, timeout: float, native: bool, parent: int, env
             # The command is over and its rank 0 wrote the report: say where, within the rank's grace (5 s).
             if env.reports:
                 if written_since(Path(report_dir), started_wall):
-                    channel.publish_report(host, str(Path(report_dir).resolve() / files.REPORT_TXT))
+                    channel.post_report_path(host, str(Path(report_dir).resolve() / files.REPORT_TXT))
                     channel.await_report_seen(env.nnodes - 1, time.monotonic() + 2.0)
             else:
                 location = wait_for_report(channel, link, time.monotonic() + 3.0)
@@ -471,7 +471,7 @@ def _watch_nodes(report_dir: str, timeout: float, native: bool, parent: int, env
                                                                                            started_wall)
         if command is None and env.reports and stopped is None and not rank0_died:
             if written_since(Path(report_dir), started_wall):  # consistency's rank 0 wrote the job's report
-                channel.publish_report(host, str(Path(report_dir).resolve() / files.REPORT_TXT))
+                channel.post_report_path(host, str(Path(report_dir).resolve() / files.REPORT_TXT))
             return 0
         # This node's own report first, from its ranks' files alone (node-<host>/), before any exchange: what the
         # node knows survives a failed exchange, and a watcher killed right after torchrun exits.
@@ -480,7 +480,7 @@ def _watch_nodes(report_dir: str, timeout: float, native: bool, parent: int, env
         if summary is None:
             summary = summarize_node(env, report_dir, set(), final=True, digests=True)
         if not env.reports:
-            channel.publish(summary)
+            channel.send_summary(summary)
             location = _serve_node0(channel, link, env, report_dir, agent)
             _say(where_line(location, 0.0, env, gone=channel.broken, own=out_dir / files.REPORT_TXT
                             if (out_dir / files.REPORT_JSON).exists() else None))
@@ -488,7 +488,7 @@ def _watch_nodes(report_dir: str, timeout: float, native: bool, parent: int, env
         if rank0_died:
             note = "rank 0 ended before writing the report"
         ending = STOPPED if stopped is not None else (RANK0_DIED if rank0_died else ENDED)
-        code = _publish_job_report(evidence(ending, Path(report_dir), command=command, note=note, findings=findings,
+        code = _deliver_job_report(evidence(ending, Path(report_dir), command=command, note=note, findings=findings,
                                             warnings=warnings, running=stopped_ranks), env, channel, native,
                                    attempt.number, agent, summary, source.deferred)
         return 1 if stopped is not None or rank0_died else code
@@ -526,7 +526,7 @@ def write_own_report(env: NodeEnv, report_dir: str | os.PathLike, out_dir: Path,
         pub = compose(Evidence(NODE, Path(report_dir), out_dir, env.world_size, timeout, seconds, started_wall,
                                note=note, findings=list(findings), warnings=list(warnings), running=set(running),
                                local_ranks=set(env.ranks), command=command, stopped=set(stopped)))
-        publish(pub)
+        deliver(pub)
         own = [f for f in pub.report.findings if f.kind not in ("rank_failure", "hang")]
         summary = summarize_node(env, report_dir, set(running), final=final, findings=own + list(findings),
                                  digests=final, stopped=stopped)
@@ -573,16 +573,16 @@ def _report_hang(pids: Mapping[int, int], env: NodeEnv, channel: StoreChannel, l
 
     findings = diagnose_hang(pids, report_dir, native=native, timeout=timeout, world_size=env.world_size,
                              out_dir=out_dir)
-    channel.publish(summarize_node(env, report_dir, set(pids), hung=True, stacks_path=out_dir / files.STACKS_JSON))
+    channel.send_summary(summarize_node(env, report_dir, set(pids), hung=True, stacks_path=out_dir / files.STACKS_JSON))
     note = f"no progress for {timeout:g}s"
     if env.reports:
-        _publish_job_report(evidence(HANG, Path(report_dir), note=note), env, channel, native, attempt)
+        _deliver_job_report(evidence(HANG, Path(report_dir), note=note), env, channel, native, attempt)
         return
     waited = GATHER_TIMEOUT + 15.0
     location = wait_for_report(channel, link, time.monotonic() + waited)
     if location is None:  # node 0 is gone: this node's report, with what it knows
         _say(where_line(location, waited, env, gone=channel.broken))
-        publish(compose(evidence(NODE0_GONE, note=note, findings=findings, local_ranks=set(env.ranks))))
+        deliver(compose(evidence(NODE0_GONE, note=note, findings=findings, local_ranks=set(env.ranks))))
     else:
         _say(where_line(location, waited))
 
@@ -613,7 +613,7 @@ def _say(line: str) -> None:
     sys.stderr.flush()
 
 
-def _publish_job_report(evidence: Evidence, env: NodeEnv, channel: StoreChannel, native: bool, attempt: int,
+def _deliver_job_report(evidence: Evidence, env: NodeEnv, channel: StoreChannel, native: bool, attempt: int,
                         agent: int | None = None, own: NodeSummary | None = None, deferred: bool = False) -> int:
     """Node 0's report of the whole job: gather every other node's summary through the store (with a deadline,
     and no longer than AFTER_AGENT once node 0's torchrun agent has ended), compare the nodes' collectives by their
@@ -653,8 +653,8 @@ def _publish_job_report(evidence: Evidence, env: NodeEnv, channel: StoreChannel,
                                                                    1.0 if deferred else 2.0))
         evidence.findings += remote_findings(got, env)
     evidence.nodes = Nodes(env, merged, waited)
-    code = publish(compose(evidence))
-    channel.publish_report(env.host, str(evidence.report_dir.resolve() / files.REPORT_TXT))
+    code = deliver(compose(evidence))
+    channel.post_report_path(env.host, str(evidence.report_dir.resolve() / files.REPORT_TXT))
     if deferred:  # the failed ranks may go now: the report exists
         _cover(evidence.report_dir, attempt, env.ranks)
     channel.await_report_seen(len(others) - len(merged.silent), time.monotonic() + (0.5 if stop() else 3.0))

@@ -6,7 +6,7 @@
 Every run-shaped command (``run`` with ``--nproc`` or under torchrun, each run of ``compare``) ends here: the
 outcomes of the ranks, the trace alignment, the findings the ranks emitted, the zero-code checks, and the hang
 diagnosis of the watch loop become one Report; contract/report.py writes its files (supervised_run.py under
-``--nproc``, supervise/node_report.publish under torchrun).
+``--nproc``, supervise/node_report.deliver under torchrun; both through contract/report.publish).
 """
 from __future__ import annotations
 

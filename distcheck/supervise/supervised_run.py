@@ -20,7 +20,7 @@ from distcheck.analysis.trace_align import provably_stuck
 from distcheck.analysis.trace_events import load_traces
 from distcheck.options import ENV_SUPERVISED, RunOptions
 from distcheck.contract import files
-from distcheck.contract.report import Report, prepare_report_dir, write_report
+from distcheck.contract.report import Report, prepare_report_dir, publish
 from distcheck.contract import env as env_names
 from distcheck.supervise import run_report
 from distcheck.supervise.launcher import Supervisor
@@ -57,5 +57,5 @@ def supervised_run(opts: RunOptions, nproc: int, interrupt: Interrupt | None = N
     for finding in result.hang_findings:
         report.artifacts.update(finding.detail.get("artifacts", {}))
     run_report.write_trace_view(report, report_dir, traces)
-    write_report(report, report_dir)
+    publish(report, report_dir)  # printed by the command (a compare's runs are not)
     return report, report_dir

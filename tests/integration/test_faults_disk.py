@@ -111,7 +111,7 @@ def mount_namespace_available() -> str | None:
 
 
 def stderr_report(stderr: str) -> dict:
-    """The report.json document write_report prints to stderr after its one-line reason."""
+    """The report.json document publish prints to stderr after its one-line reason."""
     return json.loads(stderr[stderr.index("\n{") + 1:])
 
 

@@ -22,7 +22,7 @@ from distcheck.analysis.trace_events import load_traces, parse_lines
 from distcheck.contract import files
 from distcheck.contract import trace_slots
 from distcheck.contract.findings import CheckResult, Finding
-from distcheck.contract.report import Report, render_text, write_report
+from distcheck.contract.report import Report, render_text, publish
 from distcheck.rank import records as rank_records
 from distcheck.rank import sink
 from distcheck.rank import tracer as trace
@@ -295,7 +295,7 @@ def test_a_report_that_cannot_be_written_is_never_named(tmp_path, monkeypatch, c
 
     monkeypatch.setattr(report_module, "atomic_write", atomic_write)
     report = Report("distcheck run", 2, [], [CheckResult("collective_order", True, 0.1)])
-    assert write_report(report, tmp_path) is None
+    assert publish(report, tmp_path) is None
     assert sorted(p.name for p in tmp_path.iterdir()) == []
     text = render_text(report, tmp_path)
     assert "report.json" not in text.replace("report.json went to stderr", "")
@@ -307,5 +307,5 @@ def test_a_report_that_cannot_be_written_is_never_named(tmp_path, monkeypatch, c
     data = json.loads(document)
     assert data["ok"] and "report.txt" not in data["artifacts"]
     monkeypatch.setattr(report_module, "atomic_write", real)
-    assert write_report(report, tmp_path) == tmp_path / "report.json"  # written after all: named again
+    assert publish(report, tmp_path) == tmp_path / "report.json"  # written after all: named again
     assert render_text(report, tmp_path).endswith(f"report: {tmp_path / 'report.json'}\n")

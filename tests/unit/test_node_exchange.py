@@ -141,7 +141,7 @@ def test_store_channel_against_a_real_store():
     env1 = NodeEnv.from_env({**ENV, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master.port)}, "node-b")
     zero, one = StoreChannel.connect(env0), StoreChannel.connect(env1)
     assert one.report_location() is None and one.hang_announced() is None
-    assert one.publish(summary(1, {2: RankState(2, RUNNING), 3: RankState(3, RUNNING)}, hung=True))
+    assert one.send_summary(summary(1, {2: RankState(2, RUNNING), 3: RankState(3, RUNNING)}, hung=True))
     got = zero.gather([1], time.monotonic() + 5, ready=lambda s: s.hung)
     assert got[1].ranks == [2, 3] and got[1].hung
     # A node that never answers costs the deadline, not more.
@@ -150,7 +150,7 @@ def test_store_channel_against_a_real_store():
     assert time.monotonic() - began < 3
     one.announce_hang(1, "node-b")
     assert zero.hang_announced() == (1, "node-b")
-    zero.publish_report("node-a", "/scratch/rep/report.txt")
+    zero.post_report_path("node-a", "/scratch/rep/report.txt")
     assert zero.await_report_seen(1, time.monotonic() + 0.3) == 0
     assert one.report_location() == "node-a:/scratch/rep/report.txt"
     assert zero.await_report_seen(1, time.monotonic() + 5) == 1
@@ -216,7 +216,7 @@ class FakeChannel:
     def summaries(self, nodes):
         return {}
 
-    def publish_report(self, host, path):
+    def post_report_path(self, host, path):
         self.published.append((host, path))
 
 

@@ -9,9 +9,9 @@ from pathlib import Path
 
 from distcheck.contract import files
 from distcheck.contract.findings import CheckResult, Finding, Note
-from distcheck.contract.report import Report, write_report
+from distcheck.contract.report import Report, publish
 from distcheck.supervise.node_report import (ENDED, HANG, NODE0_GONE, RANK0_DIED, STOPPED, Evidence, compose,
-                                             publish)
+                                             deliver)
 
 AGENT = 4242  # torchrun's agent: the ranks' parent, named in their traces
 
@@ -88,7 +88,7 @@ def test_an_ended_run_counts_only_its_own_agents_ranks(tmp_path):
 def test_a_report_so_far_keeps_what_completed_with_the_diagnosis_instead_of_the_interrupted_check(tmp_path):
     interrupted = Finding("rank_failure", [0], "check replicas was interrupted", {"check": "replicas"})
     kept = Finding("env_mismatch", [1], "rank 1 runs another torch", {})
-    write_report(Report("distcheck consistency", 2, [interrupted, kept],
+    publish(Report("distcheck consistency", 2, [interrupted, kept],
                         [CheckResult("replicas", False, 0.0, note="interrupted")]), tmp_path)
     report = compose(evidence(tmp_path, RANK0_DIED, note="rank 0 ended before writing the report",
                               findings=[hang([0])], running=set())).report
@@ -107,7 +107,7 @@ def test_node_0_gone_reports_only_this_nodes_ranks_in_its_own_folder(tmp_path):
     assert pub.out_dir == mine
     assert sorted(pub.report.data["ranks"]) == ["2", "3"]
     assert pub.report.checks[-1].name == "ranks_completed"  # the run report's, with the watchdog's note
-    assert publish(pub) == 1 and (mine / files.REPORT_JSON).exists() and not (tmp_path / files.REPORT_JSON).exists()
+    assert deliver(pub) == 1 and (mine / files.REPORT_JSON).exists() and not (tmp_path / files.REPORT_JSON).exists()
 
 
 def test_a_restarted_job_lists_every_attempt_and_writes_the_missing_one(tmp_path, capsys):
@@ -122,6 +122,6 @@ def test_a_restarted_job_lists_every_attempt_and_writes_the_missing_one(tmp_path
     # compose writes nothing, not even the Perfetto traces its reports list
     assert list(pub.earlier_attempts) == [first] and not (first / files.REPORT_JSON).exists()
     assert files.CHROME_TRACE in pub.report.artifacts and not list(tmp_path.rglob(files.CHROME_TRACE))
-    assert publish(pub) == 0
+    assert deliver(pub) == 0
     assert (first / files.REPORT_JSON).exists() and "distcheck PASSED" in capsys.readouterr().out
     assert (first / files.CHROME_TRACE).exists() and (tmp_path / files.CHROME_TRACE).exists()

@@ -76,13 +76,13 @@ def test_the_node_watcher_counts_a_rank_that_ended_before_it_looked(tmp_path):
     assert NodeRanks(tmp_path, "here", FakeTree(), set(), Attempt(0, {}, None), agent=4242).finished() == set()
 
 
-def test_the_node_watcher_publishes_each_change_of_the_ended_ranks(tmp_path, monkeypatch):
+def test_the_node_watcher_sends_each_change_of_the_ended_ranks(tmp_path, monkeypatch):
     """Each change of the ended ranks: this node's own report first (never final while the watch runs: the last
     summary comes once it is over), then the summary to node 0, except on node 0 itself."""
     _trace(tmp_path, 2, ppid=4242)
     sent: list = []
     written: list = []
-    channel = SimpleNamespace(publish=sent.append, summaries=lambda nodes: {})
+    channel = SimpleNamespace(send_summary=sent.append, summaries=lambda nodes: {})
     env = SimpleNamespace(ranks=[2, 3], reports=False, nnodes=2, node=1)
     source = NodeRanks(tmp_path, "here", FakeTree(), set(), Attempt(0, {}, None), agent=4242, traced=env.ranks,
                        exchange=(env, channel))
@@ -92,4 +92,4 @@ def test_the_node_watcher_publishes_each_change_of_the_ended_ranks(tmp_path, mon
     node0 = NodeRanks(tmp_path, "here", FakeTree(), set(), Attempt(0, {}, None), agent=4242, traced=env.ranks,
                       exchange=(SimpleNamespace(ranks=[2, 3], reports=True, nnodes=2, node=0), channel))
     node0.own_report = source.own_report
-    assert node0.finished() == {2} and len(written) == 2 and len(sent) == 1  # node 0 writes, publishes nothing
+    assert node0.finished() == {2} and len(written) == 2 and len(sent) == 1  # node 0 writes, sends nothing

@@ -1,5 +1,6 @@
 """report.json / report.txt contract and atomic writing."""
 import json
+from pathlib import Path
 
 import pytest
 
@@ -7,7 +8,7 @@ from distcheck.errors import UsageError
 from distcheck.contract.findings import (
     CheckResult, Finding, format_ranks, parse_rank_ranges, per_rank, rank_ranges, ranks_keyed,
 )
-from distcheck.contract.report import Report, load_report, prepare_report_dir, render_text, write_report
+from distcheck.contract.report import Report, load_report, prepare_report_dir, render_text, publish
 
 
 def make_report():
@@ -18,7 +19,7 @@ def make_report():
 
 def test_json_contract(tmp_path):
     report = make_report()
-    write_report(report, tmp_path)
+    publish(report, tmp_path)
     data = json.loads((tmp_path / "report.json").read_text())
     assert set(data) >= {"tool", "version", "command", "ok", "world_size", "findings", "checks", "artifacts"}
     assert data["tool"] == "distcheck" and data["ok"] is False and data["world_size"] == 2
@@ -67,7 +68,7 @@ def test_unwritable_report_dir(tmp_path):
 
 def test_nan_in_detail_stays_valid_json(tmp_path):
     report = Report("x", 1, [Finding("bad_values", [0], "nan", {"v": float("nan")})])
-    write_report(report, tmp_path)
+    publish(report, tmp_path)
     assert json.loads((tmp_path / "report.json").read_text())["findings"][0]["detail"]["v"] == "nan"
 
 
@@ -75,9 +76,9 @@ def test_report_files_follow_the_umask_and_default_dirs_are_unique(tmp_path, mon
     import os
     import stat
 
-    from distcheck.contract.report import Report, default_report_dir, write_report
+    from distcheck.contract.report import Report, default_report_dir, publish
 
-    write_report(Report("distcheck run", 2), tmp_path)
+    publish(Report("distcheck run", 2), tmp_path)
     mask = os.umask(0)
     os.umask(mask)
     for name in ("report.json", "report.txt"):
@@ -110,3 +111,42 @@ def test_a_full_report_disk_is_bad_input_and_leaves_no_probe_file(tmp_path, monk
     with pytest.raises(UsageError, match="No space left on device.*--report-dir"):
         prepare_report_dir(tmp_path / "full")
     assert list((tmp_path / "full").iterdir()) == []
+
+
+def test_every_report_leaves_through_publish():
+    """One report path: contract/report.publish is the only caller of the writer, and no module outside contract/
+    deletes report.json or report.txt itself (remove_report, files.clear_shared)."""
+    import ast
+
+    pkg = Path(__file__).resolve().parents[2] / "distcheck"
+    wrong = []
+    for path in sorted(pkg.rglob("*.py")):
+        rel = path.relative_to(pkg).as_posix()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef):
+                calls = {n.func.id if isinstance(n.func, ast.Name) else getattr(n.func, "attr", "")
+                         for n in ast.walk(node) if isinstance(n, ast.Call)}
+                names = {n.value for n in ast.walk(node) if isinstance(n, ast.Constant)} | \
+                    {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+                if "_write_files" in calls and (rel, node.name) != ("contract/report.py", "publish"):
+                    wrong.append(f"{rel}: {node.name} calls the report writer")
+                if "unlink" in calls and names & {"report.json", "report.txt", "REPORT_JSON", "REPORT_TXT"} \
+                        and not rel.startswith("contract/"):
+                    wrong.append(f"{rel}: {node.name} deletes report files")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_publish_writes_prints_and_can_print_only(tmp_path):
+    import io
+
+    from distcheck.contract.report import publish, remove_report
+
+    out = io.StringIO()
+    assert publish(Report("distcheck run", 2), tmp_path, echo=out) == tmp_path / "report.json"
+    assert (tmp_path / "report.txt").read_text() == out.getvalue() and "PASSED" in out.getvalue()
+    again = io.StringIO()
+    report = Report("distcheck run", 2, [Finding("hang", [1], "stuck")])
+    assert publish(report, tmp_path, echo=again, write=False) is None  # printed, the files are the first report
+    assert "FAILED" in again.getvalue() and "PASSED" in (tmp_path / "report.txt").read_text()
+    remove_report(tmp_path)
+    assert not (tmp_path / "report.json").exists() and not (tmp_path / "report.txt").exists()

@@ -8,7 +8,7 @@ import pytest
 
 from distcheck.analysis.stack_groups import Frame, RankStack, ThreadStack
 from distcheck.contract.findings import CheckResult, Finding
-from distcheck.contract.report import Report, write_report
+from distcheck.contract.report import Report, publish
 from distcheck.supervise.stacks import DumpError, write_stack_artifacts
 
 TORCH = "/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py"
@@ -16,7 +16,7 @@ TORCH = "/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.p
 
 def make_dir(path: Path, findings: list[Finding], ok_check: bool = True, command: str = "distcheck run") -> Path:
     path.mkdir(parents=True)
-    write_report(Report(command=command, world_size=2, findings=findings,
+    publish(Report(command=command, world_size=2, findings=findings,
                         checks=[CheckResult("collectives", ok_check, 0.5)]), path)
     return path
 
@@ -69,7 +69,7 @@ def node_dir(root: Path, name: str, host: str, where: dict[int, tuple[str, int]]
                                 world_size=world_size))
     errors = [DumpError(999, "no_such_process", "pid 999: no such process (it is not running)")]
     artifacts = write_stack_artifacts(d, stacks, errors, title=f"distcheck stacks on {host}")
-    write_report(Report(command=f"distcheck stacks (on {host})", world_size=4, artifacts=artifacts), d)
+    publish(Report(command=f"distcheck stacks (on {host})", world_size=4, artifacts=artifacts), d)
     return d
 
 

@@ -82,10 +82,10 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, cli, monkeypatch, target, sa
 
 
 def test_dumps_and_report_dirs_are_not_mixed(tmp_path, cli):
-    from distcheck.contract.report import Report, write_report
+    from distcheck.contract.report import Report, publish
 
     (tmp_path / "rep").mkdir()
-    write_report(Report(command="distcheck run", world_size=2), tmp_path / "rep")
+    publish(Report(command="distcheck run", world_size=2), tmp_path / "rep")
     dumps = hung_job(tmp_path / "dumps")
     res = cli(["report", str(tmp_path / "rep"), str(dumps)])
     assert res.returncode == 2 and "not both" in res.stderr

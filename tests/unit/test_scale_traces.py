@@ -14,7 +14,7 @@ from distcheck.analysis.trace_align import (STATE_ERROR, STATE_HUNG, STATE_OK, R
 from distcheck.analysis.trace_events import RankError, load_traces
 from distcheck.contract import files, flight_dump_file
 from distcheck.contract import trace_slots
-from distcheck.contract.report import write_report
+from distcheck.contract.report import publish
 from distcheck.contract.trace_lines import LineWriter
 from distcheck.supervise import run_report
 
@@ -170,7 +170,7 @@ def test_analysis_of_a_1024_rank_directory_writes_bounded_files(tmp_path):
     outcomes, notes = run_report.outcomes_from_exits(exits, traces, tmp_path)
     report = run_report.build_report(tmp_path, "test", world, traces, outcomes, 60.0, 1.0, [], None, notes)
     run_report.write_trace_view(report, tmp_path, traces)
-    write_report(report, tmp_path)
+    publish(report, tmp_path)
     (f,) = [f for f in report.findings if f.kind == "collective_mismatch"]
     assert f.ranks == [7] and f"collective #{n} on group [0-{world - 1}] differs in shapes" in f.message
     sizes = {name: (tmp_path / name).stat().st_size for name in (files.CHROME_TRACE, files.REPORT_JSON)}
