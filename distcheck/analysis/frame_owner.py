@@ -125,8 +125,28 @@ def package(filename: str) -> str:
 
 def location(filename: str, line: int | None, name: str | None = None) -> str:
     """``lightning/pytorch/core/module.py:512 in log``: how a frame that is not the user's is named."""
-    text = display_path(filename) + (f":{line}" if line else "")
+    text = display_path(filename) + (f":{line}" if line else "")  # contract/site.with_line's form (see above)
     return f"{text} in {name}" if name else text
+
+
+# The parts of torch whose frames say what a rank is doing (the sampler's phases, the optimizer step's frame).
+_TORCH_PHASES = (("/torch/utils/data/", "data loading"), ("/torch/autograd/", "backward"),
+                 ("/torch/optim/", "optimizer step"))
+
+
+def torch_phase(filename: str) -> str | None:
+    """What a frame of torch's says its rank is doing: "data loading", "backward", "optimizer step", "host sync"
+    (printing a tensor), or None (another part of torch, or not torch)."""
+    path = filename.replace("\\", "/")
+    for part, phase in _TORCH_PHASES:
+        if part in path:
+            return phase
+    return "host sync" if path.endswith("/torch/_tensor_str.py") else None
+
+
+def in_torch_nn(filename: str) -> bool:
+    """A frame of torch.nn (a module's forward machinery)."""
+    return "/torch/nn/" in filename.replace("\\", "/")
 
 
 # --- the two kinds of evidence -------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ from distcheck.analysis.hang import hang_finding
 from distcheck.analysis.envdiff import diff_env, render_env_table
 from distcheck.checks.batches import BatchMaker, batch_maker
 from distcheck.errors import ChannelTimeout, UsageError
+from distcheck.options import ConsistencyOptions
 from distcheck.analysis.replicas import group_findings
 from distcheck.contract.findings import CheckResult, Finding, format_ranks
 from distcheck.checks.models import build_model
@@ -38,20 +39,9 @@ SEED = 1234
 
 
 @dataclass
-class Options:
-    model: str
-    parallel: str
-    steps: int
-    timeout: float
-    command: str
-    rtol: float | None = None
-    atol: float | None = None
-
-
-@dataclass
 class Context:
     session: Session
-    options: Options
+    options: ConsistencyOptions  # timeout: the backstop of every wait (options.backstop)
     model: nn.Module | None = None
     maker: BatchMaker | None = None
     outcome: reference.Outcome | None = None
@@ -178,7 +168,7 @@ class Terminated(BaseException):
     """SIGTERM arrived (torchrun stops every rank when one exits): write what we know, then exit."""
 
 
-def run_checks(session: Session, options: Options, ctx: Context | None = None,
+def run_checks(session: Session, options: ConsistencyOptions, ctx: Context | None = None,
                before_check: Callable[[str, list], None] | None = None,
                ) -> tuple[list[tuple[str, float, list[Finding]]], Context]:
     """Run every check on this rank. Returns (name, seconds, findings) per check that ran.
@@ -252,7 +242,7 @@ def merge(all_ranks: list[list[tuple[str, float, list[Finding]]]], rank0: list[t
     return checks, findings
 
 
-def build_report(session: Session, options: Options, local: list, ctx: Context) -> Report:
+def build_report(session: Session, options: ConsistencyOptions, local: list, ctx: Context) -> Report:
     try:
         gathered = session.channel.exchange("consistency/results", local)
     except ChannelTimeout as exc:
@@ -265,7 +255,7 @@ def build_report(session: Session, options: Options, local: list, ctx: Context) 
     return Report(options.command, session.world_size, findings, checks, {}, ctx.data, ctx.sections)
 
 
-def interrupted_report(session: Session, options: Options, ctx: Context, current: str, why: str,
+def interrupted_report(session: Session, options: ConsistencyOptions, ctx: Context, current: str, why: str,
                        suspects: list[int]) -> Report:
     """Rank 0's report when the run cannot finish: what completed, and a finding saying where it stopped."""
     ranks = suspects or list(range(session.world_size))

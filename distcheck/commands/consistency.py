@@ -10,6 +10,7 @@ Run without torchrun it is a 1-rank check, and the report says which checks mean
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import signal
 import sys
@@ -81,8 +82,7 @@ def main(args: argparse.Namespace) -> int:
 
     load_factory(opts.model)  # bad --model fails here, on every rank, before any rank waits for another
     bound = backstop(opts.timeout)
-    check_options = consistency.Options(opts.model, opts.parallel, opts.steps, bound, opts.command,
-                                        opts.rtol, opts.atol)
+    check_options = dataclasses.replace(opts, timeout=bound)  # the checks' waits end at the backstop
     session = runtime.start(bound)
     watcher = None
     report_dir = None
@@ -113,7 +113,7 @@ def main(args: argparse.Namespace) -> int:
         runtime.stop(session)
 
 
-def _run(opts: ConsistencyOptions, session: runtime.Session, check_options: consistency.Options,
+def _run(opts: ConsistencyOptions, session: runtime.Session, check_options: ConsistencyOptions,
          report_dir: Path) -> int:
     from distcheck.checks import consistency
 

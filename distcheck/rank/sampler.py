@@ -23,7 +23,7 @@ import threading
 import time
 from typing import Any
 
-from distcheck.analysis.frame_owner import DISTCHECK, USER, owner
+from distcheck.analysis.frame_owner import DISTCHECK, USER, in_torch_nn, owner, torch_phase
 from distcheck.contract import env, files, samples_file
 from distcheck.contract.samples_file import Place
 
@@ -41,12 +41,8 @@ def _file(name: str) -> tuple[bool, str | None, bool, bool]:
     """What a file says about a frame in it, once per file: the sampler walks the same files 10 times a second."""
     hit = _FILES.get(name)
     if hit is None:
-        path = name.replace("\\", "/")
-        kind = ("data loading" if "/torch/utils/data/" in path else "backward" if "/torch/autograd/" in path
-                else "optimizer step" if "/torch/optim/" in path
-                else "host sync" if path.endswith("/torch/_tensor_str.py") else None)  # printing a tensor
         who = owner(name)
-        hit = _FILES[name] = (who == USER, kind, "/torch/nn/" in path, who == DISTCHECK)
+        hit = _FILES[name] = (who == USER, torch_phase(name), in_torch_nn(name), who == DISTCHECK)
     return hit
 
 

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Protocol
 
+from distcheck.contract.site import base_name, file_line
 from distcheck.contract import files
 from distcheck.contract.findings import Finding, format_ranks
 from distcheck.supervise.live_stragglers import LiveStragglers
@@ -339,7 +340,7 @@ def _where_starting(stack: dict | None, progress: dict | None) -> str:
     user = next((f for f in frames if not f.get("native") and is_user(str(f.get("file", "")))), None)
     if user is None:
         return "still starting, before its script ran" if stack else "still starting"
-    site = f"{os.path.basename(str(user.get('file', '')))}:{user.get('line', '?')}"
+    site = file_line(str(user.get("file", "")), user.get("line")) or base_name(str(user.get("file", "?")))
     name = user.get("name") or "?"
     return f"at {site}" if name == "<module>" else f"in {name} ({site})"
 

@@ -147,3 +147,15 @@ def test_the_pytest_pool_drops_only_its_own_runner_frames_from_a_failing_tests_t
              FrameSummary(str(PKG / "rank" / "tracer.py"), 500, "wrapper")]
     assert [f.name for f in _without_runner(stack)] == ["test_allreduce", "all_reduce", "wrapper"]
     assert [f.name for f in _without_runner(stack[:1])] == ["main"]  # nothing of the test's: keep what there is
+
+
+def test_torchs_frames_name_the_phase_their_rank_is_in():
+    from distcheck.analysis.frame_owner import in_torch_nn, torch_phase
+
+    site = "/venv/lib/python3.11/site-packages/torch"
+    assert torch_phase(f"{site}/utils/data/dataloader.py") == "data loading"
+    assert torch_phase(f"{site}/autograd/__init__.py") == "backward"
+    assert torch_phase("C:\\venv\\Lib\\site-packages\\torch\\optim\\adamw.py") == "optimizer step"
+    assert torch_phase(f"{site}/_tensor_str.py") == "host sync"
+    assert torch_phase(f"{site}/distributed/distributed_c10d.py") is None and torch_phase("/w/train.py") is None
+    assert in_torch_nn(f"{site}/nn/modules/module.py") and not in_torch_nn(f"{site}/optim/sgd.py")
