@@ -68,7 +68,7 @@ def tracer_cost(rounds: int = 15, iters: int = 2000) -> dict:
 def tracer_open_ab(rounds: int = 30, iters: int = 2000) -> dict:
     """What leaving a ring-completed NCCL op's record open without a Python call saves: two wrappers of the same
     all_reduce in one tracer, one whose cached sig says AFTER_NOTHING (today), one made to say AFTER_EVENT (before:
-    _CudaCompletions.add found the sig among the ring's and returned), against the plain op, alternating rounds."""
+    CudaCompletions.add found the sig among the ring's and returned), against the plain op, alternating rounds."""
     from distcheck.rank import tracer as trace
 
     tr = trace.install(tempfile.mkdtemp(), 0)

@@ -281,7 +281,7 @@ def analyse(report_dir: Path, world: int, shape: str) -> tuple[float, float, flo
 def poll(report_dir: Path) -> float:
     """Seconds of one more stop check of the watch loop (load the traces, ask whether the run can progress) once
     they were loaded: what each check costs while the ranks append nothing."""
-    from distcheck.analysis.trace_align import provably_stuck
+    from distcheck.analysis.stop_rule import provably_stuck
     from distcheck.analysis.trace_events import load_traces
 
     t0 = time.perf_counter()

@@ -11,6 +11,9 @@ Two bugs end up here:
   ranks' events into one finding naming the earliest step, the ranks whose *own loss* was bad there (their data),
   and the ranks that only received NaN through the gradient reduction.
 
+:func:`model_check_verdict` and :func:`first_bad_verdict` are the entries of analysis/check_table.py for the
+``models`` and ``nan_watch`` checks.
+
 Stats are computed by :func:`tensor_stats` (torch, no communication); everything else works on plain records, so
 it is unit-tested without launching ranks.
 """
@@ -18,9 +21,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Mapping
 
-from distcheck.analysis.replica_drift import drift_finding, frozen_finding
+from distcheck.analysis.check_verdict import Verdict, notes_in
+from distcheck.contract.autocheck_file import RunFields
+from distcheck.analysis.nan_origin import origin_site, origin_text
 from distcheck.contract.findings import CheckResult, Finding, format_names, format_ranks
 from distcheck.contract.site import file_line
 
@@ -304,6 +309,8 @@ class BadEvent:
     # Past the dense steps gradients are checked every few steps (rank/autocheck/nan_watch.py): the last step
     # whose gradients were checked and finite, so the first bad gradient lies after it.
     last_clean_grads: int | None = None
+    # Where the bad loss came from on this rank (rank/autocheck/nan_origin.py): the batch, a module, the loss.
+    origin: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -345,6 +352,11 @@ def first_bad_finding(events: dict[int, BadEvent | None], steps_done: dict[int, 
     if first_param:
         parts.append(f"first non-finite gradient in backward order: '{first_param}' (on "
                      f"{format_ranks(grad_ranks)})")
+    origin_of = next((r for r in loss_ranks if at_step[r].origin), None)
+    found = at_step[origin_of].origin if origin_of is not None else None
+    said = origin_text(found, origin_of) if found is not None else None
+    if said:
+        parts.append(said)
     msg = "; ".join(parts)
     if loss_ranks and len(loss_ranks) < len(everyone):
         finite_loss = sorted(r for r in everyone if r not in loss_ranks
@@ -374,6 +386,11 @@ def first_bad_finding(events: dict[int, BadEvent | None], steps_done: dict[int, 
     }
     if where:
         detail.update(file=first.file, line=first.line, site=where)
+    if found is not None:
+        detail["origin"] = dict(found, rank=origin_of)
+        made = origin_site(found)
+        if made is not None:  # the line that made the first non-finite value, not the backward() it reached
+            detail.update(file=made[0], line=made[1], site=file_line(*made), backward_site=where)
     return Finding("bad_values", origin, msg, detail)
 
 
@@ -383,62 +400,38 @@ def loss_value_name(value: float) -> str:
     return "inf" if value > 0 else "-inf"
 
 
-def merge_states(states: dict[int, dict[str, Any]]) -> tuple[list[Finding], list[CheckResult]]:
-    """The first-NaN, frozen-model and replica-drift findings and the ``model_check`` / ``bad_values`` /
-    ``frozen_model`` / ``replica_drift`` checks from the ranks' autocheck files."""
-    if not states:
-        return [], []
-    events = {r: BadEvent.from_json(s["first_bad"]) if s.get("first_bad") else None for r, s in states.items()}
-    steps = {r: int(s.get("steps", 0)) for r, s in states.items()}
-    finding = first_bad_finding(events, steps)
-    findings = [finding] if finding is not None else []
-    checks: list[CheckResult] = []
+def model_check_verdict(states: Mapping[int, dict[str, Any]], runs: Mapping[int, RunFields],
+                        facts: Mapping[str, Any]) -> Verdict:
+    """The ``model_check`` check from the first-forward checks the ranks ran (rank/autocheck/discovery.py), and the
+    warnings those wrote (parameters on mixed meshes in a correct model)."""
     model_checks = [s.get("model_checks", []) for s in states.values()]
-    if any(model_checks):
-        seconds = max(sum(c["seconds"] for c in mc) for mc in model_checks)
-        roots = sorted({c["root"] for mc in model_checks for c in mc})
-        bad = sum(c["findings"] for mc in model_checks for c in mc)
-        # A model whose own forward never ran is checked at the first optimizer.step(); its label says so.
-        when = "" if any(" (at " in r for r in roots) else " at the first forward"
-        checks.append(CheckResult("model_check", bad == 0, seconds,
-                                  note=f"found by itself{when}: {', '.join(roots)}"))
-    else:
-        checks.append(CheckResult("model_check", True, 0.0,
-                                  note="no model passed to fully_shard/DDP/parallelize_module/distribute_module"))
-    step_seconds = max(float(s.get("step_check_seconds", 0.0)) for s in states.values())
-    counter = next(iter(states.values())).get("counter", "optimizer.step")
+    warnings = notes_in({r: s.get("warnings") for r, s in states.items()})
+    if not any(model_checks):
+        return Verdict(checks=[CheckResult("model_check", True, 0.0, note="no model passed to fully_shard/DDP/"
+                                           "parallelize_module/distribute_module")], notes=warnings)
+    seconds = max(sum(c["seconds"] for c in mc) for mc in model_checks)
+    roots = sorted({c["root"] for mc in model_checks for c in mc})
+    bad = sum(c["findings"] for mc in model_checks for c in mc)
+    # A model whose own forward never ran is checked at the first optimizer.step(); its label says so.
+    when = "" if any(" (at " in r for r in roots) else " at the first forward"
+    return Verdict(checks=[CheckResult("model_check", bad == 0, seconds,
+                                       note=f"found by itself{when}: {', '.join(roots)}")], notes=warnings)
+
+
+def first_bad_verdict(states: Mapping[int, dict[str, Any]], runs: Mapping[int, RunFields],
+                      facts: Mapping[str, Any]) -> Verdict:
+    """The first-NaN finding and the ``bad_values`` check from each rank's first bad step (nan_watch.py)."""
+    events = {r: BadEvent.from_json(states[r]["first_bad"]) if (states.get(r) or {}).get("first_bad") else None
+              for r in runs}
+    steps = {r: run.steps for r, run in runs.items()}
+    finding = first_bad_finding(events, steps)
+    seconds = max((float(s.get("seconds", 0.0)) for s in states.values()), default=0.0)
+    counter = next(iter(runs.values())).counter
     done = max(steps.values())
     note = ("" if finding is not None else "no backward() ran" if done == 0 else
             f"loss and gradients finite on every {counter} ({done} steps)")
-    checks.append(CheckResult("bad_values", finding is None, step_seconds, note=note))
-    frozen = frozen_finding(states)
-    checked = max(len(s.get("frozen") or []) for s in states.values())
-    if frozen is not None or checked:
-        # A model no step updated cannot drift: its replicas' comparison would pass for the wrong reason.
-        findings.append(frozen) if frozen is not None else None
-        checks.append(CheckResult("frozen_model", frozen is None, 0.0,
-                                  note="" if frozen is not None else
-                                  f"every rank's optimizer had gradients to apply in the first {checked} "
-                                  f"step{'s' if checked != 1 else ''}"))
-    drift, compared = drift_finding(states)
-    if frozen is not None:
-        drift, compared = None, 0
-    differed_before = any(not p.get("identical", True) for s in states.values()
-                          for p in (s.get("prewrap") or {}).get("points", []))
-    if drift is not None and differed_before:
-        # The model already differed across ranks before it was parallelized (its own finding): replicas fed by
-        # those different layers get different gradients, a consequence and not a second cause.
-        checks.append(CheckResult("replica_drift", True, 0.0, note="not judged: the ranks' models differed "
-                                  "before parallelizing (see that finding), so their replicas' updates differ too"))
-        return findings, checks
-    findings += [drift] if drift is not None else []
-    if compared or drift is not None:
-        drift_seconds = max(float((s.get("replica_drift") or {}).get("seconds", 0.0)) for s in states.values())
-        checks.append(CheckResult("replica_drift", drift is None, drift_seconds,
-                                  note="" if drift is not None else
-                                  f"replicated parameters identical on every rank after {compared} optimizer "
-                                  f"step{'s' if compared != 1 else ''}"))
-    return findings, checks
+    return Verdict([finding] if finding is not None else [],
+                   [CheckResult("bad_values", finding is None, seconds, note=note)])
 
 
 def fold_first_bad(findings: list[Finding]) -> list[Finding]:

@@ -28,6 +28,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
+from distcheck.analysis.check_verdict import Verdict
+from distcheck.contract.autocheck_file import RunFields
 from distcheck.contract.findings import Finding, format_ranks
 from distcheck.contract.site import file_line
 
@@ -131,11 +133,12 @@ def _rows_phrase(rows: int, n: int, short: bool = False) -> str:
     return f" of {lo}{unit}" if lo == hi else f" of {lo}-{hi}{unit}"
 
 
-def schedules_from_states(states: Mapping[int, Mapping[str, Any]]) -> dict[int, list[StageSchedule]]:
-    """``{rank: [StageSchedule]}`` from the ranks' autocheck documents (an unreadable record is skipped)."""
+def schedules_of(states: Mapping[int, Sequence[Mapping[str, Any]]]) -> dict[int, list[StageSchedule]]:
+    """``{rank: [StageSchedule]}`` from ``{rank: the pipeline check's records}`` (an unreadable record is
+    skipped)."""
     out: dict[int, list[StageSchedule]] = {}
-    for rank, state in states.items():
-        for data in state.get("pipeline") or []:
+    for rank, records in states.items():
+        for data in records or []:
             try:
                 out.setdefault(int(rank), []).append(StageSchedule.from_json(int(rank), data))
             except (KeyError, TypeError, ValueError):
@@ -301,6 +304,12 @@ def pipeline_findings(by_rank: Mapping[int, Sequence[StageSchedule]]) -> list[Fi
                 out.append(_finding(group, schedules, found))
                 break
     return out
+
+
+def pipeline_verdict(states: Mapping[int, Sequence[Mapping[str, Any]]], runs: Mapping[int, RunFields],
+                     facts: Mapping[str, Any]) -> Verdict:
+    """The entry of analysis/check_table.py for the ``pipeline`` check: stages whose schedules disagree."""
+    return Verdict(pipeline_findings(schedules_of(states)))
 
 
 def _finding(group: tuple[int, ...], schedules: Sequence[StageSchedule],

@@ -1,11 +1,13 @@
 """One rank's collective trace as typed events: the records, the JSON lines' parse, the header's state.
 
     from distcheck.analysis.rank_trace import parse_lines
-    trace = parse_lines(open("report/trace-rank0.jsonl"), 0, open("report/trace-rank0.bin", "rb").read())
+    from distcheck.contract import trace_reader, trace_slots
+    lines = trace_reader.read_lines("report/trace-rank0.jsonl").splitlines()
+    trace = parse_lines(lines, 0, trace_slots.read_records("report/trace-rank0.bin"))
 
-The types and the reading of one rank's files (analysis/trace_events.py documents the format and loads a report
-directory; analysis/trace_summary.py summarizes big jobs' traces). Pure: no process group, nothing of the report
-directory beyond one rank's files.
+The types and the parse of one rank's files, as contract/ read them (analysis/trace_events.py documents the format
+and loads a report directory; analysis/trace_summary.py summarizes big jobs' traces). Pure: no process group, no
+file opened here.
 """
 from __future__ import annotations
 

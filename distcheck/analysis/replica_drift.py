@@ -2,10 +2,10 @@
 
     python -m distcheck run --nproc 2 -- train.py      # rank/autocheck/replica_drift.py writes, this compares
 
-Each rank's ``autocheck-rank<R>.json`` holds, under ``replica_drift.checked``, one row per fingerprinted point: the
-baseline at the first forward (step -1), then one per optimizer step: every replicated parameter as
-``[name, replica key, dtype, shape, chunk bounds, chunk sums]``, plus how many backward() calls that step had and
-how many of them ran under DDP's ``no_sync()``, and the line of a forward that went around DDP
+Each rank's ``autocheck-rank<R>.json`` holds, in the ``replica_drift`` check's ``checked``, one row per
+fingerprinted point: the baseline at the first forward (step -1), then one per optimizer step: every replicated
+parameter as ``[name, replica key, dtype, shape, chunk bounds, chunk sums]``, plus how many backward() calls that
+step had and how many of them ran under DDP's ``no_sync()``, and the line of a forward that went around DDP
 (``model.module(x)``) when the step was built on one. Parameters the baseline already shows different are the first
 forward's ``tensor_divergence`` (check_model), not drift. The first step after which some parameter differs
 between ranks with equal keys is one ``tensor_divergence`` finding for all the parameters it touched.
@@ -13,10 +13,12 @@ between ranks with equal keys is one ``tensor_divergence`` finding for all the p
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Mapping
 
+from distcheck.analysis.check_verdict import Verdict
 from distcheck.analysis.replicas import Entry, Fingerprint, find_divergences
-from distcheck.contract.findings import Finding, format_names, format_ranks
+from distcheck.contract.autocheck_file import RunFields
+from distcheck.contract.findings import CheckResult, Finding, format_names, format_ranks
 from distcheck.contract.site import file_line
 
 FIRST_NAMES = 4  # names spelled out in the message; detail.params has them all
@@ -50,11 +52,12 @@ def _entries(row: dict[str, Any]) -> dict[str, Entry]:
     return out
 
 
-def drift_finding(states: dict[int, dict[str, Any]]) -> tuple[Finding | None, int]:
-    """The first step's drift as one finding (None when replicas stayed identical), and the steps compared."""
+def drift_finding(states: Mapping[int, dict[str, Any]]) -> tuple[Finding | None, int]:
+    """The first step's drift as one finding (None when replicas stayed identical), and the steps compared, from
+    ``{rank: the replica_drift check's state}``."""
     rows: dict[int, dict[int, dict[str, Any]]] = {}  # step -> rank -> row
     for rank, state in states.items():
-        for row in (state.get("replica_drift") or {}).get("checked", []):
+        for row in state.get("checked", []):
             rows.setdefault(int(row["step"]), {})[rank] = row
     if -1 not in rows:
         return None, 0
@@ -168,12 +171,13 @@ _FROZEN = {
 }
 
 
-def frozen_finding(states: dict[int, dict[str, Any]]) -> Finding | None:
-    """Ranks on which no checked optimizer.step() had anything to update (rank/autocheck/frozen_step.py): one
-    finding naming the cause, or None when some step updated something on every rank."""
+def frozen_finding(states: Mapping[int, list[dict[str, Any]]]) -> Finding | None:
+    """Ranks on which no checked optimizer.step() had anything to update (rank/autocheck/frozen_step.py), from
+    ``{rank: the frozen check's rows}``: one finding naming the cause, or None when some step updated something on
+    every rank."""
     frozen: dict[int, list[dict[str, Any]]] = {}
-    for rank, state in sorted(states.items()):
-        rows = state.get("frozen") or []
+    for rank, rows in sorted(states.items()):
+        rows = rows or []
         if rows and all(r.get("cause") for r in rows):
             frozen[rank] = rows
     if not frozen:
@@ -200,3 +204,51 @@ def frozen_finding(states: dict[int, dict[str, Any]]) -> Finding | None:
     if cause == "built_before_wrap":  # the call that replaced the parameters the optimizer holds
         detail.update(wrap_call=first.get("wrap_call"), wrap_site=first.get("wrap_site"), built=first.get("built"))
     return Finding("bad_values", sorted(frozen), message, detail)
+
+
+# -- the entries of analysis/check_table.py ------------------------------------------------------------------------
+
+def frozen_verdict(states: Mapping[int, list[dict[str, Any]]], runs: Mapping[int, RunFields],
+                   facts: Mapping[str, Any]) -> Verdict:
+    """The ``frozen_model`` check; its fact ``frozen``: no step updated anything on some rank."""
+    frozen = frozen_finding(states)
+    checked = max((len(rows or []) for rows in states.values()), default=0)
+    if frozen is None and not checked:
+        return Verdict()
+    return Verdict([frozen] if frozen is not None else [],
+                   [CheckResult("frozen_model", frozen is None, 0.0,
+                                note="" if frozen is not None else
+                                f"every rank's optimizer had gradients to apply in the first {checked} "
+                                f"step{'s' if checked != 1 else ''}")],
+                   facts={"frozen": frozen is not None})
+
+
+def prewrap_verdict(states: Mapping[int, dict[str, Any]], runs: Mapping[int, RunFields],
+                    facts: Mapping[str, Any]) -> Verdict:
+    """The prewrap check reports by itself, in the ranks; its states tell the drift check one fact,
+    ``differed_before_wrap``: some parallelizing call found the ranks' models different."""
+    differed = any(not p.get("identical", True) for s in states.values() for p in s.get("points", []))
+    return Verdict(facts={"differed_before_wrap": differed})
+
+
+def drift_verdict(states: Mapping[int, dict[str, Any]], runs: Mapping[int, RunFields],
+                  facts: Mapping[str, Any]) -> Verdict:
+    """The drift finding and the ``replica_drift`` check; not judged under a frozen model (its replicas' comparison
+    would pass for the wrong reason) nor, when they drifted, after models that differed before parallelizing."""
+    if facts.get("frozen"):
+        return Verdict()
+    drift, compared = drift_finding(states)
+    if drift is not None and facts.get("differed_before_wrap"):
+        # The model already differed across ranks before it was parallelized (its own finding): replicas fed by
+        # those different layers get different gradients, a consequence and not a second cause.
+        return Verdict(checks=[CheckResult("replica_drift", True, 0.0, note="not judged: the ranks' models differed "
+                                           "before parallelizing (see that finding), so their replicas' updates "
+                                           "differ too")])
+    if not compared and drift is None:
+        return Verdict()
+    seconds = max(float(s.get("seconds", 0.0)) for s in states.values())
+    return Verdict([drift] if drift is not None else [],
+                   [CheckResult("replica_drift", drift is None, seconds,
+                                note="" if drift is not None else
+                                f"replicated parameters identical on every rank after {compared} optimizer "
+                                f"step{'s' if compared != 1 else ''}")])

@@ -31,6 +31,7 @@ from distcheck.analysis.ops import P2P_OPS
 from distcheck.analysis.rank_trace import (PG_INLINE, Incomplete, RankError, RankTrace, TraceEvent, header_state,
                                            parse_lines, pg_json, rank_of_path, sequence_key)
 from distcheck.contract import files
+from distcheck.contract import trace_reader
 from distcheck.contract import trace_slots
 
 # One rank's types and parse live in analysis/rank_trace.py (analysis/trace_summary.py builds on them, and this
@@ -49,9 +50,8 @@ def load_rank_records(path: str | os.PathLike, rank: int | None = None, merge: b
     ``merge``, what its Flight Recorder dump holds beyond them (see load_traces)."""
     path = Path(path)
     rank = rank_of_path(path) if rank is None else rank
-    try:
-        text = path.read_text(encoding="utf-8", errors="replace")
-    except FileNotFoundError:
+    text = trace_reader.read_lines(path)
+    if text is None:
         return RankTrace(rank, [], [], {}, None)
     try:
         binary: bytes | None = trace_slots.read_records(files.rank_file(path.parent, "trace_events", rank))

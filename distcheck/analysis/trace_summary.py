@@ -23,7 +23,7 @@ process (rank_trace._pg_tuple), and each rank's trace becomes a :class:`TraceSum
 
 A :class:`TraceFollower` (one per report directory, kept between loads) reads each rank's files from where it
 stopped: the JSON lines appended since, the records appended since, and again the records that had not ended
-(their end is stored in place). The watch loop's stop check (trace_align.provably_stuck on load_traces) then costs
+(their end is stored in place). The watch loop's stop check (stop_rule.provably_stuck on load_traces) then costs
 what the ranks did since the last check, not what they did since the start. A trace file replaced since (a new
 run in a reused directory) starts the directory over; an end line for a record already read (an error), a record
 written into a slot the last read found empty, or a cut that moved start that rank over.
@@ -42,6 +42,7 @@ from distcheck.analysis.rank_trace import (Incomplete, RankTrace, TraceEvent, _e
                                            _read_lines, header_state, sequence_key)
 from distcheck.analysis.ops import PEER_OPS
 from distcheck.contract import files
+from distcheck.contract import trace_reader
 from distcheck.contract import trace_slots
 
 TAIL = 2  # the last collectives a summarized trace keeps, besides those its questions need
@@ -134,9 +135,7 @@ class TraceSummary:
         last = (hi - 1) // STRIDE + 1
         slot_hi = seq.checkpoints[last] if last < len(seq.checkpoints) else None
         try:
-            with open(self.path, "rb") as fh:
-                fh.seek(slot_lo * trace_slots.SIZE)
-                data = fh.read(-1 if slot_hi is None else (slot_hi - slot_lo) * trace_slots.SIZE)
+            data = trace_reader.read_slots(self.path, slot_lo, None if slot_hi is None else slot_hi - slot_lo)
         except OSError:
             return {}
         arr = np.frombuffer(data, trace_slots.slot_dtype(), count=len(data) // trace_slots.SIZE)
@@ -255,16 +254,12 @@ class RankFollower:
     def _read_new_lines(self) -> bool:
         """Read the lines appended since; False: there is no trace file."""
         try:
-            with open(self.trace_path, "rb") as fh:
-                st = os.fstat(fh.fileno())
-                identity = (st.st_dev, st.st_ino)
-                if self.identity is not None and (identity != self.identity or st.st_size < self.line_pos):
-                    raise _NewRun()
-                self.identity = identity
-                fh.seek(self.line_pos)
-                chunk = fh.read()
-        except FileNotFoundError:
+            appended = trace_reader.read_appended(self.trace_path, self.line_pos, self.identity)
+        except trace_reader.Replaced:
+            raise _NewRun() from None
+        if appended is None:
             return False
+        chunk, self.identity = appended
         whole = chunk.rfind(b"\n") + 1  # a line still being written waits for the next read
         self.line_pos += whole
         _read_lines(chunk[:whole].split(b"\n"), self.rank, self.lines)
@@ -288,25 +283,25 @@ class RankFollower:
         if self.lines.order:
             return None
         try:
-            fh = open(self.bin_path, "rb")
+            records: trace_reader.RecordFile | None = trace_reader.RecordFile(self.bin_path)
         except OSError:
-            fh = None
+            records = None
         head: bytes | None = None
         try:
-            if fh is not None:
-                head = fh.read(trace_slots.SIZE)
+            if records is not None:
+                head = records.read(0, 1)
             incomplete, finished, state = header_state(head, self.rank, self.lines)
-            if fh is not None and trace_slots.read_header(head or b"") is not None:
+            if records is not None and trace_slots.read_header(head or b"") is not None:
                 until = incomplete.from_id if incomplete is not None else None
                 if until != self.until and until is not None and until < self.next_slot:
                     raise _StartOver()  # the cut came before what was read
                 self.until = until
-                self._recheck(fh)
+                self._recheck(records)
                 if self.lost_from is None:
-                    self._read_records(fh, np)
+                    self._read_records(records, np)
         finally:
-            if fh is not None:
-                fh.close()
+            if records is not None:
+                records.close()
         if self._ends_assumed():
             return None
         if self.lost_from is not None:
@@ -328,11 +323,10 @@ class RankFollower:
                 seen.add(gi)
         return False
 
-    def _recheck(self, fh: Any) -> None:
+    def _recheck(self, records: trace_reader.RecordFile) -> None:
         """The records that had not ended, and the slots that were empty, read again."""
         for slot in self.holes:
-            fh.seek(slot * trace_slots.SIZE)
-            if fh.read(1) not in (b"", b"\0"):
+            if records.read(slot, 1)[:1] not in (b"", b"\0"):
                 raise _StartOver()  # a record written into a slot claimed before a later one: positions moved
         if not self.open:
             return
@@ -340,11 +334,9 @@ class RankFollower:
         if len(slots) <= 64:
             found = {}
             for slot in slots:
-                fh.seek(slot * trace_slots.SIZE)
-                found[slot] = fh.read(trace_slots.SIZE)
+                found[slot] = records.read(slot, 1)
         else:  # many open (async ops never waited): one read across them
-            fh.seek(slots[0] * trace_slots.SIZE)
-            data = fh.read((slots[-1] - slots[0] + 1) * trace_slots.SIZE)
+            data = records.read(slots[0], slots[-1] - slots[0] + 1)
             found = {s: data[(s - slots[0]) * trace_slots.SIZE:(s - slots[0] + 1) * trace_slots.SIZE] for s in slots}
         for slot, raw in found.items():
             if len(raw) < trace_slots.SIZE:
@@ -388,12 +380,10 @@ class RankFollower:
             number[n] = self.sig_number[n]
         return known, group, number
 
-    def _read_records(self, fh: Any, np: Any) -> None:
+    def _read_records(self, records: trace_reader.RecordFile, np: Any) -> None:
         """The records appended since the last read."""
         first = self.next_slot
-        fh.seek(first * trace_slots.SIZE)
-        want = -1 if self.until is None else max(0, self.until - first) * trace_slots.SIZE
-        data = fh.read(want)
+        data = records.read(first, None if self.until is None else max(0, self.until - first))
         body = np.frombuffer(data, trace_slots.slot_dtype(), count=len(data) // trace_slots.SIZE)
         used = body["kind"] != 0
         written = np.flatnonzero(used)
@@ -505,13 +495,12 @@ class RankFollower:
             if self.last_done is not None:
                 where[self.last_done[0]] = self.last_done[1:]
             try:
-                with open(self.bin_path, "rb") as fh:
+                with trace_reader.RecordFile(self.bin_path) as records:
                     for slot in missing:
                         if slot not in where:
                             continue
                         _, pos, sig = where[slot]
-                        fh.seek(slot * trace_slots.SIZE)
-                        _, flags, _, _, t, t_end = trace_slots.SLOT.unpack(fh.read(trace_slots.SIZE))
+                        _, flags, _, t, t_end = trace_slots.SLOT.unpack(records.read(slot, 1))
                         self.kept[slot] = _record_event(self.rank, self.lines.sigs[sig], slot, pos, t, t_end,
                                                         bool(flags & trace_slots.ISSUED), self.ends.get(slot))
             except (OSError, ValueError):
@@ -569,7 +558,7 @@ _FOLLOWERS_LOCK = threading.Lock()
 
 def follower(report_dir: str | os.PathLike) -> TraceFollower:
     """The follower of a report directory, the same one for every load of it in this process."""
-    key = os.path.realpath(report_dir)
+    key = trace_reader.directory_key(report_dir)
     with _FOLLOWERS_LOCK:
         hit = _FOLLOWERS.get(key)
         if hit is None:

@@ -1,6 +1,7 @@
 """``autocheck-rank<R>.json``: the zero-code checks' state of one rank, one versioned JSON document rewritten whole
-each time it changes. The one writer (a rank: rank/autocheck/__init__.py) and the one reader (the report:
-supervise/run_report.py, and compare's module diff: supervise/compare_runs.py).
+each time it changes: the run-level fields (:data:`RUN_KEYS`) and, under each zero-code check's name, that check's
+state. The one writer (a rank: rank/autocheck/core.py) and the one reader (:func:`read_all`, for
+analysis/check_table.py behind the report, compare and the pytest pool).
 
     python -m distcheck run --nproc 2 --report-dir out -- train.py   # each rank keeps out/autocheck-rank<R>.json
 
@@ -11,44 +12,49 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 from distcheck.contract import files
 from distcheck.contract import report as report_files
 
 
-@dataclass
-class AutocheckState:
-    """The document's top-level keys. Its parts stay plain JSON (dicts and lists): analysis/bad_values.py,
-    replica_drift.py and module_diff.py read them, and the pytest marker's side channel sends them as they are."""
+# The run-level fields at the top of every document, beside FORMAT_KEY; every other key is a check's name (no check
+# may take one of these: rank/autocheck/registry.py).
+RUN_KEYS = ("rank", "steps", "counter", "backwards")
+RESERVED = (files.FORMAT_KEY, *RUN_KEYS)
+
+
+@dataclass(frozen=True)
+class RunFields:
+    """What every reader needs of a rank's run, whichever check it reads."""
 
     rank: int
-    model_checks: list[dict[str, Any]] = field(default_factory=list)  # one per model checked at its first forward
     steps: int = 0  # steps done, counted by ``counter``
-    counter: str = "backward"  # "optimizer.step", or "backward" for a script without an optimizer
+    counter: str = "optimizer.step"  # "optimizer.step", or "backward" for a script without an optimizer
     backwards: int = 0
-    first_bad: dict[str, Any] | None = None  # the first NaN/Inf this rank saw (nan_watch.py)
-    step_check_seconds: float = 0.0  # what the per-step NaN check cost
-    auto_records: int = 0  # records taken by zero-code compare
-    replica_drift: dict[str, Any] = field(default_factory=dict)  # {"steps", "checked": fingerprints, "seconds"}
-    modules: list[dict[str, Any]] = field(default_factory=list)  # the first step's per-module summaries
-    prewrap: dict[str, Any] = field(default_factory=dict)  # {"points", "seconds"}
-    frozen: list[dict[str, Any]] = field(default_factory=list)  # the checked steps that had nothing to update
-    warnings: list[dict[str, Any]] = field(default_factory=list)  # Notes for the report
-    precision: list[dict[str, Any]] = field(default_factory=list)  # 16-bit computation: {source, dtype, file, line}
-    # The pipeline schedules this rank built (rank/autocheck/pipeline_schedule.py): class, n_microbatches, stages,
-    # the pipeline's ranks, what its first step split; written before torch runs the step.
-    pipeline: list[dict[str, Any]] = field(default_factory=list)
 
-    def to_json(self) -> dict[str, Any]:
-        return {files.FORMAT_KEY: files.FORMAT, "rank": self.rank, "model_checks": self.model_checks,
-                "steps": self.steps, "counter": self.counter, "backwards": self.backwards,
-                "first_bad": self.first_bad, "step_check_seconds": self.step_check_seconds,
-                "auto_records": self.auto_records, "replica_drift": self.replica_drift, "modules": self.modules,
-                "prewrap": self.prewrap, "frozen": self.frozen, "warnings": self.warnings,
-                "precision": self.precision, "pipeline": self.pipeline}
+    @classmethod
+    def of(cls, doc: Mapping[str, Any]) -> RunFields:
+        return cls(int(doc["rank"]), int(doc.get("steps", 0)), str(doc.get("counter", "optimizer.step")),
+                   int(doc.get("backwards", 0)))
+
+
+def document(run: RunFields, parts: Mapping[str, Any]) -> dict[str, Any]:
+    """A rank's document: the run-level fields, then each check's part under its name (rank/autocheck/protocol.py:
+    plain JSON, which analysis/check_table.py reads and the pytest marker's side channel sends as it is)."""
+    return {"rank": run.rank, "steps": run.steps, "counter": run.counter, "backwards": run.backwards, **parts}
+
+
+def parts_of(docs: Mapping[int, Mapping[str, Any]], name: str) -> dict[int, Any]:
+    """``{rank: the part of check name}`` of the ranks whose document has one."""
+    return {rank: doc[name] for rank, doc in docs.items() if doc.get(name)}
+
+
+def runs_of(docs: Mapping[int, Mapping[str, Any]]) -> dict[int, RunFields]:
+    """``{rank: RunFields}`` of every document, in the documents' order."""
+    return {rank: RunFields.of(doc) for rank, doc in docs.items()}
 
 
 def path(report_dir: str | os.PathLike, rank: int) -> Path:
@@ -56,7 +62,7 @@ def path(report_dir: str | os.PathLike, rank: int) -> Path:
 
 
 def write(report_dir: str | os.PathLike, rank: int, state: dict[str, Any]) -> OSError | None:
-    """Replace the rank's document with ``state`` (``AutocheckState.to_json()``, or a dict of the same keys); a
+    """Replace the rank's document with ``state`` (:func:`document`); a
     refused write (full disk, quota, I/O error) leaves the previous document and is returned, never raised: the
     caller runs inside the user's script."""
     text = json.dumps({files.FORMAT_KEY: files.FORMAT, **state}) + "\n"

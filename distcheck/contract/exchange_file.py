@@ -12,9 +12,9 @@ import os
 import socket
 from pathlib import Path
 
-from distcheck.contract import atomic_file
+from distcheck.contract import atomic_file, files
 
-NAME = "exchange-{host}-{attempt}.json"
+NAME = files.EXCHANGE
 
 
 def path(report_dir: str | os.PathLike, attempt: int, host: str | None = None) -> Path:

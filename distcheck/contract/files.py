@@ -54,11 +54,16 @@ _PER_RANK = {
 STOP_SIGNAL_NAMES = ("SIGTERM", "SIGINT", "SIGHUP")
 _RANK_OF = {kind: re.compile("^" + re.escape(pattern).replace(r"\{rank\}", r"(\d+)") + "$")
             for kind, pattern in _PER_RANK.items()}
-# The names of the records distcheck makes by itself in zero-code compare (rank/autocheck.py, analysis/records.py).
+# The names of the records distcheck makes by itself in zero-code compare (rank/autocheck.py, analysis/record_*.py).
 AUTO_LOSS = "auto/loss"
 AUTO_PARAMS = "auto/params"
 AUTO_GRADS = "auto/grads"
 STACK_HOOK = "stackhook-pid{pid}.json"  # per process: "this pid takes the faulthandler signal"
+EXCHANGE = "exchange-{host}-{attempt}.json"  # a node's exchange address for an attempt (contract/exchange_file.py)
+WATCHER = "watcher-{host}.json"  # a node watcher's state (contract/watcher_file.py)
+# distcheck's files in a report directory that are neither per rank nor the report's: never torch's dumps
+_SHARED_OF = tuple(re.compile("^" + re.escape(pattern).replace(r"\{pid\}", r"\d+").replace(r"\{attempt\}", r"\d+")
+                              .replace(r"\{host\}", r".+") + "$") for pattern in (STACK_HOOK, EXCHANGE, WATCHER))
 FLIGHT_REQUEST = "flight-request"  # touched by a supervisor: every live rank dumps its Flight Recorder ring
 
 
@@ -69,6 +74,12 @@ class FormatError(UsageError, ValueError):
 def is_rank_file(name: str) -> bool:
     """Whether a file name is one of distcheck's per-rank files (``flight-rank3.json``): never torch's own dump."""
     return any(pattern.match(name) for pattern in _RANK_OF.values())
+
+
+def is_distcheck_file(name: str) -> bool:
+    """Whether a file name is one distcheck writes into a report directory (a per-rank file, a stack-hook, exchange
+    or watcher file: ``stackhook-pid4242.json``), so never torch's Flight Recorder dump of a rank."""
+    return is_rank_file(name) or any(pattern.match(name) for pattern in _SHARED_OF)
 
 
 def rank_file(report_dir: str | os.PathLike, kind: str, rank: int) -> Path:

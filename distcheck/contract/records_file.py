@@ -1,6 +1,7 @@
 """``records-rank<R>.jsonl`` + ``records-rank<R>.bin``: what a rank recorded for ``distcheck compare``. The one
 writer (a rank: rank/records.py, behind ``distcheck.record`` and zero-code compare's automatic records) and the one
-reader (the comparison: analysis/records.py).
+reader (:func:`read`, :func:`read_run`: bytes, dtype names and shapes, which analysis/record_values.py makes into
+tensors for the comparison).
 
     python -m distcheck compare --nproc 2 -- train.py     # each run's ranks write <run dir>/records-rank<R>.{jsonl,bin}
 
@@ -235,6 +236,11 @@ def read(report_dir: str | os.PathLike, rank: int) -> list[StoredRecord]:
             continue  # data cut short
         out.append(StoredRecord(entry, chunks))
     return out
+
+
+def read_run(report_dir: str | os.PathLike) -> dict[int, list[StoredRecord]]:
+    """Every rank's records of a run directory (each rank with an index file), by rank."""
+    return {rank: read(report_dir, rank) for rank in ranks(report_dir)}
 
 
 def ranks(report_dir: str | os.PathLike) -> list[int]:

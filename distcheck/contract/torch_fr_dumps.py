@@ -128,7 +128,8 @@ def looks_like_dumps(target: str | os.PathLike) -> bool:
     (which holds report.json, or node folders that do)."""
     path = Path(target)
     if path.is_dir():
-        if (path / "report.json").exists():
+        # A report directory: its own report, or (on a node that is not node 0) its node folder's.
+        if (path / files.REPORT_JSON).exists() or any(path.glob("node-*/" + files.REPORT_JSON)):
             return False
         try:
             return bool(_candidates(path))
@@ -163,7 +164,7 @@ def _candidates(root: Path) -> dict[tuple[str, str], list[DumpFile]]:
     dumps: set[tuple[str, str]] = set()
     for path in _walk(root):
         m = DUMP_NAME.match(path.name)
-        if not m or files.is_rank_file(path.name):  # distcheck's own flight-rank3.json is a report's, not torch's
+        if not m or files.is_distcheck_file(path.name):  # distcheck's own (flight-rank3.json, stackhook-pid42.json)
             continue
         key = (str(path.parent), m["prefix"])
         groups.setdefault(key, []).append(DumpFile(int(m["rank"]), path))

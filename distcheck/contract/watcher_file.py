@@ -18,9 +18,9 @@ import socket
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from distcheck.contract import atomic_file
+from distcheck.contract import atomic_file, files
 
-NAME = "watcher-{host}.json"
+NAME = files.WATCHER
 NOT_YET = -1  # ``reported`` before the first attempt's watch is over
 
 

@@ -609,7 +609,7 @@ static int begin_call(RecorderObject *self, PyObject *args, PyObject *kwargs, un
         if (internal != Py_True) /* a file not classified yet: the Python path does it */
             goto done;
         frame = frame_back(frame);
-        if (!frame) /* no user frame at all (a thread of torch's): keyed with no site, as tracer.call_key does */
+        if (!frame) /* no user frame at all (a thread of torch's): keyed with no site, as call_keys.call_key does */
             break;
         code = frame_code(frame);
     }

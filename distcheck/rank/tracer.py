@@ -28,10 +28,11 @@ Each call records a ``start`` before the call and an ``end`` when the op complet
 Each collective is one 24-byte record stored into a shared memory map of ``<report_dir>/trace-rank<R>.bin``
 (contract/trace_slots.py): its start is stored before the call, its end time into the same record when the op
 completes; plain memory writes, no system call, and the kernel keeps the pages of a SIGKILLed rank. The map only
-ever covers blocks allocated beforehand, so a full report file system stops the recording (see _EventLog), never
-the rank with a SIGBUS. What each
-distinct call looks like (op, group, shapes, dtypes, the user's call site) is written once, as a ``sig`` JSON line in
-``trace-rank<R>.jsonl`` next to the meta, error and exit lines. ``bench/bench_trace.py`` measures the cost per
+ever covers blocks allocated beforehand, so a full report file system stops the recording, never the rank with a
+SIGBUS (rank/trace_log.py). What each distinct call looks like (op, group, shapes, dtypes, the user's call site) is
+written once, as a ``sig`` JSON line in ``trace-rank<R>.jsonl`` next to the meta, error and exit lines; a call is
+known again by its key (rank/call_keys.py). The ends of synchronous CUDA ops without NCCL's ring come from CUDA
+events (rank/cuda_completions.py). ``bench/bench_trace.py`` measures the cost per
 collective on a no-op process group (docs/performance.md).
 
 The common case, a call whose description is cached, runs in C (``_tracefast.c``, built where a C compiler is
@@ -42,18 +43,14 @@ which shares the C path's cache and slot counter, so each rule is written once, 
 """
 from __future__ import annotations
 
-import collections
-import errno
 import functools
 import inspect
 import itertools
 import logging
-import mmap
 import os
 import struct
 import socket
 import sys
-import threading
 import time
 import types
 from pathlib import Path
@@ -66,6 +63,9 @@ from distcheck.contract import trace_lines
 from distcheck.contract import trace_slots
 from distcheck.processes import agent_pid
 from distcheck.rank import flight_recorder
+from distcheck.rank.call_keys import CACHE_LIMIT, UNCACHED, call_key
+from distcheck.rank.cuda_completions import CudaCompletions
+from distcheck.rank.trace_log import TraceLog
 from distcheck.rank.usersite import is_internal
 from distcheck.contract.site import file_line
 
@@ -106,192 +106,7 @@ _SKIP_SHAPES = frozenset({"group", "op", "reduceOp", "async_op", "tag", "src", "
                           "output_split_sizes", "input_split_sizes", "timeout", "wait_all_ranks", "device_ids",
                           "use_batch", "device", "object_list", "obj", "object_gather_list", "scatter_object_output_list",
                           "scatter_object_input_list", "gather_dim", "scatter_dim", "src_dst", "p2p_op_list"})
-
-
 _DEFAULT_GROUP = object()  # cache key of group=None (the default group)
-# Ops whose start line is not cached (their payload is not described by shapes alone).
-_UNCACHED = frozenset({"batch_isend_irecv", "all_gather_object", "gather_object", "broadcast_object_list",
-                       "scatter_object_list", "send_object_list", "recv_object_list"})
-_CACHE_LIMIT = 4096  # distinct call signatures kept; dynamic shapes must not grow memory without bound
-
-
-# What the trace leaves free of its file system (_EventLog._allocate): a tenth of it, at most 64 MiB.
-RESERVE_FRACTION = 0.1
-RESERVE_MAX = 64 << 20
-
-
-class _NotRecorded(Exception):
-    """Recording stopped (the file system refused more blocks): the wrapper calls the op untraced."""
-
-
-class _EventLog:
-    """``trace-rank<R>.bin``: one fixed-size record per collective, stored into a shared memory map (the hot path
-    stores into ``mm`` itself; these methods are for the rest).
-
-    The map never covers a page the file system has not allocated: every segment is ``posix_fallocate``d first, so
-    a full disk is an ``OSError`` here, never a SIGBUS on the hot path's store. When no more blocks can be had (down
-    to one page), recording stops for good: the header says from which collective on (``cut``) and why, the C path
-    is told to skip recording (``stop``), and collectives issued from then on only bump the header's ``unrecorded``
-    counter, which keeps the watch loop's progress moving (contract/trace_slots.py)."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-        # The next free slot; atomic under the GIL, so threads never share one. The C path swaps in its own
-        # counter (attach), which both paths then claim from.
-        self.claim: Callable[[], int] = itertools.count(1).__next__
-        self._lock = threading.Lock()
-        self._closed = False
-        self.stopped = False  # the file system refused more blocks: nothing is recorded any more
-        self._stop_fast: Callable[[], None] | None = None  # the C path's Log.stop
-        self.cap = self._allocate(0, trace_slots.SEGMENT_SLOTS * trace_slots.SIZE)  # bytes allocated and mapped
-        if self.cap:
-            self.mm = mmap.mmap(self._fd, self.cap)
-        else:  # not even a page: the hot path still needs a map; nothing of it reaches the file
-            self.mm = mmap.mmap(-1, trace_slots.SIZE)
-        self.mm[:trace_slots.SIZE] = trace_slots.header(files.FORMAT)
-        if not self.cap:
-            self._stop(1, self._error)
-
-    def attach(self, fast: Any) -> None:
-        """Share the slot counter with the C path's Log and let it know when recording stops."""
-        self.claim = fast.claim
-        self._stop_fast = fast.stop
-        if self.stopped:
-            fast.stop()
-
-    def _allocate(self, offset: int, want: int) -> int:
-        """Allocate up to ``want`` bytes of the file from ``offset``: a whole segment, else the most a nearly full
-        file system still gives (halving down to one page of records). The bytes allocated; 0 with ``_error``.
-
-        The trace never takes the file system's last bytes: it leaves RESERVE_FRACTION of it (at most
-        RESERVE_MAX) to everything else (the other ranks' start-up files, the automatic-check state, stack dumps,
-        the report itself), and takes at most half of what is left above that at a time, so ranks share it."""
-        least = trace_slots.MIN_SEGMENT_SLOTS * trace_slots.SIZE
-        self._error: OSError | None = None
-        room = want  # unknown (no statvfs, or a file system that reports no size): fallocate's answer decides
-        try:
-            fs = os.fstatvfs(self._fd)
-            if fs.f_blocks:
-                room = fs.f_bavail * fs.f_frsize - min(RESERVE_MAX,
-                                                       int(fs.f_blocks * fs.f_frsize * RESERVE_FRACTION))
-        except OSError:
-            pass
-        if room < least:
-            self._error = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-            return 0
-        size = want if room >= 2 * want else max(least, room // 2 // trace_slots.SIZE * trace_slots.SIZE)
-        while True:
-            try:
-                _fallocate(self._fd, offset, size)
-                return size
-            except OSError as exc:
-                self._error = exc
-                if exc.errno not in (errno.ENOSPC, errno.EDQUOT) or size <= least:
-                    return 0
-                size = max(least, size // 2 // trace_slots.SIZE * trace_slots.SIZE)
-
-    def grow(self, offset: int) -> None:
-        """Make room for a record at ``offset`` (the map is grown a segment at a time, so this is rare); raise
-        _NotRecorded when recording has stopped (then the collective is only counted)."""
-        with self._lock:
-            while offset + trace_slots.SIZE > self.cap and not self._closed and not self.stopped:
-                got = self._allocate(self.cap, trace_slots.SEGMENT_SLOTS * trace_slots.SIZE)
-                if got:
-                    try:
-                        self.mm.resize(self.cap + got)
-                    except (OSError, ValueError, BufferError, SystemError) as exc:
-                        self._error = exc if isinstance(exc, OSError) else None
-                        got = 0
-                if not got:
-                    self._stop(offset // trace_slots.SIZE, self._error)
-                    break
-                self.cap += got
-            if offset + trace_slots.SIZE > self.cap:
-                if self.stopped:
-                    self._count_unrecorded()
-                raise _NotRecorded()
-
-    def _stop(self, slot: int, exc: BaseException | None) -> None:
-        """Recording stops at ``slot`` (under the lock, or before anyone else has the log): said once, kept in
-        the header."""
-        self.stopped = True
-        if self._stop_fast is not None:
-            self._stop_fast()
-        err = getattr(exc, "errno", None) or 0
-        try:
-            trace_slots.CUT.pack_into(self.mm, trace_slots.CUT_OFFSET, slot)
-            if not self.mm[trace_slots.ERRNO_OFFSET]:
-                trace_slots.BYTE.pack_into(self.mm, trace_slots.ERRNO_OFFSET, err & 0xFF)
-        except (ValueError, struct.error):
-            pass
-        log.warning("%s (%s): collectives from #%d on are not recorded; the script goes on untraced",
-                    trace_slots.write_failure(err), getattr(exc, "strerror", None) or exc or "no space", slot)
-
-    def _count_unrecorded(self) -> None:
-        try:
-            n = trace_slots.UNRECORDED.unpack_from(self.mm, trace_slots.UNRECORDED_OFFSET)[0]
-            trace_slots.UNRECORDED.pack_into(self.mm, trace_slots.UNRECORDED_OFFSET, (n + 1) & 0xFFFFFFFF)
-        except (ValueError, struct.error):
-            pass
-
-    def lost(self, bit: int, err: int) -> None:
-        """Another per-rank file lost a write (trace_slots.LOST_* ``bit``): kept in the header for the report."""
-        try:
-            if not self.mm[trace_slots.LOST_OFFSET] & bit:
-                trace_slots.BYTE.pack_into(self.mm, trace_slots.LOST_OFFSET, self.mm[trace_slots.LOST_OFFSET] | bit)
-            if not self.mm[trace_slots.ERRNO_OFFSET]:
-                trace_slots.BYTE.pack_into(self.mm, trace_slots.ERRNO_OFFSET, err & 0xFF)
-        except (ValueError, struct.error):
-            pass
-
-    def exited(self, ok: bool, code: int) -> None:
-        """How the script ended, also where a full disk cannot lose it (the exit line may be lost)."""
-        try:
-            trace_slots.EXIT.pack_into(self.mm, trace_slots.EXIT_OFFSET,
-                                   trace_slots.EXIT_RETURNED if ok else trace_slots.EXIT_FAILED, int(code) & 0xFF)
-        except (ValueError, struct.error, TypeError):
-            pass
-
-    def end(self, eid: int, t: float, issued: bool = False) -> None:
-        """Mark collective ``eid`` (its slot) completed at ``t``, or only issued then."""
-        offset = eid * trace_slots.SIZE
-        try:
-            if issued:  # before the time: a reader takes the flag only once the time is there
-                trace_slots.FLAG.pack_into(self.mm, offset + trace_slots.FLAGS_OFFSET, trace_slots.ISSUED)
-            trace_slots.END_TIME.pack_into(self.mm, offset + trace_slots.END_OFFSET, t)
-        except (ValueError, OSError, struct.error):  # closed under a late completion: tracing must not break training
-            pass
-
-    def close(self) -> None:
-        """Unmap and cut the unused tail, so the file holds exactly what was recorded."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            used = self.claim() * trace_slots.SIZE
-            try:
-                self.mm.close()
-            except BufferError:  # a record being written on another thread right now: leave the map to exit
-                pass
-            try:
-                os.ftruncate(self._fd, min(used, self.cap))
-            except OSError:
-                pass
-            os.close(self._fd)
-
-
-def _fallocate(fd: int, offset: int, length: int) -> None:
-    """Allocate the file's blocks (a file system without fallocate gets them written as zeros instead)."""
-    try:
-        os.posix_fallocate(fd, offset, length)
-    except OSError as exc:
-        if exc.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
-            raise
-        zeros = bytes(min(length, 1 << 20))
-        done = 0
-        while done < length:
-            done += os.pwrite(fd, zeros[:length - done], offset + done)
 
 
 def note_lost(bit: int, exc: OSError) -> None:
@@ -300,65 +115,6 @@ def note_lost(bit: int, exc: OSError) -> None:
     tracer = _tracer
     if tracer is not None:
         tracer.events.lost(bit, exc.errno or 0)
-
-
-class _CudaCompletions:
-    """Ends of synchronous collectives on CUDA tensors: NCCL returns once the op is queued, so an event recorded
-    right after it on the current stream passes exactly when the op (and what the stream ran before it) is done.
-    One daemon thread polls the pending events in order and writes each end when its event has passed."""
-
-    POLL_S = 0.002
-
-    def __init__(self, write_end: Callable[[int, float], None], new_event: Callable[[], Any],
-                 sig_of: Callable[[int], int] | None = None) -> None:
-        self._write_end = write_end
-        self._new_event = new_event
-        # Sigs whose end NCCL's own ring records (Tracer._new_sig): their records stay open, no event of ours.
-        self.ring_sigs: set[int] = set()
-        self._sig_of = sig_of
-        self._free: list[Any] = []  # events are reused: creating one per collective would cost more than the op
-        self._pending: collections.deque[tuple[int, Any]] = collections.deque()
-        self._wake = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._stopped = False
-
-    def add(self, eid: int) -> None:
-        if self.ring_sigs and self._sig_of is not None and self._sig_of(eid) in self.ring_sigs:
-            return  # left open: the analysis stores the ring's end into it (analysis/flight_recorder.py)
-        event = self._free.pop() if self._free else self._new_event()
-        event.record()
-        self._pending.append((eid, event))
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="distcheck-completions", daemon=True)
-            self._thread.start()
-        self._wake.set()
-
-    def poll(self) -> int:
-        """Write the ends of the events that have passed; returns how many are still pending."""
-        pending = self._pending
-        while pending:
-            eid, event = pending[0]
-            if not event.query():
-                break  # later events on the same stream cannot have passed either; others are polled next time
-            pending.popleft()
-            self._write_end(eid, time.time())
-            self._free.append(event)
-        return len(pending)
-
-    def _run(self) -> None:
-        while not self._stopped:
-            self._wake.wait()
-            self._wake.clear()
-            while not self._stopped and self.poll():
-                time.sleep(self.POLL_S)
-
-    def drain(self, timeout: float) -> None:
-        """At the end of tracing: wait (bounded: a hung GPU must not hang the exit) for what is still pending."""
-        deadline = time.monotonic() + timeout
-        while self.poll() and time.monotonic() < deadline:
-            time.sleep(self.POLL_S)
-        self._stopped = True
-        self._wake.set()
 
 
 def trace_path(report_dir: str | os.PathLike, rank: int) -> Path:
@@ -385,24 +141,9 @@ def _reduce_op_name(op: Any) -> str | None:
     return str(name).upper()
 
 
-_PLAIN = (int, float, bool, str, type(None))
 _NESTED = object()  # _user_frame's answer for a call made while a traced call is on the same thread's stack
 # Stands in for torch.compiler where a torch has no compile flag: its is_compiling() is then the whole test.
 _NOT_COMPILING = types.SimpleNamespace(_is_compiling_flag=False)
-
-
-def _arg_key(value: Any, Tensor: type) -> Any:
-    """The part of a call's cache key for one argument: shape, dtype and device kind for a tensor (never the tensor:
-    a new one each step must hit the same entry), values for plain data, the same recursively for lists, the object
-    itself otherwise (process groups, meshes, reduce ops; held by the cache, so never confused with a later object
-    at the same address)."""
-    if isinstance(value, Tensor):
-        return (value.shape, value.dtype, value.is_cuda)
-    if isinstance(value, _PLAIN):
-        return value
-    if isinstance(value, (list, tuple)):
-        return (type(value), tuple(_arg_key(v, Tensor) for v in value))
-    return value
 
 
 SPLIT_PEERS = 1024  # the per-peer sizes of an exchange are recorded for groups up to this size
@@ -461,26 +202,6 @@ def _peer_split(op: str, params: dict[str, Any], n: int, Tensor: type) -> dict[s
     return None
 
 
-def call_key(frame: Any, args: tuple, kwargs: dict, Tensor: type, gpu_build: bool) -> tuple:
-    """The cache key of a call from ``frame`` (the user's): its site as ``(id(code), f_lasti)``, then each positional
-    argument (an exact Tensor as shape, dtype[, is_cuda], flat), then each keyword's name and value. _tracefast.c
-    builds the same key for the calls it handles; the two paths share one cache."""
-    key = [id(frame.f_code), frame.f_lasti] if frame is not None else [0, -1]
-    for value in args:
-        if type(value) is Tensor:
-            key.append(value.shape)
-            key.append(value.dtype)
-            if gpu_build:
-                key.append(value.is_cuda)
-        else:
-            key.append(_arg_key(value, Tensor))
-    if kwargs:
-        for pname, value in kwargs.items():
-            key.append(pname)
-            key.append(_arg_key(value, Tensor))
-    return tuple(key)
-
-
 def _library_call(user: Any) -> str | None:
     """The call the user's line made into a third-party library on the way to this collective (Lightning's
     ``self.log(..., sync_dist=True)``), as ``lightning/pytorch/core/module.py:512 in log``; None when the user's
@@ -509,7 +230,7 @@ class Tracer:
         self.rank = rank
         self.path = trace_path(report_dir, rank)
         self.writer = trace_lines.LineWriter(self.path)
-        self.events = _EventLog(files.rank_file(report_dir, "trace_events", rank))
+        self.events = TraceLog(files.rank_file(report_dir, "trace_events", rank))
         self.writer.on_lost = functools.partial(self.events.lost, trace_slots.LOST_LINES)
         # Without a CUDA (or ROCm) build no tensor is on the GPU: keys leave the device out (~60 ns a tensor).
         self._gpu_build = torch.version.cuda is not None or getattr(torch.version, "hip", None) is not None
@@ -531,7 +252,7 @@ class Tracer:
         # Called with (works, op, args, kwargs, site) for each Work a call from the user's own line returned
         # (rank/autocheck/async_work.py); None: nobody asks.
         self.on_async: Callable[..., None] | None = None
-        self.completions = _CudaCompletions(self._write_end, lambda: torch.cuda.Event(), self._sig_of)
+        self.completions = CudaCompletions(self._write_end, lambda: torch.cuda.Event(), self._sig_of)
 
     def _sig_of(self, eid: int) -> int:
         """The sig a record names (its start word's high half)."""
@@ -745,7 +466,7 @@ class Tracer:
         SIZE, END_OFFSET = trace_slots.SIZE, trace_slots.END_OFFSET
         Tensor = self._torch.Tensor
         gpu_build = self._gpu_build
-        cacheable = op not in _UNCACHED
+        cacheable = op not in UNCACHED
         new_sig = self._new_sig
         completions = self.completions
         writer = self.writer
@@ -801,7 +522,7 @@ class Tracer:
                 if hit is None:
                     hit = new_sig(op, names, args, kwargs, funcol, default_op, frame)
                     if cacheable and hkey is not None:
-                        if len(sigs) >= _CACHE_LIMIT:
+                        if len(sigs) >= CACHE_LIMIT:
                             sigs.clear()
                         sigs[hkey] = hit
                 word, after = hit

@@ -6,7 +6,7 @@ Each run is a supervised run exactly like ``distcheck run --nproc N`` (supervise
 watch loop, hang diagnosis with every rank's stack, rank failures) into its own sub report dir (``reference/``,
 ``nproc<N>/``). A run that did not complete (it hung, a rank crashed) is reported with its own findings, and its
 records are not compared: half a run's records would only add "recorded in one run only" noise on top of the
-real cause. The comparison itself is pure (analysis/records.py: it also finds how the ranks' losses make the
+real cause. The comparison itself is pure (analysis/record_*.py: it also finds how the ranks' losses make the
 reference's, their mean or their sum, from what the parameters and gradients prove, and the table and
 ``loss_conventions`` in report.json name it); at a mismatch, analysis/module_diff.py names the first module whose output (or input
 gradient) differs in the first step.
@@ -101,16 +101,22 @@ def _second_look(opts: CompareOptions, report_dir: Path, nproc: int, auto_steps:
 
 def run_precision(report_dir: Path, subs: tuple[str, ...]) -> "Precision | None":
     """The lowest precision either run computed in (the ranks' precision notes), for the default tolerances."""
+    from distcheck.analysis.check_table import judge
     from distcheck.analysis.tolerance import Precision  # noqa: F811 (the annotation's name, imported lazily)
     from distcheck.contract.autocheck_file import read_all
 
-    notes = [n for sub in subs for state in read_all(report_dir / sub).values() for n in state.get("precision") or []]
+    notes = [n for sub in subs
+             for n in judge(read_all(report_dir / sub), only=("precision",)).facts.get("precision", [])]
     return Precision.from_notes(notes)
 
 
 def compare(opts: CompareOptions, interrupt: Interrupt | None = None) -> tuple[Report, Path]:
-    from distcheck.analysis.records import (AUTO_TEXT, Tolerances, compare_runs, has_explicit, load_run,
-                                            record_files, render_table)
+    from distcheck.analysis.compare_to_reference import compare_runs
+    from distcheck.analysis.record_compare import AUTO_TEXT, Tolerances
+    from distcheck.analysis.record_explain import render_table
+    from distcheck.analysis.record_resolve import has_explicit
+    from distcheck.analysis.record_values import load_run
+    from distcheck.contract.records_file import paths as record_files
     from distcheck.analysis.module_diff import explain_mismatch
     from distcheck.contract.env import AUTO_RECORD_STEPS
     from distcheck.contract.autocheck_file import read_all as load_autocheck_states

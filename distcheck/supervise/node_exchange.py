@@ -37,8 +37,8 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from distcheck.analysis.collective_digests import WindowAsk
 from distcheck.analysis.progress import RankProgress
-from distcheck.analysis.trace_align import (STATE_DIED, STATE_ERROR, STATE_HUNG, STATE_OK, STATE_STOPPED,
-                                            RankOutcome)
+from distcheck.analysis.rank_outcomes import (STATE_DIED, STATE_ERROR, STATE_HUNG, STATE_OK, STATE_STOPPED,
+                                              RankOutcome)
 from distcheck.analysis.trace_events import RankError
 from distcheck.contract.findings import Finding, format_ranks
 from distcheck.contract.node_summary import RUNNING, NodeSummary, RankState

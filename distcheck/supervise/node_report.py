@@ -454,7 +454,7 @@ def job_report_from_nodes(dirs: list[Path]) -> Report | None:
     each node's own folder (``node-<host>/summary.json``, written before any exchange) and node 0's ranks' files,
     for a job whose exchange failed or whose watchers were killed. None unless the folders hold node 0's summary
     and at least one other node's."""
-    from distcheck.analysis.trace_align import STATE_STOPPED
+    from distcheck.analysis.rank_outcomes import STATE_STOPPED
     from distcheck.contract import node_summary
     from distcheck.supervise.node_exchange import NodeEnv, merge_summaries, window_answer
 

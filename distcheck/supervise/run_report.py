@@ -17,12 +17,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from distcheck.analysis.bad_values import fold_first_bad, merge_states
+from distcheck.analysis.bad_values import fold_first_bad
 from distcheck.analysis import stragglers
-from distcheck.analysis.pipeline_schedule import fold_consequences, pipeline_findings, schedules_from_states
+from distcheck.analysis.check_table import judge
+from distcheck.analysis.pipeline_schedule import fold_consequences
 from distcheck.contract import samples_file
-from distcheck.analysis.trace_align import (STATE_DIED, STATE_ERROR, STATE_HUNG, STATE_OK, STATE_STOPPED,
-                                            STATE_UNKNOWN, UNFINISHED, RankOutcome, analyze_run)
+from distcheck.analysis.rank_outcomes import (STATE_DIED, STATE_ERROR, STATE_HUNG, STATE_OK, STATE_STOPPED,
+                                              STATE_UNKNOWN, UNFINISHED, RankOutcome)
+from distcheck.analysis.trace_align import analyze_run
 from distcheck.analysis.progress import RankProgress, progress_by_rank, rank_progress
 from distcheck.analysis.trace_events import RankTrace
 from distcheck.contract import files
@@ -368,17 +370,7 @@ def clean(report_dir: Path, ranks) -> None:
 
 def report_parts(report_dir: str | os.PathLike) -> tuple[list[Finding], list[CheckResult], list[Note]]:
     """The zero-code checks' findings, checks (model_check, bad_values, ...) and warnings (parameters on mixed
-    meshes in a correct model: what would break, and the fix), from the ranks' autocheck files; a warning every
-    rank wrote is reported once."""
-    states = autocheck_file.read_all(report_dir)
-    findings, checks = merge_states(states)
-    findings += pipeline_findings(schedules_from_states(states))
-    notes: dict[tuple, Note] = {}
-    for rank in sorted(states):
-        for data in states[rank].get("warnings") or []:
-            try:
-                note = Note.from_json(data)
-            except (KeyError, TypeError, ValueError):
-                continue
-            notes.setdefault((note.kind, note.message), note)
-    return findings, checks, list(notes.values())
+    meshes in a correct model: what would break, and the fix), from the ranks' autocheck files through
+    analysis/check_table.py; a warning every rank wrote is reported once."""
+    found = judge(autocheck_file.read_all(report_dir))
+    return found.findings, found.checks, found.notes

@@ -16,7 +16,7 @@ import os
 import sys
 from pathlib import Path
 
-from distcheck.analysis.trace_align import provably_stuck
+from distcheck.analysis.stop_rule import provably_stuck
 from distcheck.analysis.trace_events import load_traces
 from distcheck.options import ENV_SUPERVISED, RunOptions
 from distcheck.contract import files

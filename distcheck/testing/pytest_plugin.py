@@ -198,7 +198,7 @@ def pytest_pyfunc_call(pyfuncitem):
 
 def _stuck_check(trace_dir: str):
     """Whether the ranks provably cannot progress (from their traces), so a mismatch fails in seconds."""
-    from distcheck.analysis.trace_align import provably_stuck
+    from distcheck.analysis.stop_rule import provably_stuck
     from distcheck.analysis.trace_events import load_traces
 
     def check(finished: set[int]) -> str | None:
@@ -214,12 +214,12 @@ def _pipeline_cause(trace_dir: str) -> str:
     """Pipeline stages whose schedules disagree (the ranks' autocheck files, written before each step ran): the
     cause of the shape error or the hang that follows, named first. The ranks that got through publish it
     themselves (rank/autocheck test_findings); a stage stuck waiting for a microbatch never gets there."""
-    from distcheck.analysis.pipeline_schedule import pipeline_findings, schedules_from_states
+    from distcheck.analysis.check_table import judge
     from distcheck.contract import autocheck_file
     from distcheck.contract.findings import headline
 
     try:
-        found = pipeline_findings(schedules_from_states(autocheck_file.read_all(trace_dir)))
+        found = judge(autocheck_file.read_all(trace_dir), only=("pipeline",)).findings
     except Exception:  # an unreadable file must not hide the failure itself
         return ""
     return "\n".join(headline(f) for f in found)
@@ -228,7 +228,7 @@ def _pipeline_cause(trace_dir: str) -> str:
 def _diagnose(pool, job, outcomes, hung: bool, nprocs: int, timeout: float, stop_reason: str | None) -> str:
     """The failure text: the hang diagnosis (grouped stacks) or each failing rank's traceback, plus the first
     collective where the ranks' traces diverge. Runs while a hung pool is still alive, so its stacks are real."""
-    from distcheck.analysis import trace_align
+    from distcheck.analysis import rank_outcomes, trace_align
     from distcheck.analysis.trace_events import load_traces
 
     parts: list[str] = []
@@ -270,11 +270,11 @@ def _diagnose(pool, job, outcomes, hung: bool, nprocs: int, timeout: float, stop
                              + "\n".join(lines))
     for rank, text in sorted(stacks.items()):
         parts.append(f"---------- [rank {rank}] stack (faulthandler) ----------\n{text.rstrip()}")
-    state = {"passed": trace_align.STATE_OK, "skipped": trace_align.STATE_OK, "failed": trace_align.STATE_ERROR,
-             "died": trace_align.STATE_DIED, "hung": trace_align.STATE_HUNG}
+    state = {"passed": rank_outcomes.STATE_OK, "skipped": rank_outcomes.STATE_OK, "failed": rank_outcomes.STATE_ERROR,
+             "died": rank_outcomes.STATE_DIED, "hung": rank_outcomes.STATE_HUNG}
     try:
         traces = load_traces(job.trace_dir)
-        ranks = {o.rank: trace_align.RankOutcome(o.rank, state[o.status]) for o in outcomes}
+        ranks = {o.rank: rank_outcomes.RankOutcome(o.rank, state[o.status]) for o in outcomes}
         divergences = [f for f in trace_align.analyze_run(traces, ranks, nprocs, timeout=timeout)
                        if f.kind == "collective_mismatch"]
     except Exception as exc:  # a trace the analysis cannot read must not hide the failure itself

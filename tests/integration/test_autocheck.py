@@ -56,6 +56,27 @@ def test_nan_in_one_ranks_batch_names_step_and_rank(line_of, tmp_path):
     assert "Rank 0 had a finite loss at that step" in finding["message"]
     assert "only points to that rank's data" in finding["message"]
     assert detail["first_param"] == "2.bias"  # the last layer: the first gradient backward produces
+    assert "on rank 1 the batch itself already holds nan: input args[0] of Sequential.forward at index [3, 5]" \
+        in finding["message"]
+    assert detail["origin"]["where"] == "batch" and detail["origin"]["rank"] == 1
+
+
+def test_the_first_module_whose_output_overflows_is_named_with_its_line(line_of, tmp_path):
+    """DDP; rank 1's batch is finite but large at step 2: the inf comes from Gate's exp, not from the data."""
+    res, report = run_fixture(tmp_path, "zc_nan_module.py")
+    assert res.returncode == 1, res.output
+    [finding] = report["findings"]
+    assert finding["kind"] == "bad_values" and finding["ranks"] == [1]
+    detail = finding["detail"]
+    assert detail["step"] == 2 and detail["loss_ranks"] == [1]
+    line = line_of("zc_nan_module.py", "# BUG")
+    assert detail["line"] == line and detail["file"].endswith("zc_nan_module.py")
+    assert detail["origin"] == {"where": "module", "module": "gate", "type": "Gate", "op": "aten.exp",
+                                "value": "inf", "file": detail["file"], "line": line, "rank": 1}
+    assert (f"on rank 1 the first module in forward order whose output is not finite (its inputs were) is 'gate' "
+            f"(Gate): its torch.exp at zc_nan_module.py:{line} made inf from finite values") in finding["message"]
+    backward = line_of("zc_nan_module.py", "        loss.backward()")
+    assert detail["backward_site"] == f"zc_nan_module.py:{backward}"
 
 
 def test_unwrapped_root_is_found_without_any_distcheck_call(line_of, tmp_path):

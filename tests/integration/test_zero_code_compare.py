@@ -6,7 +6,7 @@ import pytest
 from launch_helpers import FIXTURES, distcheck, load_report
 
 from distcheck.analysis.module_diff import search_modules
-from distcheck.analysis.records import load_rank
+from distcheck.analysis.record_values import load_rank
 from distcheck.contract.autocheck_file import read_all as load_autocheck_states
 
 

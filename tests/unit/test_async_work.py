@@ -2,6 +2,8 @@
 and which readers make a Work not waited for a finding."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 
 from distcheck.rank.autocheck.async_work import AsyncWatch
@@ -18,7 +20,8 @@ def watch_and_model():
     found = []
     model = torch.nn.Linear(4, 2)
     model(torch.randn(3, 4)).sum().backward()
-    return AsyncWatch(1, found.extend), found, model, torch.optim.SGD(model.parameters(), lr=0.1)
+    core = SimpleNamespace(rank=1, emit=found.extend)  # what the watch needs of rank/autocheck/core.AutoCheck
+    return AsyncWatch(core), found, model, torch.optim.SGD(model.parameters(), lr=0.1)
 
 
 def test_a_gradient_reduction_not_waited_before_the_step_is_named_once():
@@ -26,7 +29,7 @@ def test_a_gradient_reduction_not_waited_before_the_step_is_named_once():
     for step in range(2):
         for p in model.parameters():
             watch.issued([Work()], "all_reduce", [p.grad], AT)
-        watch.on_optimizer_step(opt)
+        watch.on_optimizer_step(opt, 0)
     (f,) = found  # one per line, however many steps and parameters
     assert f.kind == "tensor_divergence" and f.ranks == [1] and f.detail["cause"] == "async_not_waited"
     assert (f.detail["file"], f.detail["line"]) == ("/w/train.py", 30) and f.detail["reader"] == "SGD.step()"
@@ -41,10 +44,10 @@ def test_waited_works_and_tensors_that_are_no_gradient_are_silent_at_the_step():
     metric = Work()
     watch.issued([metric], "all_reduce", [torch.tensor([1.0])], Site("/w/train.py", 40))
     for work in works:
-        watch.waited(work)
-    watch.on_optimizer_step(opt)
+        watch.on_work_waited(work)
+    watch.on_optimizer_step(opt, 0)
     assert found == []
-    watch.waited(metric)
+    watch.on_work_waited(metric)
     watch.finish()
     assert found == []
 
@@ -68,7 +71,7 @@ def test_other_bytes_of_a_flat_buffer_reduced_slice_by_slice_do_not_race():
     watch.issued([first], "all_reduce", [flat[:4]], Site("/w/train.py", 60))
     watch.issued([Work()], "all_reduce", [flat[4:]], Site("/w/train.py", 61))
     assert found == []
-    watch.waited(first)
+    watch.on_work_waited(first)
     watch.issued([Work()], "all_reduce", [flat[3:5]], Site("/w/train.py", 62))  # overlaps the second, in flight
     (race,) = found
     assert race.detail["line"] == 61 and race.detail["reader_line"] == 62
@@ -95,7 +98,7 @@ def test_an_op_that_reads_a_tensor_in_flight_is_named_and_one_after_the_wait_is_
     assert not watch.reads.mode.active
     work = Work()
     watch.issued([work], "all_reduce", [t], Site("/w/train.py", 71), [t])
-    watch.waited(work)
+    watch.on_work_waited(work)
     assert torch._C._len_torch_function_stack() == 0
     t.norm()
     assert len(found) == 1

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from distcheck.analysis.records import load_rank
+from distcheck.analysis.record_values import load_rank
 from distcheck.rank import autocheck, records
 
 
@@ -64,7 +64,7 @@ def test_hooks_record_loss_per_backward_and_params_per_step(auto_recording):
     assert [(r.name, r.step) for r in got] == [("auto/loss", 0), ("auto/loss", 0), ("auto/grads", 0),
                                               ("auto/params", 0), ("auto/loss", 1), ("auto/loss", 1),
                                               ("auto/params", 1)]
-    assert all(r.auto for r in got) and check.records.count == 7
+    assert all(r.auto for r in got) and check.checks["auto_records"].count == 7
     assert {(r.file, r.line) for r in got if r.name == "auto/loss"} == {(__file__, loss_line)}
     assert {(r.file, r.line) for r in got if r.name in ("auto/params", "auto/grads")} == {(__file__, step_line)}
     (recorded_grads,) = [r for r in got if r.name == "auto/grads"]
@@ -79,7 +79,8 @@ def test_hooks_record_loss_per_backward_and_params_per_step(auto_recording):
     # the values after each update: step 0's differ from the initial weights and from step 1's
     first, second = params[0].parts[0].value, params[1].parts[0].value
     assert not torch.equal(first, before) and not torch.equal(first, second)
-    assert check.records._naming is None  # the forward hook that names the parameters is gone after the first step
+    # the forward hook that names the parameters is gone after the first step
+    assert check.checks["auto_records"]._naming is None
 
 
 def test_nothing_recorded_outside_compare(tmp_path, monkeypatch):
@@ -95,7 +96,8 @@ def test_nothing_recorded_outside_compare(tmp_path, monkeypatch):
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         model(torch.randn(2, 3)).sum().backward()
         opt.step()
-        assert check.records.steps == 0 and check.records._naming is None and check.records.count == 0
+        records_check = check.checks["auto_records"]
+        assert records_check.steps == 0 and records_check._naming is None and records_check.count == 0
     finally:
         autocheck.uninstall()
         records.reset()
@@ -152,7 +154,7 @@ def test_the_data_parallel_coordinate_comes_from_the_wrapper(one_rank_group, aut
     opt.step()
     loss = next(r for r in load_rank(out, 0) if r.name == "auto/loss")
     assert loss.dp == (0, 1)
-    rows = check.module_summaries.state()  # DDP and its module (one name): both rows carry the coordinate
+    rows = check.checks["modules"].state()  # DDP and its module (one name): both rows carry the coordinate
     assert rows and all(row["dp"] == [0, 1] for row in rows)
 
 

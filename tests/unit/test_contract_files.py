@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from distcheck.analysis.records import load_run
+from distcheck.analysis.record_values import load_run
 from distcheck.analysis.trace_events import load_traces
 from distcheck.contract import files
 from distcheck.contract import autocheck_file, findings_file

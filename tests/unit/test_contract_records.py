@@ -9,7 +9,7 @@ import os
 import pytest
 
 from distcheck.contract import autocheck_file, files, records_file
-from distcheck.contract.autocheck_file import AutocheckState
+from distcheck.contract.autocheck_file import RunFields
 from distcheck.contract.records_file import IndexEntry, PartMeta, Writer
 
 
@@ -125,20 +125,24 @@ def test_a_failing_value_takes_its_bytes_back_and_the_writer_goes_on(tmp_path):
 
 
 def _state(rank: int, steps: int) -> dict:
-    return AutocheckState(rank, [{"model": "Net"}], steps, "optimizer.step", 3, None, 0.25, 2,
-                          {"steps": 3, "checked": [], "seconds": 0.0}, [], {"points": [], "seconds": 0.0}, [],
-                          [{"kind": "mixed_mesh", "message": "m"}]).to_json()
+    return autocheck_file.document(RunFields(rank, steps, "optimizer.step", 3), {
+        "models": {"model_checks": [{"root": "Net"}], "warnings": [{"kind": "mixed_mesh", "message": "m"}]},
+        "nan_watch": {"first_bad": None, "seconds": 0.25}, "auto_records": 2,
+        "replica_drift": {"steps": 3, "checked": [], "seconds": 0.0}})
 
 
 def test_autocheck_state_round_trip(tmp_path):
     assert autocheck_file.write(tmp_path, 1, _state(1, 5)) is None
     assert autocheck_file.write(tmp_path, 0, _state(0, 4)) is None
     states = autocheck_file.read_all(tmp_path)
-    assert list(states) == [0, 1] and states[1] == _state(1, 5)
+    assert list(states) == [0, 1] and states[1] == {"format": files.FORMAT, **_state(1, 5)}
     text = autocheck_file.path(tmp_path, 1).read_text()
-    assert list(json.loads(text)) == ["format", "rank", "model_checks", "steps", "counter", "backwards", "first_bad",
-                                      "step_check_seconds", "auto_records", "replica_drift", "modules", "prewrap",
-                                      "frozen", "warnings", "precision", "pipeline"]
+    # the run-level fields, then each check's state under its name (rank/autocheck/registry.py)
+    assert list(json.loads(text)) == ["format", "rank", "steps", "counter", "backwards", "models", "nan_watch",
+                                      "auto_records", "replica_drift"]
+    assert autocheck_file.runs_of(states)[1] == RunFields(1, 5, "optimizer.step", 3)
+    assert autocheck_file.parts_of(states, "auto_records") == {0: 2, 1: 2}
+    assert autocheck_file.parts_of(states, "pipeline") == {}
     assert json.loads(text)["format"] == files.FORMAT and text.endswith("}\n")
 
 

@@ -3,8 +3,8 @@ fewer collectives than its peers is one ``collective_mismatch`` naming both coun
 issued, who issued it, the user's line and the fix; the peer's lost connection is its consequence."""
 from __future__ import annotations
 
-from distcheck.analysis.trace_align import (STATE_DIED, STATE_ERROR, STATE_HUNG, STATE_OK, STATE_STOPPED,
-                                            RankOutcome, analyze_run, find_divergences)
+from distcheck.analysis.rank_outcomes import STATE_DIED, STATE_ERROR, STATE_HUNG, STATE_OK, STATE_STOPPED, RankOutcome
+from distcheck.analysis.trace_align import analyze_run, find_divergences
 from distcheck.analysis.trace_events import RankError, RankTrace, TraceEvent
 
 GLOO_CLOSED = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer "

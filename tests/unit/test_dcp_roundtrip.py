@@ -3,6 +3,7 @@ loads without a process group) on real checkpoints in tmp_path: a partial load t
 values do not reach the model or come back rounded; correct resumes and partial loads by design stay silent."""
 from __future__ import annotations
 
+import contextlib
 import inspect
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 from torch import nn
 
 from distcheck.rank.autocheck.dcp_roundtrip import (checkpoint_key, not_resumed_finding, partial_load_finding,
-                                                    region, roundtrip_finding, watch_of)
+                                                    region, roundtrip_finding)
 from distcheck.rank.usersite import Site
 
 LOAD, SAVE = Site("/w/resume.py", 40), Site("/w/resume.py", 30)
@@ -57,19 +58,25 @@ def test_checkpoint_ids_and_regions(tmp_path, monkeypatch):
 
 # -- the hooks, in this process ----------------------------------------------------------------------------------
 
-@pytest.fixture
-def dcp_check(tmp_path):
+@contextlib.contextmanager
+def _installed(tmp_path):
     """autocheck installed as in a rank; the findings DCP's checks emit, and torch.distributed.checkpoint."""
     from distcheck.rank import autocheck
 
     check = autocheck.install(tmp_path / "report", 0)
     found: list = []
-    check.checkpoints.emit = found.extend
+    check.emit = found.extend  # what the checks emit at once
     import torch.distributed.checkpoint as dcp
     try:
         yield dcp, found, check
     finally:
         autocheck.uninstall()
+
+
+@pytest.fixture
+def dcp_check(tmp_path):
+    with _installed(tmp_path) as installed:
+        yield installed
 
 
 def _trained(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -152,41 +159,43 @@ def test_a_resume_into_a_bf16_model_rounds_the_checkpoint(dcp_check, tmp_path):
     # A checkpoint this run did not save (another directory, a pretrained model) is not compared.
     found.clear()
     dcp.save({"model": model.state_dict()}, checkpoint_id=tmp_path / "d")
-    watch_of(check.checkpoints).saved.pop(checkpoint_key(tmp_path / "d"))  # as if another job had saved it
+    check.checks["dcp_roundtrip"].saved.pop(checkpoint_key(tmp_path / "d"))  # as if another job had saved it
     dcp.load({"model": resumed.state_dict()}, checkpoint_id=tmp_path / "d")
     assert found == []
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-def test_a_failing_check_never_breaks_the_users_save_or_load(dcp_check, tmp_path, monkeypatch):
-    dcp, found, check = dcp_check
+def test_a_failing_check_never_breaks_the_users_save_or_load(tmp_path, monkeypatch):
     from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    from distcheck.rank.autocheck.dcp_roundtrip import DcpWatch
 
     def broken(*args, **kwargs):
         raise RuntimeError("a bug in distcheck")
 
-    for name in ("on_save_plan", "on_load_plan", "end_load", "on_step"):
-        monkeypatch.setattr(watch_of(check.checkpoints), name, broken)
-    model, opt = _trained()
-    dcp.save({"model": model.state_dict()}, checkpoint_id=tmp_path / "c")
-    resumed = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
-    dcp.load({"model": resumed.state_dict()}, checkpoint_id=tmp_path / "c",
-             planner=DefaultLoadPlanner(allow_partial_load=True))
-    assert torch.equal(resumed[0].weight, model[0].weight)
-    opt.step()
-    assert found == []
-    # torch's own error still reaches the user unchanged (DCP wraps each rank's error in a CheckpointException)
-    with pytest.raises(dcp.CheckpointException, match="Missing key in checkpoint state_dict: model.extra"):
-        dcp.load({"model": {**resumed.state_dict(), "extra": torch.zeros(1)}}, checkpoint_id=tmp_path / "c")
+    for name in ("on_dcp_save_plan", "on_dcp_load_plan", "on_dcp_load_end", "on_dcp_step"):
+        monkeypatch.setattr(DcpWatch, name, broken)  # before the core binds its handlers
+    with _installed(tmp_path) as (dcp, found, _):
+        model, opt = _trained()
+        dcp.save({"model": model.state_dict()}, checkpoint_id=tmp_path / "c")
+        resumed = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+        dcp.load({"model": resumed.state_dict()}, checkpoint_id=tmp_path / "c",
+                 planner=DefaultLoadPlanner(allow_partial_load=True))
+        assert torch.equal(resumed[0].weight, model[0].weight)
+        opt.step()
+        assert found == []
+        # torch's own error still reaches the user unchanged (DCP wraps each rank's error in a CheckpointException)
+        with pytest.raises(dcp.CheckpointException, match="Missing key in checkpoint state_dict: model.extra"):
+            dcp.load({"model": {**resumed.state_dict(), "extra": torch.zeros(1)}}, checkpoint_id=tmp_path / "c")
 
 
 def test_the_fingerprints_kept_are_bounded(dcp_check, tmp_path):
     from distcheck.rank.autocheck import dcp_roundtrip
 
     _, _, check = dcp_check
-    watch = watch_of(check.checkpoints)
+    watch = check.checks["dcp_roundtrip"]
     for i in range(dcp_roundtrip.MAX_CHECKPOINTS + 3):
-        watch.on_save_plan({"w": torch.zeros(2)}, tmp_path / str(i), SAVE)
+        watch.on_dcp_save_plan({"w": torch.zeros(2)}, tmp_path / str(i), SAVE)
     assert len(watch.saved) == dcp_roundtrip.MAX_CHECKPOINTS
     assert checkpoint_key(tmp_path / "0") not in watch.saved
     assert checkpoint_key(tmp_path / str(dcp_roundtrip.MAX_CHECKPOINTS + 2)) in watch.saved

@@ -15,6 +15,7 @@ from distcheck.analysis.trace_events import TraceEvent, load_traces
 from distcheck.contract import files, trace_lines
 from distcheck.rank import flight_recorder as rank_fr
 from distcheck.rank import tracer as trace
+from distcheck.rank.cuda_completions import CudaCompletions
 
 
 @pytest.fixture(autouse=True)
@@ -314,7 +315,7 @@ def test_a_synchronous_nccl_collective_is_left_open_for_the_ring():
         created.append(1)
         raise AssertionError("no event may be made for a ring-completed collective")
 
-    completions = trace._CudaCompletions(lambda eid, t: None, new_event, sig_of=lambda eid: 7 if eid == 1 else 8)
+    completions = CudaCompletions(lambda eid, t: None, new_event, sig_of=lambda eid: 7 if eid == 1 else 8)
     completions.ring_sigs.add(7)
     completions.add(1)
     assert created == [] and completions.poll() == 0

@@ -227,7 +227,7 @@ def test_drift_of_an_ignored_module_names_the_wrapping_line():
         return out if step < 0 else dict(out, backwards=1, unsynced=0, site=site, no_sync_site=None)
 
     same = torch.ones(1, 16)
-    states = {r: {"replica_drift": {"checked": [row(-1, same), row(0, same * (r + 2))]}} for r in (0, 1)}
+    states = {r: {"checked": [row(-1, same), row(0, same * (r + 2))]} for r in (0, 1)}  # the replica_drift states
     finding, _ = drift_finding(states)
     assert (finding.kind, finding.ranks, finding.detail["params"]) == ("tensor_divergence", [0, 1], ["gate.weight"])
     detail = finding.detail

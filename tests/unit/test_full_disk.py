@@ -17,7 +17,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from distcheck.analysis.trace_align import STATE_DIED, STATE_OK, RankOutcome, analyze_run, provably_stuck
+from distcheck.analysis.rank_outcomes import STATE_DIED, STATE_OK, RankOutcome
+from distcheck.analysis.stop_rule import provably_stuck
+from distcheck.analysis.trace_align import analyze_run
 from distcheck.analysis.trace_events import load_traces, parse_lines
 from distcheck.contract import files
 from distcheck.contract import trace_slots
@@ -25,6 +27,7 @@ from distcheck.contract.findings import CheckResult, Finding
 from distcheck.contract.report import Report, render_text, publish
 from distcheck.rank import records as rank_records
 from distcheck.rank import sink
+from distcheck.rank import trace_log
 from distcheck.rank import tracer as trace
 from distcheck.supervise import run_report
 
@@ -59,7 +62,7 @@ def disk_of(monkeypatch, capacity: int) -> list[tuple[int, int]]:
 
     real = os.posix_fallocate
 
-    monkeypatch.setattr(trace, "_fallocate", fallocate)
+    monkeypatch.setattr(trace_log, "_fallocate", fallocate)
     return granted
 
 
@@ -116,12 +119,12 @@ def test_the_trace_leaves_a_tenth_of_a_small_file_system_to_the_report(fake_worl
     monkeypatch.setattr(os, "fstatvfs", fstatvfs)
     granted: list[int] = []
     real = os.posix_fallocate
-    monkeypatch.setattr(trace, "_fallocate", lambda fd, offset, length: (granted.append(length),
+    monkeypatch.setattr(trace_log, "_fallocate", lambda fd, offset, length: (granted.append(length),
                                                                          real(fd, offset, length)))
     tracer = trace.install(tmp_path, 0)
-    room = 100 * 4096 - int(128 * 4096 * trace.RESERVE_FRACTION)
+    room = 100 * 4096 - int(128 * 4096 * trace_log.RESERVE_FRACTION)
     assert granted == [room // 2 // trace_slots.SIZE * trace_slots.SIZE]
-    free["bytes"] = int(128 * 4096 * trace.RESERVE_FRACTION) + 4000  # less than a page above the reserve
+    free["bytes"] = int(128 * 4096 * trace_log.RESERVE_FRACTION) + 4000  # less than a page above the reserve
     for _ in range(tracer.events.cap // trace_slots.SIZE + 5):
         dist.all_reduce(torch.ones(1))
     assert tracer.events.stopped and len(granted) == 1

@@ -14,7 +14,8 @@ import torch.distributed as dist
 
 from distcheck.analysis import flight_recorder as fr
 from distcheck.analysis.rank_trace import GraphRun
-from distcheck.analysis.trace_align import (STATE_DIED, STATE_ERROR, RankOutcome, analyze_run, find_divergences)
+from distcheck.analysis.rank_outcomes import STATE_DIED, STATE_ERROR, RankOutcome
+from distcheck.analysis.trace_align import analyze_run, find_divergences
 from distcheck.analysis.trace_events import RankTrace, TraceEvent
 from distcheck.contract import files, trace_lines
 from distcheck.rank import tracer as trace

@@ -49,6 +49,104 @@ def test_analysis_is_pure():
                 assert not name.startswith(("torch.distributed", "argparse", "subprocess", "distcheck.rank",
                                             "distcheck.supervise", "distcheck.commands", "distcheck.errors")), \
                     f"{path.name} imports {name}"
+            # torch itself may do tensor math on loaded records (records, tolerances, meshes); never reach a
+            # process group through it either
+            assert not (isinstance(node, ast.Attribute) and node.attr == "distributed" and
+                        isinstance(node.value, ast.Name) and node.value.id == "torch"), \
+                f"{path.name}:{node.lineno} uses torch.distributed"
+
+
+# What reads or lists the file system: analysis/ takes what contract/'s readers read (docs/architecture.md), so that
+# every file a supervisor reads has one reader, next to its one writer. Module functions by their full name (an
+# alias or a from-import resolved), and path methods by their name on any object (a Path or a file handle).
+FILE_FUNCTIONS = frozenset({
+    "open", "io.open", "os.open", "os.fdopen", "os.listdir", "os.scandir", "os.walk", "os.stat", "os.lstat",
+    "os.path.exists", "os.path.lexists", "os.path.isfile", "os.path.isdir", "os.path.islink", "os.path.getsize",
+    "os.path.getmtime", "os.path.realpath", "os.path.samefile", "glob.glob", "glob.iglob", "json.load",
+    "pickle.load", "marshal.load", "torch.load", "numpy.load", "numpy.loadtxt", "numpy.genfromtxt",
+    "numpy.fromfile", "numpy.memmap", "mmap.mmap", "shutil.copyfile", "shutil.copy", "shutil.rmtree",
+    "tempfile.mkstemp", "tempfile.mkdtemp", "tempfile.NamedTemporaryFile", "tempfile.TemporaryDirectory"})
+PATH_METHODS = frozenset({"read_text", "read_bytes", "write_text", "write_bytes", "open", "iterdir", "glob",
+                          "rglob", "exists", "is_file", "is_dir", "stat", "lstat", "touch", "unlink", "mkdir",
+                          "samefile"})
+# Where analysis/ may still touch the file system, and why (each entry must still be needed: a stale one fails).
+# frame_owner.py classifies a frame's file by the interpreter's installed package directories, which it lists
+# (this process's own environment, never a report directory).
+FILE_ACCESS_ALLOWED = {"frame_owner.py": {"os.listdir", "os.path.isfile", "os.path.realpath"}}
+
+
+def _file_access(tree: ast.Module) -> list[tuple[int, str]]:
+    """(line, call) of every call in ``tree`` that reads, writes, lists or stats the file system."""
+    aliases: dict[str, str] = {}  # local name -> full dotted name, from the module's imports
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                aliases[a.asname or a.name.split(".")[0]] = a.name if a.asname else a.name.split(".")[0]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for a in node.names:
+                aliases[a.asname or a.name] = f"{node.module}.{a.name}"
+
+    def dotted(func: ast.expr) -> str | None:
+        if isinstance(func, ast.Name):
+            return aliases.get(func.id, func.id)
+        if isinstance(func, ast.Attribute):
+            base = dotted(func.value)
+            return f"{base}.{func.attr}" if base is not None else None
+        return None
+
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        name = dotted(node.func)
+        if name in FILE_FUNCTIONS:
+            found.append((node.lineno, name))
+        elif isinstance(node.func, ast.Attribute) and node.func.attr in PATH_METHODS:
+            found.append((node.lineno, f".{node.func.attr}()"))
+    return sorted(found)
+
+
+def test_analysis_opens_no_file():
+    """analysis/ is pure functions of what contract/'s readers read: no module of it opens, lists or stats a file."""
+    wrong, used = [], set()
+    for path in sorted((PKG / "analysis").glob("*.py")):
+        for line, call in _file_access(_tree(path)):
+            if call in FILE_ACCESS_ALLOWED.get(path.name, ()):
+                used.add((path.name, call))
+            else:
+                wrong.append(f"analysis/{path.name}:{line} calls {call}")
+    assert not wrong, "\n".join(wrong) + "\n(read it in contract/, next to the file's writer)"
+    stale = {(m, c) for m, calls in FILE_ACCESS_ALLOWED.items() for c in calls} - used
+    assert not stale, f"FILE_ACCESS_ALLOWED no longer needed: {sorted(stale)}"
+
+
+def test_the_file_access_finder_finds_file_access():
+    source = """
+import json, os.path
+import numpy as np
+from pathlib import Path
+from os import listdir as ls
+from torch import load
+
+def bad(p, fh):
+    open(p)
+    Path(p).read_text()
+    json.load(fh)
+    np.load(p)
+    ls(p)
+    load(p)
+    os.path.exists(p)
+    p.glob("*.json")
+
+def fine(text, progress):
+    json.loads(text)
+    progress.open.append(1)
+    np.frombuffer(text, np.uint8)
+    os.path.basename(text)
+"""
+    assert _file_access(ast.parse(source)) == [
+        (9, "open"), (10, ".read_text()"), (11, "json.load"), (12, "numpy.load"), (13, "os.listdir"),
+        (14, "torch.load"), (15, "os.path.exists"), (16, ".glob()")]
 
 
 def test_every_module_lives_in_the_package_of_its_process():

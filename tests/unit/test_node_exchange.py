@@ -9,7 +9,7 @@ from datetime import timedelta
 import pytest
 
 from distcheck.analysis.progress import CollectiveRef, GroupProgress, RankProgress
-from distcheck.analysis.trace_align import STATE_ERROR, STATE_HUNG, STATE_OK, STATE_STOPPED
+from distcheck.analysis.rank_outcomes import STATE_ERROR, STATE_HUNG, STATE_OK, STATE_STOPPED
 from distcheck.contract.node_summary import RUNNING, NodeSummary, RankState
 from distcheck.supervise.node_exchange import (NodeEnv, StoreChannel, merge_summaries, rank_outcome,
                                                silent_nodes_finding, where_line)

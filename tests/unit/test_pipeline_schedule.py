@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 from distcheck.analysis.pipeline_schedule import (CAUSE, fold_consequences, microbatch_rows, pipeline_findings,
-                                                  schedules_from_states)
+                                                  schedules_of)
 from distcheck.contract.findings import Finding
 
 FILE = "/job/pp.py"
@@ -22,7 +22,7 @@ def record(stages, n=4, schedule="ScheduleGPipe", num_stages=2, group=(0, 1), ba
 
 
 def findings_of(*per_rank):
-    return pipeline_findings(schedules_from_states({r: {"pipeline": recs} for r, recs in enumerate(per_rank)}))
+    return pipeline_findings(schedules_of(dict(enumerate(per_rank))))
 
 
 def test_stages_that_split_into_different_microbatch_counts_are_one_finding_naming_both():

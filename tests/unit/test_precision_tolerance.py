@@ -1,10 +1,11 @@
 """Tolerances follow the precision a value was computed in (analysis/tolerance.py), and the gradient hint names a
-factor of the world size only when the ratio is near it (analysis/records.py)."""
+factor of the world size only when the ratio is near it (analysis/record_explain.py)."""
 from __future__ import annotations
 
 import torch
 
-from distcheck.analysis.records import Row, hints, observed_factor
+from distcheck.analysis.record_compare import Row
+from distcheck.analysis.record_explain import hints, observed_factor
 from distcheck.analysis.tolerance import NORM_RTOL, Precision, compare, rule_for
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from distcheck.analysis.replica_drift import drift_finding, frozen_finding
+from distcheck.analysis.replica_drift import frozen_finding
 from distcheck.analysis.replicas import group_findings
 from distcheck.contract.findings import Finding
 from distcheck.rank.autocheck.prewrap import prewrap_finding
@@ -16,21 +16,20 @@ def _frozen_row(step, cause="gradient_sync_off"):
 
 
 def test_frozen_finding_names_the_sync_line_and_needs_every_checked_step_frozen():
-    states = {r: {"frozen": [_frozen_row(0), _frozen_row(1)]} for r in (0, 1)}
+    states = {r: [_frozen_row(0), _frozen_row(1)] for r in (0, 1)}  # {rank: the frozen check's rows}
     f = frozen_finding(states)
     assert f.kind == "bad_values" and f.ranks == [0, 1] and f.detail["cause"] == "gradient_sync_off"
     assert (f.detail["file"], f.detail["line"]) == ("/x/train.py", 25) and "train.py:25" in f.message
-    assert drift_finding(states) == (None, 0)  # its own check (frozen_model), never a replica drift
-    states[1]["frozen"][1]["cause"] = None  # rank 1 updated something at step 1: only rank 0 is frozen
+    states[1][1]["cause"] = None  # rank 1 updated something at step 1: only rank 0 is frozen
     assert frozen_finding(states).ranks == [0]
-    states[0]["frozen"][1]["cause"] = None
-    assert frozen_finding(states) is None and drift_finding(states) == (None, 0)
+    states[0][1]["cause"] = None
+    assert frozen_finding(states) is None
 
 
 def test_frozen_causes_point_at_the_optimizer():
-    f = frozen_finding({0: {"frozen": [_frozen_row(0, "requires_grad_false")]}})
+    f = frozen_finding({0: [_frozen_row(0, "requires_grad_false")]})
     assert f.detail["line"] == 20 and "requires_grad=False" in f.message
-    assert "no parameters" in frozen_finding({0: {"frozen": [_frozen_row(0, "no_params")]}}).message
+    assert "no parameters" in frozen_finding({0: [_frozen_row(0, "no_params")]}).message
 
 
 def _pending(name, rank_seeds=(1234, 1235)):
@@ -76,11 +75,12 @@ class _Container(torch.optim.Optimizer):
 
 def test_one_dispatch_per_optimizer_step_whatever_wraps_it(tmp_path, monkeypatch):
     from distcheck.rank import autocheck
+    from distcheck.rank.autocheck.auto_records import AutoRecords
 
+    done = []  # the core binds the handlers when it is built: patch the class before
+    monkeypatch.setattr(AutoRecords, "on_optimizer_step_done", lambda self, opt, step: done.append(type(opt).__name__))
     check = autocheck.install(tmp_path, 0)
     try:
-        done = []
-        monkeypatch.setattr(check.records, "on_optimizer_step_done", lambda opt: done.append(type(opt).__name__))
         model = torch.nn.Linear(2, 2)
         opt = _Container(model.parameters())
         sched = torch.optim.lr_scheduler.StepLR(opt.inner[0], 1)
@@ -89,25 +89,32 @@ def test_one_dispatch_per_optimizer_step_whatever_wraps_it(tmp_path, monkeypatch
             opt.step()
             sched.step()
         assert done == ["_Container"] * 3 and check.opt_steps == {id(opt): 3}
-        assert [r["cause"] for r in check.frozen.rows] == [None, None, None]
+        assert [r["cause"] for r in check.checks["frozen"].rows] == [None, None, None]
     finally:
         autocheck.uninstall()
 
 
 def test_a_frozen_model_is_its_own_check_and_hides_the_drift_check():
     """The frozen finding is the ``frozen_model`` check's; replicas that no step updated are not said identical."""
-    from distcheck.analysis.bad_values import merge_states
+    from distcheck.analysis.check_table import judge
 
-    frozen = {r: {"steps": 2, "frozen": [_frozen_row(0), _frozen_row(1)],
-                  "replica_drift": {"checked": [], "seconds": 0.0}} for r in (0, 1)}
-    findings, checks = merge_states(frozen)
-    assert [f.kind for f in findings] == ["bad_values"] and findings[0].detail["cause"] == "gradient_sync_off"
-    assert {c.name: c.ok for c in checks}["frozen_model"] is False and "replica_drift" not in {c.name for c in checks}
+    def drift(rank):  # the baseline, then two steps after which rank 1's replica of "w" differs
+        return {"checked": [{"step": s, "params": [["w", ["ddp", [0, 1]], "float32", [2], [0, 2], [rank * (s + 1)]]]}
+                            for s in (-1, 0, 1)], "seconds": 0.0}
+
+    run = {"steps": 2, "counter": "optimizer.step", "backwards": 2}
+    frozen = {r: dict(run, rank=r, frozen=[_frozen_row(0), _frozen_row(1)], replica_drift=drift(r)) for r in (0, 1)}
+    found = judge(frozen)
+    assert [f.kind for f in found.findings] == ["bad_values"]
+    assert found.findings[0].detail["cause"] == "gradient_sync_off"
+    checks = {c.name: c.ok for c in found.checks}
+    assert checks["frozen_model"] is False and "replica_drift" not in checks
     for state in frozen.values():
-        for row in state["frozen"]:
-            row["cause"] = None
-    findings, checks = merge_states(frozen)
-    assert findings == [] and {c.name: c.ok for c in checks}["frozen_model"] is True
+        for r in state["frozen"]:
+            r["cause"] = None
+    found = judge(frozen)
+    assert [f.kind for f in found.findings] == ["tensor_divergence"]  # not frozen: the drift is judged again
+    assert {c.name: c.ok for c in found.checks}["frozen_model"] is True
 
 
 def test_a_closure_step_is_one_step_whose_loss_belongs_to_it(tmp_path, monkeypatch):
@@ -116,11 +123,13 @@ def test_a_closure_step_is_one_step_whose_loss_belongs_to_it(tmp_path, monkeypat
     that raised (caught by the user) does not make the next one count as nested."""
     from distcheck.rank import autocheck
 
+    from distcheck.rank.autocheck.auto_records import AutoRecords
+
+    done, loss_steps = [], []  # the core binds the handlers when it is built: patch the class before
+    monkeypatch.setattr(AutoRecords, "on_optimizer_step_done", lambda self, opt, step: done.append(type(opt).__name__))
+    monkeypatch.setattr(AutoRecords, "on_backward", lambda self, loss: loss_steps.append(self.core.loss_step))
     check = autocheck.install(tmp_path, 0)
     try:
-        done, loss_steps = [], []
-        monkeypatch.setattr(check.records, "on_optimizer_step_done", lambda opt: done.append(type(opt).__name__))
-        monkeypatch.setattr(check.records, "on_backward", lambda loss: loss_steps.append(check.loss_step))
         model = torch.nn.Linear(2, 2)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
 
@@ -134,7 +143,7 @@ def test_a_closure_step_is_one_step_whose_loss_belongs_to_it(tmp_path, monkeypat
             opt.step(closure)
         assert done == ["SGD"] * 3 and loss_steps == [0, 1, 2] and check.opt_steps == {id(opt): 3}
         # The gradients come from the closure, inside the step: no step is taken for one with nothing to update.
-        assert [r["cause"] for r in check.frozen.rows] == [None, None, None]
+        assert [r["cause"] for r in check.checks["frozen"].rows] == [None, None, None]
 
         def failing():
             raise RuntimeError("caught by the user")
@@ -160,43 +169,46 @@ def test_prewrap_compares_meta_tensors_by_structure_only():
     assert wider.structural and wider.name == "w"
 
 
-def test_prewrap_drops_values_overwritten_between_the_wrap_and_the_first_forward():
+def test_prewrap_drops_values_overwritten_between_the_wrap_and_the_first_forward(tmp_path):
     import weakref
 
     import torch
 
-    from distcheck.rank.autocheck.prewrap import PreWrap
+    from distcheck.rank.autocheck import AutoCheck
 
-    pw = PreWrap(owner=None)
+    core = AutoCheck(tmp_path, 0)
+    pw = core.checks["prewrap"]
     m = torch.nn.Linear(2, 2)
     pw.points.append({"how": "fully_shard"})
     pw._modules.append((weakref.ref(m), 0))
     kept, loaded = {"name": "weight", "point": 0}, {"name": "bias", "point": 0}
     pw.pending, pw._after = [kept, loaded], [kept, loaded]
-    with pw.inside():  # the parallelizing call: its end notes each pending tensor's fingerprint
+    with core.inside_wrap():  # the parallelizing call: its end notes each pending tensor's fingerprint
         pass
     with torch.no_grad():
         m.bias.copy_(torch.tensor([3.0, 4.0]))  # a checkpoint loaded after the wrap
     assert pw._still_pending() == [kept]
 
 
-def test_prewrap_settles_what_a_tensor_parallel_call_scattered_kept_or_left_plain():
+def test_prewrap_settles_what_a_tensor_parallel_call_scattered_kept_or_left_plain(tmp_path):
     """parallelize_module's styles scatter rank 0's values (src_data_rank=0): those rows go; a tensor converted with
     src_data_rank=None or left plain by the plan stays, with the reason the message gives."""
     import torch
 
-    from distcheck.rank.autocheck.prewrap import PreWrap, tensor_ident, why_text
+    from distcheck.rank.autocheck import AutoCheck
+    from distcheck.rank.autocheck.prewrap import tensor_ident, why_text
 
-    pw = PreWrap(owner=None)
+    core = AutoCheck(tmp_path, 0)
+    pw = core.checks["prewrap"]
     pw.points.append({"how": "parallelize_module", "identical": False})
     scattered, kept, plain = torch.zeros(2), torch.zeros(3), torch.zeros(4)
     rows = [{"name": n, "point": 0, "how": "parallelize_module", "site": ["t.py", 7]} for n in ("a", "b", "c")]
     pw.pending = list(rows)
     for row, t in zip(rows, (scattered, kept, plain)):
         pw._idents[id(row)] = tensor_ident(t)
-    with pw.inside():
-        pw.note_distribute(scattered.detach(), None, None, 0)  # distribute_module passes param.data: an alias
-        pw.note_distribute(kept, None, None, None)
+    with core.inside_wrap():  # distribute_module passes param.data: an alias
+        core.fire("distribute_tensor", scattered.detach(), None, None, 0)
+        core.fire("distribute_tensor", kept, None, None, None)
     assert [(r["name"], r["why"]) for r in pw.pending] == [("b", "src_none"), ("c", "left_plain")]
     assert not pw.points[0]["identical"]
     text = why_text(pw.pending)
@@ -204,6 +216,6 @@ def test_prewrap_settles_what_a_tensor_parallel_call_scattered_kept_or_left_plai
     pw.pending = [pw.pending[0]]  # a point whose every row was scattered counts as identical
     pw._idents[id(pw.pending[0])] = tensor_ident(kept)
     pw.pending[0].pop("why")
-    with pw.inside():
-        pw.note_distribute(kept, None, None, 0)
+    with core.inside_wrap():
+        core.fire("distribute_tensor", kept, None, None, 0)
     assert pw.pending == [] and pw.points[0]["identical"]

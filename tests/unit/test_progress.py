@@ -8,8 +8,9 @@ from distcheck.analysis.hang import compose_hang_finding, diagnose
 from distcheck.analysis.progress import (COMPLETED, FAILED, ISSUED, PENDING, RankProgress, progress_by_rank,
                                          rank_progress)
 from distcheck.analysis.torch_errors import translate
-from distcheck.analysis.trace_align import (STATE_ERROR, STATE_HUNG, STATE_OK, RankOutcome, analyze_run,
-                                            describe_position, position_of)
+from distcheck.analysis.rank_outcomes import (STATE_ERROR, STATE_HUNG, STATE_OK, RankOutcome, describe_position,
+                                              position_of)
+from distcheck.analysis.trace_align import analyze_run
 from distcheck.analysis.trace_events import RankTrace, TraceEvent, parse_lines
 from distcheck.contract import files
 from distcheck.supervise.stacks import progress_line, render_stacks_text, stacks_document

@@ -1,4 +1,5 @@
-"""Unit tests of distcheck.record (the per-rank writer) and distcheck/analysis/records.py (pure comparison).
+"""Unit tests of distcheck.record (the per-rank writer) and the comparison (analysis/record_values.py, record_resolve.py, record_compare.py, record_explain.py,
+compare_to_reference.py).
 
 Nothing is launched: the writer runs in this process with DISTCHECK_REPORT_DIR set, the analysis on records
 built in memory or read back from those files.
@@ -13,9 +14,13 @@ import torch.nn as nn
 
 import distcheck
 from distcheck.rank import records
-from distcheck.analysis.records import (STATUS_DIFF, STATUS_MISSING_REF, STATUS_MISSING_RUN, STATUS_OK, Part, Record,
-                                        Tolerances, compare_runs, index_path, load_rank, load_run, render_table,
-                                        resolve_run)
+from distcheck.analysis.compare_to_reference import compare_runs
+from distcheck.analysis.record_compare import (STATUS_DIFF, STATUS_MISSING_REF, STATUS_MISSING_RUN, STATUS_OK,
+                                               Tolerances)
+from distcheck.analysis.record_explain import render_table
+from distcheck.analysis.record_resolve import resolve_run
+from distcheck.analysis.record_values import Part, Record, load_rank, load_run
+from distcheck.contract.records_file import index_path
 
 
 @pytest.fixture
@@ -532,7 +537,7 @@ def test_a_sum_that_matches_while_the_parameters_differ_says_the_gradients_must_
 def test_parameter_names_a_wrapper_prefixed_on_one_side_are_matched():
     """Lightning: the N-rank run names parameters from the LightningModule ('net.0.weight'), the reference from the
     module that ran ('0.weight'); a prefix on every name of one side is no difference, a real difference still is."""
-    from distcheck.analysis.records import aligned_parts
+    from distcheck.analysis.record_compare import aligned_parts
 
     ref, run = {"0.weight": 1, "0.bias": 2}, {"net.0.weight": 1, "net.0.bias": 2}
     assert aligned_parts(ref, run) == (ref, {"0.weight": 1, "0.bias": 2})

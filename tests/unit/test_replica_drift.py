@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from distcheck.analysis.bad_values import merge_states
+from distcheck.analysis.check_table import judge
 from distcheck.analysis.replica_drift import drift_finding, fingerprint_row
 from distcheck.checks.fingerprint import fingerprint
 
@@ -20,8 +20,14 @@ def _row(step, tensors, key=DDP, backwards=2, unsynced=0):
 
 
 def _states(rows_by_rank):
-    return {r: {"steps": 3, "replica_drift": {"steps": 3, "checked": rows, "seconds": 0.01}}
-            for r, rows in rows_by_rank.items()}
+    """``{rank: the replica_drift check's state}``."""
+    return {r: {"steps": 3, "checked": rows, "seconds": 0.01} for r, rows in rows_by_rank.items()}
+
+
+def _docs(rows_by_rank):
+    """The ranks' autocheck documents holding those states."""
+    return {r: {"rank": r, "steps": 3, "counter": "optimizer.step", "backwards": 6, "replica_drift": state}
+            for r, state in _states(rows_by_rank).items()}
 
 
 def _params(seed):
@@ -69,18 +75,16 @@ def test_only_ranks_with_equal_keys_are_compared():
     assert finding.ranks == [1, 3] and "Replicate DTensor parameters" in finding.message
 
 
-def test_merge_states_adds_the_check_and_the_finding():
+def test_the_check_table_adds_the_check_and_the_finding():
     same, a, b = _params(0), _params(1), _params(2)
-    states = _states({0: [_row(-1, same), _row(0, a, unsynced=2)], 1: [_row(-1, same), _row(0, b, unsynced=2)]})
-    findings, checks = merge_states(states)
-    assert [f.kind for f in findings] == ["tensor_divergence"]
-    assert [(c.name, c.ok) for c in checks if c.name == "replica_drift"] == [("replica_drift", False)]
-    ok_states = _states({0: [_row(-1, same), _row(0, same)], 1: [_row(-1, same), _row(0, same)]})
-    findings, checks = merge_states(ok_states)
-    assert findings == [] and [c.note for c in checks if c.name == "replica_drift"] == [
+    found = judge(_docs({0: [_row(-1, same), _row(0, a, unsynced=2)], 1: [_row(-1, same), _row(0, b, unsynced=2)]}))
+    assert [f.kind for f in found.findings] == ["tensor_divergence"]
+    assert [(c.name, c.ok) for c in found.checks if c.name == "replica_drift"] == [("replica_drift", False)]
+    found = judge(_docs({0: [_row(-1, same), _row(0, same)], 1: [_row(-1, same), _row(0, same)]}))
+    assert found.findings == [] and [c.note for c in found.checks if c.name == "replica_drift"] == [
         "replicated parameters identical on every rank after 1 optimizer step"]
     # Nothing replicated (plain FSDP2): no baseline row, no check line.
-    assert "replica_drift" not in [c.name for c in merge_states(_states({0: [], 1: []}))[1]]
+    assert "replica_drift" not in [c.name for c in judge(_docs({0: [], 1: []})).checks]
 
 
 def test_which_parameters_must_be_replicas(fake_world):

@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 from distcheck.analysis.progress import progress_by_rank
-from distcheck.analysis.trace_align import (STATE_ERROR, STATE_HUNG, STATE_OK, RankOutcome, analyze_run,
-                                            provably_stuck)
+from distcheck.analysis.rank_outcomes import STATE_ERROR, STATE_HUNG, STATE_OK, RankOutcome
+from distcheck.analysis.stop_rule import provably_stuck
+from distcheck.analysis.trace_align import analyze_run
 from distcheck.analysis.trace_events import RankError, load_traces
 from distcheck.contract import files, flight_dump_file
 from distcheck.contract import trace_slots
@@ -398,3 +399,20 @@ def test_nccl_all_traced_dumps_leave_a_big_job_summarized(tmp_path, monkeypatch,
     traces = load_traces(tmp_path)
     assert all(t.summary is not None and t.flight_dumped for t in traces.values())
     assert _said(traces, outcomes) == expected
+
+
+def test_an_open_record_that_becomes_its_groups_first_open_is_read_back(tmp_path):
+    """Two collectives of a group in flight and more after them: the second is neither kept nor in the tail. Once the
+    first ends, the second is what the rank waits on: a later load reads its record back, as a full load has it."""
+    from distcheck.analysis.progress import progress_by_rank
+
+    write_rank(tmp_path, 0, fsdp(10), exit_ok=None, open_from=3)  # calls 3..9 in flight
+    first = load_traces(tmp_path, summarize=True)
+    assert progress_by_rank(first)[0].first_open.seq == progress_by_rank(load_traces(tmp_path))[0].first_open.seq
+    with open(files.rank_file(tmp_path, "trace_events", 0), "r+b") as fh:  # call 3 (slot 4) ends
+        fh.seek(4 * trace_slots.SIZE + trace_slots.END_OFFSET)
+        fh.write(trace_slots.END_TIME.pack(20.0))
+    later, full = progress_by_rank(load_traces(tmp_path, summarize=True))[0], \
+        progress_by_rank(load_traces(tmp_path, summarize=False))[0]
+    assert later.first_open is not None and later.first_open.seq == full.first_open.seq
+    assert later.first_open.op == full.first_open.op == "reduce_scatter_tensor"  # call 4

@@ -3,7 +3,7 @@ against what the stage before it sends, middle stages included. Pure, no ranks; 
 tests/integration/test_pipeline_stage_inputs.py's and fixtures/ok/pipeline_stage_inputs.py's (corpus)."""
 from __future__ import annotations
 
-from distcheck.analysis.pipeline_schedule import CAUSE, pipeline_findings, schedules_from_states
+from distcheck.analysis.pipeline_schedule import CAUSE, pipeline_findings, schedules_of
 
 FILE = "/job/pp.py"
 
@@ -22,7 +22,7 @@ def record(stage, inputs=None, outputs=None, sent=None, num_stages=4, line=30):
 
 
 def findings_of(*records):
-    return pipeline_findings(schedules_from_states({r: {"pipeline": [rec]} for r, rec in enumerate(records)}))
+    return pipeline_findings(schedules_of({r: [rec] for r, rec in enumerate(records)}))
 
 
 def test_a_middle_stage_expecting_another_width_than_its_predecessor_sends_names_both_stages_and_lines():

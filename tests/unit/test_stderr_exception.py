@@ -2,7 +2,7 @@
 environment): the rank_failure names the exception its stderr ends with."""
 from __future__ import annotations
 
-from distcheck.analysis.trace_align import UNFINISHED
+from distcheck.analysis.rank_outcomes import UNFINISHED
 from distcheck.contract import files
 from distcheck.contract.findings import Finding
 from distcheck.supervise.run_report import add_stderr_tails, last_exception

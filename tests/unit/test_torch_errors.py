@@ -4,7 +4,8 @@ from __future__ import annotations
 import json
 
 from distcheck.analysis.torch_errors import translate
-from distcheck.analysis.trace_align import STATE_ERROR, RankOutcome, analyze_run
+from distcheck.analysis.rank_outcomes import STATE_ERROR, RankOutcome
+from distcheck.analysis.trace_align import analyze_run
 from distcheck.analysis.trace_events import parse_lines
 from distcheck.contract import files
 

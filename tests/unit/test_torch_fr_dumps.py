@@ -152,6 +152,14 @@ def test_what_is_not_a_dump_folder_says_the_fix(tmp_path):
     (tmp_path / "rep" / "flight-rank0.json").write_text('{"format": 3, "entries": []}')
     (tmp_path / "rep" / "autocheck-rank0.json").write_text("{}")
     assert not frd.looks_like_dumps(tmp_path / "rep")
+    # a torchrun node's report dir: leftover stack-hook, exchange and watcher files, its report in its node folder
+    node = tmp_path / "node-b-rep"
+    (node / "node-node-b").mkdir(parents=True)
+    for name in ("stackhook-pid4242.json", "exchange-node-b-0.json", "watcher-node-b.json"):
+        (node / name).write_text('{"pid": 4242}')
+    assert not frd.looks_like_dumps(node)  # before its node report exists: none of those is a rank's dump
+    (node / "node-node-b" / "report.json").write_text("{}")
+    assert not frd.looks_like_dumps(node)
 
 
 def test_reading_many_files_in_threads_keeps_rank_order(tmp_path):

@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import json
 
-from distcheck.analysis.trace_align import (STATE_DIED, STATE_ERROR, STATE_HUNG, STATE_OK, RankOutcome,
-                                            analyze_run, find_divergences, provably_stuck, signature)
+from distcheck.analysis.call_signature import signature
+from distcheck.analysis.rank_outcomes import STATE_DIED, STATE_ERROR, STATE_HUNG, STATE_OK, RankOutcome
+from distcheck.analysis.stop_rule import provably_stuck
+from distcheck.analysis.trace_align import analyze_run, find_divergences
 from distcheck.analysis.progress import rank_progress
 from distcheck.analysis.trace_events import load_rank_trace, parse_lines
 from distcheck.supervise.chrome_trace import chrome_events

@@ -16,6 +16,8 @@ from distcheck.analysis.trace_events import load_traces, parse_lines
 from distcheck.contract import files
 from distcheck.contract import trace_slots
 from distcheck.rank import tracer as trace
+from distcheck.rank.call_keys import call_key
+from distcheck.rank.cuda_completions import CudaCompletions
 
 
 @pytest.fixture(autouse=True)
@@ -169,7 +171,7 @@ class FakeCudaEvent:
 def test_gpu_collectives_end_when_their_event_passes_not_on_return():
     ends: list[int] = []
     done: list[bool] = []
-    completions = trace._CudaCompletions(lambda eid, t: ends.append(eid), lambda: FakeCudaEvent(done))
+    completions = CudaCompletions(lambda eid, t: ends.append(eid), lambda: FakeCudaEvent(done))
     completions.POLL_S = 0.001
     completions.add(7)
     completions.add(8)
@@ -183,7 +185,7 @@ def test_gpu_collectives_end_when_their_event_passes_not_on_return():
 
 def test_drain_is_bounded_when_the_gpu_is_stuck():
     done: list[bool] = []
-    completions = trace._CudaCompletions(lambda eid, t: None, lambda: FakeCudaEvent(done))
+    completions = CudaCompletions(lambda eid, t: None, lambda: FakeCudaEvent(done))
     completions.add(1)
     completions.drain(timeout=0.05)  # returns: a hung GPU must not hang the rank's exit
     assert completions.poll() == 1
@@ -310,7 +312,7 @@ def test_the_c_path_keys_a_call_as_the_python_path_does(fake_world, tmp_path):
     for args, kwargs in calls:
         key = _begin(recorder(), *args, **kwargs)  # a miss: the key comes back
         assert key[0] == id(frame.f_code) and key[1] > 0
-        assert key[2:] == trace.call_key(frame, args, kwargs, Tensor, gpu)[2:]
+        assert key[2:] == call_key(frame, args, kwargs, Tensor, gpu)[2:]
     # Called from torch's code (here: this file, as if it were torch's), the site is the first user frame out.
     user_code: dict = {}
     exec(compile("import sys\ndef user(call, *args):\n    return call(*args), sys._getframe().f_code\n",
@@ -318,10 +320,10 @@ def test_the_c_path_keys_a_call_as_the_python_path_does(fake_world, tmp_path):
     tracer._internal.update({__file__: True, "/user/train.py": False})
     args = (torch.ones(2),)
     key, code = user_code["user"](_begin, recorder(), *args)
-    assert key[0] == id(code) and key[2:] == trace.call_key(None, args, {}, Tensor, gpu)[2:]
+    assert key[0] == id(code) and key[2:] == call_key(None, args, {}, Tensor, gpu)[2:]
     assert user_code["user"](_wrapper, recorder(), *args)[0] is trace._NESTED  # a traced call on the stack
     assert tracer._user_frame(sys._getframe()) is None  # pytest's frames count as internal too: no user frame
-    assert _begin(recorder(), *args) == trace.call_key(None, args, {}, Tensor, gpu)
+    assert _begin(recorder(), *args) == call_key(None, args, {}, Tensor, gpu)
     # Arguments keyed recursively (lists, tensor subclasses) and files not classified yet are the Python path's.
     tracer._internal[__file__] = False
     assert _begin(recorder(), [torch.ones(2)], torch.ones(2)) is None
@@ -348,7 +350,7 @@ def test_the_c_path_walks_out_through_torchs_frames_to_the_users_instruction(fak
 
     def python_path(inner):  # while the user's frame is still in its call
         user_frame = tracer._user_frame(inner)
-        return user_frame.f_code, user_frame.f_lasti, trace.call_key(user_frame, (x,), {}, torch.Tensor,
+        return user_frame.f_code, user_frame.f_lasti, call_key(user_frame, (x,), {}, torch.Tensor,
                                                                       tracer._gpu_build)
 
     for _ in range(3):
@@ -368,7 +370,7 @@ def test_the_c_path_reads_a_tensor_attribute_patched_on_torch_tensor(fake_world,
     tracer._internal[__file__] = False
     recorder = trace._tracefast.Recorder(tracer._fast, {}, _wrapper.__code__, trace._NESTED)
     x = torch.ones(4)
-    keyed = trace.call_key(None, (x,), {}, torch.Tensor, tracer._gpu_build)[2:]  # (shape, dtype[, is_cuda])
+    keyed = call_key(None, (x,), {}, torch.Tensor, tracer._gpu_build)[2:]  # (shape, dtype[, is_cuda])
     assert keyed[:2] == (torch.Size([4]), torch.float32) and _begin(recorder, x)[2:] == keyed
     real = torch._C.TensorBase.__dict__["shape"]
     reads = []

@@ -25,7 +25,9 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from distcheck.contract.findings import Finding
-from distcheck.rank.autocheck.async_reads import ModeSlot, Span, make_read_mode, overlaps, span
+from distcheck.rank.autocheck.async_reads import (ModeSlot, Span, make_read_mode, overlaps, span, tensors_in,
+                                                  written_tensors)
+from distcheck.rank.autocheck.protocol import Check
 from distcheck.rank.usersite import Site, caller_site
 
 # What each collective does to the tensor a finding names (the user's word for it).
@@ -36,6 +38,7 @@ VERB = {"all_reduce": "reduces", "reduce": "reduces", "reduce_scatter": "reduces
         "all_to_all_single": "exchanges", "isend": "sends", "irecv": "receives into"}
 COLLECTIVES = frozenset(VERB) | {"send", "recv", "barrier", "all_gather_object", "broadcast_object_list"}
 PENDING_LIMIT = 256  # Works kept while not waited for; the oldest are forgotten (a leak must not grow memory)
+READ_WATCH_STEPS = 3  # optimizer steps in which ops are watched for reading what an async collective still writes
 
 
 @dataclass
@@ -55,14 +58,21 @@ def _storage(t: Any) -> int | None:
         return None
 
 
-class AsyncWatch:
-    def __init__(self, rank: int, emit: Callable[[list[Finding]], None]) -> None:
-        self.rank = rank
-        self.emit = emit
+class AsyncWatch(Check):
+    name = "async_work"
+
+    def __init__(self, core: Any) -> None:
+        super().__init__(core)  # the rank and emit(): its findings go to the run's findings file at once
         self.pending: OrderedDict[int, _Pending] = OrderedDict()
         self.reported: set[tuple[str, int]] = set()
         self.reads = ModeSlot(lambda: make_read_mode(self.touched))
         self.watch_reads = True
+
+    def on_async_collective(self, works: list[Any], op: str, args: tuple, kwargs: dict, site: Site) -> None:
+        import torch
+
+        self.issued(works, op, tensors_in(args, kwargs, torch.Tensor), site,
+                    written_tensors(op, args, kwargs, torch.Tensor))
 
     def issued(self, works: list[Any], op: str, tensors: list[Any], site: Site,
                written: list[Any] | None = None) -> None:
@@ -86,13 +96,14 @@ class AsyncWatch:
                 self.pending.popitem(last=False)
         self.reads.want(bool(self.pending) and self.watch_reads)
 
-    def stop_watching_reads(self) -> None:
+    def on_optimizer_step_done(self, optimizer: Any, step: int) -> None:
         """After the first steps: a read before the wait sits on a line each step runs, so it showed by then, and
         the mode costs a Python call per torch op while a Work is pending."""
-        self.watch_reads = False
-        self.reads.want(False)
+        if step + 1 >= READ_WATCH_STEPS:
+            self.watch_reads = False
+            self.reads.want(False)
 
-    def waited(self, work: Any) -> None:
+    def on_work_waited(self, work: Any) -> None:
         if self.pending:
             self.pending.pop(id(work), None)
             if not self.pending:
@@ -128,7 +139,7 @@ class AsyncWatch:
             w.op, w.site, reader, f"{name}()", f"it overwrites what the {w.op} may still be sending, so the peers "
             f"can receive the new values"))
 
-    def on_optimizer_step(self, optimizer: Any) -> None:
+    def on_optimizer_step(self, optimizer: Any, step: int) -> None:
         if not self.pending:
             return
         grads = set()
@@ -164,12 +175,12 @@ class AsyncWatch:
                 continue
             self.reported.add(where)
             f = finding(w)
-            f.ranks = [self.rank]
+            f.ranks = [self.core.rank]
             findings.append(f)
         if not self.pending:
             self.reads.want(False)
         if findings:
-            self.emit(findings)
+            self.core.emit(findings)
 
 
 def not_waited_finding(op: str, site: Site, reader: Site, what: str, why: str, gradients: bool = False) -> Finding:

@@ -23,25 +23,21 @@ import weakref
 from typing import Any
 
 from distcheck.contract import files
+from distcheck.rank.autocheck.module_summaries import data_parallel, record_steps_from_env
+from distcheck.rank.autocheck.protocol import Check
 from distcheck.rank.usersite import caller_site
 
 log = logging.getLogger("distcheck")
 
-# The gradients of the first step, recorded once (one more gather of the full gradients); analysis/records.py
+# The gradients of the first step, recorded once (one more gather of the full gradients); analysis/record_*.py
 # reads them under the same name.
 
 
-def record_steps_from_env() -> int:
-    from distcheck.rank import records
+class AutoRecords(Check):
+    name = "auto_records"
 
-    steps = records.auto_steps()
-    # active() caches whether records are written: only ask once compare has asked for automatic records.
-    return steps if steps and records.active() else 0
-
-
-class AutoRecords:
-    def __init__(self, owner: Any) -> None:
-        self.owner = owner  # the AutoCheck: step counters and the watched models
+    def __init__(self, core: Any) -> None:
+        super().__init__(core)  # the step counters and the watched models
         self.steps = record_steps_from_env()
         self.count = 0
         self._called: dict[int, weakref.ref] = {}  # modules whose forward ran before the first step
@@ -50,13 +46,16 @@ class AutoRecords:
         if self.steps:
             from torch.nn.modules.module import register_module_forward_pre_hook
 
-            self._naming = register_module_forward_pre_hook(functools.partial(_note_call, weakref.ref(owner)))
+            self._naming = register_module_forward_pre_hook(functools.partial(_note_call, weakref.ref(self)))
+
+    def state(self) -> int:
+        return self.count  # records taken
 
     def on_backward(self, loss: Any) -> None:
         if not self.steps:
             return
         self._record_loss(loss)
-        if not self.owner.optimizers and self.owner.backwards > self.steps:
+        if not self.core.optimizers and self.core.backwards > self.steps:
             self.stop_naming()  # names serve only the parameter records of optimizer steps
 
     def _record_loss(self, loss: Any) -> None:
@@ -64,8 +63,8 @@ class AutoRecords:
 
         # A step is an optimizer step when the script has an optimizer (several backward() calls per step under
         # gradient accumulation are occurrences of one step), else one backward() call.
-        owner = self.owner
-        step = owner.loss_step if owner.optimizers else owner.backwards - 1
+        core = self.core
+        step = core.loss_step if core.optimizers else core.backwards - 1
         if step >= self.steps or loss.numel() != 1 or not loss.is_floating_point():
             return
         try:
@@ -79,12 +78,11 @@ class AutoRecords:
         except Exception as exc:  # recording must never break the user's training
             log.warning("distcheck: recording the loss failed: %s: %s", type(exc).__name__, exc)
 
-    def on_optimizer_step_done(self, optimizer: Any) -> None:
+    def on_optimizer_step_done(self, optimizer: Any, step: int) -> None:
         if not self.steps:
             return
         from distcheck.rank import records
 
-        step = self.owner.opt_steps.get(id(optimizer), 1) - 1
         if step < self.steps:
             try:
                 roots = tuple(self._roots())
@@ -120,10 +118,8 @@ class AutoRecords:
     def _data_parallel(self) -> Any:
         """This rank's data-parallel coordinate (module_summaries.data_parallel), found once."""
         if self._dp is None:
-            from distcheck.rank.autocheck.module_summaries import data_parallel
-
             try:
-                self._dp = data_parallel(self.owner.models.alive())
+                self._dp = data_parallel(self.core.models.alive())
             except Exception as exc:
                 log.debug("data-parallel coordinate failed: %s", exc)
         return self._dp
@@ -132,7 +128,7 @@ class AutoRecords:
         """The outermost modules: watched roots, then modules whose forward ran before the first step."""
         from distcheck.rank.autocheck.discovery import outermost
 
-        modules = self.owner.models.alive() + [m for m in (r() for r in self._called.values()) if m is not None]
+        modules = self.core.models.alive() + [m for m in (r() for r in self._called.values()) if m is not None]
         return outermost(modules)
 
     def _param_names(self, roots: tuple) -> dict[int, str]:
@@ -147,6 +143,9 @@ class AutoRecords:
         if id(module) not in self._called:
             self._called[id(module)] = weakref.ref(module)
 
+    def on_uninstalled(self) -> None:
+        self.stop_naming()
+
     def stop_naming(self) -> None:
         if self._naming is not None:
             self._naming.remove()
@@ -154,6 +153,6 @@ class AutoRecords:
 
 
 def _note_call(ref: weakref.ref, module: Any, args: Any) -> None:
-    check = ref()
-    if check is not None and check.active:
-        check.records.note_call(module)
+    records = ref()
+    if records is not None and records.core.active:
+        records.note_call(module)

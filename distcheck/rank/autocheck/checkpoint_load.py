@@ -15,14 +15,15 @@ the user's line. A non-strict load is a finding when
 
 A load that leaves a few keys missing with no such explanation is a partial load by design (a new head on a
 pretrained backbone) and stays silent. Pure but for the module's key list. DCP's ``allow_partial_load`` gets the
-same finding, and a DCP resume the same cause when the loaded values do not reach the model (dcp_roundtrip.py,
-whose hooks' state :class:`LoadWatch` holds).
+same finding, and a DCP resume the same cause when the loaded values do not reach the model (dcp_roundtrip.py, a
+check of its own).
 """
 from __future__ import annotations
 
 from typing import Any
 
 from distcheck.contract.findings import Finding
+from distcheck.rank.autocheck.protocol import Check
 from distcheck.rank.usersite import Site
 
 # Wrapper segments torch puts into state-dict keys, and where they come from.
@@ -95,15 +96,14 @@ def load_finding(module_name: str, model_keys: int, missing: list[str], unexpect
                     "file": site.file, "line": site.line})
 
 
-class LoadWatch:
-    def __init__(self, rank: int, emit: Any) -> None:
-        self.rank, self.emit = rank, emit
-        self.reported: set[tuple] = set()
-        # torch.distributed.checkpoint's saves and loads: dcp_roundtrip.DcpWatch, made by its hooks at the first
-        # DCP call (dcp_roundtrip.watch_of), so that a script without DCP never imports it
-        self.dcp: Any = None
+class LoadWatch(Check):
+    name = "checkpoint_load"
 
-    def on_load(self, module: Any, result: Any, site: Site) -> None:
+    def __init__(self, core: Any) -> None:
+        super().__init__(core)  # the rank and emit(): its findings go to the run's findings file at once
+        self.reported: set[tuple] = set()
+
+    def on_load_state_dict(self, module: Any, result: Any, site: Site) -> None:
         missing = list(getattr(result, "missing_keys", []) or [])
         if not missing or (site.file, site.line) in self.reported:
             return
@@ -111,5 +111,5 @@ class LoadWatch:
         finding = load_finding(type(module).__name__, len(module.state_dict()), missing, unexpected, site)
         if finding is not None:
             self.reported.add((site.file, site.line))
-            finding.ranks = [self.rank]
-            self.emit([finding])
+            finding.ranks = [self.core.rank]
+            self.core.emit([finding])

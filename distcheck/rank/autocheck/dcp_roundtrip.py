@@ -51,6 +51,7 @@ from typing import Any, Hashable
 from distcheck.analysis.replicas import Fingerprint
 from distcheck.contract.findings import Finding
 from distcheck.rank.autocheck.checkpoint_load import load_finding
+from distcheck.rank.autocheck.protocol import Check
 from distcheck.rank.usersite import Site
 
 log = logging.getLogger("distcheck")
@@ -315,12 +316,13 @@ def _ident(t: Any) -> tuple[int, int, tuple[int, ...]]:
     return local.untyped_storage().data_ptr(), local.storage_offset(), tuple(local.shape)
 
 
-class DcpWatch:
-    """DCP's saves and loads in this rank (the hooks: :func:`patch`); its findings go out through ``loads``, the
-    rank's checkpoint_load.LoadWatch that holds it."""
+class DcpWatch(Check):
+    """DCP's saves and loads in this rank (the hooks: :func:`patch`); its findings go out through ``core.emit``."""
 
-    def __init__(self, loads: Any) -> None:
-        self.loads = loads
+    name = "dcp_roundtrip"
+
+    def __init__(self, core: Any) -> None:
+        super().__init__(core)
         self.saved: OrderedDict[str, Saved] = OrderedDict()
         self.optimizers: weakref.WeakSet = weakref.WeakSet()  # those that stepped: their params are "trained"
         self.loading: list[list[tuple[Any, Site]]] = []  # per dcp.load in flight: the planners it set up
@@ -331,11 +333,11 @@ class DcpWatch:
         if key in self.reported:
             return
         self.reported.add(key)
-        finding.ranks = [self.loads.rank]
-        self.loads.emit([finding])
+        finding.ranks = [self.core.rank]
+        self.core.emit([finding])
 
     # -- save ------------------------------------------------------------------------------------------------------
-    def on_save_plan(self, state_dict: dict[str, Any], checkpoint_id: Any, site: Site) -> None:
+    def on_dcp_save_plan(self, state_dict: dict[str, Any], checkpoint_id: Any, site: Site) -> None:
         from distcheck.checks.fingerprint import fingerprint_many
 
         key = checkpoint_key(checkpoint_id)
@@ -354,7 +356,7 @@ class DcpWatch:
             self.saved.popitem(last=False)
 
     # -- load ------------------------------------------------------------------------------------------------------
-    def on_load_plan(self, planner: Any, site: Site) -> None:
+    def on_dcp_load_plan(self, planner: Any, site: Site) -> None:
         metadata = getattr(planner, "metadata", None)
         state_dict = getattr(planner, "state_dict", None)
         if metadata is None or not isinstance(state_dict, dict):
@@ -366,10 +368,10 @@ class DcpWatch:
         if self.loading:
             self.loading[-1].append((planner, site))
 
-    def begin_load(self) -> None:
+    def on_dcp_load_start(self) -> None:
         self.loading.append([])
 
-    def end_load(self, completed: bool, ranks: list[int] | None = None) -> None:
+    def on_dcp_load_end(self, completed: bool, ranks: list[int] | None = None) -> None:
         """A ``dcp.load`` returned (``completed``) on the load's ``ranks`` (None: every rank)."""
         planners = self.loading.pop() if self.loading else []
         if not completed:  # the load raised: the user sees torch's error
@@ -432,14 +434,14 @@ class DcpWatch:
                 mine_loaded[k] = pieces
                 dtypes[k] = (before.fp.dtype, str(t.dtype).replace("torch.", ""))
         members = list(range(channel.world_size)) if ranks is None else sorted(ranks)
-        if self.loads.rank not in members:
+        if self.core.rank not in members:
             return []
         parts = channel.exchange("dcp_reshard", (mine_saved, mine_loaded), members, timeout=EXCHANGE_TIMEOUT)
         verdict = reshard_verdict([p[0] for p in parts], [p[1] for p in parts], members)
-        return [(k, *dtypes[k]) for k in verdict.get(self.loads.rank, []) if k in dtypes]
+        return [(k, *dtypes[k]) for k in verdict.get(self.core.rank, []) if k in dtypes]
 
     # -- the optimizer steps after a load ---------------------------------------------------------------------------
-    def on_step(self, optimizer: Any) -> None:
+    def on_dcp_step(self, optimizer: Any) -> None:
         self.optimizers.add(optimizer)
         resumed = self.resumed
         if resumed is None or id(optimizer) in resumed.checked:
@@ -460,13 +462,6 @@ class DcpWatch:
 
 # -- the hooks ---------------------------------------------------------------------------------------------------------
 
-def watch_of(loads: Any) -> DcpWatch:
-    """The DcpWatch of a rank's checkpoint_load.LoadWatch, made at the first DCP call."""
-    if loads.dcp is None:
-        loads.dcp = DcpWatch(loads)
-    return loads.dcp
-
-
 def _load_ranks(kwargs: dict[str, Any]) -> list[int] | None:
     """The ranks a ``dcp.load`` runs on: its process_group's (None: every rank); [] for ``no_dist`` (one rank,
     nothing to exchange)."""
@@ -482,15 +477,11 @@ def patch(module: Any, replace: Any, current: Any, as_user: Any) -> None:
     """Wrap DCP's planners and ``load``, from patches.py (which passes its helpers, so that this module does not
     import it): ``replace`` rebinds ``load`` in every torch.distributed.checkpoint module that re-exports it,
     ``current`` gives the active AutoCheck, ``as_user`` calls torch on the user's behalf. Every wrapper calls the
-    original first and never lets the check raise."""
+    original first and fires its event (``dcp_*``, rank/autocheck/protocol.py), which never raises."""
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
     from torch.optim.optimizer import register_optimizer_step_pre_hook
 
     from distcheck.rank.usersite import caller_site
-
-    def _watch() -> DcpWatch | None:
-        loads = getattr(current(), "checkpoints", None)
-        return watch_of(loads) if loads is not None else None
 
     load = module.load
     if hasattr(load, "__distcheck_original__"):
@@ -498,19 +489,21 @@ def patch(module: Any, replace: Any, current: Any, as_user: Any) -> None:
 
     @functools.wraps(load)
     def load_wrapper(*args: Any, **kwargs: Any) -> Any:
-        watch = _watch()
-        if watch is None:
+        check = current()
+        if check is None:
             return as_user(load, *args, **kwargs)
-        watch.begin_load()
+        check.fire("dcp_load_start")
         completed = False
         try:
             result = as_user(load, *args, **kwargs)
             completed = True
         finally:
             try:
-                watch.end_load(completed, _load_ranks(kwargs))
+                ranks = _load_ranks(kwargs)
             except Exception as exc:  # the check must never break the user's load
                 log.debug("distcheck: DCP round-trip check failed: %s", exc)
+            else:
+                check.fire("dcp_load_end", completed, ranks)
         return result
 
     load_wrapper.__distcheck_original__ = load  # type: ignore[attr-defined]
@@ -521,12 +514,9 @@ def patch(module: Any, replace: Any, current: Any, as_user: Any) -> None:
     @functools.wraps(create_local_plan)
     def load_plan_wrapper(self: Any) -> Any:
         plan = create_local_plan(self)  # raises first on a key missing without allow_partial_load
-        watch = _watch()
-        if watch is not None:
-            try:
-                watch.on_load_plan(self, caller_site())
-            except Exception as exc:
-                log.debug("distcheck: DCP load check failed: %s", exc)
+        check = current()
+        if check is not None:
+            check.fire("dcp_load_plan", self, caller_site())
         return plan
 
     DefaultLoadPlanner.create_local_plan = load_plan_wrapper
@@ -537,23 +527,17 @@ def patch(module: Any, replace: Any, current: Any, as_user: Any) -> None:
     @functools.wraps(set_up_planner)
     def save_plan_wrapper(self: Any, state_dict: Any, storage_meta: Any = None, is_coordinator: bool = False) -> Any:
         result = set_up_planner(self, state_dict, storage_meta, is_coordinator)
-        watch = _watch()
-        if watch is not None:
-            try:  # (async_save plans in a thread of its own: its caller's line is not on that stack, the save's
-                # line stays unknown)
-                watch.on_save_plan(self.state_dict, getattr(storage_meta, "checkpoint_id", None), caller_site())
-            except Exception as exc:
-                log.debug("distcheck: DCP save fingerprint failed: %s", exc)
+        check = current()
+        if check is not None:  # (async_save plans in a thread of its own: its caller's line is not on that stack,
+            # the save's line stays unknown)
+            check.fire("dcp_save_plan", self.state_dict, getattr(storage_meta, "checkpoint_id", None), caller_site())
         return result
 
     DefaultSavePlanner.set_up_planner = save_plan_wrapper
 
     def step_pre_hook(optimizer: Any, args: Any, kwargs: Any) -> None:
-        watch = _watch()
-        if watch is not None:
-            try:
-                watch.on_step(optimizer)
-            except Exception as exc:
-                log.debug("distcheck: DCP resume check failed: %s", exc)
+        check = current()
+        if check is not None:  # every level of a nested step: an inner optimizer's parameters are trained too
+            check.fire("dcp_step", optimizer)
 
     register_optimizer_step_pre_hook(step_pre_hook)

@@ -21,12 +21,14 @@ import math
 import os
 import time
 import weakref
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Any
 
 from distcheck.analysis.bad_values import FlaggedTensor, classify, plausible, tensor_stats, uninitialized_findings
 from distcheck.contract.findings import Finding
 from distcheck.contract.site import file_line
+from distcheck.rank.autocheck.protocol import Check
+from distcheck.rank.usersite import Site
 
 log = logging.getLogger("distcheck")
 
@@ -47,52 +49,46 @@ def user_name(name: str) -> str:
     return name.removeprefix("module.").replace("_fsdp_wrapped_module.", "").replace("_checkpoint_wrapped_module.", "")
 
 
-class ModelWatch:
+@dataclass
+class FirstForward:
+    """A model's first forward, as the ``first_forward`` event hands it to the checks before the model check runs:
+    what was found before parallelizing joins it (prewrap.py)."""
+
+    root: Any
+    site: Site  # the user's line of the forward (or of the first optimizer.step())
+    before: list[Finding] = field(default_factory=list)  # found before parallelizing, reported with this check
+    reported: set[str] = field(default_factory=set)  # tensors those findings name: not reported again
+    identical_at: dict[str, Any] | None = None  # the last parallelizing call that found every rank identical
+
+
+class ModelWatch(Check):
     """The models this rank parallelized, and their one check at the first forward."""
 
-    def __init__(self, owner: Any, out_dir: Path, rank: int, emit: bool) -> None:
-        self.owner = owner  # the AutoCheck: hooks act only while it is the active one
-        self.out_dir = out_dir
-        self.rank = rank
-        # Under `distcheck run` check_model already writes its findings to the sink (DISTCHECK_REPORT_DIR); in the
-        # pytest pool there is no sink, so this object keeps and writes them itself.
-        self.emit_findings = emit
-        self.watched: list[weakref.ref] = []
+    name = "models"
+
+    def __init__(self, core: Any) -> None:
+        super().__init__(core)
         self._hooks: dict[int, Any] = {}  # id(watched module) -> its one-shot forward pre-hook
         self._global: Any = None  # the global forward pre-hook that finds the outermost model
         self._checked: list[weakref.ref] = []  # roots already checked
         self.checking = False
-        self.findings: list[Finding] = []
         self.model_checks: list[dict[str, Any]] = []
-        self.backward_order: dict[str, int] = {}  # parameter name -> position in backward order
-        self.on_watch: list[Any] = []  # callbacks run when a module is watched (names may change)
         self.warnings: list[dict[str, Any]] = []  # report.json "warnings" entries (mixed meshes in a correct model)
         self._stepped = False  # the first optimizer.step() came: models not checked by then are checked there
 
-    def keep(self, found: list[Finding]) -> None:
-        """Findings this rank reports for its group (the lead): to the run's sink, or the pytest pool's file."""
-        from distcheck.rank import sink
+    def state(self) -> dict[str, Any] | None:
+        if not self.model_checks and not self.warnings:
+            return None
+        return {"model_checks": self.model_checks, "warnings": self.warnings}
 
-        if not found:
-            return
-        self.findings += found
-        if os.environ.get(sink.ENV_REPORT_DIR):
-            sink.emit(found, self.rank)
-        elif self.emit_findings:
-            sink.append(self.out_dir, self.rank, found)
-
-    def alive(self) -> list[Any]:
-        return [m for m in (ref() for ref in self.watched) if m is not None]
-
-    def watch(self, module: Any) -> None:
+    def on_model_wrapped(self, module: Any, how: str) -> None:
         import torch.nn as nn
 
         if not isinstance(module, nn.Module):
             return
         if id(module) not in self._hooks:
-            self.watched.append(weakref.ref(module))
             self._hooks[id(module)] = module.register_forward_pre_hook(
-                functools.partial(_first_forward, weakref.ref(self.owner)), prepend=True)
+                functools.partial(_first_forward, weakref.ref(self)), prepend=True)
         if self._global is None and not self._checked:
             # The model to check is the outermost module whose forward runs the watched ones: with fully_shard on
             # the blocks only (the classic unwrapped root), no watched module holds the root's own parameters.
@@ -100,9 +96,7 @@ class ModelWatch:
             # removed at the first forward, so the training loop never pays for it.
             from torch.nn.modules.module import register_module_forward_pre_hook
 
-            self._global = register_module_forward_pre_hook(functools.partial(_any_forward, weakref.ref(self.owner)))
-        for callback in self.on_watch:
-            callback()
+            self._global = register_module_forward_pre_hook(functools.partial(_any_forward, weakref.ref(self)))
 
     def contains_watched(self, module: Any) -> bool:
         return any(id(m) in self._hooks for m in module.modules())
@@ -110,27 +104,27 @@ class ModelWatch:
     def root_of(self, module: Any) -> Any:
         """The outermost watched module that contains ``module`` (itself when none does)."""
         root = module
-        for other in self.alive():
+        for other in self.core.models.alive():
             if other is not root and any(sub is root for sub in other.modules()):
                 root = other
         return root
 
-    def stop(self) -> None:
+    def on_uninstalled(self) -> None:
         for handle in self._hooks.values():
             handle.remove()
         if self._global is not None:
             self._global.remove()
             self._global = None
 
-    def on_first_step(self) -> None:
+    def on_optimizer_step(self, optimizer: Any, step: int) -> None:
         """The first optimizer.step() (its pre-hook: nothing updated yet): check every watched model whose own
         forward never ran, e.g. a DDP model whose training step calls ``model.module(x)``."""
         if self._stepped or self.checking:
             return
         self._stepped = True
-        for root in outermost(self.alive()):
+        for root in outermost(self.core.models.alive()):
             if not self._is_checked(root):
-                self.on_first_forward(root, at="the first optimizer.step()")
+                self.check_once(root, at="the first optimizer.step()")
 
     def _is_checked(self, module: Any) -> bool:
         for ref in self._checked:
@@ -139,7 +133,7 @@ class ModelWatch:
                 return True
         return False
 
-    def on_first_forward(self, module: Any, at: str = "the first forward") -> None:
+    def check_once(self, module: Any, at: str = "the first forward") -> None:
         if self.checking:
             return
         handle = self._hooks.get(id(module))
@@ -164,9 +158,8 @@ class ModelWatch:
         seconds = time.perf_counter() - started
         label = _root_label(root) if at == "the first forward" else f"{_root_label(root)} (at {at})"
         self.model_checks.append({"root": label, "seconds": seconds, "findings": len(found)})
-        self._record_forward_order(root)
-        self.owner.drift.on_first_forward()  # the replicas' baseline: before any step could make them drift
-        self.owner.write_state()
+        self.core.fire("model_checked", root)  # the replicas' baseline, before any step could make them drift
+        self.core.write_state()
 
     def check_root(self, root: Any, at: str = "the first forward") -> list[Finding]:
         import torch
@@ -177,14 +170,14 @@ class ModelWatch:
         from distcheck.rank.usersite import caller_site
 
         forward = caller_site()
-        self.owner.precision.note_module(root)  # a model found at its first forward: 16-bit parameters?
-        prewrap = self.owner.prewrap
+        core = self.core
         with torch.no_grad():
             # What differed before parallelizing is one finding (its cause is the init); the first forward's own
             # comparison then covers the rest, and says where they became different when a wrap saw them equal.
-            before, reported = prewrap.flush(root, forward)
-            self.keep(before)
-            since = prewrap.identical_before(root)
+            ctx = FirstForward(root, forward)
+            core.fire("first_forward", ctx)
+            before, reported, since = ctx.before, ctx.reported, ctx.identical_at
+            core.keep(before)
             cause = ""
             if since is not None:
                 label = {"ddp": "DistributedDataParallel's construction",
@@ -202,13 +195,13 @@ class ModelWatch:
                 if row is not None:
                     f.file, f.line = row.file, row.line
             channel = current_channel()
-            per_rank = {self.rank: local}
+            per_rank = {core.rank: local}
             if channel is not None:
                 gathered = channel.exchange("autocheck/values", [f.to_json() for f in local])
                 per_rank = {r: [FlaggedTensor.from_json(d) for d in g] for r, g in enumerate(gathered)}
             lead = min(per_rank)
             bad: list[Finding] = []
-            if self.rank == lead:
+            if core.rank == lead:
                 names = {f.name for items in per_rank.values() for f in items}
                 refs = {name: _reference_range(root, name, rows.get(name)) for name in names}
                 for items in per_rank.values():
@@ -216,12 +209,12 @@ class ModelWatch:
                         f.init_range, f.init_source = refs[f.name]
                 bad = uninitialized_findings(per_rank)
                 if os.environ.get(sink.ENV_REPORT_DIR):
-                    sink.emit(bad, self.rank)
-        if self.rank == lead:
-            self.findings += findings + bad
-            if self.emit_findings:
-                if findings or bad:
-                    sink.append(self.out_dir, self.rank, findings + bad)
+                    sink.emit(bad, core.rank)
+        if core.rank == lead:
+            # check_model and the lines above wrote them to the run's sink already: only the pool's file is left
+            core.findings += findings + bad
+            if core.keeps_file and (findings or bad):
+                sink.append(core.out_dir, core.rank, findings + bad)
         return before + findings + bad
 
     def _scan_values(self, root: Any) -> list[FlaggedTensor]:
@@ -241,47 +234,18 @@ class ModelWatch:
                                      reasons))
         return out
 
-    def _record_forward_order(self, root: Any) -> None:
-        """Backward order of the parameters = the reverse of the order their modules first run forward in."""
-        handles: list[Any] = []
-        order: list[Any] = []
-        seen: set[int] = set()
-
-        def pre(module: Any, args: Any) -> None:
-            if id(module) not in seen:
-                seen.add(id(module))
-                order.append(module)
-
-        def done(module: Any, args: Any, output: Any) -> None:
-            for h in handles:
-                h.remove()
-            names = {id(p): n for n, p in root.named_parameters()}
-            position = 0
-            self.backward_order = {}
-            for m in reversed(order):
-                for p in reversed(list(m.parameters(recurse=False))):
-                    name = names.get(id(p))
-                    if name is not None and name not in self.backward_order:
-                        self.backward_order[name] = position
-                        position += 1
-
-        for m in root.modules():
-            handles.append(m.register_forward_pre_hook(pre))
-        handles.append(root.register_forward_hook(done))
-
-
 def _first_forward(ref: weakref.ref, module: Any, args: Any) -> None:
-    check = ref()
-    if check is not None and check.active:
-        check.models.on_first_forward(module)
+    watch = ref()
+    if watch is not None and watch.core.active:
+        watch.check_once(module)
 
 
 def _any_forward(ref: weakref.ref, module: Any, args: Any) -> None:
-    check = ref()
-    if check is None or not check.active:
+    watch = ref()
+    if watch is None or not watch.core.active:
         return
-    if not check.models.checking and check.models.contains_watched(module):
-        check.models.on_first_forward(module)
+    if not watch.checking and watch.contains_watched(module):
+        watch.check_once(module)
 
 
 def _site_text(site: list | None) -> str:

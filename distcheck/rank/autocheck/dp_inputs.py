@@ -30,6 +30,8 @@ import weakref
 from typing import TYPE_CHECKING, Any, Callable, Sequence, Union
 
 from distcheck.contract.findings import Note, format_ranks
+from distcheck.rank.autocheck.prewrap import seed_note
+from distcheck.rank.autocheck.protocol import Check
 from distcheck.rank.autocheck.tp_inputs import once_at_forward
 from distcheck.rank.usersite import Site, caller_site
 
@@ -112,14 +114,41 @@ def fsdp_groups(module: Any) -> Groups | None:
     return None
 
 
-class DPInputs:
-    def __init__(self, owner: Any) -> None:
-        self.owner = owner  # the AutoCheck: its rank, the prewrap's seed, the model watch's warnings
+class DPInputs(Check):
+    name = "dp_inputs"
+
+    def __init__(self, core: Any) -> None:
+        super().__init__(core)  # the rank
         self.loaders: list[tuple[weakref.ref, Site, bool]] = []  # (loader, where built, split by rank)
         self.seconds = 0.0
+        self.seed: tuple[int, Site] | None = None  # the last torch.manual_seed(n) and its line
+        self.warnings: list[dict[str, Any]] = []  # report.json "warnings" entries (Notes)
         self._first_of: set[str] = set()
 
-    def note_loader(self, loader: Any) -> None:
+    def state(self) -> list[dict[str, Any]]:
+        return self.warnings
+
+    def on_seed_set(self, seed: Any) -> None:
+        self.seed = seed_note(seed) or self.seed
+
+    def on_model_wrapped(self, module: Any, how: str) -> None:
+        """The data-parallel ranks that train ``module``: DDP's process group, FSDP1's ranks, FSDP2's mesh."""
+        if how == "fully_shard":
+            self.watch(module, lambda: fsdp_groups(module), first_of="fully_shard")
+        elif how == "ddp":
+            import torch.distributed as dist
+
+            group = getattr(module, "process_group", None)
+            self.watch(module, [sorted(dist.get_process_group_ranks(group)) if group is not None
+                                else list(range(dist.get_world_size()))])
+        elif how == "fsdp1":
+            from distcheck.checks.fsdp1 import data_parallel_ranks
+
+            ranks = data_parallel_ranks(module)
+            if ranks is not None:
+                self.watch(module, [ranks])
+
+    def on_loader_built(self, loader: Any) -> None:
         try:
             split = _is_distributed(getattr(loader, "sampler", None)) or \
                 _is_distributed(getattr(loader, "batch_sampler", None))
@@ -131,7 +160,7 @@ class DPInputs:
         """Compare ``module``'s first training batch within each data-parallel group. ``first_of``: a name shared by
         nested modules watched one by one (FSDP2 wraps the innermost first): only the first of them to run a
         training forward compares, the outermost, whose inputs are the batch."""
-        if isinstance(groups, list) and (self.owner.rank not in {r for g in groups for r in g}
+        if isinstance(groups, list) and (self.core.rank not in {r for g in groups for r in g}
                                          or not any(len(g) > 1 for g in groups)):
             return
 
@@ -147,10 +176,6 @@ class DPInputs:
         # Evaluation passes are skipped: every rank may rightly see the whole validation set.
         once_at_forward(self, module, "comparing the data-parallel ranks' first batches", run, training_only=True)
 
-    def watch_fsdp(self, module: Any) -> None:
-        """A ``fully_shard`` module (patches.py): its groups come from its mesh, found when it first runs."""
-        self.watch(module, lambda: fsdp_groups(module), first_of="fully_shard")
-
     def _compare(self, groups: Groups, args: tuple, kwargs: dict) -> None:
         import torch
 
@@ -160,7 +185,7 @@ class DPInputs:
 
         ranks = sorted({r for g in groups for r in g})
         channel = current_channel()
-        if channel is None or self.owner.rank not in ranks or not any(len(g) > 1 for g in groups):
+        if channel is None or self.core.rank not in ranks or not any(len(g) > 1 for g in groups):
             return
         from torch.distributed.tensor import DTensor
 
@@ -172,9 +197,9 @@ class DPInputs:
         # the whole mesh, from its first rank. Whether they differ is all this needs, so no chunks follow.
         gathered = channel.exchange("dp_input", entries, ranks)
         same = same_batch_groups(groups, dict(zip(ranks, gathered)))
-        if same and self.owner.rank == ranks[0]:
-            note = same_batch_note(same, site, self._loader(), self._seed(), several=len(groups) > 1)
-            self.owner.models.warnings.append(note.to_json())
+        if same and self.core.rank == ranks[0]:
+            note = same_batch_note(same, site, self._loader(), self.seed, several=len(groups) > 1)
+            self.warnings.append(note.to_json())
 
     def _loader(self) -> Site | None:
         """Where the last DataLoader that does not split by rank was built."""
@@ -182,10 +207,6 @@ class DPInputs:
             if ref() is not None and not split:
                 return site
         return None
-
-    def _seed(self) -> tuple[Any, Site] | None:
-        seed = getattr(self.owner.prewrap, "seed", None)
-        return seed if seed else None
 
 
 def same_batch_note(groups: Groups, site: Site, loader: Site | None, seed: tuple[Any, Site] | None,

@@ -27,6 +27,7 @@ import weakref
 from typing import Any, NamedTuple
 
 from distcheck.contract import env
+from distcheck.rank.autocheck.protocol import Check
 
 log = logging.getLogger("distcheck")
 
@@ -35,6 +36,16 @@ MAX_MODULES = 2000  # bound the rows of a huge model: its first modules are what
 # ("forward") or input gradient ("backward") this rank saves to module-capture-rank<R>.pt.
 ENV_CAPTURE_MODULE = env.CAPTURE_MODULE
 ENV_CAPTURE_SIDE = env.CAPTURE_SIDE
+
+
+def record_steps_from_env() -> int:
+    """The steps zero-code ``compare`` records by itself (auto_records.py), 0 outside compare: these summaries run
+    then too."""
+    from distcheck.rank import records
+
+    steps = records.auto_steps()
+    # active() caches whether records are written: only ask once compare has asked for automatic records.
+    return steps if steps and records.active() else 0
 
 
 def _first_tensor(value: Any) -> Any:
@@ -194,11 +205,14 @@ def summarize(t: Any, dp: DataParallel | None = None) -> dict[str, Any] | None:
             "shape": list(t.shape)}
 
 
-class ModuleSummaries:
-    def __init__(self, owner: Any, enabled: bool) -> None:
+class ModuleSummaries(Check):
+    name = "modules"
+
+    def __init__(self, core: Any) -> None:
         import os
 
-        self.owner = owner  # the AutoCheck (its active flag gates the hooks)
+        super().__init__(core)  # its active flag gates the hooks
+        enabled = bool(record_steps_from_env())  # under compare only
         self.capture = os.environ.get(ENV_CAPTURE_MODULE)
         self.capture_side = os.environ.get(ENV_CAPTURE_SIDE, "forward")
         self._capture_hooked = False
@@ -218,9 +232,9 @@ class ModuleSummaries:
         if enabled:
             from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
-            owner_ref = weakref.ref(owner)
-            self._handles = [register_module_forward_pre_hook(_before_forward_ref(owner_ref)),
-                             register_module_forward_hook(_on_forward_ref(owner_ref))]
+            me = weakref.ref(self)
+            self._handles = [register_module_forward_pre_hook(_before_forward_ref(me)),
+                             register_module_forward_hook(_on_forward_ref(me))]
 
     def before_forward(self, module: Any, args: Any) -> None:
         """The input as the caller passed it: global pre-hooks run before a parallel style's own input hook."""
@@ -243,7 +257,7 @@ class ModuleSummaries:
             self._root_names[id(module)] = {id(sub): (normalize_key(n), n) for n, sub in module.named_modules()}
         if not self._active and self.dp is None:
             try:
-                self.dp = data_parallel([module, *self.owner.models.alive()])
+                self.dp = data_parallel([module, *self.core.models.alive()])
             except Exception as exc:
                 log.debug("data-parallel coordinate failed: %s", exc)
         self._active.append(module)
@@ -266,10 +280,10 @@ class ModuleSummaries:
         data = {"name": module_name, "side": side, "tensor": local.detach().to("cpu", copy=True),
                 "placements": [repr(p) for p in placements] if placements is not None else None,
                 "dp": [self.dp.index, self.dp.size] if self.dp is not None else None}
-        torch.save(data, files.rank_file(self.owner.out_dir, "module_capture", self.owner.rank))
+        torch.save(data, files.rank_file(self.core.out_dir, "module_capture", self.core.rank))
         self.capture = None  # once
 
-    def on_forward(self, module: Any, args: Any, output: Any) -> None:
+    def after_forward(self, module: Any, args: Any, output: Any) -> None:
         if self.done:
             return
         name, raw = self._name_now(module)
@@ -314,7 +328,7 @@ class ModuleSummaries:
         if inp is not None and getattr(inp, "requires_grad", False):
             inp.register_hook(_on_grad_ref(weakref.ref(self), id(module)))
 
-    def on_grad(self, key: int, grad: Any) -> None:
+    def note_grad(self, key: int, grad: Any) -> None:
         row = self.rows.get(key)
         if row is None or "grad_in" in row or self.done:
             return
@@ -324,6 +338,16 @@ class ModuleSummaries:
             self._grads += 1
         except Exception as exc:
             log.debug("gradient summary failed: %s", exc)
+
+    def on_after_backward(self) -> None:
+        if not self.core.optimizers:  # without an optimizer the first step ends with the first backward()
+            self.finish_step()
+
+    def on_optimizer_step_done(self, optimizer: Any, step: int) -> None:
+        self.finish_step()
+
+    def on_uninstalled(self) -> None:
+        self.finish_step()
 
     def finish_step(self) -> None:
         """The first step is over: stop."""
@@ -361,17 +385,17 @@ class ModuleSummaries:
 
 def _before_forward_ref(ref: weakref.ref) -> Any:
     def hook(module: Any, args: Any) -> None:
-        check = ref()
-        if check is not None and check.active:
-            check.module_summaries.before_forward(module, args)
+        summaries = ref()
+        if summaries is not None and summaries.core.active:
+            summaries.before_forward(module, args)
     return hook
 
 
 def _on_forward_ref(ref: weakref.ref) -> Any:
     def hook(module: Any, args: Any, output: Any) -> None:
-        check = ref()
-        if check is not None and check.active:
-            check.module_summaries.on_forward(module, args, output)
+        summaries = ref()
+        if summaries is not None and summaries.core.active:
+            summaries.after_forward(module, args, output)
     return hook
 
 
@@ -390,5 +414,5 @@ def _on_grad_ref(ref: weakref.ref, key: int) -> Any:
     def hook(grad: Any) -> None:
         summaries = ref()
         if summaries is not None:
-            summaries.on_grad(key, grad)
+            summaries.note_grad(key, grad)
     return hook

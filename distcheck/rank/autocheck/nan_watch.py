@@ -17,6 +17,8 @@ from typing import Any
 
 from distcheck.analysis.bad_values import BadEvent, loss_value_name
 from distcheck.rank.autocheck.discovery import user_name
+from distcheck.rank.autocheck.protocol import Check
+from distcheck.rank.autocheck.nan_origin import HeldInputs, locate
 from distcheck.rank.usersite import caller_site
 
 log = logging.getLogger("distcheck")
@@ -33,18 +35,61 @@ def grads_checked(step: int) -> bool:
     return step < GRAD_DENSE_STEPS or step % GRAD_EVERY == 0
 
 
-class NanWatch:
-    def __init__(self, owner: Any) -> None:
-        self.owner = owner  # the AutoCheck: step counters, the watched models and their backward order
+class NanWatch(Check):
+    name = "nan_watch"
+
+    def __init__(self, core: Any) -> None:
+        super().__init__(core)  # the step counters and the watched models
         self.first_bad: BadEvent | None = None
         self.seconds = 0.0  # time spent in the per-step checks
         self._losses: list[tuple[Any, Any]] = []  # (0-d loss tensor, site) since the last step check
         self._pending: list[tuple[int, str, Any, list[str], Any, Any, int]] = []  # CUDA reads not yet done
         self._names: dict[int, str] = {}  # id(parameter) -> name, for the gradient check
         self.last_clean_grads: int | None = None  # the last step whose gradients were checked and finite
+        self.backward_order: dict[str, int] = {}  # parameter name -> position in backward order
+        self.held = HeldInputs()  # this step's forward inputs, for where a first bad loss came from (nan_origin.py)
 
-    def forget_names(self) -> None:
+    def state(self) -> dict[str, Any] | None:
+        if self.first_bad is None and not self.seconds:
+            return None
+        return {"first_bad": self.first_bad.to_json() if self.first_bad else None, "seconds": self.seconds}
+
+    def on_model_wrapped(self, module: Any, how: str) -> None:
         self._names.clear()  # parameters may have been replaced (fully_shard swaps them for DTensors)
+        if self.first_bad is None:
+            self.held.watch(module)
+
+    def on_optimizer_step_done(self, optimizer: Any, step: int) -> None:
+        self.held.clear()  # the inputs of the step just checked: the next step's forward holds its own
+
+    def on_model_checked(self, root: Any) -> None:
+        """Backward order of the parameters = the reverse of the order their modules first run forward in, which
+        the next forward of the model just checked shows."""
+        handles: list[Any] = []
+        order: list[Any] = []
+        seen: set[int] = set()
+
+        def pre(module: Any, args: Any) -> None:
+            if id(module) not in seen:
+                seen.add(id(module))
+                order.append(module)
+
+        def done(module: Any, args: Any, output: Any) -> None:
+            for h in handles:
+                h.remove()
+            names = {id(p): n for n, p in root.named_parameters()}
+            position = 0
+            self.backward_order = {}
+            for m in reversed(order):
+                for p in reversed(list(m.parameters(recurse=False))):
+                    name = names.get(id(p))
+                    if name is not None and name not in self.backward_order:
+                        self.backward_order[name] = position
+                        position += 1
+
+        for m in root.modules():
+            handles.append(m.register_forward_pre_hook(pre))
+        handles.append(root.register_forward_hook(done))
 
     def on_backward(self, loss: Any) -> None:
         if self.first_bad is not None or loss.numel() != 1 or not loss.is_floating_point():
@@ -55,11 +100,12 @@ class NanWatch:
         # rank's part is; stacking it with plain tensors would raise.
         self._losses.append((local_tensor(loss).reshape(()), caller_site()))
 
-    def after_backward(self) -> None:
+    def on_after_backward(self) -> None:
         """Without an optimizer, a step is a backward() call: check right after it."""
-        if self.owner.optimizers == 0 and self.first_bad is None:
-            params = [p for m in self.owner.models.alive() for p in m.parameters()]
-            self.check_step(self.owner.backwards - 1, "backward", params)
+        if self.core.optimizers == 0 and self.first_bad is None:
+            params = [p for m in self.core.models.alive() for p in m.parameters()]
+            self.check_step(self.core.backwards - 1, "backward", params)
+            self.held.clear()
 
     def on_optimizer_step(self, optimizer: Any, step: int) -> None:
         if self.first_bad is None:
@@ -75,7 +121,7 @@ class NanWatch:
         try:
             self._resolve(block=False)
             if not self._names:
-                self._names = {id(p): user_name(n) for m in self.owner.models.alive() for n, p in m.named_parameters()}
+                self._names = {id(p): user_name(n) for m in self.core.models.alive() for n, p in m.named_parameters()}
             grads, names = [], []
             if not grads_checked(step):
                 params = []  # the loss only (see GRAD_EVERY)
@@ -100,7 +146,7 @@ class NanWatch:
             values = torch.cat([p.to(device) for p in parts])
             sites = [s for _, s in losses]
             if device.type == "cpu":
-                self._inspect(step, counter, values, len(losses), names, sites)
+                self._inspect(step, counter, values, len(losses), names, sites, live=True)
             else:
                 # A non-blocking copy read at a later step: no device->host sync on the training path.
                 host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
@@ -124,8 +170,9 @@ class NanWatch:
         if self.first_bad is not None:
             self._pending.clear()
 
-    def _inspect(self, step: int, counter: str, values: Any, n_losses: int, names: list[str], sites: list[Any]
-                 ) -> None:
+    def _inspect(self, step: int, counter: str, values: Any, n_losses: int, names: list[str], sites: list[Any],
+                 live: bool = False) -> None:
+        """``live``: read at the step itself (CPU), before the update: its forward inputs are still held."""
         flat = values.tolist()
         losses, norms = flat[:n_losses], flat[n_losses:]
         bad_losses = [i for i, v in enumerate(losses) if not math.isfinite(v)]
@@ -134,22 +181,24 @@ class NanWatch:
             if norms:
                 self.last_clean_grads = step
             return
-        order = self.owner.models.backward_order
+        order = self.backward_order
         bad_grads.sort(key=lambda n: order.get(n, len(order)))
         site = sites[bad_losses[0]] if bad_losses else (sites[0] if sites else None)
         self.first_bad = BadEvent(step, counter, bool(bad_losses),
                                   loss_value_name(losses[bad_losses[0]]) if bad_losses else None, bad_grads,
                                   getattr(site, "file", None), getattr(site, "line", None),
-                                  None if step < GRAD_DENSE_STEPS else self.last_clean_grads)
+                                  None if step < GRAD_DENSE_STEPS else self.last_clean_grads,
+                                  locate(self.held.forwards) if bad_losses and live else None)
         self._losses = []
-        self.owner.write_state()
+        self.held.stop()
+        self.core.write_state()
 
-    def finish(self, steps_done: int, counter: str) -> None:
+    def finish(self) -> None:
         try:
             self._resolve(block=True)
         except Exception as exc:
             log.warning("distcheck: the NaN/Inf check failed: %s", exc)
         if self._losses and self.first_bad is None:
             # Losses after the last optimizer step (an evaluation, or a script without an optimizer).
-            self.check_step(steps_done, counter, [])
+            self.check_step(self.core.steps_done, self.core.counter, [])
             self._resolve(block=True)

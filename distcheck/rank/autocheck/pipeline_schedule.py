@@ -27,6 +27,8 @@ import logging
 import sys
 from typing import Any
 
+from distcheck.rank.autocheck.protocol import Check
+
 log = logging.getLogger("distcheck")
 
 MODULE = "torch.distributed.pipelining.schedules"
@@ -105,17 +107,19 @@ def _io_entry(stage: Any) -> dict[str, Any]:
             "file": getattr(site, "file", None), "line": getattr(site, "line", None)}
 
 
-class PipelineWatch:
+class PipelineWatch(Check):
     """The schedules this rank built, as plain JSON records (the ``pipeline`` key of its autocheck file)."""
 
-    def __init__(self, owner: Any) -> None:
-        self.owner = owner  # the AutoCheck: write_state() persists the records at once
+    name = "pipeline"
+
+    def __init__(self, core: Any) -> None:
+        super().__init__(core)  # write_state() persists the records at once
         self.records: list[dict[str, Any]] = []
 
     def state(self) -> list[dict[str, Any]]:
         return self.records
 
-    def built(self, schedule: Any, site: Any) -> None:
+    def on_pipeline_built(self, schedule: Any, site: Any) -> None:
         if hasattr(schedule, ATTR) or len(self.records) >= LIMIT:
             return
         stages = _stages(schedule)
@@ -134,9 +138,9 @@ class PipelineWatch:
             if not hasattr(stage, STAGE_IO):
                 setattr(stage, STAGE_IO, (record["index"], position))
         self.records.append(record)
-        self.owner.write_state()
+        self.core.write_state()
 
-    def sending(self, stage: Any, metas: Any) -> None:
+    def on_pipeline_sending(self, stage: Any, metas: Any) -> None:
         """What a stage sends on, before it is sent: the metadata shape inference passes to the next stage (torch
         sends it before any microbatch), or its first forward's outputs (static shapes: no inference)."""
         index, position = getattr(stage, STAGE_IO)
@@ -144,15 +148,15 @@ class PipelineWatch:
         if "sent" in entry or stage.is_last:
             return
         entry["sent"] = _metas(metas)
-        self.owner.write_state()  # before the send: a peer that fails on it leaves this rank's side known
+        self.core.write_state()  # before the send: a peer that fails on it leaves this rank's side known
 
-    def forwarded(self, stage: Any, output: Any) -> None:
+    def on_pipeline_forwarded(self, stage: Any, output: Any) -> None:
         import torch
 
         outputs = output if isinstance(output, (tuple, list)) else (output,)
-        self.sending(stage, [t if isinstance(t, torch.Tensor) else None for t in outputs])
+        self.on_pipeline_sending(stage, [t if isinstance(t, torch.Tensor) else None for t in outputs])
 
-    def stepping(self, schedule: Any, args: tuple, kwargs: dict, target: Any, site: Any) -> None:
+    def on_pipeline_step(self, schedule: Any, args: tuple, kwargs: dict, target: Any, site: Any) -> None:
         index = getattr(schedule, ATTR, None)
         if index is None or self.records[index]["stepped"]:
             return
@@ -164,20 +168,16 @@ class PipelineWatch:
         record.update(stepped=True, step_file=site.file, step_line=site.line,
                       inputs=split_inputs(schedule, args, kwargs, torch.Tensor),
                       target=_tensor_entry("target", target, _TARGET_CHUNK_SPEC, torch.Tensor))
-        self.owner.write_state()  # before torch runs the step: a rank that dies inside it leaves this
+        self.core.write_state()  # before torch runs the step: a rank that dies inside it leaves this
 
 
-def _note(what: str, call: Any) -> None:
-    """Run a note for the active check; a failure is logged, never the user's."""
+def _fire(event: str, *args: Any) -> None:
+    """The event for the active check (which never lets a failure reach the user's pipeline)."""
     from distcheck.rank.autocheck import patches
 
     check = patches.current()
-    if check is None:
-        return
-    try:
-        call(check.pipeline)
-    except Exception as exc:  # the check must never break the user's pipeline
-        log.debug("distcheck: could not record a pipeline schedule's %s: %s", what, exc)
+    if check is not None:
+        check.fire(event, *args)
 
 
 def _wrap(base: type) -> None:
@@ -189,7 +189,7 @@ def _wrap(base: type) -> None:
     def init_wrapper(self: Any, *args: Any, **kwargs: Any) -> None:
         init(self, *args, **kwargs)
         site = caller_site()
-        _note("construction", lambda watch: watch.built(self, site))
+        _fire("pipeline_built", self, site)
 
     @functools.wraps(step)
     def step_wrapper(self: Any, *args: Any, target: Any = None, **kwargs: Any) -> Any:
@@ -198,7 +198,7 @@ def _wrap(base: type) -> None:
             # step(*args, target=None, losses=None, return_outputs=True, loss_kwargs=None, **kwargs): what is left
             # in kwargs besides those is the model's keyword inputs.
             model_kwargs = {k: v for k, v in kwargs.items() if k not in ("losses", "return_outputs", "loss_kwargs")}
-            _note("first step", lambda watch: watch.stepping(self, args, model_kwargs, target, site))
+            _fire("pipeline_step", self, args, model_kwargs, target, site)
         return step(self, *args, target=target, **kwargs)
 
     base.__init__ = init_wrapper
@@ -229,7 +229,7 @@ def _wrap_stage(stage_module: Any) -> None:
             def send_meta_wrapper(self: Any, meta: Any, dst_stage: int, *args: Any, **kwargs: Any) -> Any:
                 metas = getattr(meta, "forward_metas", None)  # forward inference's (not the backward's grads)
                 if metas is not None and getattr(self, STAGE_IO, None) is not None:
-                    _note("shape inference", lambda watch: watch.sending(self, metas))
+                    _fire("pipeline_sending", self, metas)
                 return send_meta(self, meta, dst_stage, *args, **kwargs)
 
             cls._send_meta = send_meta_wrapper
@@ -240,7 +240,7 @@ def _wrap_stage(stage_module: Any) -> None:
         def forward_wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
             output = forward(self, *args, **kwargs)
             if getattr(self, STAGE_IO, None) is not None:  # a stage of a recorded schedule: one look per chunk
-                _note("first forward", lambda watch: watch.forwarded(self, output))
+                _fire("pipeline_forwarded", self, output)
             return output
 
         base.forward_one_chunk = forward_wrapper

@@ -19,12 +19,18 @@ from __future__ import annotations
 
 from typing import Any
 
+from distcheck.rank.autocheck.discovery import FirstForward
+from distcheck.rank.autocheck.protocol import Check
+
 LOW = ("bfloat16", "float16")
 MAX_NOTES = 16  # one per (source, dtype, line): a loop entering autocast each step notes it once
 
 
-class PrecisionNotes:
-    def __init__(self) -> None:
+class PrecisionNotes(Check):
+    name = "precision"
+
+    def __init__(self, core: Any) -> None:
+        super().__init__(core)
         self.notes: list[dict[str, Any]] = []
         self._seen: set[tuple] = set()
 
@@ -42,12 +48,12 @@ class PrecisionNotes:
         self._seen.add(key)
         self.notes.append({"source": source, "dtype": name, "file": site.file, "line": site.line})
 
-    def note_autocast(self, ctx: Any) -> None:
+    def on_autocast(self, ctx: Any) -> None:
         if getattr(ctx, "_enabled", False):
             self.note(f"torch.autocast({getattr(ctx, 'device', '?')}, {str(ctx.fast_dtype).replace('torch.', '')})",
                       ctx.fast_dtype)
 
-    def note_mp_policy(self, policy: Any, label: str = "fully_shard MixedPrecisionPolicy") -> None:
+    def on_mp_policy(self, policy: Any, label: str) -> None:
         """FSDP2's ``MixedPrecisionPolicy`` or FSDP1's ``MixedPrecision`` (the same two fields)."""
         if policy is None:
             return
@@ -56,11 +62,17 @@ class PrecisionNotes:
             if dtype is not None:
                 self.note(f"{label}({field}={str(dtype).replace('torch.', '')})", dtype)
 
-    def note_comm_hook(self, hook: Any) -> None:
+    def on_comm_hook(self, hook: Any) -> None:
         name = getattr(hook, "__qualname__", getattr(hook, "__name__", "")) or ""
         for prefix, dtype in (("bf16_compress", "bfloat16"), ("fp16_compress", "float16")):
             if prefix in name:
                 self.note(f"DDP comm hook {name.split('.')[0]}", dtype)
+
+    def on_model_wrapped(self, module: Any, how: str) -> None:
+        self.note_module(module)
+
+    def on_first_forward(self, ctx: FirstForward) -> None:
+        self.note_module(ctx.root)  # a model found at its first forward: 16-bit parameters?
 
     def note_module(self, module: Any) -> None:
         try:

@@ -38,7 +38,6 @@ fully_shard) was overwritten, so its init does not matter: it is dropped from th
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 import weakref
@@ -46,7 +45,8 @@ from typing import Any
 
 from distcheck.analysis.replicas import Divergence, Entry, Fingerprint, find_divergences
 from distcheck.contract.findings import Finding, format_names, format_ranks
-from distcheck.rank.autocheck.discovery import user_name
+from distcheck.rank.autocheck.discovery import FirstForward, user_name
+from distcheck.rank.autocheck.protocol import Check
 from distcheck.rank.usersite import Site, caller_site
 from distcheck.contract.site import file_line
 
@@ -104,12 +104,21 @@ def _where(site: list | None) -> str:
     return file_line(site[0], site[1]) or "?" if site else "?"
 
 
-class PreWrap:
+def seed_note(seed: Any) -> tuple[int, Site] | None:
+    """``torch.manual_seed(seed)`` at the user's line, for a cause that names it (None: not an int seed)."""
+    try:
+        return int(seed), caller_site()
+    except (TypeError, ValueError):
+        return None
+
+
+class PreWrap(Check):
     """This rank's comparisons at parallelizing calls, and what they found until the first forward reports it."""
 
-    def __init__(self, owner: Any) -> None:
-        self.owner = owner  # the AutoCheck: rank, the findings' destination
-        self.depth = 0  # inside a parallelizing call: parallelize_module's own distribute_module calls are its part
+    name = "prewrap"
+
+    def __init__(self, core: Any) -> None:
+        super().__init__(core)  # the rank, wrap_depth (a call inside a parallelizing call is its part), keep()
         self.seed: tuple[int, Site] | None = None  # the last torch.manual_seed(n) and its line
         self.points: list[dict[str, Any]] = []  # one per comparison: how, site, ranks, names, identical
         self.pending: list[dict[str, Any]] = []  # value differences not yet reported (JSON-able)
@@ -121,27 +130,16 @@ class PreWrap:
         self._idents: dict[int, tuple | None] = {}  # id(pending row) -> the ident of its tensor before the call
         self._styles_without_src: list[str] = []  # the plan's ParallelStyles built with src_data_rank=None
         self.direct_checks = 0
-        self.replaced = ReplacedParams()  # optimizers built before a call replaced their parameters
 
     # -- events -----------------------------------------------------------------------------------------------------
-    def note_seed(self, seed: Any) -> None:
-        try:
-            self.seed = (int(seed), caller_site())
-        except (TypeError, ValueError):
-            pass
+    def on_seed_set(self, seed: Any) -> None:
+        self.seed = seed_note(seed) or self.seed
 
-    @contextlib.contextmanager
-    def inside(self) -> Any:
-        self.depth += 1
-        try:
-            yield
-        finally:
-            self.depth -= 1
-            if not self.depth:
-                self._settle()
-                self._note_after()
+    def on_wrap_returned(self) -> None:
+        self._settle()
+        self._note_after()
 
-    def note_plan(self, plan: Any, src_data_rank: Any = 0) -> None:
+    def on_plan(self, module: Any, plan: Any, ranks: list[int] | None, src_data_rank: Any = 0) -> None:
         """parallelize_module's plan and its ``src_data_rank`` (which torch sets on every style of the plan): what
         keeps each rank's values (src_data_rank=None), for the message."""
         if src_data_rank is None:
@@ -151,11 +149,12 @@ class PreWrap:
         self._styles_without_src = sorted({type(s).__name__ + "(src_data_rank=None)" for s in styles
                                            if getattr(s, "src_data_rank", 0) is None})
 
-    def note_distribute(self, tensor: Any, ranks: list[int] | None, placements: Any, src_data_rank: Any) -> None:
+    def on_distribute_tensor(self, tensor: Any, ranks: list[int] | None, placements: Any, src_data_rank: Any
+                             ) -> None:
         """A ``distribute_tensor`` call over a mesh of ``ranks`` (None: every rank): inside a parallelizing call,
         which tensor it converted and how; called by the user with ``src_data_rank=None``, its tensor compared
         across the mesh at once."""
-        if self.depth:
+        if self.core.wrap_depth:
             ident = tensor_ident(tensor)
             if ident is not None:
                 self._converted[ident] = src_data_rank
@@ -225,10 +224,10 @@ class PreWrap:
             keep.append(row)
         return keep
 
-    def before(self, how: str, module: Any, ranks: list[int] | None, values: bool = True) -> None:
+    def on_wrap_call(self, how: str, module: Any, ranks: list[int] | None, values: bool = True) -> None:
         """Compare ``module`` across ``ranks`` (None: every rank) before ``how`` parallelizes it; ``values``
         False: the call itself makes the values equal (DDP's construction broadcast), only the structure counts."""
-        if self.depth:
+        if self.core.wrap_depth:
             return
         from distcheck.rank.runtime import current_channel
 
@@ -316,7 +315,7 @@ class PreWrap:
         with torch.no_grad():
             compared = compare_entries("prewrap/distribute_tensor", [("tensor", "tensor", tensor)], channel, ranks,
                                        key=prewrap_key)
-        if not compared.divergences or self.owner.rank != ranks[0]:
+        if not compared.divergences or self.core.rank != ranks[0]:
             return
         d = compared.divergences[0]
         per = compared.summaries.get(d.name, {})
@@ -334,7 +333,7 @@ class PreWrap:
         detail = {"cause": "src_data_rank_none", "when": "at distribute_tensor", "call": "distribute_tensor",
                   "src_data_rank": None, "ranks_compared": ranks, "reference": d.reference,
                   "max_abs_diff": worst.max_abs_diff if worst else None, "file": site.file, "line": site.line}
-        self.owner.models.keep([Finding("tensor_divergence", sorted(d.blamed or ranks), message, detail)])
+        self.core.keep([Finding("tensor_divergence", sorted(d.blamed or ranks), message, detail)])
 
     def _report_structure(self, how: str, module: Any, point: dict, divs: list,
                           structure: dict[int, dict[str, tuple]]) -> None:
@@ -367,10 +366,16 @@ class PreWrap:
                   "tensors": rows, "wrap_site": point["site"],
                   "file": first_site.file if first_site else None, "line": first_site.line if first_site else None}
         finding = Finding("tensor_divergence", sorted({r for d in divs for r in d.blamed}), message, detail)
-        if self.owner.rank == ranks[0]:
-            self.owner.models.keep([finding])
+        if self.core.rank == ranks[0]:
+            self.core.keep([finding])
 
     # -- reporting --------------------------------------------------------------------------------------------------
+    def on_first_forward(self, ctx: FirstForward) -> None:
+        """What differed before parallelizing joins the model's first-forward check (discovery.py), and the last
+        call that found the ranks identical dates what differs at that forward."""
+        ctx.before, ctx.reported = self.flush(ctx.root, ctx.site)
+        ctx.identical_at = self.identical_before(ctx.root)
+
     def identical_before(self, root: Any) -> dict[str, Any] | None:
         """The last comparison of a module inside ``root`` that found every rank identical (DDP's construction)."""
         inside = {id(m) for m in root.modules()}
@@ -396,11 +401,11 @@ class PreWrap:
             row = {k: v for k, v in row.items() if k != "after"}
             rows.append(dict(row, name=user_name(f"{prefix}.{row['name']}" if prefix else row["name"])))
         channel = current_channel()
-        per_rank = {self.owner.rank: rows}
+        per_rank = {self.core.rank: rows}
         if channel is not None:
             per_rank = dict(enumerate(channel.exchange("autocheck/prewrap", rows)))
         names = {row["name"] for rs in per_rank.values() for row in rs}
-        if self.owner.rank != min(per_rank):
+        if self.core.rank != min(per_rank):
             return [], names
         finding = prewrap_finding(per_rank)
         return ([finding] if finding else []), names
@@ -410,13 +415,13 @@ class PreWrap:
         if self.reported or not self.pending:
             return
         self.reported = True
-        mine = [r for r in self._still_pending() if r["ranks"][0] == self.owner.rank]
-        finding = prewrap_finding({self.owner.rank: mine}) if mine else None
+        mine = [r for r in self._still_pending() if r["ranks"][0] == self.core.rank]
+        finding = prewrap_finding({self.core.rank: mine}) if mine else None
         if finding is not None:
-            self.owner.models.keep([finding])
+            self.core.keep([finding])
 
-    def state(self) -> dict[str, Any]:
-        return {"points": self.points, "seconds": self.seconds}
+    def state(self) -> dict[str, Any] | None:
+        return {"points": self.points, "seconds": self.seconds} if self.points else None
 
 
 def prewrap_finding(per_rank: dict[int, list[dict[str, Any]]]) -> Finding | None:
@@ -566,56 +571,3 @@ def _unwrapped_tensors(how: str, module: Any) -> list[tuple[str, str, Any]]:
     out = [(n, "parameter", p) for n, p in module.named_parameters() if not skip(n, p)]
     out += [(n, "buffer", b) for n, b in module.named_buffers() if not skip(n, b)]
     return out
-
-
-class ReplacedParams:
-    """Optimizers built before a call that replaced their parameters (fully_shard, FSDP1, parallelize_module).
-
-    ``fully_shard`` swaps each parameter for a new sharded DTensor ``nn.Parameter``, FSDP1 for its flat parameter and
-    a parallel style for a new DTensor parameter: an optimizer built before holds the old tensors, which no backward()
-    reaches. Each outermost parallelizing call, while an optimizer is alive, notes which of the module's parameters
-    it took away; an optimizer holding one of them keeps the call's name and line, and the frozen-step row of that
-    optimizer names them as the cause (``built_before_wrap``). One set of ids per call, nothing per step.
-    """
-
-    def __init__(self) -> None:
-        self._optimizers: list[weakref.ref] = []
-        self.wraps: dict[int, tuple[str, list]] = {}  # id(optimizer) -> (the call, [file, line])
-
-    def note_optimizer(self, optimizer: Any) -> None:
-        self._optimizers.append(weakref.ref(optimizer))
-
-    def _live(self) -> list[Any]:
-        self._optimizers = [ref for ref in self._optimizers if ref() is not None]
-        return [ref() for ref in self._optimizers]
-
-    def before(self, modules: Any) -> dict[int, Any] | None:
-        """The parameters the call may replace, by id (None when no optimizer exists yet: nothing to note)."""
-        if not self._live():
-            return None
-        return {id(p): p for m in _module_list(modules) for p in m.parameters()}
-
-    def after(self, before: dict[int, Any] | None, call: str, modules: Any, site: Site | None) -> None:
-        if not before:
-            return
-        kept = {id(p) for m in _module_list(modules) for p in m.parameters()}
-        gone = before.keys() - kept
-        if not gone:
-            return
-        for opt in self._live():
-            held = {id(p) for g in getattr(opt, "param_groups", []) for p in g.get("params", [])}
-            if id(opt) not in self.wraps and held & gone:
-                self.wraps[id(opt)] = (call, _site_json(site))
-
-    def explain(self, row: dict[str, Any], optimizer: Any) -> None:
-        """A frozen step of an optimizer whose parameters a later call replaced: that call is the cause."""
-        wrap = self.wraps.get(id(optimizer))
-        if wrap is not None and row.get("cause") == "no_grad":
-            row.update(cause="built_before_wrap", wrap_call=wrap[0], wrap_site=wrap[1])
-
-
-def _module_list(modules: Any) -> list[Any]:
-    import torch.nn as nn
-
-    items = modules if isinstance(modules, (list, tuple)) else [modules]
-    return [m for m in items if isinstance(m, nn.Module)]

@@ -32,6 +32,7 @@ from typing import Any
 from distcheck.analysis.replica_drift import fingerprint_row
 from distcheck.contract import env
 from distcheck.rank.autocheck.discovery import outermost, user_name
+from distcheck.rank.autocheck.protocol import Check
 from distcheck.rank.usersite import Site, caller_site
 
 log = logging.getLogger("distcheck")
@@ -111,9 +112,11 @@ def _fsdp1_replicated(root: Any) -> list[tuple[str, Any, Any]]:
     return out
 
 
-class ReplicaDrift:
-    def __init__(self, owner: Any) -> None:
-        self.owner = owner  # the AutoCheck: the watched models and the step counters
+class ReplicaDrift(Check):
+    name = "replica_drift"
+
+    def __init__(self, core: Any) -> None:
+        super().__init__(core)  # the watched models
         self.steps = steps_from_env()
         self.checked: list[dict[str, Any]] = []  # one row per fingerprinted point: baseline (-1), then steps
         self.seconds = 0.0
@@ -127,18 +130,19 @@ class ReplicaDrift:
         self._bypass_hooks: list[Any] = []
 
     # -- events ----------------------------------------------------------------------------------------------------
-    def enter_no_sync(self) -> None:
+    def on_no_sync_enter(self) -> None:
         self._no_sync_depth += 1
         self._no_sync_site = caller_site()
 
-    def exit_no_sync(self) -> None:
+    def on_no_sync_exit(self) -> None:
         self._no_sync_depth = max(0, self._no_sync_depth - 1)
 
-    def watch_ddp(self, model: Any) -> None:
-        """Note, per step, whether ``model``'s own forward ran and where its ``module`` was called around it."""
+    def on_model_wrapped(self, model: Any, how: str) -> None:
+        """A DDP model: note, per step, whether its own forward ran and where its ``module`` was called around
+        it."""
         import torch
 
-        if not self.steps or not isinstance(getattr(model, "module", None), torch.nn.Module):
+        if how != "ddp" or not self.steps or not isinstance(getattr(model, "module", None), torch.nn.Module):
             return
         me = weakref.ref(self)
         self._bypass_hooks.append(model.register_forward_pre_hook(functools.partial(_ddp_forward, me)))
@@ -150,16 +154,16 @@ class ReplicaDrift:
             handle.remove()
         self._bypass_hooks = []
 
-    def on_backward(self) -> None:
+    def on_backward(self, loss: Any) -> None:
         self._backwards += 1
         if self._no_sync_depth:
             self._unsynced += 1
 
-    def on_first_forward(self) -> None:
+    def on_model_checked(self, root: Any) -> None:
         if self.steps and not self.checked:
             self._take(-1, None)
 
-    def on_optimizer_step_done(self, step: int) -> None:
+    def on_optimizer_step_done(self, optimizer: Any, step: int) -> None:
         backwards, unsynced = self._backwards, self._unsynced
         # A training step built on a forward around DDP: a backward() ran, and DDP's own forward did not.
         bypass = self._bypass_site if backwards and not self._ddp_forward_ran else None
@@ -181,7 +185,7 @@ class ReplicaDrift:
 
         started = time.perf_counter()
         try:
-            items = replicated_params(outermost(self.owner.models.alive()))
+            items = replicated_params(outermost(self.core.models.alive()))
             if not items and step == -1:
                 self.steps = 0  # nothing replicated (plain FSDP2, or no model): nothing to watch later either
                 return
@@ -198,9 +202,11 @@ class ReplicaDrift:
         finally:
             self.seconds += time.perf_counter() - started
         if step >= 0:
-            self.owner.write_state()
+            self.core.write_state()
 
-    def state(self) -> dict[str, Any]:
+    def state(self) -> dict[str, Any] | None:
+        if not self.checked:
+            return None
         return {"steps": self.steps, "checked": self.checked, "seconds": self.seconds}
 
 

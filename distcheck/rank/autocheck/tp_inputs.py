@@ -23,6 +23,7 @@ import time
 from typing import Any, Callable
 
 from distcheck.contract.findings import Finding, format_ranks
+from distcheck.rank.autocheck.protocol import Check
 from distcheck.rank.usersite import Site, caller_site
 
 log = logging.getLogger("distcheck")
@@ -117,13 +118,18 @@ def plain_inputs(args: tuple, kwargs: dict, Tensor: type, DTensor: type) -> list
     return items
 
 
-class TPInputs:
-    def __init__(self, rank: int, emit: Callable[[list[Finding]], None]) -> None:
-        self.rank, self.emit = rank, emit
+class TPInputs(Check):
+    name = "tp_inputs"
+
+    def __init__(self, core: Any) -> None:
+        super().__init__(core)  # the rank, wrap_depth and emit(): its findings go to the run's findings file at once
         self.seconds = 0.0
 
-    def note_plan(self, root: Any, plan: Any, ranks: list[int] | None) -> None:
-        if not ranks or len(ranks) < 2 or self.rank not in ranks:
+    def on_plan(self, root: Any, plan: Any, ranks: list[int] | None, src_data_rank: Any) -> None:
+        """The outermost parallelize_module of one module (not its own nested calls, nor a list of modules)."""
+        if isinstance(root, (list, tuple)) or self.core.wrap_depth:
+            return
+        if not ranks or len(ranks) < 2 or self.core.rank not in ranks:
             return
         watched = 0
         for name, module, style in plan_modules(root, plan):
@@ -152,9 +158,9 @@ class TPInputs:
             return
         with torch.no_grad():
             compared = compare_entries(f"tp_input/{name}", items, channel, ranks)
-        if not compared.divergences or self.rank != ranks[0]:
+        if not compared.divergences or self.core.rank != ranks[0]:
             return  # every rank of the group found the same: its first rank reports it
-        self.emit([input_finding(name, style, ranks, compared.divergences, compared.summaries, site)])
+        self.core.emit([input_finding(name, style, ranks, compared.divergences, compared.summaries, site)])
 
 
 def input_finding(name: str, style: str, ranks: list[int], divergences: list, summaries: dict,
