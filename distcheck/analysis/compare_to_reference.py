@@ -24,7 +24,7 @@ from distcheck.analysis.record_compare import (STATUS_DIFF, STATUS_MISSING_REF, 
 from distcheck.analysis.record_explain import mismatch_finding, missing_finding
 from distcheck.analysis.record_resolve import Resolved, fold_accumulated_losses, resolve_run, with_precedence
 from distcheck.analysis.record_values import Key, Record
-from distcheck.contract.files import AUTO_PARAMS
+from distcheck.contract.files import AUTO_INIT, AUTO_PARAMS
 from distcheck.contract.findings import Finding
 
 
@@ -85,7 +85,9 @@ def compare_runs(ref_run: dict[int, list[Record]], nproc_run: dict[int, list[Rec
             row.key, row.mode = key, a.sum_mode if summed else a.mode
             row.convention = convention.how if convention is not None else ""
         result.rows.append(row)
-    first = next((row for row in result.rows if row.status == STATUS_DIFF), None)
+    # Different starting parameters explain whatever differs after them (step 0's loss included): they go first.
+    first = next((row for row in result.rows if row.status == STATUS_DIFF and row.auto and row.name == AUTO_INIT),
+                 None) or next((row for row in result.rows if row.status == STATUS_DIFF), None)
     if first is not None:
         resolved = run[first.key]
         if first.convention == "sum":  # the value compared is the sum, and the finding says so

@@ -20,6 +20,7 @@ import torch
 from distcheck.analysis.record_resolve import Resolved
 from distcheck.analysis.record_values import Key, Part, Record
 from distcheck.analysis.tolerance import Comparison, Precision, Rule, compare, rule_for
+from distcheck.contract.files import AUTO_INIT
 from distcheck.contract.site import file_line
 
 STATUS_OK, STATUS_DIFF = "ok", "MISMATCH"
@@ -192,8 +193,9 @@ def loss_conventions(ref: dict[Key, Resolved], run: dict[Key, Resolved], keys: l
                                and run[k].sum_record is not None))
     for name in names:
         mine = [k for k in keys if k[0] == name and k in ref and k in run]
+        # The parameters before the first update (auto/init) say where the runs start, nothing about a step's update.
         evidence = {k for k in keys if k in ref and k in run and ref[k].record.kind == "module"
-                    and run[k].record.kind == "module"}
+                    and run[k].record.kind == "module" and not (ref[k].record.auto and k[0] == AUTO_INIT)}
         proven = [k[1] for k in mine if any(e[1] == k[1] for e in evidence)]
         step = proven[0] if proven else mine[0][1]
         at_step = [k for k in mine if k[1] == step]

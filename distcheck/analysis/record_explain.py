@@ -18,7 +18,7 @@ from distcheck.analysis.record_compare import (AUTO_TEXT, STATUS_DIFF, STATUS_MI
 from distcheck.analysis.record_resolve import Resolved
 from distcheck.analysis.record_values import Key, wide
 from distcheck.analysis.tolerance import element_ratios, ratio_hint
-from distcheck.contract.files import AUTO_GRADS, AUTO_LOSS, AUTO_PARAMS
+from distcheck.contract.files import AUTO_GRADS, AUTO_INIT, AUTO_LOSS, AUTO_PARAMS
 from distcheck.contract.findings import Finding, format_ranks
 
 
@@ -36,8 +36,38 @@ def observed_factor(row: Row) -> float | None:
     return float(ratio.median()) if ratio is not None else None
 
 
+def _same_shards(t: Any, nproc: int) -> bool:
+    """Whether a full tensor's ``nproc`` chunks along dim 0 (FSDP2's and a Shard(0) DTensor's split) hold the same
+    values: every rank drew its shard from the same random state."""
+    if t is None or t.dim() == 0 or t.shape[0] < nproc or not t.is_floating_point():
+        return False
+    chunks = t.chunk(nproc)
+    size = min(c.shape[0] for c in chunks)
+    first = chunks[0][:size]
+    return len(chunks) == nproc and bool(first.abs().sum() > 0) and all(c[:size].equal(first) for c in chunks[1:])
+
+
+def init_hints(row: Row, nproc: int) -> list[str]:
+    """The runs start from different parameters (``auto/init`` differs): what that means, and the random init of a
+    sharded model whose shards came out alike."""
+    what = f"parameter '{row.part}'" if row.part else "the parameters"
+    out = [f"the runs start from different parameters: {what} already differs before the first optimizer.step(), so "
+           f"every later difference (loss, gradients, updates) follows from it; make the N-rank model's initial "
+           f"values the 1-rank model's (the same seed before the model is built, or rank 0's weights broadcast)"]
+    if _same_shards(row.actual, nproc) and not _same_shards(row.expected, nproc):
+        out.append(f"its {nproc} shards along dim 0 hold the same values in the {nproc}-rank run: each rank drew its "
+                   f"shard from the same random state. That is DTensor's random init on a CPU mesh (torch warns its "
+                   f"random ops 'may not have complete support on cpu device mesh'): a model sharded with "
+                   f"fully_shard or distribute_tensor and then initialized (to_empty, init_weights or "
+                   f"reset_parameters) on CPU. Initialize the full model before sharding it, or on a GPU mesh, where "
+                   f"DTensor offsets each shard's draws")
+    return out
+
+
 def hints(row: Row, rows: list[Row], nproc: int) -> list[str]:
     """Why the first differing record differs, where the pattern says so."""
+    if row.auto and row.name == AUTO_INIT:
+        return init_hints(row, nproc)
     out = []
     if row.actual is not None and row.expected is not None and row.actual.shape == row.expected.shape:
         ratio = ratio_hint(wide(row.actual), wide(row.expected), nproc)
@@ -86,6 +116,9 @@ def describe_row(row: Row) -> str:
     if row.auto and row.name == AUTO_PARAMS:
         what = f"parameter '{row.part}'" if row.part else "the parameters"
         return f"{what} after optimizer.step(){at} ({AUTO_TEXT} as '{AUTO_PARAMS}')"
+    if row.auto and row.name == AUTO_INIT:
+        what = f"parameter '{row.part}'" if row.part else "the parameters"
+        return f"{what} before the first optimizer.step(){at} ({AUTO_TEXT} as '{AUTO_INIT}')"
     if row.auto and row.name == AUTO_GRADS:
         what = f"the gradient of parameter '{row.part}'" if row.part else "the gradients"
         return f"{what} at the first optimizer.step(){at} ({AUTO_TEXT} as '{AUTO_GRADS}')"
@@ -186,6 +219,7 @@ def render_table(rows: list[Row], conventions: dict[str, Convention] | None = No
                            f"when there are several, gradient accumulation; each rank's own: compared as "
                            f"their mean, or as their sum where a loss convention below says so)",
                 AUTO_PARAMS: f"{AUTO_PARAMS} = every parameter after optimizer.step() (full tensors)",
+                AUTO_INIT: f"{AUTO_INIT} = every parameter before the first optimizer.step() (full tensors)",
                 AUTO_GRADS: f"{AUTO_GRADS} = every parameter's gradient at the first optimizer.step() (full "
                             f"tensors)"}
         lines.append(f"{AUTO_TEXT} (the script records nothing itself): "

@@ -58,6 +58,7 @@ _RANK_OF = {kind: re.compile("^" + re.escape(pattern).replace(r"\{rank\}", r"(\d
 AUTO_LOSS = "auto/loss"
 AUTO_PARAMS = "auto/params"
 AUTO_GRADS = "auto/grads"
+AUTO_INIT = "auto/init"  # every parameter before the first optimizer.step(): where both runs start
 STACK_HOOK = "stackhook-pid{pid}.json"  # per process: "this pid takes the faulthandler signal"
 EXCHANGE = "exchange-{host}-{attempt}.json"  # a node's exchange address for an attempt (contract/exchange_file.py)
 WATCHER = "watcher-{host}.json"  # a node watcher's state (contract/watcher_file.py)

@@ -22,17 +22,19 @@ def test_unmodified_fsdp2_script_compares_equal(line_of, tmp_path):
     assert res.returncode == 0, res.output
     assert report["ok"] and report["findings"] == []
     rows = report["records"]["2"]
-    # 4 training steps, the default K = 3 recorded; the gradients at the first step only
-    assert [(r["name"], r["step"]) for r in rows] == [("auto/loss", 0), ("auto/grads", 0), ("auto/params", 0)] + [
+    # 4 training steps, the default K = 3 recorded; the initial parameters and the gradients at the first step only
+    assert [(r["name"], r["step"]) for r in rows] == [("auto/loss", 0), ("auto/init", 0), ("auto/grads", 0),
+                                                      ("auto/params", 0)] + [
         (n, s) for s in (1, 2) for n in ("auto/loss", "auto/params")]
     assert all(r["status"] == "ok" and r["auto"] and r["recorded"] == "recorded automatically" for r in rows)
     backward, step = line_of("zc_cmp_fsdp2_ok.py", "loss.backward()"), line_of("zc_cmp_fsdp2_ok.py", "opt.step()")
     assert {r["site"] for r in rows if r["name"] == "auto/loss"} == {f"zc_cmp_fsdp2_ok.py:{backward}"}
-    assert {r["site"] for r in rows if r["name"] in ("auto/params", "auto/grads")} == {f"zc_cmp_fsdp2_ok.py:{step}"}
+    assert {r["site"] for r in rows if r["name"] in ("auto/params", "auto/grads", "auto/init")} == \
+        {f"zc_cmp_fsdp2_ok.py:{step}"}
     assert {r["mode"] for r in rows if r["name"] == "auto/loss"} == {"mean of 2 ranks"}  # each rank's own loss
     assert {r["convention"] for r in rows if r["name"] == "auto/loss"} == {"mean"}
     assert report["loss_conventions"]["2"]["auto/loss"]["convention"] == "mean"
-    assert report["recorded_automatically"] == {"2": ["auto/grads", "auto/loss", "auto/params"]}
+    assert report["recorded_automatically"] == {"2": ["auto/grads", "auto/init", "auto/loss", "auto/params"]}
     # Parameters are FSDP2 shards in the ranks: recorded gathered to full tensors, under the model's names.
     for rank in (0, 1):
         params = [r for r in load_rank(out / "nproc2", rank) if r.name == "auto/params"]
@@ -60,8 +62,8 @@ def test_loss_summed_over_local_batch_is_reference_mismatch(line_of, tmp_path):
                                    f"(recorded automatically as 'auto/loss') differs")
     assert "the loss is 1/2 of the reference" in f["message"] and detail["rel_err"] == pytest.approx(0.5, rel=1e-3)
     rows = report["records"]["2"]
-    assert [(r["name"], r["step"]) for r in rows] == [("auto/loss", 0), ("auto/grads", 0), ("auto/params", 0),
-                                                      ("auto/loss", 1), ("auto/params", 1)]
+    assert [(r["name"], r["step"]) for r in rows] == [("auto/loss", 0), ("auto/init", 0), ("auto/grads", 0),
+                                                      ("auto/params", 0), ("auto/loss", 1), ("auto/params", 1)]
     params = [r for r in rows if r["name"] == "auto/params"]
     step = line_of("zc_cmp_loss_sum.py", "opt.step()")
     assert [r["status"] for r in params] == ["MISMATCH"] * 2 and params[0]["site"] == f"zc_cmp_loss_sum.py:{step}"
@@ -105,7 +107,7 @@ def test_a_loss_divided_twice_under_adam_is_found_by_the_gradients(line_of, tmp_
             "match too") in f["message"]
     rows = report["records"]["2"]
     assert [(r["name"], r["status"]) for r in rows if r["step"] == 0] == [
-        ("auto/loss", "MISMATCH"), ("auto/grads", "MISMATCH"), ("auto/params", "ok")]
+        ("auto/loss", "MISMATCH"), ("auto/init", "ok"), ("auto/grads", "MISMATCH"), ("auto/params", "ok")]
     assert report["loss_conventions"] == {} and "loss convention:" not in (out / "report.txt").read_text()
 
 
@@ -115,7 +117,7 @@ def test_a_2d_mesh_compares_equal_with_the_sum_over_data_parallel_ranks(tmp_path
     assert res.returncode == 0, res.output
     assert report["ok"] and report["findings"] == [] and report["world_size"] == 4
     rows = report["records"]["4"]
-    assert all(r["status"] == "ok" for r in rows) and len(rows) == 7
+    assert all(r["status"] == "ok" for r in rows) and len(rows) == 8
     assert {r["mode"] for r in rows if r["name"] == "auto/loss"} == {
         "sum over the 2 data-parallel ranks (mean of each one's 2 ranks)"}
     assert "loss convention: 'auto/loss' matches the reference as the sum over the 2 data-parallel ranks" in \
@@ -142,3 +144,22 @@ def test_a_2d_mesh_bug_names_the_module(line_of, tmp_path):
         "added up" in f["message"] and "Every module" not in f["message"]
     assert "module_notes" not in f["detail"]
     assert m["element"]["max_abs"] > 0.01  # the second look reassembled the 2-D shards
+
+
+def test_runs_that_start_from_different_parameters_say_so_and_name_dtensors_cpu_init(line_of, tmp_path):
+    """Sharded on the meta device, then initialized: on a CPU mesh both shards of each weight hold the same values.
+    The finding is the initial parameters, before the first step, not the loss or the gradient reduction."""
+    fixture = "cmp_meta_init_cpu_mesh.py"
+    res, report, _ = compare(tmp_path, fixture)
+    assert res.returncode == 1, res.output
+    (f,) = report["findings"]
+    detail = f["detail"]
+    assert f["kind"] == "reference_mismatch" and f["ranks"] == [0, 1]
+    assert (detail["name"], detail["step"], detail["part"]) == ("auto/init", 0, "embed.weight")
+    assert detail["file"].endswith(fixture) and detail["line"] == line_of(fixture, "opt.step()")
+    assert f["message"].startswith(f"step 0: parameter 'embed.weight' before the first optimizer.step() at "
+                                   f"{fixture}:{detail['line']} (recorded automatically as 'auto/init')")
+    assert "the runs start from different parameters" in f["message"]
+    assert "its 2 shards along dim 0 hold the same values in the 2-rank run" in f["message"]
+    assert "DTensor's random init on a CPU mesh" in f["message"]
+    assert "gradient reduction" not in f["message"]

@@ -60,11 +60,12 @@ def test_hooks_record_loss_per_backward_and_params_per_step(auto_recording):
     src = open(__file__).read().splitlines()
     loss_line = next(i for i, t in enumerate(src, 1) if t.strip() == "loss.backward()  # LOSS LINE")
     step_line = next(i for i, t in enumerate(src, 1) if t.strip() == "opt.step()  # STEP LINE")
-    # the gradients once, at the first step only (Adam hides a scale of them from the parameters)
-    assert [(r.name, r.step) for r in got] == [("auto/loss", 0), ("auto/loss", 0), ("auto/grads", 0),
-                                              ("auto/params", 0), ("auto/loss", 1), ("auto/loss", 1),
-                                              ("auto/params", 1)]
-    assert all(r.auto for r in got) and check.checks["auto_records"].count == 7
+    # the gradients once, at the first step only (Adam hides a scale of them from the parameters); the parameters
+    # once before the first update (where both runs start)
+    assert [(r.name, r.step) for r in got] == [("auto/loss", 0), ("auto/loss", 0), ("auto/init", 0),
+                                              ("auto/grads", 0), ("auto/params", 0), ("auto/loss", 1),
+                                              ("auto/loss", 1), ("auto/params", 1)]
+    assert all(r.auto for r in got) and check.checks["auto_records"].count == 8
     assert {(r.file, r.line) for r in got if r.name == "auto/loss"} == {(__file__, loss_line)}
     assert {(r.file, r.line) for r in got if r.name in ("auto/params", "auto/grads")} == {(__file__, step_line)}
     (recorded_grads,) = [r for r in got if r.name == "auto/grads"]
@@ -178,8 +179,9 @@ def test_gradients_of_a_closure_step_are_recorded_and_unused_parameters_skipped(
     for _ in range(2):
         opt.step(closure)
     got = load_rank(out, 0)
-    assert [(r.name, r.step) for r in got] == [("auto/loss", 0), ("auto/grads", 0), ("auto/params", 0),
-                                              ("auto/loss", 1), ("auto/params", 1)]
+    # the closure runs inside step(): the initial parameters are recorded before its loss
+    assert [(r.name, r.step) for r in got] == [("auto/init", 0), ("auto/loss", 0), ("auto/grads", 0),
+                                              ("auto/params", 0), ("auto/loss", 1), ("auto/params", 1)]
     (grads,) = [r for r in got if r.name == "auto/grads"]
     assert [p.key for p in grads.parts] == ["weight", "bias"]  # named from the module that ran forward
     assert all(torch.equal(p.value, g) for p, g in zip(grads.parts, seen[0]))

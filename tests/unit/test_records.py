@@ -559,3 +559,21 @@ def test_accumulated_micro_batch_losses_compare_as_the_steps_sum():
     result = compare_runs(ref, run, 2)
     assert result.findings == [] and [r.key for r in result.rows] == [("auto/loss", 0, 0)]
     assert compare_runs(ref, {0: run[0], 1: [auto_loss(0, 0.7, 1, 0), auto_loss(0, 0.7, 1, 1)]}, 2).findings
+
+
+def test_initial_parameters_that_differ_say_where_the_runs_start_and_name_shards_drawn_alike():
+    from types import SimpleNamespace
+
+    from distcheck.analysis.record_explain import init_hints
+
+    torch.manual_seed(0)
+    ref = torch.randn(8, 4)
+    alike = torch.cat([ref[:4], ref[:4]])  # both ranks drew their shard from the same state
+    [said, dtensor] = init_hints(SimpleNamespace(part="w", actual=alike, expected=ref), 2)
+    assert said.startswith("the runs start from different parameters: parameter 'w' already differs before the "
+                           "first optimizer.step()")
+    assert dtensor.startswith("its 2 shards along dim 0 hold the same values") and "CPU mesh" in dtensor
+    other = torch.randn(8, 4)  # another seed: differs, shards unlike
+    assert len(init_hints(SimpleNamespace(part="w", actual=other, expected=ref), 2)) == 1
+    zeros = torch.zeros(8, 4)  # zero-initialized shards are alike in either run: no random state to blame
+    assert len(init_hints(SimpleNamespace(part="w", actual=zeros, expected=ref), 2)) == 1

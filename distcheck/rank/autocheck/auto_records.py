@@ -11,7 +11,8 @@ collective on the user's process group, which every rank reaches at the same ste
 parameters, every gradient the step used is recorded as ``auto/grads`` (full tensors too, named like the parameters):
 an optimizer such as Adam is invariant to a constant scale of the gradients, so matching parameters alone cannot
 prove how the loss is reduced over the ranks (a loss divided twice, 1/N gradients, updates like the reference's).
-Parameters are named from the outermost modules whose
+Before the first update (the step pre-hook) the parameters are recorded once more, as ``auto/init``: runs that start
+from different parameters are told apart from runs whose steps differ. Parameters are named from the outermost modules whose
 forward ran before the first step (a global forward pre-hook, removed at that step), so the names agree with or
 without DDP/FSDP wrappers. Outside ``compare`` K is 0 and nothing here runs.
 """
@@ -78,6 +79,28 @@ class AutoRecords(Check):
         except Exception as exc:  # recording must never break the user's training
             log.warning("distcheck: recording the loss failed: %s: %s", type(exc).__name__, exc)
 
+    def _parameters(self, optimizer: Any) -> tuple[tuple, list[tuple[str, Any]]]:
+        """The outermost modules and (name, parameter) of every parameter ``optimizer`` updates."""
+        roots = tuple(self._roots())
+        names = self._param_names(roots)
+        return roots, [(names.get(id(p)) or f"param_groups.{g}.{i}", p)
+                       for g, group in enumerate(optimizer.param_groups) for i, p in enumerate(group["params"])]
+
+    def on_optimizer_step(self, optimizer: Any, step: int) -> None:
+        """Before the first update: the parameters both runs start from (``auto/init``). A 1-rank reference and an
+        N-rank run that differ here differ from their first forward on, whatever the gradients do."""
+        if not self.steps or step != 0:
+            return
+        from distcheck.rank import records
+
+        try:
+            roots, pairs = self._parameters(optimizer)
+            site = caller_site()
+            records.record_auto(files.AUTO_INIT, pairs, 0, site.file, site.line, roots=roots)
+            self.count += 1
+        except Exception as exc:
+            log.warning("distcheck: recording the initial parameters failed: %s: %s", type(exc).__name__, exc)
+
     def on_optimizer_step_done(self, optimizer: Any, step: int) -> None:
         if not self.steps:
             return
@@ -85,10 +108,7 @@ class AutoRecords(Check):
 
         if step < self.steps:
             try:
-                roots = tuple(self._roots())
-                names = self._param_names(roots)
-                pairs = [(names.get(id(p)) or f"param_groups.{g}.{i}", p)
-                         for g, group in enumerate(optimizer.param_groups) for i, p in enumerate(group["params"])]
+                roots, pairs = self._parameters(optimizer)
                 site = caller_site()
                 if step == 0:
                     self._record_grads(pairs, site, roots)
