@@ -258,3 +258,21 @@ def test_what_fsdp1_leaves_per_rank_decides_what_is_compared(world):
     assert fsdp1_prewrap(bind(process_group=(mesh.get_group(1), mesh.get_group(0))), 4) == (None, True)
     alone = dist.new_group([0])
     assert fsdp1_prewrap(bind(process_group=(pair, alone)), 4) is None  # 2 x 1 ranks do not tile the 4: unknown
+
+
+def test_a_non_finite_flat_gradient_is_named_by_the_original_parameter_that_holds_it(world):
+    """use_orig_params=False: the optimizer only sees FlatParameters; the NaN watch names the parameter inside, by
+    torch's own shard metadata (rank 3 of 4 holds the end of blocks.0's flat parameter: fc.weight's tail, fc.bias)."""
+    from distcheck.rank.autocheck.discovery import user_name
+    from distcheck.rank.autocheck.nan_watch import bad_flat_parts
+
+    world(3)
+    _, model = build(orig=False)
+    name, flat = next((n, p) for n, p in model.named_parameters() if "blocks.0" in n)
+    held = [(fqn, info) for fqn, info in zip(flat._fqns, flat._shard_param_infos) if info.in_shard]
+    assert [fqn for fqn, _ in held] == ["fc.weight", "fc.bias"]
+    for fqn, info in held:
+        grad = torch.zeros_like(flat)
+        grad[info.offset_in_shard + info.numel_in_shard - 1] = float("inf")
+        assert bad_flat_parts(user_name(name), flat, grad) == [f"blocks.0.{fqn}"]
+    assert bad_flat_parts(user_name(name), flat, torch.zeros_like(flat)) is None

@@ -31,6 +31,26 @@ GRAD_DENSE_STEPS = 50
 GRAD_EVERY = 10
 
 
+def bad_flat_parts(name: str, flat: Any, grad: Any) -> list[str] | None:
+    """The original parameters of an FSDP1 FlatParameter whose part of this rank's gradient shard is not finite,
+    named as the user wrote them (``blocks.0.fc.weight`` for ``blocks.0._flat_param``); None when torch's shard
+    metadata is missing."""
+    import torch
+
+    fqns, infos = getattr(flat, "_fqns", None), getattr(flat, "_shard_param_infos", None)
+    if not fqns or infos is None or len(infos) != len(fqns):
+        return None
+    prefix = name.rsplit("_flat_param", 1)[0]
+    values = grad.reshape(-1)
+    out = []
+    for fqn, info in zip(fqns, infos):
+        if info.in_shard and info.numel_in_shard:
+            part = values[info.offset_in_shard:info.offset_in_shard + info.numel_in_shard]
+            if not bool(torch.isfinite(part).all()):
+                out.append(prefix + fqn)
+    return out or None
+
+
 def grads_checked(step: int) -> bool:
     return step < GRAD_DENSE_STEPS or step % GRAD_EVERY == 0
 
@@ -125,10 +145,13 @@ class NanWatch(Check):
             grads, names = [], []
             if not grads_checked(step):
                 params = []  # the loss only (see GRAD_EVERY)
+            flats: dict[int, tuple[Any, Any]] = {}  # position -> FSDP1 FlatParameter and its local gradient
             for p in params:
                 g = p.grad
                 if g is None:
                     continue
+                if getattr(p, "_fqns", None) is not None:
+                    flats[len(grads)] = (p, g)
                 grads.append(local_tensor(g))
                 names.append(self._names.get(id(p), f"<parameter {len(names)}>"))
             losses = self._losses
@@ -146,7 +169,7 @@ class NanWatch(Check):
             values = torch.cat([p.to(device) for p in parts])
             sites = [s for _, s in losses]
             if device.type == "cpu":
-                self._inspect(step, counter, values, len(losses), names, sites, live=True)
+                self._inspect(step, counter, values, len(losses), names, sites, live=True, flats=flats)
             else:
                 # A non-blocking copy read at a later step: no device->host sync on the training path.
                 host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
@@ -171,12 +194,18 @@ class NanWatch(Check):
             self._pending.clear()
 
     def _inspect(self, step: int, counter: str, values: Any, n_losses: int, names: list[str], sites: list[Any],
-                 live: bool = False) -> None:
-        """``live``: read at the step itself (CPU), before the update: its forward inputs are still held."""
+                 live: bool = False, flats: dict[int, tuple[Any, Any]] | None = None) -> None:
+        """``live``: read at the step itself (CPU), before the update: its forward inputs are still held.
+        ``flats``: FSDP1 FlatParameters among the gradients, named by the original parameters that hold the
+        NaN/Inf (use_orig_params=False gives the optimizer only them)."""
         flat = values.tolist()
         losses, norms = flat[:n_losses], flat[n_losses:]
         bad_losses = [i for i, v in enumerate(losses) if not math.isfinite(v)]
-        bad_grads = [names[i] for i, v in enumerate(norms) if not math.isfinite(v)]
+        bad_grads = []
+        for i, v in enumerate(norms):
+            if not math.isfinite(v):
+                inside = bad_flat_parts(names[i], *flats[i]) if flats and i in flats else None
+                bad_grads += inside or [names[i]]
         if not bad_losses and not bad_grads:
             if norms:
                 self.last_clean_grads = step
