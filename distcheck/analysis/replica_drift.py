@@ -113,7 +113,7 @@ def _finding(step: int, divs: list, by_rank: dict[int, dict[str, Any]]) -> Findi
         n = no_sync["backwards"]
         message += (f"\nGradients were not all-reduced: {'the' if n == 1 else 'all'} {n} backward() "
                     f"call{'s' if n != 1 else ''} before that step ran under no_sync() at {_where(file, line)}; "
-                    "run the last micro-batch's backward() outside no_sync() so DDP averages the gradients.")
+                    "run the last micro-batch's backward() outside no_sync() so DDP (or FSDP) reduces the gradients.")
         cause = "no_sync"
     elif _ignored_site(divs, by_rank) is not None:
         file, line = _ignored_site(divs, by_rank)

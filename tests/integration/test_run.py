@@ -283,6 +283,18 @@ def test_replicas_drifting_under_no_sync_are_one_finding_with_the_cause(line_of,
         "replicated parameters identical on every rank after 3 optimizer steps"]
 
 
+def test_fsdp1_replicas_drifting_under_its_no_sync_name_the_no_sync_line(line_of, tmp_path):
+    """FSDP1 NO_SHARD, every micro-step under its no_sync(): hooked as DDP's, so the cause is the no_sync() line."""
+    res, report, _ = run_fixture(tmp_path, "fsdp1_no_sync_drift.py")
+    assert res.returncode == 1, res.output
+    f = only(report, "tensor_divergence")
+    bug = line_of("fsdp1_no_sync_drift.py", "# BUG")
+    assert f["ranks"] == [0, 1] and f["detail"]["line"] == bug and f["detail"]["cause"] == "no_sync"
+    assert f"ran under no_sync() at fsdp1_no_sync_drift.py:{bug}" in f["message"]
+    fixed, report, _ = run_fixture(tmp_path / "fixed", "fsdp1_no_sync_drift.py", "--fixed")
+    assert fixed.returncode == 0 and report["findings"] == [], fixed.output
+
+
 def test_plain_norm_of_a_sequence_parallel_model_drifts(line_of, tmp_path):
     """A LayerNorm left out of the SP plan: each rank its own gradient, nothing reduces it -> named, with the fix."""
     res, report, _ = run_fixture(tmp_path, "tp_norm_drift.py")

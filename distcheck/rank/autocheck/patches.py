@@ -235,6 +235,26 @@ def _patch_fsdp1(fsdp: Any) -> None:
 
     fsdp1_wrapper.__distcheck_original__ = init  # type: ignore[attr-defined]
     cls.__init__ = fsdp1_wrapper
+    cls.no_sync = _no_sync_wrapper(cls.no_sync)  # FSDP1's gradient accumulation, as DDP's
+
+
+def _no_sync_wrapper(no_sync: Callable) -> Callable:
+    """DDP's or FSDP1's ``no_sync()``: the line of the user's ``with model.no_sync():``, for the drift finding's
+    cause (an FSDP1 root's no_sync enters its inner units' own: they are one, nested, and counted so)."""
+    @functools.wraps(no_sync)
+    @contextlib.contextmanager
+    def no_sync_wrapper(self: Any) -> Any:
+        check = current()
+        if check is not None:
+            check.fire("no_sync_enter")
+        try:
+            with no_sync(self):
+                yield
+        finally:
+            if check is not None:
+                check.fire("no_sync_exit")
+
+    return no_sync_wrapper
 
 
 def _patch_tensor(_module: Any) -> None:
@@ -405,22 +425,7 @@ def patch_once() -> None:
 
     autocast.__enter__ = autocast_enter_wrapper
 
-    no_sync = DistributedDataParallel.no_sync
-
-    @functools.wraps(no_sync)
-    @contextlib.contextmanager
-    def no_sync_wrapper(self: Any) -> Any:
-        check = current()
-        if check is not None:  # the line of the user's `with model.no_sync():`, for the drift finding's cause
-            check.fire("no_sync_enter")
-        try:
-            with no_sync(self):
-                yield
-        finally:
-            if check is not None:
-                check.fire("no_sync_exit")
-
-    DistributedDataParallel.no_sync = no_sync_wrapper
+    DistributedDataParallel.no_sync = _no_sync_wrapper(DistributedDataParallel.no_sync)
 
     opt_init = torch.optim.Optimizer.__init__
 
