@@ -30,14 +30,15 @@ _state: dict[str, Any] = {}
 
 
 def install(report_dir: str | os.PathLike, rank: int) -> None:
-    """Wrap torch.save in this rank (once)."""
+    """Wrap torch.save in this rank (once); called again (the pytest pool, per test), it notes into ``report_dir``
+    from then on, counting each path's saves afresh."""
     import torch
 
+    _state.update(report_dir=Path(report_dir).resolve(), rank=rank, counts={}, host=socket.gethostname())
     if _state.get("installed"):
         return
     original = torch.save
-    _state.update(installed=True, report_dir=Path(report_dir).resolve(), rank=rank, counts={},
-                  host=socket.gethostname())
+    _state["installed"] = True
 
     @functools.wraps(original)
     def save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> Any:
@@ -50,6 +51,11 @@ def install(report_dir: str | os.PathLike, rank: int) -> None:
         return out
 
     torch.save = save
+
+
+def noted() -> bool:
+    """Whether a save to a named file was noted since the last install."""
+    return bool(_state.get("counts"))
 
 
 def _note(obj: Any, f: str | os.PathLike) -> None:

@@ -156,7 +156,7 @@ def main() -> int:
     import torch
     import torch.distributed as dist
 
-    from distcheck.rank import autocheck, group_keepalive
+    from distcheck.rank import autocheck, group_keepalive, save_watch
     from distcheck.rank.error_context import explain
 
     from distcheck.rank import tracer as trace
@@ -195,6 +195,8 @@ def main() -> int:
         tracer = trace.install(job.trace_dir, rank) if job.trace_dir else None
         # The same zero-code checks as `distcheck run` (models found by themselves, NaN/Inf, uninitialized values).
         checker = autocheck.install(job.trace_dir, rank, emit=True) if job.trace_dir else None
+        if checker is not None:  # torch.save calls, for one file that several ranks write (rank/save_watch.py)
+            save_watch.install(job.trace_dir, rank)
         watch = leftovers.Watch()  # threads, processes and collectives the test leaves behind
         try:
             fn = _load(job)

@@ -242,3 +242,45 @@ def test_a_failing_assert_on_a_rank_shows_the_values(pytester):
     rank1 = out[out.index("---------- [rank 1] ----------"):]
     assert "assert [2.0, 2.0] == [1.0, 1.0]" in rank1
     assert "---------- [rank 0] ----------" not in out
+
+
+SAVING = '''
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+HERE = Path(__file__).parent
+
+
+@pytest.mark.distributed(nprocs=2, timeout=60)
+def test_every_rank_saves_its_shard_to_one_file(dist_ctx):
+    torch.save({"w": torch.full((4,), float(dist_ctx.rank))}, HERE / "ckpt.pt")  # SAVE
+    dist.barrier()
+
+
+@pytest.mark.distributed(nprocs=2, timeout=60)
+def test_rank_0_saves_alone(dist_ctx):
+    if dist_ctx.rank == 0:
+        torch.save({"w": torch.ones(4)}, HERE / "ckpt0.pt")
+    dist.barrier()
+
+
+@pytest.mark.distributed(nprocs=2, timeout=60)
+def test_every_rank_saves_the_same_weights(dist_ctx):
+    torch.save({"w": torch.ones(4)}, HERE / "same.pt")
+    dist.barrier()
+'''
+
+
+def test_one_file_that_the_ranks_save_with_different_contents_fails_the_test(pytester, line_of):
+    """As under `distcheck run`: one path, several writers, different contents; a rank-0 save or identical
+    contents pass."""
+    pytester.makepyfile(test_saves=SAVING)
+    result = run_pytest(pytester, "-p", "no:cacheprovider", "-v", timeout=240)
+    result.assert_outcomes(passed=2, failed=1)
+    out = result.stdout.str()
+    assert re.search(r"test_every_rank_saves_its_shard_to_one_file FAILED", out)
+    save = line_of(None, "# SAVE", text=SAVING.strip("\n"))
+    assert "[tensor_divergence] ranks 0-1" in out and "ckpt.pt" in out and f"test_saves.py:{save}" in out

@@ -108,7 +108,10 @@ def test_findings(check: AutoCheck, key: str, timeout: float = 2.0) -> list[Find
     """
     from distcheck.analysis.bad_values import fold_first_bad
     from distcheck.analysis.check_table import judge
+    from distcheck.analysis.shared_files import several_writers
+    from distcheck.contract import saves_file
     from distcheck.errors import ChannelTimeout
+    from distcheck.rank import save_watch
     from distcheck.rank.runtime import current_channel
 
     check.finish()
@@ -121,7 +124,7 @@ def test_findings(check: AutoCheck, key: str, timeout: float = 2.0) -> list[Find
         # A test that checked no model, ran no backward and built no pipeline here (plain collectives) has nothing
         # to merge: do not wait.
         mine = states[check.rank]
-        quiet = not check.backwards and not mine.get("models") and not mine.get("pipeline")
+        quiet = not check.backwards and not mine.get("models") and not mine.get("pipeline") and not save_watch.noted()
         for r in ([] if quiet else range(1, channel.world_size)):
             try:
                 states[r] = channel.get(f"autocheck/{key}/{r}", r, timeout=timeout)
@@ -129,7 +132,9 @@ def test_findings(check: AutoCheck, key: str, timeout: float = 2.0) -> list[Find
                 log.warning("distcheck: rank %s sent no automatic-check record for this test", r)
     # The same table as the report's: the first NaN/Inf, frozen steps, drifted replicas, and pipeline stages whose
     # schedules disagree (the one finding says which values differ and where, beside torch's error).
-    return fold_first_bad(list(check.findings) + judge(states).findings)
+    # One file that several ranks saved with different contents (rank/save_watch.py, as under `distcheck run`).
+    shared = several_writers(saves_file.read_all(key)) if channel is None or check.rank == 0 else []
+    return fold_first_bad(list(check.findings) + judge(states).findings + shared)
 
 
 def failure_text(findings: list[Finding]) -> str:
