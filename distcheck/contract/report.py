@@ -86,6 +86,22 @@ class Report:
         )
 
 
+def finding_lines(findings: list[Finding], where: str | None = "report.json") -> list[str]:
+    """The findings as report.txt lists them (and the pytest marker's failure text): one headline each, a message's
+    later lines indented under it, at most TEXT_FINDINGS_PER_KIND of a kind and a count of the rest (in ``where``)."""
+    lines: list[str] = []
+    shown: dict[str, int] = {}
+    for f in findings:
+        shown[f.kind] = shown.get(f.kind, 0) + 1
+        if shown[f.kind] <= TEXT_FINDINGS_PER_KIND:
+            lines.append("  " + headline(f).replace("\n", "\n    "))  # a message's later lines stay under it
+    for kind, count in shown.items():
+        if count > TEXT_FINDINGS_PER_KIND:
+            rest = f"in {where}" if where else "not shown"
+            lines.append(f"  ... and {count - TEXT_FINDINGS_PER_KIND} more {kind} findings {rest}")
+    return lines
+
+
 def render_text(report: Report, report_dir: str | os.PathLike | None = None) -> str:
     """The human form of the report: verdict first, then checks, findings and sections."""
     n = len(report.findings)
@@ -100,14 +116,7 @@ def render_text(report: Report, report_dir: str | os.PathLike | None = None) -> 
             lines.append(f"  {status} {c.name:<{width}} {c.seconds:7.2f}s{note}")
     if report.findings:
         lines.append("findings:")
-        shown: dict[str, int] = {}
-        for f in report.findings:
-            shown[f.kind] = shown.get(f.kind, 0) + 1
-            if shown[f.kind] <= TEXT_FINDINGS_PER_KIND:
-                lines.append("  " + headline(f).replace("\n", "\n    "))  # a message's later lines stay under it
-        for kind, count in shown.items():
-            if count > TEXT_FINDINGS_PER_KIND:
-                lines.append(f"  ... and {count - TEXT_FINDINGS_PER_KIND} more {kind} findings in report.json")
+        lines += finding_lines(report.findings)
     if report.warnings:
         lines.append("warnings (not findings: the verdict does not depend on them):")
         for w in report.warnings:

@@ -138,9 +138,9 @@ def test_findings(check: AutoCheck, key: str, timeout: float = 2.0) -> list[Find
 
 
 def failure_text(findings: list[Finding]) -> str:
-    from distcheck.contract.findings import headline
+    """The failed test's text: its findings as report.txt lists them (contract/report.finding_lines)."""
+    from distcheck.contract.report import finding_lines
 
     lines = ["distcheck's automatic checks found what the test's asserts did not (DISTCHECK_AUTOCHECK=0 turns "
              "them off):"]
-    lines += ["  " + headline(f) for f in findings]
-    return "\n".join(lines)
+    return "\n".join(lines + finding_lines(findings, None))
