@@ -51,7 +51,7 @@ def bench_command(repeats: int = 3) -> dict:
 
 
 def bench_fingerprint(repeats: int = 9) -> dict:
-    from distcheck.checks.fingerprint import fingerprint_many
+    from distcheck.rank.checks.fingerprint import fingerprint_many
 
     # ~100M parameters in transformer-like shapes: 46 matrices [2048, 1024], embedding and head [2000, 1024],
     # and small norm vectors (many tiny tensors are where per-tensor overhead would show).

@@ -134,14 +134,14 @@ def _torch_path():
     """fingerprint_many with the Triton kernel left out (the default: DISTCHECK_FINGERPRINT_KERNEL unset)."""
     from unittest import mock
 
-    from distcheck.checks import fingerprint_kernel
+    from distcheck.rank.checks import fingerprint_kernel
 
     return mock.patch.object(fingerprint_kernel, "rows_for", lambda *a: None)
 
 
 _FIRST_CALL = """
 import time, torch
-from distcheck.checks.fingerprint import fingerprint_many
+from distcheck.rank.checks.fingerprint import fingerprint_many
 x = torch.ones(4096, device="cuda")
 torch.cuda.synchronize()
 t0 = time.perf_counter()
@@ -165,7 +165,7 @@ def fingerprint_first_call() -> dict:
 
 def fingerprint_sums_agree() -> dict:
     """The kernel's sums against torch's on random tensors of every dtype, odd sizes, views and huge values."""
-    from distcheck.checks.fingerprint import MIN_CHUNK_NUMEL, fingerprint_many
+    from distcheck.rank.checks.fingerprint import MIN_CHUNK_NUMEL, fingerprint_many
 
     gen = torch.Generator(device="cuda").manual_seed(1)
     base = torch.randn(MIN_CHUNK_NUMEL * 40 + 17, device="cuda", generator=gen)
@@ -191,8 +191,8 @@ def fingerprints(repeats: int = 15) -> dict:
     """The pass over about 1 GB of float32 in HBM (16 x 64 MiB + 32 small) and over 512 tensors of 1 MiB, each
     against one torch.sum per tensor (the issue's 'one HBM read'), with the kernel and with torch's sums; the
     kernel's first call (its compile) and the card's read bandwidth from a large copy."""
-    from distcheck.checks import fingerprint_kernel
-    from distcheck.checks.fingerprint import fingerprint_many
+    from distcheck.rank.checks import fingerprint_kernel
+    from distcheck.rank.checks.fingerprint import fingerprint_many
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     big = [torch.randn(4096, 4096, device="cuda", generator=gen) for _ in range(16)]  # 16 x 64 MiB
@@ -227,8 +227,8 @@ def fingerprints(repeats: int = 15) -> dict:
 
 def fingerprint_configs() -> list[dict]:
     """The kernel's pass over the 1 GB set at a few (SPAN, BLOCK, WARPS): the defaults come from this table."""
-    from distcheck.checks import fingerprint_kernel as fk
-    from distcheck.checks.fingerprint import fingerprint_many
+    from distcheck.rank.checks import fingerprint_kernel as fk
+    from distcheck.rank.checks.fingerprint import fingerprint_many
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     named = [(f"t{i}", torch.randn(4096, 4096, device="cuda", generator=gen)) for i in range(16)]

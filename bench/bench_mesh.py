@@ -28,7 +28,7 @@ REPEAT = 3
 def check_once(world: int, shape_text: str) -> float:
     from distcheck.analysis.mesh import MeshSpec, mesh_findings, plan_mesh
     from distcheck.commands.mesh import parse_names, parse_shape
-    from distcheck.checks.mesh import simulate_rank
+    from distcheck.rank.checks.mesh import simulate_rank
 
     t0 = time.perf_counter()
     shape, findings = parse_shape(shape_text, world)

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-__version__ = "0.1.0"
+from distcheck.contract.version import __version__
+
 __all__ = ["record", "check_model", "check_consistent", "__version__"]
 
 
@@ -41,7 +42,7 @@ def record(name: str, value: Any, step: int | None = None, *, rtol: float | None
 
 def check_model(model: Any) -> list:
     """Placements, FSDP2/TP coverage and cross-rank consistency of ``model``; returns Findings."""
-    from distcheck.checks.placement import check_model as impl
+    from distcheck.rank.checks.placement import check_model as impl
 
     return impl(model)
 
@@ -53,6 +54,6 @@ def check_consistent(name: str, tensor_or_module: Any, group: Any = None) -> lis
     (every parameter and buffer). Only small per-tensor fingerprints cross ranks; full values are exchanged just
     for the chunks that differ, to name the first differing index. A no-op returning [] when not distributed.
     """
-    from distcheck.checks.replicas import check_consistent as impl
+    from distcheck.rank.checks.replicas import check_consistent as impl
 
     return impl(name, tensor_or_module, group=group)

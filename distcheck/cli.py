@@ -45,7 +45,7 @@ def available_commands() -> dict[str, str]:
 
 def build_parser(command: str | None = None) -> OneLineParser:
     """The parser; only ``command``'s module is imported (each pulls in torch pieces, which costs seconds)."""
-    from distcheck import __version__
+    from distcheck.contract.version import __version__
 
     parser = OneLineParser(prog="python -m distcheck", description="Correctness harness for distributed PyTorch.")
     parser.add_argument("--version", action="version", version=f"distcheck {__version__}")
@@ -107,8 +107,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         # A second stop signal before the command could catch it itself (while parsing, importing, starting).
         sys.stderr.write(f"distcheck: {exc}: no report was written\n")
         return 1
-
-
-def command_line(argv: Sequence[str]) -> str:
-    """The command as the user typed it, for report.json's "command"."""
-    return "distcheck " + " ".join(argv)

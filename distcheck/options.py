@@ -34,7 +34,8 @@ def in_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-# Choices the CLI validates before importing torch (checks/models.py and checks/parallelize.py use the same names).
+# Choices the CLI validates before importing torch (rank/checks/models.py and rank/checks/parallelize.py use the
+# same names).
 BUILTIN_MODEL = "builtin"
 PARALLEL_MODES = ("fsdp", "ddp", "tp")
 

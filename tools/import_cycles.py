@@ -1,5 +1,7 @@
 """Fail when distcheck's modules import each other in a cycle (module-level imports; lazy imports inside
-functions are how a module defers a heavy or circular dependency, so they count too, as their own edges).
+functions are how a module defers a heavy or circular dependency, so they count too, as their own edges; and so does
+``importlib.import_module("distcheck....")``/``find_spec`` with a literal name or an f-string's literal start, as
+cli.py imports the command it dispatches to).
 
     python tools/import_cycles.py          # prints the cycles, exit 1 if any
 """
@@ -18,6 +20,21 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+def dynamic_import(node: ast.AST) -> str | None:
+    """The module (or, for an f-string, the package its literal start names) that ``node`` imports by name:
+    ``importlib.import_module(NAME)`` or ``importlib.util.find_spec(NAME)``; None for anything else."""
+    if not (isinstance(node, ast.Call) and node.args and isinstance(node.func, (ast.Attribute, ast.Name))):
+        return None
+    if (node.func.attr if isinstance(node.func, ast.Attribute) else node.func.id) not in {"import_module", "find_spec"}:
+        return None
+    arg = node.args[0]
+    if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+        return arg.value
+    if isinstance(arg, ast.JoinedStr) and arg.values and isinstance(arg.values[0], ast.Constant):
+        return str(arg.values[0].value).rpartition(".")[0] or None
+    return None
+
+
 def imports(path: Path, modules: set[str]) -> set[str]:
     out: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text())):
@@ -26,6 +43,8 @@ def imports(path: Path, modules: set[str]) -> set[str]:
             names = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        elif (dynamic := dynamic_import(node)) is not None:
+            names = [dynamic]
         for name in names:
             while name and name not in modules:
                 name = name.rpartition(".")[0]

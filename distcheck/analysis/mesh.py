@@ -3,7 +3,7 @@
 A mesh of shape (s0, s1, ...) over the world lays ranks 0..prod-1 out row-major, exactly like
 ``init_device_mesh``: rank r has coordinate ``unravel(r)``, and its group on dim d is every rank that shares its
 other coordinates. Everything here is integer arithmetic on tensors, so a 16384-rank mesh costs milliseconds;
-distcheck.checks.mesh cross-checks the same answers against torch's own DeviceMesh on the fake process group.
+distcheck.rank.checks.mesh cross-checks the same answers against torch's own DeviceMesh on the fake process group.
 """
 from __future__ import annotations
 

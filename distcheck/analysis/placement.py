@@ -1,8 +1,8 @@
 """Pure placement analysis (no process group): placement rows, the compact table, and FSDP2/FSDP1/TP coverage rules.
 
-The rows come from distcheck.checks.placement.describe_model; everything here works on them alone, so the rules are
+The rows come from distcheck.rank.checks.placement.describe_model; everything here works on them alone, so the rules are
 unit-tested on hand-made rows as well as on real FSDP2/FSDP1/TP models. An FSDP1 row is one original parameter of a
-unit's flat parameter (checks/fsdp1.py): its global shape, the elements this rank holds as its local shape, and
+unit's flat parameter (rank/checks/fsdp1.py): its global shape, the elements this rank holds as its local shape, and
 what every rank of the unit's shard group holds (``flat_shard``).
 """
 from __future__ import annotations

@@ -87,7 +87,7 @@ def parse_steps(text: str | None) -> int | None:
 
 def options(args: argparse.Namespace) -> CompareOptions:
     """argv -> CompareOptions. Options first: they need no torch, so bad ones fail in a fraction of a second."""
-    from distcheck.cli import command_line
+    from distcheck.contract.report import command_line
     from distcheck.commands.run import validate_script
 
     nprocs = parse_nproc(args.nproc)

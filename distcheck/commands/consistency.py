@@ -17,16 +17,15 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from distcheck.cli import command_line
 from distcheck.contract import files
 from distcheck.errors import UsageError
 from distcheck.options import (BUILTIN_MODEL, PARALLEL_MODES, ConsistencyOptions, backstop, count, seconds,
                                tolerance)
-from distcheck.contract.report import (Report, default_report_dir, load_report, prepare_report_dir, publish,
-                                       remove_report)
+from distcheck.contract.report import (Report, command_line, default_report_dir, load_report, prepare_report_dir,
+                                       publish, remove_report)
 
 if TYPE_CHECKING:
-    from distcheck.checks import consistency
+    from distcheck.rank.checks import consistency
     from distcheck.rank import runtime
 
 # torch (and FSDP2's torch._dynamo) is imported only once the options are valid: bad input exits 2 in a fraction
@@ -49,7 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _on_sigterm(signum, frame):
-    from distcheck.checks import consistency
+    from distcheck.rank.checks import consistency
 
     raise consistency.Terminated()
 
@@ -76,8 +75,8 @@ def options(args: argparse.Namespace) -> ConsistencyOptions:
 def main(args: argparse.Namespace) -> int:
     opts = options(args)
     given = prepare_report_dir(opts.report_dir) if opts.report_dir else None
-    from distcheck.checks import consistency
-    from distcheck.checks.models import load_factory
+    from distcheck.rank.checks import consistency
+    from distcheck.rank.checks.models import load_factory
     from distcheck.rank import runtime
 
     load_factory(opts.model)  # bad --model fails here, on every rank, before any rank waits for another
@@ -115,7 +114,7 @@ def main(args: argparse.Namespace) -> int:
 
 def _run(opts: ConsistencyOptions, session: runtime.Session, check_options: ConsistencyOptions,
          report_dir: Path) -> int:
-    from distcheck.checks import consistency
+    from distcheck.rank.checks import consistency
 
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
     ctx = consistency.Context(session, check_options)
@@ -196,7 +195,7 @@ def _watchdog_report(report_dir: Path) -> Report | None:
 
 
 def _write(report: Report, report_dir: Path) -> None:
-    from distcheck.checks import consistency
+    from distcheck.rank.checks import consistency
 
     report.artifacts.update(consistency.report_files(report_dir))
     report.artifacts.setdefault("report.json", "report.json")

@@ -20,10 +20,9 @@ import time
 
 from distcheck.analysis.mesh import (MeshSpec, dim_role, mesh_findings, model_findings, plan_mesh,
                                      resolve_shape)
-from distcheck.cli import command_line
 from distcheck.errors import UsageError
 from distcheck.contract.findings import CheckResult, Finding
-from distcheck.contract.report import Report, prepare_report_dir, publish
+from distcheck.contract.report import Report, command_line, prepare_report_dir, publish
 
 log = logging.getLogger("distcheck")
 
@@ -93,14 +92,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def load_factory(spec: str):
     try:
-        from distcheck.checks.models import load_factory as impl
-    except ImportError:  # distcheck.checks.models is the one place --model specs are parsed
-        raise UsageError("--model needs distcheck.checks.models, which this installation lacks") from None
+        from distcheck.rank.checks.models import load_factory as impl
+    except ImportError:  # distcheck.rank.checks.models is the one place --model specs are parsed
+        raise UsageError("--model needs distcheck.rank.checks.models, which this installation lacks") from None
     return impl(spec)
 
 
 def main(args: argparse.Namespace) -> int:
-    from distcheck.checks import mesh as meshlib
+    from distcheck.rank.checks import mesh as meshlib
 
     t0 = time.perf_counter()
     world = parse_world_size(args.world_size)

@@ -247,7 +247,7 @@ def flight_recorder_report(sets: list[Any], command: str) -> Report:
 def main(args: argparse.Namespace) -> int:
     if args.format not in FORMATS:
         raise UsageError(f"--format {args.format!r} is not supported: use one of {', '.join(FORMATS)}")
-    from distcheck.cli import command_line
+    from distcheck.contract.report import command_line
     from distcheck.contract.torch_fr_dumps import looks_like_dumps
 
     dumps = [looks_like_dumps(d) for d in args.dirs]

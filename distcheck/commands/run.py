@@ -82,7 +82,7 @@ def validate_script(script_args: list[str]) -> tuple[Path, list[str]]:
 
 def options(args: argparse.Namespace) -> RunOptions:
     """argv -> RunOptions, or a UsageError naming the problem and the fix."""
-    from distcheck.cli import command_line
+    from distcheck.contract.report import command_line
 
     timeout = seconds("--timeout", args.timeout)
     nproc = count("--nproc", args.nproc) if args.nproc is not None else None

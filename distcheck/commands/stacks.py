@@ -53,8 +53,7 @@ def parse_pids(values: list[str]) -> list[int]:
 
 
 def main(args: argparse.Namespace) -> int:
-    from distcheck.cli import command_line
-    from distcheck.contract.report import Report, prepare_report_dir, publish
+    from distcheck.contract.report import Report, command_line, prepare_report_dir, publish
     from distcheck.supervise.hang import load_progress
 
     pids = parse_pids(args.pids)

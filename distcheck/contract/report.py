@@ -27,9 +27,14 @@ TEXT_FINDINGS_PER_KIND = 10
 
 
 def version() -> str:
-    from distcheck import __version__
+    from distcheck.contract.version import __version__
 
     return __version__
+
+
+def command_line(argv: list[str] | tuple[str, ...]) -> str:
+    """The command as the user typed it, for report.json's "command" (each command's argv, without the program)."""
+    return "distcheck " + " ".join(argv)
 
 
 @dataclass

@@ -279,7 +279,7 @@ def _execute(script: Path, script_args: list[str], tracer) -> tuple[bool, int]:
 def _report_mesh_error(exc: BaseException, rank: int) -> None:
     """A torch error from building a DeviceMesh is a mesh_mismatch (with the user's line), not just a crash."""
     try:
-        from distcheck.checks.mesh import mesh_error_finding
+        from distcheck.rank.checks.mesh import mesh_error_finding
 
         finding = mesh_error_finding(exc, exc.__traceback__)
     except Exception as err:  # the diagnosis must never hide the script's own error

@@ -1,7 +1,7 @@
 """What only a rank knows about the torch error it raised, for analysis/torch_errors.py to translate.
 
     python -m distcheck run --nproc 2 -- train.py                        # recorded with the error, translated by the report
-    torchrun --nproc-per-node 2 -m distcheck consistency --parallel ddp  # translated in the rank (checks/consistency.py)
+    torchrun --nproc-per-node 2 -m distcheck consistency --parallel ddp  # translated in the rank (rank/checks/consistency.py)
     pytest -n 2 tests/                                                   # translated in the rank (testing/pool_worker.py)
 
 DDP's errors number parameters in DDP's own order; only the rank holding the model can turn the indices into names

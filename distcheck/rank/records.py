@@ -31,7 +31,7 @@ Keyword-only extras of :func:`record` (not part of the public ``distcheck.record
 A DTensor (or a module holding DTensors, as under FSDP2 or tensor parallelism) is gathered with ``full_tensor()``,
 a collective: record it on every rank, in the same order. So is an FSDP1 module (``FullyShardedDataParallel``):
 its flat parameters' chunks are all-gathered per unit and recorded as the original parameters, under their
-unwrapped names (checks/fsdp1.py).
+unwrapped names (rank/checks/fsdp1.py).
 
 Automatic records (zero-code compare). ``distcheck compare`` sets DISTCHECK_AUTO_RECORD_STEPS=K in each rank; for
 the first K steps ``distcheck.rank.autocheck`` then records, through :func:`record_auto`, the loss passed to
@@ -182,7 +182,7 @@ class _Recorder:
         elif auto and isinstance(value, list):
             # Automatic parameter records: (name, parameter) pairs an optimizer updates, stored like a module (or,
             # ``gradients``, their gradients); FSDP1's as the full original parameters, like the reference's.
-            from distcheck.checks.fsdp1 import full_tensors
+            from distcheck.rank.checks.fsdp1 import full_tensors
 
             kind, replicated = "module", True
             parts = (_part(normalize_key(n), "parameter", t) for n, t in full_tensors(value, roots, gradients))
@@ -215,7 +215,7 @@ _Part = tuple[records_file.PartMeta, "bytes | memoryview"]
 def _module_parts(module: Any) -> Iterator[_Part]:
     """A module's parameters, buffers and gradients as full tensors (DTensors gathered, FSDP1's flat parameters
     unflattened to the original ones), named as the unwrapped module names them."""
-    from distcheck.checks.fsdp1 import full_tensors
+    from distcheck.rank.checks.fsdp1 import full_tensors
 
     params = list(module.named_parameters())
     for n, t in full_tensors(params, [module]):

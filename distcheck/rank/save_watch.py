@@ -79,7 +79,7 @@ def digest(obj: Any) -> str:
     any other saved value, differ."""
     import torch
 
-    from distcheck.checks.fingerprint import fingerprint_many, local_tensor
+    from distcheck.rank.checks.fingerprint import fingerprint_many, local_tensor
 
     h = hashlib.blake2b(digest_size=8)
     tensors: list[tuple[str, Any]] = []

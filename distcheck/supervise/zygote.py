@@ -57,8 +57,8 @@ PRELOAD = ("torch", "torch.distributed", "torch.distributed.tensor", "torch.dist
            # launcher's watch and report, the ranks' first-forward checks, sampler and stderr copy. None of them
            # starts a thread at import (serve() refuses to fork a multi-threaded zygote).
            "distcheck.supervise.supervised_run", "distcheck.supervise.node_report", "distcheck.analysis.stragglers",
-           "distcheck.analysis.torch_errors", "distcheck.checks.placement", "distcheck.checks.mesh",
-           "distcheck.checks.replicas", "distcheck.rank.sampler", "distcheck.rank.records",
+           "distcheck.analysis.torch_errors", "distcheck.rank.checks.placement", "distcheck.rank.checks.mesh",
+           "distcheck.rank.checks.replicas", "distcheck.rank.sampler", "distcheck.rank.records",
            "distcheck.rank.group_keepalive", "distcheck.rank.stderr_tee", "distcheck.rank.store_host")
 
 _MAX_MESSAGE = 1 << 20  # a request carries the rank's environment: a few kB

@@ -11,7 +11,7 @@ SCRIPT = textwrap.dedent("""
     from torch.testing._internal.distributed.fake_pg import FakeStore
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import distribute_tensor, Shard, Replicate
-    from distcheck.checks.replicas import replica_key
+    from distcheck.rank.checks.replicas import replica_key
 
     keys = {}
     for rank in range(4):

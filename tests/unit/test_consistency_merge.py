@@ -1,7 +1,7 @@
 """Merging the per-rank results of the consistency checks (pure: no process group)."""
 from __future__ import annotations
 
-from distcheck.checks import consistency
+from distcheck.rank.checks import consistency
 from distcheck.contract.findings import CheckResult, Finding
 
 

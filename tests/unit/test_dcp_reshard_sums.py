@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import torch
 
-from distcheck.checks.fingerprint import fingerprint
+from distcheck.rank.checks.fingerprint import fingerprint
 from distcheck.rank.autocheck.dcp_roundtrip import (MASK, SavedTensor, _loaded_pieces, additive_sum, box_of,
                                                     intersect, reshard_verdict, volume)
 

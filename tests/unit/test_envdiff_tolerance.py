@@ -4,7 +4,7 @@ import torch
 
 from distcheck.analysis.envdiff import diff_env, render_env_table
 from distcheck.analysis.tolerance import compare, ratio_hint, tolerance_for
-from distcheck.checks.envinfo import HOST_SPECIFIC, snapshot
+from distcheck.rank.checks.envinfo import HOST_SPECIFIC, snapshot
 
 
 def test_env_diff_names_key_and_ranks():

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from distcheck.checks.fingerprint import CHUNKS, MIN_CHUNK_NUMEL, chunk_bounds, fingerprint, fingerprint_many
+from distcheck.rank.checks.fingerprint import CHUNKS, MIN_CHUNK_NUMEL, chunk_bounds, fingerprint, fingerprint_many
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64,

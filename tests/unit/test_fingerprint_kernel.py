@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from distcheck.checks import fingerprint_kernel
-from distcheck.checks.fingerprint import MIN_CHUNK_NUMEL, _sums, chunk_bounds, fingerprint_many
+from distcheck.rank.checks import fingerprint_kernel
+from distcheck.rank.checks.fingerprint import MIN_CHUNK_NUMEL, _sums, chunk_bounds, fingerprint_many
 
 
 def _read_rows(rows, count, device):

@@ -1,8 +1,8 @@
 """FSDP1 (``FullyShardedDataParallel``) seen through its original parameters, without launching ranks.
 
 Real FSDP1 models on torch's fake process group (rank R of 4: collectives return at once): what each rank holds
-(analysis/flat_shards.py against torch's own shard metadata), the placement rows and table (checks/placement.py),
-the names and shapes records take (checks/fsdp1.py, rank/records.py), the replica keys, and what the
+(analysis/flat_shards.py against torch's own shard metadata), the placement rows and table (rank/checks/placement.py),
+the names and shapes records take (rank/checks/fsdp1.py, rank/records.py), the replica keys, and what the
 FullyShardedDataParallel hook compares before torch shards (rank/autocheck/patches.py). The values of an
 all-gather are not real on the fake group: the sharded strategies' records are checked by name and shape here and
 by value in tests/integration/test_fsdp1.py; NO_SHARD needs no collective and is checked by value.
@@ -21,7 +21,7 @@ import torch.nn as nn
 from distcheck.analysis.flat_shards import chunk_bounds, held_numels, holdings_text
 from distcheck.analysis.placement import PlacementRow, coverage_findings, flat_label, render_placement_table
 from distcheck.analysis.replica_drift import drift_finding, fingerprint_row
-from distcheck.checks.fingerprint import fingerprint
+from distcheck.rank.checks.fingerprint import fingerprint
 
 
 @pytest.fixture
@@ -82,7 +82,7 @@ def test_held_numels_split_parameters_at_chunk_boundaries_and_skip_padding():
 @pytest.mark.parametrize("rank", [0, 1, 2, 3])
 def test_each_ranks_count_is_torchs_own_shard_metadata(world, rank):
     """What rank R holds by the pure chunking equals torch's _shard_param_infos on rank R, for every rank."""
-    from distcheck.checks.fsdp1 import original_params, units
+    from distcheck.rank.checks.fsdp1 import original_params, units
 
     world(rank)
     for orig in (True, False):
@@ -98,7 +98,7 @@ def test_each_ranks_count_is_torchs_own_shard_metadata(world, rank):
 
 @pytest.mark.parametrize("orig", [True, False])
 def test_rows_are_the_original_parameters_with_what_each_rank_holds(world, orig):
-    from distcheck.checks.placement import describe_model
+    from distcheck.rank.checks.placement import describe_model
 
     world(2)
     plain, model = build(orig=orig, ignore_gate=True)
@@ -126,7 +126,7 @@ def test_rows_are_the_original_parameters_with_what_each_rank_holds(world, orig)
 def test_hybrid_and_no_shard_rows_say_who_replicates(world):
     from torch.distributed.device_mesh import init_device_mesh
 
-    from distcheck.checks.placement import describe_model
+    from distcheck.rank.checks.placement import describe_model
 
     world(3)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
@@ -144,8 +144,8 @@ def test_blocks_wrapped_without_the_root_is_uncovered_in_fsdp1_words(world):
     from fsdp1_ignored_module_drift import Model
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-    from distcheck.checks import fsdp1
-    from distcheck.checks.placement import describe_model
+    from distcheck.rank.checks import fsdp1
+    from distcheck.rank.checks.placement import describe_model
 
     world(0)
     net = Model()
@@ -164,7 +164,7 @@ def test_blocks_wrapped_without_the_root_is_uncovered_in_fsdp1_words(world):
 
 @pytest.mark.parametrize("orig", [True, False])
 def test_records_are_full_tensors_named_like_the_unwrapped_model(world, orig):
-    from distcheck.checks.fsdp1 import full_tensors
+    from distcheck.rank.checks.fsdp1 import full_tensors
 
     world(1)
     plain, model = build(orig=orig)
@@ -177,7 +177,7 @@ def test_records_are_full_tensors_named_like_the_unwrapped_model(world, orig):
 
 @pytest.mark.parametrize("orig", [True, False])
 def test_no_shard_records_hold_the_values_and_gradients(world, orig):
-    from distcheck.checks.fsdp1 import full_tensors
+    from distcheck.rank.checks.fsdp1 import full_tensors
     from distcheck.rank.records import _module_parts, normalize_key
 
     world(2)
@@ -199,8 +199,8 @@ def test_no_shard_records_hold_the_values_and_gradients(world, orig):
 def test_replica_keys_compare_only_ranks_holding_the_same_chunk(world):
     from torch.distributed.device_mesh import init_device_mesh
 
-    from distcheck.checks import fsdp1
-    from distcheck.checks.replicas import named_tensors, replica_key
+    from distcheck.rank.checks import fsdp1
+    from distcheck.rank.checks.replicas import named_tensors, replica_key
 
     world(3)
     _, sharded = build()

@@ -39,6 +39,76 @@ def test_the_cycle_finder_finds_a_cycle():
     assert _tool().cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
+def test_an_import_by_name_is_an_edge(tmp_path):
+    """cli.py imports the command it dispatches to by name: such an import is a dependency like any other."""
+    (tmp_path / "m.py").write_text("import importlib\n"
+                                   "importlib.import_module(f'distcheck.commands.{name}')\n"
+                                   "importlib.util.find_spec('distcheck.rank.entry')\n"
+                                   "importlib.import_module(name)\n")
+    modules = {"distcheck.commands", "distcheck.commands.run", "distcheck.rank", "distcheck.rank.entry"}
+    assert _tool().imports(tmp_path / "m.py", modules) == {"distcheck.commands", "distcheck.rank.entry"}
+
+
+def _package(module: str) -> str:
+    """A module's node in the package graph: its top-level package (``distcheck.rank.checks.mesh`` is ``rank``),
+    or a top-level module itself (``distcheck.cli`` is ``cli``; distcheck/__init__.py is ``distcheck``)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def _package_cycles(imports: dict[str, set[str]]) -> list[tuple[list[str], list[str]]]:
+    """The cycles among top-level packages that the module imports ``imports`` (module -> modules it imports)
+    make, each with its package edges (one module import of each as an example); imports within a package are no
+    edge."""
+    edges: dict[tuple[str, str], list[str]] = {}
+    graph: dict[str, set[str]] = {}
+    for module, targets in imports.items():
+        graph.setdefault(_package(module), set())
+        for target in sorted(targets):
+            a, b = _package(module), _package(target)
+            graph.setdefault(b, set())
+            if a != b:
+                graph[a].add(b)
+                edges.setdefault((a, b), []).append(f"{module} -> {target}")
+    return [(comp, [f"{a} -> {b}: {lines[0]}" + (f" (and {len(lines) - 1} more)" if len(lines) > 1 else "")
+                    for (a, b), lines in sorted(edges.items()) if a in comp and b in comp])
+            for comp in _tool().cycles(graph)]
+
+
+def test_no_package_cycle():
+    """The path says which process runs a module and data flows one way (docs/architecture.md): no two top-level
+    packages (nor top-level modules) import each other, even through others or inside functions."""
+    tool = _tool()
+    paths = sorted(PKG.rglob("*.py"))
+    modules = {tool.module_name(p) for p in paths}
+    found = _package_cycles({tool.module_name(p): tool.imports(p, modules) for p in paths})
+    assert not found, "\n".join(f"package cycle {' <-> '.join(comp)}:\n  " + "\n  ".join(lines)
+                                 for comp, lines in found)
+
+
+def test_the_package_cycle_finder_finds_a_cycle():
+    # the layout before issue 47: checks/ beside rank/, each importing the other (one import inside a function)
+    before = {"distcheck.checks.mesh": {"distcheck.rank.runtime", "distcheck.checks.models"},
+              "distcheck.checks.models": set(),
+              "distcheck.rank.runtime": set(),
+              "distcheck.rank.entry": {"distcheck.rank.runtime", "distcheck.checks.mesh"},
+              "distcheck.cli": {"distcheck"},
+              "distcheck": {"distcheck.rank.records"}}
+    assert _package_cycles(before) == [(["checks", "rank"],
+                                        ["checks -> rank: distcheck.checks.mesh -> distcheck.rank.runtime",
+                                         "rank -> checks: distcheck.rank.entry -> distcheck.checks.mesh"])]
+    # the same modules with checks/ inside rank/: what ran between them is now within one package
+    after = {"distcheck.rank.checks.mesh": {"distcheck.rank.runtime", "distcheck.rank.checks.models"},
+             "distcheck.rank.checks.models": set(),
+             "distcheck.rank.runtime": set(),
+             "distcheck.rank.entry": {"distcheck.rank.runtime", "distcheck.rank.checks.mesh"},
+             "distcheck.cli": {"distcheck"},
+             "distcheck": {"distcheck.rank.records"}}
+    assert _package_cycles(after) == []
+    # a cycle through the package's __init__ (a node of its own) counts too
+    assert _package_cycles({**after, "distcheck.rank.records": {"distcheck"}})[0][0] == ["distcheck", "rank"]
+
+
 def test_analysis_is_pure():
     """No process group, no CLI: analysis/ is unit-testable without launching anything."""
     for path in (PKG / "analysis").glob("*.py"):
@@ -153,7 +223,7 @@ def test_every_module_lives_in_the_package_of_its_process():
     top = {p.name for p in PKG.iterdir() if p.suffix == ".py"}
     assert top == {"__init__.py", "__main__.py", "cli.py", "errors.py", "options.py", "processes.py", "records.py"}, top
     packages = {p.name for p in PKG.iterdir() if p.is_dir() and p.name != "__pycache__"}
-    assert packages == {"analysis", "checks", "commands", "contract", "rank", "supervise", "testing"}, packages
+    assert packages == {"analysis", "commands", "contract", "rank", "supervise", "testing"}, packages
 
 
 def test_documented_paths_still_import():
@@ -182,10 +252,9 @@ def _imports(path: Path) -> list[str]:
 FORBIDDEN = {
     "supervise": ("distcheck.rank",),
     "rank": ("distcheck.supervise", "distcheck.commands", "distcheck.testing"),
-    "checks": ("distcheck.supervise", "distcheck.commands", "distcheck.testing"),
-    "contract": ("distcheck.rank", "distcheck.supervise", "distcheck.checks", "distcheck.commands",
+    "contract": ("distcheck.rank", "distcheck.supervise", "distcheck.commands",
                  "distcheck.testing", "distcheck.analysis", "torch"),
-    "analysis": ("distcheck.rank", "distcheck.supervise", "distcheck.checks", "distcheck.commands",
+    "analysis": ("distcheck.rank", "distcheck.supervise", "distcheck.commands",
                  "distcheck.testing", "torch.distributed"),
 }
 
@@ -219,7 +288,7 @@ def test_environment_variable_names_are_written_only_in_contract_env():
 
 
 # Where a rank's process starts (torchrun's `-m distcheck`, the launcher's rank entry, the pytest pool's worker):
-# nothing a rank imports on its way in may load supervisor code. Function-level imports inside rank/ and checks/
+# nothing a rank imports on its way in may load supervisor code. Function-level imports inside rank/
 # are test_import_directions'; here the shared entry modules, whose supervisor imports sit in launcher-only
 # branches.
 RANK_ENTRY_MODULES = ("distcheck.__main__", "distcheck.cli", "distcheck.commands.run",

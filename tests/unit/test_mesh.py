@@ -69,7 +69,7 @@ def test_shard_sizes_follow_torch_chunk():
 
 def test_model_findings_heads_and_uneven_linear():
     import mesh_model_heads
-    from distcheck.checks.mesh import build_meta_model, model_shapes
+    from distcheck.rank.checks.mesh import build_meta_model, model_shapes
 
     params, attrs, layers = model_shapes(build_meta_model(mesh_model_heads.build))
     bad = model_findings(MeshSpec(64, (8, 8), ("dp", "tp")), params, attrs, layers)
@@ -112,7 +112,7 @@ def test_live_mesh_findings():
 
 
 def test_torch_agrees_on_every_rank_of_a_small_world(no_pg):
-    from distcheck.checks.mesh import simulate_rank
+    from distcheck.rank.checks.mesh import simulate_rank
 
     spec = MeshSpec(24, (2, 3, 4), ("dp", "cp", "tp"))
     views = [simulate_rank(spec, r) for r in range(24)]
@@ -121,7 +121,7 @@ def test_torch_agrees_on_every_rank_of_a_small_world(no_pg):
 
 
 def test_torch_is_silent_about_a_mesh_smaller_than_the_world(no_pg):
-    from distcheck.checks.mesh import simulate_rank
+    from distcheck.rank.checks.mesh import simulate_rank
 
     spec = MeshSpec(1024, (8, 8, 8))
     v = simulate_rank(spec, 600)
@@ -186,7 +186,7 @@ def test_cli_bad_input_is_one_line_exit_2(args, words, capsys, tmp_path):
 
 def test_mesh_error_finding_points_at_the_users_line(no_pg):
     import mesh_2x2_on_2_ranks
-    from distcheck.checks.mesh import mesh_error_finding
+    from distcheck.rank.checks.mesh import mesh_error_finding
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=2)

@@ -11,7 +11,7 @@ import torch.nn as nn
 
 from distcheck.analysis.placement import (PlacementRow, coverage_findings, merge_rank_findings, mixed_mesh_notes,
                                           render_placement_table, short_placement)
-from distcheck.checks.placement import check_model, describe_model, placement_json
+from distcheck.rank.checks.placement import check_model, describe_model, placement_json
 
 
 
@@ -34,7 +34,7 @@ def fake_world():
 
 
 def analyse(model: nn.Module, rank: int = 0):
-    from distcheck.checks.placement import fsdp_modules
+    from distcheck.rank.checks.placement import fsdp_modules
 
     rows = describe_model(model)
     return rows, coverage_findings(rows, [n for n, _ in fsdp_modules(model)], [rank])

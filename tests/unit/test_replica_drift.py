@@ -5,7 +5,7 @@ import torch
 
 from distcheck.analysis.check_table import judge
 from distcheck.analysis.replica_drift import drift_finding, fingerprint_row
-from distcheck.checks.fingerprint import fingerprint
+from distcheck.rank.checks.fingerprint import fingerprint
 
 DDP = ["ddp", [0, 1]]
 SITE = {"file": "/w/train.py", "line": 40}

@@ -4,7 +4,7 @@ import torch
 
 from distcheck.analysis.replicas import (Entry, diff_chunk, divergence_finding, find_divergences,
                                          merge_summaries, unravel)
-from distcheck.checks.fingerprint import fingerprint
+from distcheck.rank.checks.fingerprint import fingerprint
 
 
 def entries(tensors, role="parameter", key=None):

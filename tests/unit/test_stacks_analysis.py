@@ -55,7 +55,7 @@ def test_distcheck_frames_at_any_depth_are_distcheck_wherever_installed():
     # "user" and named distcheck's own hooks as where a rank was.
     for path in ("/x/site-packages/distcheck/rank/autocheck/patches.py", "/x/site-packages/distcheck/replicas.py",
                  "/work/main/distcheck/supervise/watch.py", "/ci/src/distcheck/distcheck/testing/pool_worker.py",
-                 "/x/dist-packages/distcheck/checks/replicas.py", "/x/site-packages/distcheck/contract/report.py"):
+                 "/x/dist-packages/distcheck/rank/checks/replicas.py", "/x/site-packages/distcheck/contract/report.py"):
         assert frame_owner(Frame("f", path, 3)) == "distcheck", path
     # ...while the repo's fixtures and tests are the user's code, and an installed library is a library
     assert frame_owner(Frame("main", "/work/main/fixtures/hang_python.py", 3)) == "user"

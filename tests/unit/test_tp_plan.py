@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from distcheck.checks.parallelize import apply
+from distcheck.rank.checks.parallelize import apply
 from distcheck.errors import UsageError
 
 

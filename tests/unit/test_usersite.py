@@ -95,7 +95,7 @@ def test_traceback_site_is_the_innermost_user_frame():
 
 
 def test_a_mesh_built_by_a_library_names_the_users_line_and_the_library_call(tmp_path, monkeypatch):
-    from distcheck.checks.mesh import mesh_error_finding
+    from distcheck.rank.checks.mesh import mesh_error_finding
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     path = tmp_path / "venv" / "lib" / "python3.11" / "site-packages" / "meshlib" / "dims.py"

@@ -120,7 +120,7 @@ class AutoRecords(Check):
         self.stop_naming()
 
     def _record_grads(self, pairs: list[tuple[str, Any]], site: Any, roots: tuple) -> None:
-        from distcheck.checks.fsdp1 import FlatIndex
+        from distcheck.rank.checks.fsdp1 import FlatIndex
         from distcheck.rank import records
 
         try:

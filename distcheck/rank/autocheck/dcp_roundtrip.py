@@ -15,7 +15,7 @@ without DCP pays nothing. Three findings, all ``bad_values`` with checkpoint_loa
   (``module.``, ``_orig_mod.``, ...) or nothing was loaded at all, it is checkpoint_load.py's
   finding (``why``: ``prefix`` or ``nothing_loaded``), at the user's ``dcp.load`` line.
 - The resume round trip, for a checkpoint this run saved: a save notes a fingerprint (a few integers,
-  checks/fingerprint.py) of each tensor it writes, keyed by checkpoint and key; when the load of that checkpoint
+  rank/checks/fingerprint.py) of each tensor it writes, keyed by checkpoint and key; when the load of that checkpoint
   returns, the tensors it filled are fingerprinted again, and values that differ from the saved ones (a model
   rebuilt in bf16 rounds the checkpoint's fp32 weights) are a finding naming the keys, the save's line and the
   load's (``why``: ``roundtrip_cast`` or ``roundtrip_values``).
@@ -274,7 +274,7 @@ def _tensors(state_dict: dict[str, Any]) -> list[tuple[str, Any]]:
 
 
 def _saved_tensor(fp: Fingerprint, t: Any, trained: bool) -> SavedTensor:
-    from distcheck.checks.fingerprint import local_tensor
+    from distcheck.rank.checks.fingerprint import local_tensor
 
     box = box_of(t)
     return SavedTensor(fp, region(t), trained, layout(t), box,
@@ -286,7 +286,7 @@ def _loaded_pieces(t: Any, before: SavedTensor, chunks: Any) -> list[tuple[Box, 
     saved dtype first (a checkpoint loaded into bf16 tensors comes back rounded)."""
     import torch
 
-    from distcheck.checks.fingerprint import local_tensor
+    from distcheck.rank.checks.fingerprint import local_tensor
 
     box = box_of(t)
     if box is None:
@@ -310,7 +310,7 @@ def _loaded_pieces(t: Any, before: SavedTensor, chunks: Any) -> list[tuple[Box, 
 
 def _ident(t: Any) -> tuple[int, int, tuple[int, ...]]:
     """Where a tensor's (local) values live: a state dict's tensor and the parameter it was taken from agree."""
-    from distcheck.checks.fingerprint import local_tensor
+    from distcheck.rank.checks.fingerprint import local_tensor
 
     local = local_tensor(t)
     return local.untyped_storage().data_ptr(), local.storage_offset(), tuple(local.shape)
@@ -338,7 +338,7 @@ class DcpWatch(Check):
 
     # -- save ------------------------------------------------------------------------------------------------------
     def on_dcp_save_plan(self, state_dict: dict[str, Any], checkpoint_id: Any, site: Site) -> None:
-        from distcheck.checks.fingerprint import fingerprint_many
+        from distcheck.rank.checks.fingerprint import fingerprint_many
 
         key = checkpoint_key(checkpoint_id)
         if key is None:
@@ -386,7 +386,7 @@ class DcpWatch(Check):
                  ranks: list[int] | None = None) -> None:
         import torch
 
-        from distcheck.checks.fingerprint import fingerprint, local_tensor
+        from distcheck.rank.checks.fingerprint import fingerprint, local_tensor
 
         differing, keys, trained = [], [], set()
         resharded: list[tuple[str, Any, SavedTensor]] = []
@@ -447,7 +447,7 @@ class DcpWatch(Check):
         if resumed is None or id(optimizer) in resumed.checked:
             return
         resumed.checked.add(id(optimizer))
-        from distcheck.checks.fingerprint import fingerprint_many, local_tensor
+        from distcheck.rank.checks.fingerprint import fingerprint_many, local_tensor
 
         params = [p for group in optimizer.param_groups for p in group["params"]]
         now = fingerprint_many((str(i), p) for i, p in enumerate(params) if local_tensor(p).numel())

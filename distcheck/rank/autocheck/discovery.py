@@ -164,7 +164,7 @@ class ModelWatch(Check):
     def check_root(self, root: Any, at: str = "the first forward") -> list[Finding]:
         import torch
 
-        from distcheck.checks.placement import check_model, describe_model
+        from distcheck.rank.checks.placement import check_model, describe_model
         from distcheck.rank import sink
         from distcheck.rank.runtime import current_channel
         from distcheck.rank.usersite import caller_site
@@ -274,7 +274,7 @@ def _user_class(module: Any) -> type:
 def _root_label(root: Any) -> str:
     from torch.nn.parallel import DistributedDataParallel
 
-    from distcheck.checks.fsdp1 import is_fsdp1
+    from distcheck.rank.checks.fsdp1 import is_fsdp1
 
     if isinstance(root, DistributedDataParallel):
         return f"DistributedDataParallel({_user_class(root.module).__name__})"

@@ -142,7 +142,7 @@ class DPInputs(Check):
             self.watch(module, [sorted(dist.get_process_group_ranks(group)) if group is not None
                                 else list(range(dist.get_world_size()))])
         elif how == "fsdp1":
-            from distcheck.checks.fsdp1 import data_parallel_ranks
+            from distcheck.rank.checks.fsdp1 import data_parallel_ranks
 
             ranks = data_parallel_ranks(module)
             if ranks is not None:
@@ -179,7 +179,7 @@ class DPInputs(Check):
     def _compare(self, groups: Groups, args: tuple, kwargs: dict) -> None:
         import torch
 
-        from distcheck.checks.replicas import local_entries
+        from distcheck.rank.checks.replicas import local_entries
         from distcheck.rank.autocheck.tp_inputs import batch_site, plain_inputs
         from distcheck.rank.runtime import current_channel
 

@@ -128,8 +128,8 @@ def data_parallel(roots: list[Any]) -> DataParallel | None:
 
 
 def _fsdp1_coordinate(module: Any) -> DataParallel | None:
-    """An FSDP1 unit's: its shard group, times its replicate group under HYBRID_SHARD (checks/fsdp1.py)."""
-    from distcheck.checks import fsdp1
+    """An FSDP1 unit's: its shard group, times its replicate group under HYBRID_SHARD (rank/checks/fsdp1.py)."""
+    from distcheck.rank.checks import fsdp1
 
     if not fsdp1.is_fsdp1(module):
         return None

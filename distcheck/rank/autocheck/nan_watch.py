@@ -114,7 +114,7 @@ class NanWatch(Check):
     def on_backward(self, loss: Any) -> None:
         if self.first_bad is not None or loss.numel() != 1 or not loss.is_floating_point():
             return
-        from distcheck.checks.fingerprint import local_tensor
+        from distcheck.rank.checks.fingerprint import local_tensor
 
         # A DTensor loss (a sequence-parallel output left as DTensor): its local value is finite exactly when this
         # rank's part is; stacking it with plain tensors would raise.
@@ -135,7 +135,7 @@ class NanWatch(Check):
     def check_step(self, step: int, counter: str, params: list[Any]) -> None:
         import torch
 
-        from distcheck.checks.fingerprint import local_tensor
+        from distcheck.rank.checks.fingerprint import local_tensor
 
         started = time.perf_counter()
         try:

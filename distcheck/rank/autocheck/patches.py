@@ -218,7 +218,7 @@ def _patch_fsdp1(fsdp: Any) -> None:
                 check.fire("wrap_call", "fsdp1", bound.get("module"), found[0], found[1])
         except Exception as exc:
             log.debug("distcheck: could not compare a model before FullyShardedDataParallel: %s", exc)
-        from distcheck.checks.fsdp1 import WRAP_SITE
+        from distcheck.rank.checks.fsdp1 import WRAP_SITE
         from distcheck.rank.usersite import caller_site
 
         site = caller_site()

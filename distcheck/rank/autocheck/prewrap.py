@@ -5,7 +5,7 @@
 At each call of ``fully_shard``, ``DistributedDataParallel(...)``, ``FullyShardedDataParallel(...)``,
 ``parallelize_module`` or ``distribute_module`` (rank/autocheck/patches.py), before torch runs, the ranks of the
 call's mesh or process group compare the module's not-yet-parallelized parameters and buffers: names, shapes, dtypes
-and fingerprints (checks/fingerprint.py) in one side-channel exchange, never the user's process group (no entry in
+and fingerprints (rank/checks/fingerprint.py) in one side-channel exchange, never the user's process group (no entry in
 the user's trace). That is the only point where
 rank-seeded init is visible: fully_shard slices each rank's own copy, DDP's construction broadcast copies rank 0's
 values over the others. A tensor-parallel DTensor is compared with the ranks holding the same shard (its
@@ -249,7 +249,7 @@ class PreWrap(Check):
     def _compare(self, how: str, module: Any, ranks: list[int], channel: Any, values: bool = True) -> None:
         import torch
 
-        from distcheck.checks.replicas import compare_entries
+        from distcheck.rank.checks.replicas import compare_entries
 
         site = caller_site()
         items = _unwrapped_tensors(how, module)
@@ -302,7 +302,7 @@ class PreWrap(Check):
         the mesh's ranks must all pass the same tensor; a difference is one finding at the call's line."""
         import torch
 
-        from distcheck.checks.replicas import compare_entries
+        from distcheck.rank.checks.replicas import compare_entries
         from distcheck.rank.runtime import current_channel
 
         channel = current_channel()
@@ -512,14 +512,14 @@ def _param_site(module: Any, name: str) -> Site | None:
 
 
 def _is_meta(t: Any) -> bool:
-    from distcheck.checks.fingerprint import local_tensor
+    from distcheck.rank.checks.fingerprint import local_tensor
 
     return bool(t.is_meta or local_tensor(t).is_meta)
 
 
 def _structure(t: Any) -> tuple[tuple[int, ...], str]:
     """(local shape, dtype) as a fingerprint spells them."""
-    from distcheck.checks.fingerprint import local_tensor
+    from distcheck.rank.checks.fingerprint import local_tensor
 
     local = local_tensor(t)
     return tuple(local.shape), str(local.dtype).replace("torch.", "")
@@ -535,7 +535,7 @@ def _structure_divergences(shapes: dict[int, dict[str, tuple]], names: set[str])
 
 def _local_fp(module: Any, name: str) -> Any:
     """The fingerprint of ``module``'s parameter or buffer ``name`` (a DTensor's local shard); None if absent."""
-    from distcheck.checks.fingerprint import fingerprint
+    from distcheck.rank.checks.fingerprint import fingerprint
 
     if module is None:
         return None
@@ -554,7 +554,7 @@ def _unwrapped_tensors(how: str, module: Any) -> list[tuple[str, str, Any]]:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # pragma: no cover
         FSDPModule = ()
-    from distcheck.checks.fsdp1 import is_fsdp1
+    from distcheck.rank.checks.fsdp1 import is_fsdp1
 
     if not isinstance(module, nn.Module):
         return []

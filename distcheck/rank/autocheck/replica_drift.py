@@ -57,8 +57,8 @@ def replicated_params(roots: list[Any]) -> list[tuple[str, Any, Any]]:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from distcheck.checks import fsdp1
-    from distcheck.checks.replicas import replica_key
+    from distcheck.rank.checks import fsdp1
+    from distcheck.rank.checks.replicas import replica_key
 
     out: list[tuple[str, Any, Any]] = []
     for root in roots:
@@ -93,7 +93,7 @@ def _fsdp1_replicated(root: Any) -> list[tuple[str, Any, Any]]:
     """An FSDP1 model's replicas: each unit's local pieces where other ranks hold the same chunk (NO_SHARD's group,
     HYBRID_SHARD's replicate group), and the parameters of its ``ignored_modules`` (FSDP1 never reduces their
     gradients) over every rank that trains the model."""
-    from distcheck.checks import fsdp1
+    from distcheck.rank.checks import fsdp1
 
     units = fsdp1.units(root)
     index = fsdp1.FlatIndex([root])
@@ -181,7 +181,7 @@ class ReplicaDrift(Check):
 
     # -- the fingerprints ------------------------------------------------------------------------------------------
     def _take(self, step: int, how: dict[str, Any] | None) -> None:
-        from distcheck.checks.fingerprint import fingerprint_many
+        from distcheck.rank.checks.fingerprint import fingerprint_many
 
         started = time.perf_counter()
         try:

@@ -9,7 +9,7 @@ the replicated parts of the model (a bias, a norm) then diverge and the finding 
 
 At ``parallelize_module`` (patched, rank/autocheck/patches.py) the plan's modules whose every input layout is
 ``Replicate()`` get a one-shot forward pre-hook, ahead of torch's own input hook. At each one's first forward the
-TP group's ranks compare fingerprints of its plain-tensor inputs in one side-channel exchange (checks/replicas.py:
+TP group's ranks compare fingerprints of its plain-tensor inputs in one side-channel exchange (rank/checks/replicas.py:
 never the user's process group); a difference is one ``tensor_divergence`` naming the module, the ranks, the
 user's line of the forward call and the usual cause. Inputs that are already DTensors are consistent by
 construction and skipped; so are modules whose input is sharded (RowwiseParallel, SequenceParallel), and compiled
@@ -147,7 +147,7 @@ class TPInputs(Check):
         import torch
         from torch.distributed.tensor import DTensor
 
-        from distcheck.checks.replicas import compare_entries
+        from distcheck.rank.checks.replicas import compare_entries
         from distcheck.rank.runtime import current_channel
 
         channel = current_channel()

@@ -3,7 +3,7 @@
     python bench/bench_gpu.py      # on a GPU: the pass against one torch.sum per tensor, and this kernel's sums
                                    # checked against torch's on random tensors of every dtype and odd size
 
-The sums are the same integers as checks/fingerprint.py's torch path: each chunk's bytes read as int64 words and
+The sums are the same integers as rank/checks/fingerprint.py's torch path: each chunk's bytes read as int64 words and
 added with wrap-around (two's complement addition is the same modulo 2**64 in any order, so the kernel's block
 order and its atomic adds cannot change a bit of it). torch's int64 sum runs at a third to a half of the card's
 read bandwidth on an H100 and launches once per tensor; this kernel reads every tensor of a device in one launch

@@ -15,7 +15,7 @@ from distcheck.rank import sink
 from distcheck.analysis.replicas import (DiffSummary, Divergence, Entry, diff_chunk, divergence_finding,
                                          find_divergences, merge_summaries)
 from distcheck.contract.findings import Finding
-from distcheck.checks.fingerprint import fingerprint_many, local_tensor
+from distcheck.rank.checks.fingerprint import fingerprint_many, local_tensor
 from distcheck.rank.runtime import SideChannel, current_channel
 
 _calls: dict[str, int] = {}
@@ -125,7 +125,7 @@ def check_consistent(name: str, obj: Any, group: Any = None) -> list[Finding]:
     ranks = sorted(dist.get_process_group_ranks(group)) if group is not None else list(range(channel.world_size))
     if channel.rank not in ranks:
         return []
-    from distcheck.checks.fsdp1 import replica_items
+    from distcheck.rank.checks.fsdp1 import replica_items
 
     items, key = named_tensors(name, obj), replica_key
     if isinstance(obj, torch.nn.Module):  # an FSDP1 module: its chunks compared only where ranks hold the same one

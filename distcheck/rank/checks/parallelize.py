@@ -49,7 +49,7 @@ def builtin_tp_plan(model: nn.Module) -> dict[str, object]:
 
 def check_tp_supported(model: nn.Module, world_size: int) -> None:
     """Bad input for ``--parallel tp``, before anything is parallelized: a model with no plan distcheck can trust."""
-    from distcheck.checks.models import TinyTransformer
+    from distcheck.rank.checks.models import TinyTransformer
 
     if hasattr(model, "distcheck_tp_plan"):
         return

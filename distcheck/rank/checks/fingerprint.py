@@ -14,7 +14,7 @@ from typing import Iterable
 import torch
 
 from distcheck.analysis.replicas import Fingerprint  # the comparison side is torch-free
-from distcheck.checks import fingerprint_kernel
+from distcheck.rank.checks import fingerprint_kernel
 
 CHUNKS = 16
 # Below this many elements a tensor is one chunk: per-call overhead would dominate the read.
@@ -75,7 +75,7 @@ def fingerprint(t: torch.Tensor) -> Fingerprint | None:
 def fingerprint_many(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, Fingerprint]:
     """Fingerprints of many tensors with a single device-to-host copy per device at the end (of the sums alone).
     With DISTCHECK_FINGERPRINT_KERNEL=triton, CUDA tensors' sums come from one Triton launch per device
-    (checks/fingerprint_kernel.py); the rest, and all by default, from torch's integer sums: the same integers."""
+    (rank/checks/fingerprint_kernel.py); the rest, and all by default, from torch's integer sums: the same integers."""
     pending: list[tuple[str, torch.Tensor, tuple[int, ...], int, int]] = []
     parts: dict[torch.device, list[tuple[int, int, list[torch.Tensor]]]] = {}  # device -> torch's (slot, n, sums)
     rows: dict[torch.device, list[tuple[int, int, int, int]]] = {}  # device -> the kernel's rows, one a tensor

@@ -269,7 +269,7 @@ def replica_items(model: Any, items: list[tuple[str, str, Any]], fallback: Any
                   ) -> tuple[list[tuple[str, str, Any]], Any]:
     """``items`` (name, role, tensor) of an FSDP1 model made comparable across ranks: each FlatParameter or view
     replaced by its unit's local pieces, names cleaned; and the replica key of every item (``shard_key`` for the
-    pieces, ``fallback(tensor)`` for the rest: checks.replicas.replica_key). Returns (items, key function)."""
+    pieces, ``fallback(tensor)`` for the rest: rank.checks.replicas.replica_key). Returns (items, key function)."""
     index = FlatIndex([model])
     if not index:
         return items, fallback

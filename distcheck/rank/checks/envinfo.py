@@ -31,7 +31,7 @@ def snapshot(device: torch.device, backend: str, config: dict[str, str] | None =
     """Everything two ranks should agree on (plus host-specific keys shown for context), as strings."""
     import numpy
 
-    from distcheck import __version__
+    from distcheck.contract.version import __version__
 
     cuda = torch.cuda.is_available()
     nccl = ""

@@ -17,20 +17,20 @@ from typing import Callable
 import torch
 from torch import nn
 
-from distcheck.checks import collectives as collective_sanity
+from distcheck.rank.checks import collectives as collective_sanity
 
-from distcheck.checks import envinfo
+from distcheck.rank.checks import envinfo
 
-from distcheck.checks import reference
+from distcheck.rank.checks import reference
 from distcheck.analysis.hang import hang_finding
 from distcheck.analysis.envdiff import diff_env, render_env_table
-from distcheck.checks.batches import BatchMaker, batch_maker
+from distcheck.rank.checks.batches import BatchMaker, batch_maker
 from distcheck.errors import ChannelTimeout, UsageError
 from distcheck.options import ConsistencyOptions
 from distcheck.analysis.replicas import group_findings
 from distcheck.contract.findings import CheckResult, Finding, format_ranks
-from distcheck.checks.models import build_model
-from distcheck.checks.replicas import compare_replicas
+from distcheck.rank.checks.models import build_model
+from distcheck.rank.checks.replicas import compare_replicas
 from distcheck.contract.report import Report
 from distcheck.rank.runtime import Session
 from distcheck.rank.usersite import forward_site, param_site
@@ -123,7 +123,7 @@ def check_parallel_vs_reference(ctx: Context) -> list[Finding]:
 
 def check_placements(ctx: Context) -> list[Finding]:
     """The placement table of the parallelized model, and parameters its sharding left out."""
-    from distcheck.checks import placement
+    from distcheck.rank.checks import placement
     from distcheck.analysis.placement import coverage_findings
 
     if ctx.outcome is None:

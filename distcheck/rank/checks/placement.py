@@ -120,8 +120,8 @@ def _fsdp_managed(model: nn.Module) -> dict[int, str]:
 
 
 def _fsdp1_row(model: nn.Module, op: Any) -> PlacementRow:
-    """An FSDP1 original parameter (checks/fsdp1.OrigParam) as a placement row."""
-    from distcheck.checks.fsdp1 import clean_name, data_parallel_ranks
+    """An FSDP1 original parameter (rank/checks/fsdp1.OrigParam) as a placement row."""
+    from distcheck.rank.checks.fsdp1 import clean_name, data_parallel_ranks
 
     unit = op.unit
     info = unit.handle.flat_param._param_infos[op.index]
@@ -145,7 +145,7 @@ def describe_model(model: nn.Module) -> list[PlacementRow]:
     flat parameter (or its views) as one row per original parameter."""
     from torch.nn.parallel import DistributedDataParallel
 
-    from distcheck.checks import fsdp1
+    from distcheck.rank.checks import fsdp1
 
     ddp_ignored: set[str] = set()
     is_ddp = isinstance(model, DistributedDataParallel)
@@ -243,9 +243,9 @@ def check_model(model: nn.Module, *, skip: Iterable[str] = (), where: str = "(ch
     import torch.distributed as dist
 
     from distcheck.rank import sink
-    from distcheck.checks import fsdp1
-    from distcheck.checks.mesh import check_live_mesh
-    from distcheck.checks.replicas import compare_replicas, named_tensors, replica_key
+    from distcheck.rank.checks import fsdp1
+    from distcheck.rank.checks.mesh import check_live_mesh
+    from distcheck.rank.checks.replicas import compare_replicas, named_tensors, replica_key
     from distcheck.rank.runtime import current_channel
 
     rows = describe_model(model)

@@ -14,9 +14,9 @@ import torch
 from torch import nn
 
 from distcheck.analysis.tolerance import Comparison, compare, ratio_hint, tolerance_for
-from distcheck.checks.batches import BatchMaker, global_batch
+from distcheck.rank.checks.batches import BatchMaker, global_batch
 from distcheck.contract.findings import Finding, format_ranks
-from distcheck.checks.parallelize import Parallel, apply, full_tensor
+from distcheck.rank.checks.parallelize import Parallel, apply, full_tensor
 from distcheck.rank.runtime import Session
 
 LR = 0.05
