@@ -134,10 +134,18 @@ def wait_until_covered(report_dir: Path, rank: int, limit: float = NODE_REPORT_W
 
     attempt = restart_count()
     deadline = time.monotonic() + limit
+    seen = False
     while time.monotonic() < deadline:
         state = live_watcher(report_dir)
         if state is None:
-            return False
+            # Not up yet (local rank 0 started it with this attempt; its imports take seconds on a loaded machine):
+            # a rank that fails at its first collective must not take torchrun's store down before the watchers
+            # found the exchange. One that was up and is gone will not cover it.
+            if seen:
+                return False
+            time.sleep(0.02)
+            continue
+        seen = True
         if state.covers(attempt, rank):
             return True
         time.sleep(0.02)

@@ -137,10 +137,22 @@ def run_two_nodes(tmp_path: Path, script: str, timeout: float, tag: str, *args: 
     return Nodes(consoles, max(ended.values()), at_exit)
 
 
-def no_watcher_left(tag: str, since: float, within: float = 2.0) -> list[int]:
-    """The run's processes still alive ``within`` seconds after ``since`` (the last torchrun's exit)."""
+def no_watcher_left(tag: str, since: float, within: float = 2.0) -> list[str]:
+    """The run's processes still alive ``within`` seconds after ``since`` (the last torchrun's exit), each as
+    ``pid: command line`` so that a failure says which."""
     time.sleep(max(0.0, since + within - time.monotonic()))
-    return tagged(tag)
+    out = []
+    for pid in tagged(tag):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:
+            cmd = "(gone)"
+        out.append(f"{pid}: {cmd[:200]}")
+    if out:  # how much later they did end, for the failure's message
+        while tagged(tag) and time.monotonic() < since + 30:
+            time.sleep(0.1)
+        out.append(f"(ended {time.monotonic() - since:.1f}s after the last torchrun)")
+    return out
 
 
 def one_report(tmp_path: Path, consoles: dict[str, str]) -> tuple[str, dict]:
@@ -210,7 +222,8 @@ def test_a_crash_on_node_b_is_named_in_the_report_before_torchrun_returns(tmp_pa
         pytest.skip(reason)
     tag = f"multinode-{uuid.uuid4().hex[:8]}"
     nodes = run_two_nodes(tmp_path, "multinode_crash.py", 15, tag, "--crash-rank", "1")
-    assert no_watcher_left(tag, nodes.last_exit) == []
+    left = no_watcher_left(tag, nodes.last_exit)
+    assert not left, "\n".join(left)
     assert nodes.reports_at_exit == {"node-a": True, "node-b": False}, nodes.consoles
     report = load_report(tmp_path / "node-a")
     line = line_of("multinode_crash.py", "raise ValueError")
@@ -257,7 +270,8 @@ def test_a_node_set_up_differently_is_named_as_a_collective_mismatch_across_node
         pytest.skip(reason)
     tag = f"multinode-{uuid.uuid4().hex[:8]}"
     nodes = run_two_nodes(tmp_path, "multinode_shape_mismatch.py", 15, tag, env={"node-b": {"MODEL_WIDTH": "48"}})
-    assert no_watcher_left(tag, nodes.last_exit) == []
+    left = no_watcher_left(tag, nodes.last_exit)
+    assert not left, "\n".join(left)
     report = load_report(tmp_path / "node-a")
     line = line_of("multinode_shape_mismatch.py", "dist.all_reduce(grad)")
     (mismatch,) = report["findings"]

@@ -97,3 +97,34 @@ def test_a_change_of_membership_is_a_new_attempt_under_the_same_count(tmp_path):
     assert NodeWatcher(tmp_path, me, None).outcome(1, limit=0.3) is None  # the earlier membership's: waits
     watcher_file.write(tmp_path, WatcherState(me, start_ticks(me), "a", watching=1, reported=1, code=0, ranks=[me]))
     assert NodeWatcher(tmp_path, me, None).outcome(1, limit=5.0) == 0
+
+
+def test_a_failed_rank_on_one_of_several_nodes_waits_for_a_watcher_still_starting(tmp_path, monkeypatch):
+    """A rank that fails at its first collective may end before its node's watcher is up (its imports take
+    seconds): it waits for it, bounded, instead of exiting at once and taking torchrun's store down before the
+    nodes found the exchange; a watcher that was up and is gone is not waited for."""
+    import threading
+    import time
+
+    from distcheck.contract import env
+    from distcheck.rank.entry import wait_until_covered
+
+    me = os.getpid()
+    monkeypatch.setenv(env.AGENT_PID, str(me))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    covering = WatcherState(me, start_ticks(me), launcher_id(me), watching=0, covered=[1], covered_attempt=0,
+                            exchange_attempt=0)
+    late = threading.Timer(0.3, lambda: watcher_file.write(tmp_path, covering))  # the watcher comes up late
+    late.start()
+    started = time.monotonic()
+    assert wait_until_covered(tmp_path, 1, limit=5.0)
+    assert 0.25 < time.monotonic() - started < 5.0
+    watcher_file.write(tmp_path, WatcherState(me, start_ticks(me), launcher_id(me), watching=0))  # up, not covered
+    gone = threading.Timer(0.2, lambda: watcher_file.write(tmp_path, WatcherState(NO_SUCH_PID, 5, launcher_id(me),
+                                                                                   watching=0)))
+    gone.start()
+    started = time.monotonic()
+    assert not wait_until_covered(tmp_path, 1, limit=5.0)
+    assert time.monotonic() - started < 2.0  # it was up and is gone: no wait to the limit
