@@ -25,12 +25,15 @@ from __future__ import annotations
 
 import logging
 import math
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
 log = logging.getLogger("distcheck")
 
-HELD_FORWARDS = 16  # forwards kept per step (gradient accumulation's micro-batches); the first ones are kept
+# Forwards kept per step (gradient accumulation's micro-batches): the last ones, so that forwards before the first
+# training step (a sanity evaluation) or an inference-only script hold at most this many batches.
+HELD_FORWARDS = 16
 # The namespaces of torch's collective ops: an op of these inside the re-run would talk to the other ranks.
 COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional", "c10d_functional", "_dtensor"})
 
@@ -49,7 +52,7 @@ class HeldInputs:
     """The forwards of the current step (a forward pre-hook on each watched model; cleared at every step)."""
 
     def __init__(self) -> None:
-        self.forwards: list[Forward] = []
+        self.forwards: deque[Forward] = deque(maxlen=HELD_FORWARDS)
         self._handles: dict[int, Any] = {}
 
     def watch(self, module: Any) -> None:
@@ -65,18 +68,18 @@ class HeldInputs:
 
         # Inside a torch.compile'd caller (compile(DDP(model))) dynamo traces this hook: it folds to nothing there
         # instead of breaking the user's graph (such a step's inputs are not held).
-        if torch.compiler.is_compiling() or len(self.forwards) >= HELD_FORWARDS:
+        if torch.compiler.is_compiling():
             return
         self.forwards.append(Forward(module, args, kwargs, _autocast_now()))
 
     def clear(self) -> None:
-        self.forwards = []
+        self.forwards.clear()
 
     def stop(self) -> None:
         for handle in self._handles.values():
             handle.remove()
         self._handles.clear()
-        self.forwards = []
+        self.forwards.clear()
 
 
 def _autocast_now() -> tuple[str, Any] | None:
