@@ -103,22 +103,21 @@ def _tensors(value: Any, path: str, Tensor: type, depth: int = 0):
             yield from _tensors(v, f"{path}[{k!r}]", Tensor, depth + 1)
 
 
-def _local(t: Any) -> Any:
-    to_local = getattr(t, "to_local", None)  # a DTensor input: this rank's part is what it fed
-    return to_local() if callable(to_local) else t
-
-
 def _bad(t: Any) -> bool:
     import torch
 
-    t = _local(t)
+    from distcheck.rank.checks.fingerprint import local_tensor
+
+    t = local_tensor(t)  # a DTensor input: this rank's part is what it fed
     return bool(t.is_floating_point() or t.is_complex()) and t.numel() > 0 and not bool(torch.isfinite(t).all())
 
 
 def _value_name(t: Any) -> str:
     import torch
 
-    t = _local(t)
+    from distcheck.rank.checks.fingerprint import local_tensor
+
+    t = local_tensor(t)  # a DTensor input: this rank's part is what it fed
     if bool(torch.isnan(t).any()):
         return "nan"
     return "inf" if bool((t == math.inf).any()) else "-inf"
@@ -128,13 +127,15 @@ def batch_origin(forward: Forward) -> dict[str, Any] | None:
     """The first non-finite input of ``forward``: its argument path, value and first index."""
     import torch
 
-    for path, t in _tensors((forward.args, forward.kwargs), "", torch.Tensor):
-        if _bad(t):
-            local = _local(t)
-            index = (~torch.isfinite(local)).nonzero()[0].tolist() if local.dim() else []
-            where = path.replace("[0]", "args", 1) if path.startswith("[0]") else path.replace("[1]", "kwargs", 1)
-            return {"where": "batch", "model": _class_name(forward.module), "input": where,
-                    "value": _value_name(t), "index": index}
+    from distcheck.rank.checks.fingerprint import local_tensor
+
+    for side, value in (("args", forward.args), ("kwargs", forward.kwargs)):
+        for path, t in _tensors(value, side, torch.Tensor, depth=1):  # the depth they have inside (args, kwargs)
+            if _bad(t):
+                local = local_tensor(t)
+                index = (~torch.isfinite(local)).nonzero()[0].tolist() if local.dim() else []
+                return {"where": "batch", "model": _class_name(forward.module), "input": path,
+                        "value": _value_name(t), "index": index}
     return None
 
 
