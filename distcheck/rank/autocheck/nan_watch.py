@@ -145,13 +145,12 @@ class NanWatch(Check):
             grads, names = [], []
             if not grads_checked(step):
                 params = []  # the loss only (see GRAD_EVERY)
-            flats: dict[int, tuple[Any, Any]] = {}  # position -> FSDP1 FlatParameter and its local gradient
+            owners: list[Any] = []  # the parameter of each gradient: an FSDP1 FlatParameter is named when bad
             for p in params:
                 g = p.grad
                 if g is None:
                     continue
-                if getattr(p, "_fqns", None) is not None:
-                    flats[len(grads)] = (p, g)
+                owners.append(p)
                 grads.append(local_tensor(g))
                 names.append(self._names.get(id(p), f"<parameter {len(names)}>"))
             losses = self._losses
@@ -169,7 +168,7 @@ class NanWatch(Check):
             values = torch.cat([p.to(device) for p in parts])
             sites = [s for _, s in losses]
             if device.type == "cpu":
-                self._inspect(step, counter, values, len(losses), names, sites, live=True, flats=flats)
+                self._inspect(step, counter, values, len(losses), names, sites, live=True, owners=owners)
             else:
                 # A non-blocking copy read at a later step: no device->host sync on the training path.
                 host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
@@ -194,17 +193,18 @@ class NanWatch(Check):
             self._pending.clear()
 
     def _inspect(self, step: int, counter: str, values: Any, n_losses: int, names: list[str], sites: list[Any],
-                 live: bool = False, flats: dict[int, tuple[Any, Any]] | None = None) -> None:
+                 live: bool = False, owners: list[Any] | None = None) -> None:
         """``live``: read at the step itself (CPU), before the update: its forward inputs are still held.
-        ``flats``: FSDP1 FlatParameters among the gradients, named by the original parameters that hold the
-        NaN/Inf (use_orig_params=False gives the optimizer only them)."""
+        ``owners``: each gradient's parameter; a bad FSDP1 FlatParameter is named by the original parameters that
+        hold the NaN/Inf (use_orig_params=False gives the optimizer only them), looked up only once one is bad."""
         flat = values.tolist()
         losses, norms = flat[:n_losses], flat[n_losses:]
         bad_losses = [i for i, v in enumerate(losses) if not math.isfinite(v)]
         bad_grads = []
         for i, v in enumerate(norms):
             if not math.isfinite(v):
-                inside = bad_flat_parts(names[i], *flats[i]) if flats and i in flats else None
+                owner = owners[i] if owners else None
+                inside = bad_flat_parts(names[i], owner, owner.grad) if owner is not None else None
                 bad_grads += inside or [names[i]]
         if not bad_losses and not bad_grads:
             if norms:
