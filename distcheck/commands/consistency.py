@@ -21,12 +21,16 @@ from distcheck.contract import files
 from distcheck.errors import UsageError
 from distcheck.options import (BUILTIN_MODEL, PARALLEL_MODES, ConsistencyOptions, backstop, count, seconds,
                                tolerance)
-from distcheck.contract.report import (Report, command_line, default_report_dir, load_report, prepare_report_dir,
-                                       publish, remove_report)
+from distcheck.contract.report import Report, command_line, default_report_dir, load_report, prepare_report_dir
 
 if TYPE_CHECKING:
+    from distcheck.rank.bootstrap import NodeWatcher
     from distcheck.rank.checks import consistency
     from distcheck.rank import runtime
+
+# How long rank 0 waits for its node watcher to publish the report it handed over before it publishes it itself
+# (a watcher that is gone or stuck). Publishing takes milliseconds; torchrun's grace after SIGTERM is 30 s.
+HANDOVER_LIMIT = 10.0
 
 # torch (and FSDP2's torch._dynamo) is imported only once the options are valid: bad input exits 2 in a fraction
 # of a second instead of after seconds of imports.
@@ -93,7 +97,7 @@ def main(args: argparse.Namespace) -> int:
         # Traces (progress, last collectives) and, on local rank 0, a watcher process outside the ranks that dumps
         # every rank's stack with py-spy when nothing moves for --timeout seconds, even if a rank holds the GIL.
         watcher = rank_bootstrap(report_dir, opts.timeout, native=opts.native)
-        return _run(opts, session, check_options, report_dir)
+        return _run(opts, session, check_options, report_dir, watcher)
     finally:
         from distcheck.rank import tracer as trace
 
@@ -113,7 +117,9 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _run(opts: ConsistencyOptions, session: runtime.Session, check_options: ConsistencyOptions,
-         report_dir: Path) -> int:
+         report_dir: Path, watcher: NodeWatcher | None = None) -> int:
+    """The checks, then the report. Rank 0 composes it and hands it to its node watcher, which publishes it
+    (:func:`_hand_over`): one process writes every report of a watched job."""
     from distcheck.rank.checks import consistency
 
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
@@ -127,7 +133,7 @@ def _run(opts: ConsistencyOptions, session: runtime.Session, check_options: Cons
                 session, check_options, ctx, name, "the process was killed before it finished (by a signal, the "
                 "launcher after another rank failed, or the watchdog)", [])
             partial.artifacts.update(consistency.report_files(report_dir))
-            publish(partial, report_dir)
+            _hand_over(partial, report_dir, watcher, final=False)
 
     try:
         try:
@@ -137,7 +143,7 @@ def _run(opts: ConsistencyOptions, session: runtime.Session, check_options: Cons
             # Bad input found mid-run (a factory that raises): exit 2 with its message, and no partial report
             # pretending the run was killed.
             if session.rank == 0:
-                remove_report(report_dir)
+                _hand_over(None, report_dir, watcher)
             raise
         except consistency.Terminated:
             behind = consistency.ranks_behind(session)
@@ -154,12 +160,12 @@ def _run(opts: ConsistencyOptions, session: runtime.Session, check_options: Cons
             if session.rank == 0:
                 watched = _watchdog_report(report_dir)
                 if watched is not None:  # the watchdog ended the run: its diagnosis is the report
-                    publish(watched, report_dir, echo=sys.stdout, write=False)
+                    _echo(watched, report_dir)
                 else:
-                    _write(report, report_dir)
+                    _write(report, report_dir, watcher)
             return 1
         if session.rank == 0:
-            _write(report, report_dir)
+            _write(report, report_dir, watcher)
         try:
             # Nobody exits before rank 0 has written: torchrun kills the other ranks when one exits non-zero.
             session.channel.exchange("consistency/done", True, timeout=min(opts.timeout, 60.0))
@@ -194,9 +200,37 @@ def _watchdog_report(report_dir: Path) -> Report | None:
     return report if any(c.name == "watchdog" for c in report.checks) else None
 
 
-def _write(report: Report, report_dir: Path) -> None:
+def _write(report: Report, report_dir: Path, watcher: NodeWatcher | None) -> None:
     from distcheck.rank.checks import consistency
 
     report.artifacts.update(consistency.report_files(report_dir))
     report.artifacts.setdefault("report.json", "report.json")
-    publish(report, report_dir, echo=sys.stdout)
+    _hand_over(report, report_dir, watcher)
+
+
+def _hand_over(report: Report | None, report_dir: Path, watcher: NodeWatcher | None, final: bool = True) -> None:
+    """Hand ``report`` (None: withdraw the partial one) to the node watcher, which publishes it
+    (contract/report_handoff.py, supervise/report_desk.py). The final one is waited for: the other ranks end only
+    once it is written, and so does torchrun. A watcher that is gone, or has not published it within
+    HANDOVER_LIMIT: this rank delivers it itself, through the same function the watcher calls."""
+    from distcheck.contract import report_handoff
+
+    if final:  # what this rank printed comes before the report, which the watcher prints to the same console
+        sys.stdout.flush()
+    report_handoff.offer(report_dir, report, final)
+    if not final:
+        return
+    claimer_alive = watcher.running if watcher is not None else (lambda: False)
+    if report_handoff.wait_published(report_dir, HANDOVER_LIMIT, claimer_alive):
+        return
+    from distcheck.supervise.node_report import deliver_handed
+
+    report_handoff.clear(report_dir)
+    deliver_handed(report_handoff.Handed(report, final, os.getpid()), report_dir)
+
+
+def _echo(report: Report, report_dir: Path) -> None:
+    """Print a report already written (the watchdog's, which ended the run) as this command's own."""
+    from distcheck.contract.report import publish
+
+    publish(report, report_dir, echo=sys.stdout, write=False)

@@ -29,6 +29,10 @@ CHROME_TRACE = "trace.json"
 STACKS_STEM = "stacks"  # stacks.txt / stacks.json
 STACKS_TXT = STACKS_STEM + ".txt"
 STACKS_JSON = STACKS_STEM + ".json"
+# A rank's report handed to its node's watcher, which publishes it (contract/report_handoff.py): hidden, so never an
+# artifact
+REPORT_OFFERED = ".report-offered.json"
+REPORT_CLAIMED = ".report-claimed.json"
 
 _PER_RANK = {
     "trace": "trace-rank{rank}.jsonl",  # meta, call signatures, errors, exit line (contract/trace_lines.py)
@@ -176,7 +180,7 @@ def archive_shared(report_dir: str | os.PathLike, dest: Path) -> None:
 def clear_shared(report_dir: str | os.PathLike) -> None:
     """Before a run writes into a reused directory: the earlier run's report, Chrome trace and stack dumps go
     (a stale stacks.txt next to a new PASSED report would contradict it). Only distcheck's own files."""
-    for name in (REPORT_JSON, REPORT_TXT, CHROME_TRACE, STACKS_TXT, STACKS_JSON):
+    for name in (REPORT_JSON, REPORT_TXT, CHROME_TRACE, STACKS_TXT, STACKS_JSON, REPORT_OFFERED, REPORT_CLAIMED):
         (Path(report_dir) / name).unlink(missing_ok=True)
 
 

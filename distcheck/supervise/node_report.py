@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping
@@ -22,6 +23,7 @@ from distcheck.contract.findings import Finding, Note, format_ranks
 
 if TYPE_CHECKING:
     from distcheck.analysis.trace_events import RankTrace
+    from distcheck.contract.report_handoff import Handed
     from distcheck.contract.node_summary import NodeSummary
     from distcheck.contract.report import Report
     from distcheck.supervise.node_exchange import MergedNodes, NodeEnv
@@ -119,9 +121,20 @@ def compose(e: Evidence) -> Publication:
     return _node_report(e)
 
 
+# The watch's own diagnoses (its main thread) and the reports a rank hands over (supervise/report_desk.py's thread)
+# are delivered one at a time: a handed report must not land between a diagnosis's read of the report so far and
+# its write, nor over it.
+_DELIVERING = threading.RLock()
+
+
 def deliver(pub: Publication) -> int:
     """Write the report (and the earlier attempts' that were missing) and print it to the job's console; its exit
     code."""
+    with _DELIVERING:
+        return _deliver(pub)
+
+
+def _deliver(pub: Publication) -> int:
     from distcheck.contract.report import publish as publish_report
     from distcheck.supervise.run_report import write_trace_view
 
@@ -138,6 +151,40 @@ def deliver(pub: Publication) -> int:
     if console is sys.stdout:
         log.info("report written: %s", "PASSED" if pub.report.ok else f"FAILED ({len(pub.report.findings)} findings)")
     return pub.report.exit_code
+
+
+def handed_publication(handed: Handed, report_dir: Path) -> Publication:
+    """A report a rank composed and handed over (consistency's rank 0, contract/report_handoff.py): the partial
+    ones (what completed, before each check) are written only; the final one is printed to the job's console
+    (stdout), as the command's own report."""
+    assert handed.report is not None
+    return Publication(handed.report, report_dir, True, [], console=handed.final)
+
+
+# What became of a handed report.
+PUBLISHED, WITHDRAWN, SUPERSEDED = "published", "withdrawn", "superseded"
+
+
+def deliver_handed(handed: Handed, report_dir: Path) -> str:
+    """Publish a report a rank handed over, unless the watcher's own diagnosis of the run (a hang's watchdog
+    report, a stop signal's) is already there: that one ended the run, and the run's rank 0 only says so (it
+    prints the diagnosis itself). A withdrawn report (bad input found mid-run) removes the partial one."""
+    from distcheck.contract.report import remove_report
+
+    with _DELIVERING:
+        if diagnosis_written(report_dir):
+            return SUPERSEDED
+        if handed.report is None:
+            remove_report(report_dir)
+            return WITHDRAWN
+        deliver(handed_publication(handed, report_dir))
+        return PUBLISHED
+
+
+def diagnosis_written(report_dir: Path) -> bool:
+    """Whether report_dir's report is a watcher's diagnosis of the run (it ended the run: a hang, a stop)."""
+    so_far = report_so_far(report_dir)
+    return so_far is not None and any(c.name in (_CHECK_OF[HANG], _CHECK_OF[STOPPED]) for c in so_far.checks)
 
 
 def _node_report(e: Evidence) -> Publication:

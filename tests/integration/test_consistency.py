@@ -158,6 +158,21 @@ def test_rank_crash_keeps_the_report(tmp_path, slow_rank0):
     assert status["environment"] and status["collectives"] and not status["model_consistency"]
 
 
+def test_a_sigkilled_rank_0_leaves_the_report_of_what_completed(tmp_path):
+    """Rank 0 is SIGKILLed while it builds the model: the report it handed its node watcher before that check
+    (contract/report_handoff.py) is the run's report, published by the watcher, and names the check it died in."""
+    res, report = consistency_run(tmp_path, "--model", f"{FIXTURES}/model_rank_crash.py:build", "--timeout", "30",
+                                  env={"KILL_RANK0": "1"})
+    assert res.returncode != 0
+    [f] = report["findings"]
+    assert f["kind"] == "rank_failure" and f["ranks"] == [0, 1] and f["detail"]["check"] == "model_consistency", f
+    assert "the process was killed before it finished" in f["message"], f["message"]
+    status = {c["name"]: (c["ok"], c.get("note")) for c in report["checks"]}
+    assert status["environment"][0] and status["collectives"][0]
+    assert status["model_consistency"] == (False, "interrupted")
+    assert not list((tmp_path / "report").glob(".report-*"))  # no offer left unpublished
+
+
 def test_rank_hang_is_diagnosed_by_the_watchdog(tmp_path):
     res, report = consistency_run(tmp_path, "--model", f"{FIXTURES}/model_rank_hang.py:build", "--timeout", "6")
     assert res.returncode != 0

@@ -77,12 +77,12 @@ class Nodes:
     reports_at_exit: dict[str, bool]  # whether each host's job report existed when the last torchrun returned
 
 
-def run_two_nodes(tmp_path: Path, script: str, timeout: float, tag: str, *args: str, nproc: int = 1,
+def run_two_nodes(tmp_path: Path, script: str | None, timeout: float, tag: str, *args: str, nproc: int = 1,
                   env: dict[str, dict[str, str]] | None = None, kill_at_exit: bool = False) -> Nodes:
     """Two torchrun agents, one per namespaced node, each with ``nproc`` ranks and a node-local report dir
-    (tmp_path/<host>); ``env``: extra variables by host. ``kill_at_exit``: the moment a node's torchrun returns,
-    every process of the run on that node (its UTS namespace) is SIGKILLed, as a CI step or a Slurm job step
-    ends."""
+    (tmp_path/<host>), running ``distcheck run -- script args``, or (``script`` None) ``distcheck args``;
+    ``env``: extra variables by host. ``kill_at_exit``: the moment a node's torchrun returns, every process of
+    the run on that node (its UTS namespace) is SIGKILLed, as a CI step or a Slurm job step ends."""
     hosts_file = tmp_path / "hosts"
     hosts_file.write_text("127.0.0.1 localhost\n" + "".join(f"127.0.0.1 {h}\n" for h in HOSTS))
     port = free_port()
@@ -90,9 +90,10 @@ def run_two_nodes(tmp_path: Path, script: str, timeout: float, tag: str, *args: 
     logs = {}
     for host in HOSTS:
         torchrun = [str(BIN / "torchrun"), "--nnodes", "2", "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
-                    "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"mn-{port}", "-m", "distcheck", "run",
-                    "--timeout", str(timeout), "--report-dir", str(tmp_path / host), "--", str(FIXTURES / script),
-                    *args]
+                    "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"mn-{port}", "-m", "distcheck"]
+        torchrun += ["run", "--timeout", str(timeout), "--report-dir", str(tmp_path / host), "--",
+                     str(FIXTURES / script), *args] if script is not None else \
+            [*args, "--timeout", str(timeout), "--report-dir", str(tmp_path / host)]
         inner = f"hostname {host} && mount --bind {hosts_file} /etc/hosts && exec \"$@\""
         logs[host] = open(tmp_path / f"{host}.console", "w+")
         procs[host] = subprocess.Popen(["unshare", "--uts", "--mount", "bash", "-c", inner, "node", *torchrun],
@@ -281,3 +282,25 @@ def test_a_node_set_up_differently_is_named_as_a_collective_mismatch_across_node
         f"float32 SUM at multinode_shape_mismatch.py:{line}; rank 1 (node-b) issued all_reduce [48] float32 SUM at "
         f"multinode_shape_mismatch.py:{line}"), mismatch["message"]
     assert mismatch["detail"]["line"] == line and mismatch["detail"]["across_nodes"]
+
+
+def test_two_node_consistency_names_a_variable_set_on_one_node_and_its_watcher_publishes_the_report(tmp_path):
+    """NCCL_ALGO is set on node-b only: the job's one report, on node-a (global rank 0's node), names it. Rank 0
+    composed that report and handed it to node-a's watcher, which wrote it (contract/report_handoff.py); node-b
+    printed where it is."""
+    reason = unshare_refused()
+    if reason:
+        pytest.skip(reason)
+    tag = f"multinode-{uuid.uuid4().hex[:8]}"
+    nodes = run_two_nodes(tmp_path, None, 60, tag, "consistency", "--steps", "1",
+                          env={"node-b": {"NCCL_ALGO": "Ring"}})
+    host, report = one_report(tmp_path, nodes.consoles)
+    assert host == "node-a"
+    (mismatch,) = report["findings"]
+    assert mismatch["kind"] == "env_mismatch" and mismatch["detail"]["key"] == "NCCL_ALGO", report["findings"]
+    assert mismatch["ranks"] == [0, 1] and "'Ring'" in mismatch["message"]  # two ranks: no majority
+    assert "distcheck FAILED (1 finding)" in nodes.consoles["node-a"]
+    log = (tmp_path / "node-a" / "watcher-node-a.log").read_text()
+    assert "handed over (final): published" in log, log
+    assert not [p for p in (tmp_path / "node-a").iterdir() if p.name.startswith(".report-")]
+    assert tagged(tag) == []

@@ -4,7 +4,8 @@
 
 Checks: environment, collectives, model_consistency (replicas identical before parallelizing), parallel_vs_reference,
 replicated_state (after the steps). Each check returns Findings; at the end every rank's findings travel once
-through the side channel and rank 0 writes the report. A rank that dies or stalls becomes a finding, not a hang.
+through the side channel and rank 0 composes the report, which its node watcher publishes
+(commands/consistency.py). A rank that dies or stalls becomes a finding, not a hang.
 """
 from __future__ import annotations
 
@@ -173,8 +174,8 @@ def run_checks(session: Session, options: ConsistencyOptions, ctx: Context | Non
                ) -> tuple[list[tuple[str, float, list[Finding]]], Context]:
     """Run every check on this rank. Returns (name, seconds, findings) per check that ran.
 
-    ``before_check(name, results_so_far)`` runs before each check (rank 0 writes a partial report there, so a
-    job killed mid-check still leaves a report that says how far it got).
+    ``before_check(name, results_so_far)`` runs before each check (rank 0 hands a partial report to its
+    watcher there, so a job killed mid-check still leaves a report that says how far it got).
     """
     ctx = ctx or Context(session, options)
     results = ctx.results
