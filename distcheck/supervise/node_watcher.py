@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, Mapping, Sequence
 
 from distcheck.contract import files, stack_dump_file, stack_hook_file, watcher_file
 from distcheck.contract.findings import Finding, Note, format_ranks
+from distcheck.contract.progress_token import ProgressTokens
 from distcheck.contract.site import file_line
 from distcheck.contract.watcher_file import WatcherState
 from distcheck.processes import (RUN_ID_ENV, alive, launcher_id, read_environ, restart_count,
@@ -394,7 +395,7 @@ def _watch_nodes(report_dir: str, timeout: float, native: bool, parent: int, env
     out_dir.mkdir(parents=True, exist_ok=True)
     seen: set[int] = set()
     cancel = threading.Event()
-    link = NodeLink(env, channel, report_dir, lambda: tuple(files.trace_progress(report_dir, r) for r in env.ranks),
+    link = NodeLink(env, channel, report_dir, ProgressTokens(report_dir, env.ranks).sizes,
                     cancel, on_exchange=lambda: _exchange_ready(report_dir, attempt.number))
     if env.reports:  # node 0's own store for the exchange, which outlives torchrun's agents (rank 0 forked it)
         link.host = ExchangeHost(report_dir, attempt.number)

@@ -11,7 +11,7 @@ plain functions, for tests and benches).
 
 The progress rule: a rank made progress when its trace file grew (it came up, started or completed a
 collective, raised, or ended: the tracer writes one line for each) or when its outcome became known. A poll reads
-only past where the last one found each rank's records ended (Progress), and the stop check's loads of a big job's
+only past where the last one found each rank's records ended (contract/progress_token.py), and the stop check's loads of a big job's
 traces (analysis/trace_summary.py) read only what was appended since the last: neither grows with the number of
 collectives the ranks ran. After
 ``timeout`` seconds without progress the run is hung; while some rank has not opened its trace yet (it is still
@@ -30,12 +30,12 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable, Iterable, Protocol
 
 from distcheck.contract.site import base_name, file_line
 from distcheck.contract import files
 from distcheck.contract.findings import Finding, format_ranks
+from distcheck.contract.progress_token import ProgressTokens
 from distcheck.supervise.live_stragglers import LiveStragglers
 from distcheck.supervise.signals import Interrupt, stop_finding
 
@@ -64,47 +64,6 @@ class WatchResult:
     seconds: float = 0.0
     declared_at: float | None = None  # monotonic time the hang was declared
     diagnosed_at: float | None = None  # monotonic time its diagnosis was written
-
-
-class Progress:
-    """The progress token: each expected rank's trace progress (files.trace_progress; -1 before the trace exists)
-    and the finished ranks."""
-
-    def __init__(self, report_dir: str | os.PathLike, ranks: Iterable[int] | None = None) -> None:
-        self.report_dir = Path(report_dir)
-        self.ranks = sorted(ranks) if ranks is not None else None
-        self._up: set[int] = set()  # positions whose trace existed once: those ranks are past their start
-        # Per rank, where the last poll found the end of its records: a poll reads past it only (a 20,000-collective
-        # trace costs a read or two per rank and poll, not a search of the file).
-        self._hints: dict[int, dict[str, int]] = {}
-
-    def _progress(self, rank: int) -> int:
-        return files.trace_progress(self.report_dir, rank, self._hints.setdefault(rank, {}))
-
-    def sizes(self) -> tuple[int, ...]:
-        if self.ranks is None:  # whoever has a trace (the node watcher does not know the global ranks)
-            sizes = (self._progress(r) for r in files.rank_files(self.report_dir, "trace"))
-            return tuple(s for s in sizes if s >= 0)  # a trace removed since the listing does not count
-        if not self.report_dir.is_dir():
-            # The report directory was removed or replaced under the run: no trace will appear, so no rank is
-            # "still starting" any more and the normal no-progress limit applies.
-            self._up.update(range(len(self.ranks)))
-        out = []
-        for i, r in enumerate(self.ranks):
-            out.append(self._progress(r))
-            if out[-1] >= 0:
-                self._up.add(i)
-        return tuple(out)
-
-    def starting(self, sizes: tuple[int, ...]) -> bool:
-        """Some rank has not opened its trace yet (a trace that vanished later does not count: the report
-        directory was removed under the run, and the normal limit applies). Without the list of ranks (the node
-        watcher): no rank has opened its trace yet."""
-        if self.ranks is None:
-            if sizes:
-                self._up.add(-1)
-            return not sizes and -1 not in self._up
-        return any(s < 0 and i not in self._up for i, s in enumerate(sizes))
 
 
 class RankSource(Protocol):
@@ -147,7 +106,7 @@ class WatchLoop:
         self.expected = expected
         self.should_stop = should_stop
         self.dump = dump
-        self.progress = Progress(report_dir, range(expected) if ranks is None and expected else ranks)
+        self.progress = ProgressTokens(report_dir, range(expected) if ranks is None and expected else ranks)
         self.startup_timeout = max(timeout, STARTUP_TIMEOUT) if startup_timeout is None else startup_timeout
         self.stop_grace = min(stop_grace, timeout)
         # After a rank failed, its peers usually wait in a collective that will never complete.
@@ -235,8 +194,8 @@ class WatchLoop:
         else:
             log.warning("no progress for %.0fs: declaring the run hung (%d ranks still running)", idle, len(live))
         findings: list[Finding] = []
-        start_up = cause is not None and self._starting_up()
-        if start_up and not any(self._has_trace(r) for r in live):
+        start_up = cause is not None and self.progress.none_completed()
+        if start_up and not any(self.progress.has_trace(r) for r in live):
             # No rank runs the script yet (they import torch and distcheck): nothing of the user's to dump or name.
             findings = [stop_finding(cause, self._after(idle), self._ranks(live), starting_text(self._ranks(live)))]
         elif self.dump is not None:
@@ -265,25 +224,6 @@ class WatchLoop:
         if self.progress.ranks is not None:
             return list(self.progress.ranks)
         return sorted(live)
-
-    def _has_trace(self, rank: int) -> bool:
-        return files.trace_progress(self.report_dir, rank) >= 0
-
-    def _starting_up(self) -> bool:
-        """Start-up: no rank has completed a collective yet (each imports, builds, joins the process group), by
-        its records and by torch's ring (DDP's buckets), read without loading whole traces."""
-        from distcheck.contract import trace_slots
-
-        for rank in files.rank_files(self.report_dir, "trace"):
-            if files.flight_progress(self.report_dir, rank) > 0:
-                return False
-            try:  # the records alone, not the 3 MiB segment of zeros they start: this runs at every poll
-                records = trace_slots.read_records(files.rank_file(self.report_dir, "trace_events", rank))
-            except OSError:
-                continue
-            if any(r.t_end is not None for r in trace_slots.iter_slots(records)):
-                return False
-        return True
 
 
 def script_ended(report_dir: str | os.PathLike, rank: int) -> bool:

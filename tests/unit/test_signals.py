@@ -200,19 +200,19 @@ def test_start_up_lasts_until_some_rank_completed_a_collective(tmp_path):
 
     for r in (0, 1):
         write_trace(tmp_path, r)
-    assert loop()._starting_up()  # traces, no collective
+    assert loop().progress.none_completed()  # traces, no collective
     issued = tr.header(3) + tr.SLOT.pack(1, 0, 1, 1.0, 0.0)
     for r in (0, 1):
         (tmp_path / f"trace-rank{r}.bin").write_bytes(issued)
-    assert loop()._starting_up()  # each issued its first one, none completed
+    assert loop().progress.none_completed()  # each issued its first one, none completed
     pending = tr.SLOT.pack(1, 0, 1, 1.0, 0.0)
     (tmp_path / "trace-rank1.bin").write_bytes(issued + pending * 45000 + tr.SLOT.pack(1, 0, 1, 1.0, 2.0))
-    assert not loop()._starting_up()  # found past the first chunk of records too
+    assert not loop().progress.none_completed()  # found past the first chunk of records too
     (tmp_path / "trace-rank1.bin").write_bytes(issued + pending * 45000)
-    assert loop()._starting_up()
+    assert loop().progress.none_completed()
     (tmp_path / "trace-rank1.bin").write_bytes(issued)
     (tmp_path / "flight-rank0.status").write_text("3\n")  # torch's ring completed some (DDP's buckets)
-    assert not loop()._starting_up()
+    assert not loop().progress.none_completed()
 
 
 def test_a_signal_that_reached_the_ranks_too_is_not_said_to_have_stopped_nothing():

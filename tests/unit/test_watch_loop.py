@@ -13,9 +13,9 @@ from distcheck.supervise.watch import DONE, HUNG, RankFunctions, WatchLoop
 
 
 def test_progress_is_any_growth_of_a_trace_or_a_rank_ending(tmp_path):
-    from distcheck.supervise.watch import Progress
+    from distcheck.contract.progress_token import ProgressTokens
 
-    prog = Progress(tmp_path, [0, 1])
+    prog = ProgressTokens(tmp_path, [0, 1])
     before = prog.sizes()
     assert before == (-1, -1) and prog.starting(before)
     (tmp_path / "trace-rank0.jsonl").write_text('{"ev":"meta","rank":0}\n')
@@ -117,9 +117,9 @@ def test_without_an_expected_count_the_run_is_over_once_the_seen_ranks_are_gone(
 
 
 def test_a_vanished_report_dir_ends_the_startup_allowance(tmp_path):
-    from distcheck.supervise.watch import Progress
+    from distcheck.contract.progress_token import ProgressTokens
 
-    prog = Progress(tmp_path / "gone", [0, 1])
+    prog = ProgressTokens(tmp_path / "gone", [0, 1])
     assert not prog.starting(prog.sizes())
 
 
