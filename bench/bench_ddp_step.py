@@ -7,7 +7,8 @@ Flight Recorder status thread and phase marks, zero-code checks: everything a us
 so load drift on a shared machine hits both alike. A run's figures are the median step times of rank 0 in two
 windows: steps 10 to 49, where distcheck checks every step's gradients for NaN/Inf (the first steps pay for DDP's
 bucket rebuild and distcheck's drift check on steps 1 to 3), and steps 50 on, the steady state, where it checks
-every 10th step's. Per window the bench prints each mode's fastest and median round, and three ratios; the target
+every 10th step's; the NaN watch's own time (its state's ``seconds``) is printed per step beside them. Per
+window the bench prints each mode's fastest and median round, and three ratios; the target
 is within 3%. The verdict
 takes the median of the rounds' paired ratios (each round's two runs are back to back): this 2-core VM has slow
 spells of 10 to 20% that hit a whole run of either mode, and one such run moves the fastest-round ratio (it did:
@@ -28,6 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "bench" / "_ddp_step_train.py"
 WARMUP = 10
 DENSE = 50  # rank/autocheck/nan_watch.GRAD_DENSE_STEPS (the bench imports nothing of distcheck)
+NAN_SECONDS: list[float] = []  # per distcheck run: the NaN watch's own seconds per step on rank 0
 
 
 def one_run(mode: str, steps: int, workdir: Path, index: int) -> float:
@@ -45,6 +47,9 @@ def one_run(mode: str, steps: int, workdir: Path, index: int) -> float:
     if proc.returncode != 0:
         raise SystemExit(f"{mode} run failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     times = json.loads(out.read_text())["steps"]
+    if mode == "distcheck":  # what the NaN/Inf watch timed of itself on rank 0, per step: the cost it explains
+        state = json.loads((workdir / f"report-{index}" / "autocheck-rank0.json").read_text()).get("nan_watch") or {}
+        NAN_SECONDS.append(state.get("seconds", 0.0) / len(times))
     # Two windows: the steps where every step's gradients are checked for NaN/Inf (rank/autocheck/nan_watch.py:
     # GRAD_DENSE_STEPS), and the steady state after them, where one step in GRAD_EVERY is.
     return statistics.median(times[WARMUP:DENSE]), statistics.median(times[DENSE:] or times[WARMUP:])
@@ -78,6 +83,11 @@ def main() -> None:
               f"{median:.3f} ({(median - 1) * 100:+.1f}%, median rounds)")
         summary["steady" if window else "dense"] = {**figures, "ratio_paired_median": paired,
                                                     "ratio_fastest": fastest, "ratio_median": median}
+    torchrun_steady = statistics.median(summary["steady"]["torchrun"])
+    nan = statistics.median(NAN_SECONDS)
+    print(f"  the NaN/Inf watch's own time, averaged over every step: {nan * 1e3:.3f} ms per step "
+          f"({nan / torchrun_steady * 100:.1f}% of a plain step), median of the rounds")
+    summary["nan_watch_seconds_per_step"] = NAN_SECONDS
     print(json.dumps(summary))
 
 
