@@ -4,7 +4,9 @@ in float32), each timed on rank 0.
     torchrun --standalone --nproc-per-node 2 bench/_ddp_step_train.py --steps 60 --out times.json
     python -m distcheck run --nproc 2 -- bench/_ddp_step_train.py --steps 60 --out times.json
 
-Rank 0 writes {"steps": [seconds of each step: forward, backward (DDP's bucket all-reduces), optimizer step]}.
+Rank 0 writes {"steps": [seconds of each step: forward, backward (DDP's bucket all-reduces), optimizer step],
+"cpu": [CPU seconds of the training thread in each step: what distcheck's hooks add, without the waits that another
+process's slow spell adds]}.
 """
 from __future__ import annotations
 
@@ -34,17 +36,18 @@ def main() -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     gen = torch.Generator().manual_seed(dist.get_rank())
     batches = [torch.randn(32, dim, generator=gen) for _ in range(4)]
-    times = []
+    times, cpu = [], []  # each step's wall time, and the CPU time of this (the training) thread in it
     for i in range(args.steps):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         loss = model(batches[i % len(batches)]).pow(2).mean()
         loss.backward()
         opt.step()
         opt.zero_grad()
         times.append(time.perf_counter() - t0)
+        cpu.append(time.thread_time() - c0)
     if dist.get_rank() == 0:
         with open(args.out, "w") as f:
-            json.dump({"steps": times}, f)
+            json.dump({"steps": times, "cpu": cpu}, f)
     dist.destroy_process_group()
     if "distcheck.rank" not in sys.modules:
         # torch's own interpreter teardown aborts now and then after a gloo DDP script (docs/hangs-and-faults.md, "Crashes and

@@ -114,11 +114,14 @@ class NanWatch(Check):
     def on_backward(self, loss: Any) -> None:
         if self.first_bad is not None or loss.numel() != 1 or not loss.is_floating_point():
             return
+        import torch
+
         from distcheck.rank.checks.fingerprint import local_tensor
 
         # A DTensor loss (a sequence-parallel output left as DTensor): its local value is finite exactly when this
         # rank's part is; stacking it with plain tensors would raise.
-        self._losses.append((local_tensor(loss).reshape(()), caller_site()))
+        value = loss.detach() if type(loss) is torch.Tensor else local_tensor(loss)
+        self._losses.append((value.reshape(()), caller_site()))
 
     def on_after_backward(self) -> None:
         """Without an optimizer, a step is a backward() call: check right after it."""
@@ -129,7 +132,9 @@ class NanWatch(Check):
 
     def on_optimizer_step(self, optimizer: Any, step: int) -> None:
         if self.first_bad is None:
-            params = [p for g in optimizer.param_groups for p in g["params"]]
+            # The parameters are listed only on a step whose gradients are checked: on the others (9 in 10 after
+            # GRAD_DENSE_STEPS) the loss alone is.
+            params = [p for g in optimizer.param_groups for p in g["params"]] if grads_checked(step) else []
             self.check_step(step, "optimizer.step", params)
 
     def check_step(self, step: int, counter: str, params: list[Any]) -> None:
@@ -140,42 +145,49 @@ class NanWatch(Check):
         started = time.perf_counter()
         try:
             self._resolve(block=False)
-            if not self._names:
-                self._names = {id(p): user_name(n) for m in self.core.models.alive() for n, p in m.named_parameters()}
             grads, names = [], []
-            if not grads_checked(step):
-                params = []  # the loss only (see GRAD_EVERY)
             owners: list[Any] = []  # the parameter of each gradient: an FSDP1 FlatParameter is named when bad
-            for p in params:
-                g = p.grad
-                if g is None:
-                    continue
-                owners.append(p)
-                grads.append(local_tensor(g))
-                names.append(self._names.get(id(p), f"<parameter {len(names)}>"))
+            if params and grads_checked(step):  # else the loss only (see GRAD_EVERY)
+                if not self._names:
+                    self._names = {id(p): user_name(n) for m in self.core.models.alive()
+                                   for n, p in m.named_parameters()}
+                plain = torch.Tensor
+                for p in params:
+                    g = p.grad
+                    if g is None:
+                        continue
+                    owners.append(p)
+                    grads.append(g if type(g) is plain else local_tensor(g))  # a DTensor's: its local part
+                    names.append(self._names.get(id(p), f"<parameter {len(names)}>"))
             losses = self._losses
             self._losses = []
-            parts = []
-            if losses:
-                parts.append(torch.stack([t.float() for t, _ in losses]))
+            if not losses and not grads:
+                return
+            sites = [s for _, s in losses]
+            norms = []
             if grads:
                 with torch.no_grad():
                     norms = torch._foreach_norm(grads)
-                parts.append(torch.stack([n.float().to(parts[0].device if parts else n.device) for n in norms]))
-            if not parts:
+            on_cpu = all(t.device.type == "cpu" for t, _ in losses) and (not norms or norms[0].device.type == "cpu")
+            if on_cpu:
+                # A host read costs no device sync here: plain floats, without stacking the scalars first (the
+                # torch calls that would cost more than the check itself on a loss-only step).
+                values = [float(t) for t, _ in losses] + (torch.stack(norms).tolist() if norms else [])
+                self._inspect(step, counter, values, len(losses), names, sites, live=True, owners=owners)
                 return
+            parts = []
+            if losses:
+                parts.append(torch.stack([t.float() for t, _ in losses]))
+            if norms:
+                parts.append(torch.stack([n.float().to(parts[0].device if parts else n.device) for n in norms]))
             device = parts[0].device
             values = torch.cat([p.to(device) for p in parts])
-            sites = [s for _, s in losses]
-            if device.type == "cpu":
-                self._inspect(step, counter, values, len(losses), names, sites, live=True, owners=owners)
-            else:
-                # A non-blocking copy read at a later step: no device->host sync on the training path.
-                host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
-                host.copy_(values, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record()
-                self._pending.append((step, counter, host, names, sites, event, len(losses)))
+            # A non-blocking copy read at a later step: no device->host sync on the training path.
+            host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+            host.copy_(values, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            self._pending.append((step, counter, host, names, sites, event, len(losses)))
         except Exception as exc:
             log.warning("distcheck: the NaN/Inf check failed: %s: %s", type(exc).__name__, exc)
         finally:
@@ -197,7 +209,7 @@ class NanWatch(Check):
         """``live``: read at the step itself (CPU), before the update: its forward inputs are still held.
         ``owners``: each gradient's parameter; a bad FSDP1 FlatParameter is named by the original parameters that
         hold the NaN/Inf (use_orig_params=False gives the optimizer only them), looked up only once one is bad."""
-        flat = values.tolist()
+        flat = values if isinstance(values, list) else values.tolist()
         losses, norms = flat[:n_losses], flat[n_losses:]
         bad_losses = [i for i, v in enumerate(losses) if not math.isfinite(v)]
         bad_grads = []
