@@ -84,6 +84,8 @@ def run_in_rank(opts: RunOptions) -> int:
     if not supervised and info.rank == 0 and restart_count() == 0:  # a restart moved them to the attempt's folder
         files.clear_shared(report_dir)
     refuse_self_launch(opts.script)
+    if not supervised:
+        wait_for_exchange(report_dir)
     ok, code = _execute(opts.script, list(opts.script_args), tracer)
     if checker is not None:
         checker.finish()  # before the exit line: rank 0 reads every rank's autocheck file once all have exited
@@ -119,37 +121,65 @@ def run_in_rank(opts: RunOptions) -> int:
 # Seconds a failed rank on one node of several waits for its node's report (~0.2 s) and, early in a job, for the
 # exchange store node 0's watcher starts (its `import torch`: 1.5 to 4 s) to be in place on every node.
 NODE_REPORT_WAIT = 6.0
+# Seconds a rank on one node of several waits, before its script, for the nodes' exchange to be in place: a little
+# more than the watchers' own limit (supervise/node_exchange.EXCHANGE_GIVE_UP, 20 s), after which they say so.
+EXCHANGE_WAIT = 22.0
+# Seconds to wait for a watcher that is not up at all (local rank 0 starts it; it may have failed to).
+WATCHER_START_WAIT = 10.0
+
+
+def _several_nodes() -> bool:
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1")) > int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    except ValueError:
+        return False
+
+
+def wait_for_exchange(report_dir: Path, limit: float = EXCHANGE_WAIT) -> bool:
+    """On one node of several, before the script: wait until the node watchers have found node 0's exchange store
+    (contract/watcher_file.WatcherState.exchange_attempt). A rank that gloo aborts at its first collective (a shape
+    that differs across nodes: SIGABRT, no Python runs after it) ends its torchrun, and the rendezvous store with
+    it, within a second; a watcher still importing then never found the exchange, and its node's part never
+    reached the report. The watchers start with the ranks and need less than the ranks' own imports, so this
+    mostly costs nothing. At once on one node."""
+    if not _several_nodes():
+        return False
+    attempt = restart_count()
+    return _wait_for_watcher(report_dir, limit, lambda state: state.exchange_attempt >= attempt,
+                             f"the nodes' exchange was not in place within {limit:.0f}s")
 
 
 def wait_until_covered(report_dir: Path, rank: int, limit: float = NODE_REPORT_WAIT) -> bool:
     """On one node of several, wait until the node watcher's own report of this node holds this rank's end
     (contract/watcher_file.WatcherState.covers); at once on one node, or without a live watcher."""
-    try:
-        world, local = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    except ValueError:
+    if not _several_nodes():
         return False
-    if world <= local:
-        return False
+    attempt = restart_count()
+    return _wait_for_watcher(report_dir, limit, lambda state: state.covers(attempt, rank),
+                             f"this node's report did not hold rank {rank}'s failure within {limit:.0f}s")
+
+
+def _wait_for_watcher(report_dir: Path, limit: float, done, late: str) -> bool:
+    """Poll this node's live watcher's state until ``done(state)``, at most ``limit`` seconds. A watcher not up yet
+    (local rank 0 started it with this attempt; its imports take seconds on a loaded machine) is waited for, at most
+    WATCHER_START_WAIT seconds; one that was up and is gone will not do it: False at once."""
     from distcheck.rank.bootstrap import live_watcher
 
-    attempt = restart_count()
-    deadline = time.monotonic() + limit
+    started = time.monotonic()
+    deadline = started + limit
     seen = False
     while time.monotonic() < deadline:
         state = live_watcher(report_dir)
         if state is None:
-            # Not up yet (local rank 0 started it with this attempt; its imports take seconds on a loaded machine):
-            # a rank that fails at its first collective must not take torchrun's store down before the watchers
-            # found the exchange. One that was up and is gone will not cover it.
-            if seen:
+            if seen or time.monotonic() - started >= WATCHER_START_WAIT:
                 return False
             time.sleep(0.02)
             continue
         seen = True
-        if state.covers(attempt, rank):
+        if done(state):
             return True
         time.sleep(0.02)
-    log.warning("distcheck: this node's report did not hold rank %d's failure within %.0fs", rank, limit)
+    log.warning("distcheck: %s", late)
     return False
 
 

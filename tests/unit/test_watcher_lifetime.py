@@ -128,3 +128,33 @@ def test_a_failed_rank_on_one_of_several_nodes_waits_for_a_watcher_still_startin
     started = time.monotonic()
     assert not wait_until_covered(tmp_path, 1, limit=5.0)
     assert time.monotonic() - started < 2.0  # it was up and is gone: no wait to the limit
+
+
+def test_a_rank_on_one_of_several_nodes_starts_its_script_once_the_exchange_is_in_place(tmp_path, monkeypatch):
+    """gloo aborts a rank at its first collective (SIGABRT: no Python runs after it) when a shape differs across
+    nodes; that took torchrun's store down before a watcher still importing had found node 0's exchange, and its
+    node's part never reached the report (3 of 15 loop runs under load). The ranks now start their scripts once the
+    exchange is in place, bounded; at once on one node, or when no watcher comes up."""
+    import threading
+    import time
+
+    from distcheck.contract import env
+    from distcheck.rank import entry
+
+    me = os.getpid()
+    monkeypatch.setenv(env.AGENT_PID, str(me))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    watcher_file.write(tmp_path, WatcherState(me, start_ticks(me), launcher_id(me), watching=0))  # up, not on it
+    ready = WatcherState(me, start_ticks(me), launcher_id(me), watching=0, exchange_attempt=0)
+    threading.Timer(0.3, lambda: watcher_file.write(tmp_path, ready)).start()
+    started = time.monotonic()
+    assert entry.wait_for_exchange(tmp_path, limit=5.0)
+    assert 0.25 < time.monotonic() - started < 5.0
+    monkeypatch.setattr(entry, "WATCHER_START_WAIT", 0.2)
+    started = time.monotonic()
+    assert not entry.wait_for_exchange(tmp_path / "no-watcher", limit=5.0)  # none came up: the script runs
+    assert time.monotonic() - started < 2.0
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert not entry.wait_for_exchange(tmp_path, limit=5.0)  # one node: no exchange to wait for
