@@ -322,9 +322,19 @@ def _with_diagnosis(e: Evidence, so_far: Report | None, traces: dict[int, RankTr
     if not traced:
         return Report(command="distcheck (under torchrun)", world_size=e.world_size, findings=findings,
                       checks=[check])
-    return run_report.build_report(e.report_dir, e.command or command_of(traces), e.world_size, traces, outcomes,
-                                   e.timeout, e.seconds, hang_findings=hang_findings, stop_reason=e.note,
-                                   warnings=e.warnings, remote=remote)
+    report = run_report.build_report(e.report_dir, e.command or command_of(traces), e.world_size, traces, outcomes,
+                                     e.timeout, e.seconds, hang_findings=hang_findings, stop_reason=e.note,
+                                     warnings=e.warnings, remote=remote)
+    report.findings = without_lost_peers(report.findings, findings)
+    return report
+
+
+def without_lost_peers(found: list[Finding], diagnosis: list[Finding]) -> list[Finding]:
+    """A stop's diagnosis places a rank whose collective failed only because another rank ended first on the stop
+    (node_watcher.diagnose_stop: ``lost_peer_ranks``) where it waited: its own rank_failure ("gloo lost its
+    connection") is that diagnosis's consequence, not a finding of its own."""
+    lost = {r for f in diagnosis for r in f.detail.get("lost_peer_ranks", ())}
+    return [f for f in found if not (lost and f.kind == "rank_failure" and f.ranks and set(f.ranks) <= lost)]
 
 
 def ended_run_report(report_dir: Path, command: str, world_size: int, timeout: float, seconds: float,

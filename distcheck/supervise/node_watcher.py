@@ -753,10 +753,12 @@ def diagnose_stop(report_dir: str, out_dir: Path, native: bool, world_size: int 
     cause = "/".join(sorted(signals))
     progress = load_progress(report_dir)
     dumped = sorted(s.rank for s in stacks)
+    stacks, progress, lost, notes = _placed_by_lost_collective(stacks, progress, traces)
     # A rank that ended unfinished without dumping got no stop signal: it died first (SIGKILL, the OOM killer),
     # and torchrun then stopped the others. That death is the cause, and this finding says it is the consequence.
     dead = sorted(r for r, t in traces.items() if t.finished is None and r not in dumped)
-    failed = sorted(r for r, t in traces.items() if t.finished is not None and not t.finished.get("ok"))
+    failed = sorted(r for r, t in traces.items() if t.finished is not None and not t.finished.get("ok")
+                    and r not in lost)
     if failed:
         first = traces[failed[0]].errors[-1] if traces[failed[0]].errors else None
         what = f" ({first.exc_type} at {file_line(first.file, first.line) or '?'})" \
@@ -771,12 +773,42 @@ def diagnose_stop(report_dir: str, out_dir: Path, native: bool, world_size: int 
     if failed:  # the ranks that failed by themselves have their own findings: this describes the stopped ones
         progress = {r: p for r, p in progress.items() if r not in failed}
     finding = hang_from_stacks(stacks, [], progress, None if local_only or failed else world_size, None, prefix,
-                               native=native, out_dir=out_dir, title=f"distcheck: stopped by {cause}")
+                               native=native, out_dir=out_dir, title=f"distcheck: stopped by {cause}", notes=notes)
     finding.detail["stopped_by"] = cause
     finding.detail["stopped_ranks"] = dumped
     finding.detail["died_first"] = dead
     finding.detail["failed_first"] = failed
+    finding.detail["lost_peer_ranks"] = sorted(lost)  # their own rank_failure is this stop's consequence
     return finding
+
+
+def _placed_by_lost_collective(stacks: list, progress: dict, traces: dict) -> tuple[list, dict, set[int], list[str]]:
+    """Stop signals reach the ranks one by one (torchrun signals each worker in turn; a zygote-forked rank hears it
+    through its stand-in), and a rank that fails ends the others' collectives too: a rank's pending collective
+    fails ("Connection closed by peer") once a peer died, before its own stop signal arrives, and its dump then
+    shows its way out, or it ends with that error itself. Such a rank is placed by the collective it lost its peer
+    in, where it waited until then; its failure is the consequence, never a cause, and its dump stays in its
+    stop-dump file. The stacks, progress, those ranks and the notes to diagnose with."""
+    import dataclasses
+
+    from distcheck.analysis.torch_errors import lost_peer
+
+    progress = dict(progress)
+    lost: set[int] = set()
+    notes = []
+    for rank, trace in traces.items():
+        p = progress.get(rank)
+        if p is None or p.last_failed is None or p.first_open is not None:
+            continue
+        # The collective's own error (the rank may be stopped before it wrote the exception's), else the rank's
+        failure = p.last_failed.error or (trace.errors[-1].message if trace.errors else "")
+        if not lost_peer(failure):
+            continue
+        lost.add(rank)
+        progress[rank] = dataclasses.replace(p, first_open=p.last_failed)
+        notes.append(f"rank {rank}'s {p.last_failed.op} #{p.last_failed.seq} failed once another rank had ended "
+                     f"(gloo lost its connection to it): it is placed there, where it waited")
+    return [s for s in stacks if s.rank not in lost], progress, lost, notes
 
 
 @dataclass

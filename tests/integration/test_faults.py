@@ -300,6 +300,33 @@ def test_a_stop_signal_to_torchrun_leaves_the_report(tmp_path, line_of, sig, env
         launch.cleanup(out)
 
 
+def test_a_stop_signal_that_reaches_one_rank_first_names_where_the_other_waited(tmp_path, line_of):
+    """Stop signals reach the ranks one by one: rank 1 gets SIGTERM alone and dies (dumping where it was), and rank
+    0's all_reduce then fails with gloo's "Connection closed by peer" before anything signals it. The report is
+    the stop's, with rank 0 placed in the all_reduce it waited in: its lost peer is the consequence, never the
+    cause (it was named as the rank that failed first, or as a second hung rank; 1 in 27 loop runs of the SIGINT
+    test below under load)."""
+    launch, out = torchrun_hanging(tmp_path, "300")
+    try:
+        pids = rank_pids(out)
+        os.kill(pids[1], signal.SIGTERM)
+        _, stdout, stderr, _ = launch.finish(60)
+        deadline = time.monotonic() + 10  # the node watcher writes right after the ranks are gone
+        while not (out / "report.json").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        report = load_report(out)
+        (f,) = report["findings"]
+        assert f["kind"] == "hang" and f["ranks"] == [1] and f["detail"]["stopped_by"] == "SIGTERM", f
+        assert f["detail"]["failed_first"] == [] and f["detail"]["died_first"] == []
+        hang, wait = line_of("hang_python.py", "# HANG"), line_of("hang_python.py", "# WAIT")
+        assert f["message"] == ("the run was stopped from outside by SIGTERM (torchrun passed it on to the ranks): "
+                                f"rank 1 is in load_shard (hang_python.py:{hang}) while rank 0 waits in "
+                                f"all_reduce #2 (hang_python.py:{wait})"), f["message"]
+        assert_no_rank_left(pids, out)
+    finally:
+        launch.cleanup(out)
+
+
 def test_the_rendezvous_store_dying_with_torchruns_agent(tmp_path, line_of):
     """torchrun's agent hosts the rendezvous store: SIGKILL it. The node watcher, outside the agent, still
     diagnoses the hang, writes the report and ends the orphaned ranks."""
