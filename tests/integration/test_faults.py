@@ -81,9 +81,13 @@ class Launch:
 
 
 def stuck(out: Path) -> bool:
-    """hang_python.py's ranks are in place: rank 1 sleeps in load_shard, rank 0 waits in all_reduce #2."""
-    trace = load_traces(out).get(0)
-    return trace is not None and len(trace.events) >= 2 and len(rank_pids(out)) == 2
+    """hang_python.py's ranks are in place: rank 1 sleeps in load_shard (its all_reduce #1 ended: under load rank 0
+    can be in #2 while rank 1 is still in #1, and a stop then found both in collectives), rank 0 waits in
+    all_reduce #2."""
+    traces = load_traces(out)
+    first, second = traces.get(0), traces.get(1)
+    return (first is not None and len(first.events) >= 2 and second is not None and len(second.events) >= 1
+            and second.events[0].completed and len(rank_pids(out)) == 2)
 
 
 def hanging(tmp_path: Path, timeout: str = "300", env: dict[str, str] | None = None) -> tuple[Launch, Path]:
@@ -101,6 +105,7 @@ def _wait_until_stuck(launch: Launch, out: Path) -> None:
     except BaseException:  # the test never gets the launch: end it here
         launch.cleanup(out)
         raise
+    time.sleep(0.2)  # rank 1's step from its ended all_reduce into load_shard's sleep, on a loaded machine
 
 
 def torchrun_hanging(tmp_path: Path, timeout: str, output: int = subprocess.PIPE,
