@@ -228,10 +228,10 @@ def serve(report_dir: str, timeout: float, native: bool = False, parent: int = 0
     me = os.getpid()
     global _STATE
     state = _STATE = WatcherState(me, start_ticks(me), launcher_id(agent) if agent else "", attempt.number)
-    # consistency's rank 0 hands its report over to be published here, beside this watch's own diagnoses
-    from distcheck.supervise.report_desk import ReportDesk
+    if command is None:  # consistency's rank 0 hands its report over to be published here, beside this watch's own
+        from distcheck.supervise.report_desk import ReportDesk
 
-    ReportDesk(report_dir).start()
+        ReportDesk(report_dir).start()
     while True:
         _write_state(report_dir, state)
         code = watch(report_dir, timeout, native, parent, attempt, agent, command)
@@ -345,7 +345,8 @@ def _watch(report_dir: str, timeout: float, native: bool, parent: int, attempt: 
                      poll=0.1, cancel=cancel, stragglers=LiveStragglers(report_dir))
     result = loop.run()
     cancel.set()
-    _publish_offers(report_dir)
+    if command is None:
+        _publish_offers(report_dir)
 
     def evidence(ending: str, world: int | None = None, **found) -> Evidence:
         return Evidence(ending, Path(report_dir), out_dir, world or world_size or len(seen), timeout,
@@ -452,7 +453,8 @@ def _watch_nodes(report_dir: str, timeout: float, native: bool, parent: int, env
             return 0
         hung = result.state == HUNG or link.remote_hang is not None
         log.info("the watch of this node's ranks ended (%s)", "hung" if hung else "ranks ended")
-        _publish_offers(report_dir)
+        if command is None:
+            _publish_offers(report_dir)
 
         def evidence(ending: str, out: Path = out_dir, **found) -> Evidence:
             return Evidence(ending, Path(report_dir), out, env.world_size, timeout, time.monotonic() - started,
@@ -512,10 +514,10 @@ def _publish_offers(report_dir: str) -> None:
     """The report a rank handed over just before it ended (consistency's rank 0, SIGKILLed right after offering
     what completed), published now, before this watch decides how the run ended from what report.json holds: the
     desk's thread may not have polled since."""
-    from distcheck.supervise.report_desk import ReportDesk
+    from distcheck.supervise.report_desk import take
 
     try:
-        ReportDesk(report_dir).take()
+        take(report_dir)
     except Exception:
         log.exception("publishing a handed report")
 

@@ -2,7 +2,9 @@
 
     torchrun --nproc-per-node 2 -m distcheck consistency     # rank 0 offers, this desk (in the watcher) publishes
 
-One thread for the watcher's whole life (every attempt of a ``--max-restarts`` job): it polls the report
+One thread for the watcher's whole life (every attempt of a ``--max-restarts`` job), in the watchers of commands
+whose rank 0 composes its own report (``consistency``; a ``run`` job's watcher composes the report itself and
+starts none): it polls the report
 directory's mailbox (contract/report_handoff.py), and delivers what it finds through supervise/node_report, the
 path every report of a watched job takes, under the lock the watch's own diagnoses take too.
 """
@@ -16,6 +18,25 @@ from pathlib import Path
 from distcheck.contract import report_handoff
 
 log = logging.getLogger("distcheck")
+
+
+def take(report_dir: str | os.PathLike) -> str | None:
+    """Publish the offer waiting in ``report_dir``, if any: what became of it (node_report.PUBLISHED, ...), None if
+    none. The desk's thread polls this; the watch calls it once more before it decides how the run ended."""
+    from distcheck.supervise.node_report import deliver_handed
+
+    handed = report_handoff.claim(report_dir)
+    if handed is None:
+        return None
+    try:
+        outcome = deliver_handed(handed, Path(report_dir))
+    except Exception:  # the rank waits for "published", then publishes it itself: it is not lost
+        log.exception("publishing the report rank pid %d handed over failed", handed.pid)
+        return None
+    report_handoff.published(report_dir)
+    log.info("the report rank pid %d handed over (%s): %s", handed.pid, "final" if handed.final else "so far",
+             outcome)
+    return outcome
 
 
 class ReportDesk:
@@ -34,27 +55,10 @@ class ReportDesk:
         self._stop.set()
         self._thread.join(wait)
 
-    def take(self) -> str | None:
-        """Publish the offer waiting, if any: what became of it (node_report.PUBLISHED, ...), None if none."""
-        from distcheck.supervise.node_report import deliver_handed
-
-        handed = report_handoff.claim(self.report_dir)
-        if handed is None:
-            return None
-        try:
-            outcome = deliver_handed(handed, self.report_dir)
-        except Exception:  # the rank waits for "published", then publishes it itself: it is not lost
-            log.exception("publishing the report rank pid %d handed over failed", handed.pid)
-            return None
-        report_handoff.published(self.report_dir)
-        log.info("the report rank pid %d handed over (%s): %s", handed.pid, "final" if handed.final else "so far",
-                 outcome)
-        return outcome
-
     def _serve(self) -> None:
         while not self._stop.is_set():
             try:
-                self.take()
+                take(self.report_dir)
             except Exception:  # a vanished report dir: nothing more will be handed over there
                 log.exception("the report desk")
             self._stop.wait(self.poll)
