@@ -163,6 +163,10 @@ def _run(opts: ConsistencyOptions, session: runtime.Session, check_options: Cons
                     _echo(watched, report_dir)
                 else:
                     _write(report, report_dir, watcher)
+            else:  # rank 0 may have died (SIGKILL) right after handing over what completed: torchrun waits for this
+                from distcheck.rank.entry import wait_for_handed_report
+
+                wait_for_handed_report(report_dir)
             return 1
         if session.rank == 0:
             _write(report, report_dir, watcher)

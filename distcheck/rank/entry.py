@@ -124,6 +124,9 @@ NODE_REPORT_WAIT = 6.0
 # Seconds a rank on one node of several waits, before its script, for the nodes' exchange to be in place: a little
 # more than the watchers' own limit (supervise/node_exchange.EXCHANGE_GIVE_UP, 20 s), after which they say so.
 EXCHANGE_WAIT = 22.0
+# Seconds a stopped rank waits for the watcher to publish the report rank 0 handed it (a report of a few KiB: well
+# under a second, unless the machine is loaded).
+HANDED_REPORT_WAIT = 5.0
 # Seconds to wait for a watcher that is not up at all (local rank 0 starts it; it may have failed to).
 WATCHER_START_WAIT = 10.0
 
@@ -157,6 +160,19 @@ def wait_until_covered(report_dir: Path, rank: int, limit: float = NODE_REPORT_W
     attempt = restart_count()
     return _wait_for_watcher(report_dir, limit, lambda state: state.covers(attempt, rank),
                              f"this node's report did not hold rank {rank}'s failure within {limit:.0f}s")
+
+
+def wait_for_handed_report(report_dir: Path, limit: float = HANDED_REPORT_WAIT) -> bool:
+    """A rank that torchrun stops after rank 0 died (consistency): wait until the report rank 0 handed this node's
+    watcher before it died (contract/report_handoff.py) is published. torchrun returns once this rank has
+    ended, and a CI step or Slurm then kills the watcher: the report must be out by then. At once when no offer
+    waits (rank 0 on another node, or it published already)."""
+    from distcheck.contract import report_handoff
+
+    if not report_handoff.pending(report_dir):
+        return True
+    return _wait_for_watcher(report_dir, limit, lambda state: not report_handoff.pending(report_dir),
+                             f"the report rank 0 handed over was not published within {limit:.0f}s")
 
 
 def _wait_for_watcher(report_dir: Path, limit: float, done, late: str) -> bool:

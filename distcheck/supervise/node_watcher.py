@@ -228,10 +228,20 @@ def serve(report_dir: str, timeout: float, native: bool = False, parent: int = 0
     me = os.getpid()
     global _STATE
     state = _STATE = WatcherState(me, start_ticks(me), launcher_id(agent) if agent else "", attempt.number)
+    desk = None
     if command is None:  # consistency's rank 0 hands its report over to be published here, beside this watch's own
         from distcheck.supervise.report_desk import ReportDesk
 
-        ReportDesk(report_dir).start()
+        desk = ReportDesk(report_dir).start()
+    try:
+        return _serve_attempts(report_dir, timeout, native, parent, attempt, agent, command, state)
+    finally:
+        if desk is not None:  # its thread is a daemon: what it is publishing now must not end with this process
+            desk.stop()
+
+
+def _serve_attempts(report_dir: str, timeout: float, native: bool, parent: int, attempt: Attempt, agent: int | None,
+                    command: str | None, state: WatcherState) -> int:
     while True:
         _write_state(report_dir, state)
         code = watch(report_dir, timeout, native, parent, attempt, agent, command)
@@ -372,7 +382,8 @@ def _watch(report_dir: str, timeout: float, native: bool, parent: int, attempt: 
         code = deliver(compose(evidence(ENDED, world=expected, command=command, agent=agent)))
         files.tidy(report_dir)
         return code
-    if 0 in seen and not written_since(out_dir, started_wall):
+    rank0_here = 0 in seen or _traced_under(report_dir, 0, agent)  # a rank 0 that died before this watch's first look
+    if rank0_here and not written_since(out_dir, started_wall):
         # Rank 0 died before it could write the report (SIGKILLed, or stopped by torchrun after another rank
         # died): the run's report, from the ranks' files, so that the death is still named.
         deliver(compose(evidence(RANK0_DIED, note="rank 0 ended before writing the report", running=set())))

@@ -19,10 +19,19 @@ from distcheck.contract import report_handoff
 
 log = logging.getLogger("distcheck")
 
+# Held from claim to publication: the watch's last look (take) then waits for an offer the desk's thread is still
+# publishing, instead of finding the mailbox empty and ending the watcher (a daemon thread) half-way through it.
+_TAKING = threading.Lock()
+
 
 def take(report_dir: str | os.PathLike) -> str | None:
     """Publish the offer waiting in ``report_dir``, if any: what became of it (node_report.PUBLISHED, ...), None if
     none. The desk's thread polls this; the watch calls it once more before it decides how the run ended."""
+    with _TAKING:
+        return _take(report_dir)
+
+
+def _take(report_dir: str | os.PathLike) -> str | None:
     from distcheck.supervise.node_report import deliver_handed
 
     handed = report_handoff.claim(report_dir)
@@ -52,6 +61,7 @@ class ReportDesk:
         return self
 
     def stop(self, wait: float = 5.0) -> None:
+        """End the thread once the offer it is publishing is out (the watcher's end)."""
         self._stop.set()
         self._thread.join(wait)
 

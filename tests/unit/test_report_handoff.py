@@ -133,3 +133,58 @@ def test_no_module_but_the_watchers_desk_and_rank_0s_fallback_delivers_a_handed_
                     "deliver_handed":
                 callers.add(path.relative_to(pkg).as_posix())
     assert callers == {"supervise/report_desk.py", "commands/consistency.py"}
+
+
+def test_the_watchs_last_look_waits_for_the_offer_the_desk_is_publishing(tmp_path, monkeypatch):
+    """The watch's last look (report_desk.take) found the mailbox empty while the desk's thread was still publishing
+    the offer it had claimed; the watcher then ended, its daemon desk thread with it, and no report.json was left
+    (rank 0 SIGKILLed right after its offer: the CI failure of test_a_sigkilled_rank_0_leaves_the_report...)."""
+    import threading
+    import time
+
+    from distcheck.supervise import report_desk
+
+    real = node_report.deliver_handed
+    claimed = threading.Event()
+
+    def slow(handed, report_dir):
+        claimed.set()
+        time.sleep(0.3)  # a loaded machine: the desk's first publication imports the report writers
+        return real(handed, report_dir)
+
+    monkeypatch.setattr(node_report, "deliver_handed", slow)
+    report_handoff.offer(tmp_path, consistency_report("so far"), final=False)
+    desk = threading.Thread(target=report_desk.take, args=(tmp_path,))
+    desk.start()
+    assert claimed.wait(5.0)
+    assert report_desk.take(tmp_path) is None  # nothing left to claim, but it returned only once that was out
+    assert published_as(tmp_path, consistency_report("so far")) and not report_handoff.pending(tmp_path)
+    desk.join(5.0)
+
+
+def test_a_stopped_rank_holds_torchrun_until_rank_0s_handed_report_is_out(tmp_path, monkeypatch):
+    """Rank 0 SIGKILLed right after its offer: rank 1, stopped by torchrun, ends only once the watcher published it
+    (torchrun returns when rank 1 ends, and a CI step then kills the watcher); at once when nothing waits."""
+    import threading
+    import time
+
+    from distcheck.contract import watcher_file
+    from distcheck.contract.watcher_file import WatcherState
+    from distcheck.processes import launcher_id, start_ticks
+    from distcheck.rank import entry
+    from distcheck.contract import env
+
+    me = os.getpid()
+    monkeypatch.setenv(env.AGENT_PID, str(me))
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    started = time.monotonic()
+    assert entry.wait_for_handed_report(tmp_path, limit=5.0)  # no offer: no wait, even with no watcher at all
+    assert time.monotonic() - started < 0.5
+    watcher_file.write(tmp_path, WatcherState(me, start_ticks(me), launcher_id(me), watching=0))
+    report_handoff.offer(tmp_path, consistency_report("so far"), final=False)
+    publishing = threading.Timer(0.3, lambda: report_handoff.published(tmp_path) if report_handoff.claim(tmp_path)
+                                 else None)
+    publishing.start()
+    started = time.monotonic()
+    assert entry.wait_for_handed_report(tmp_path, limit=5.0)
+    assert 0.25 < time.monotonic() - started < 5.0
