@@ -194,3 +194,20 @@ def test_the_sampler_tells_host_syncs_apart_from_the_users_own_code():
         thread.join()
     assert seen.get("host sync", 0) >= 3, seen
     assert sampler._on_a_sync_line(sys._getframe()) is False  # this line calls no sync
+
+
+def test_collectives_reached_together_leave_the_share_of_last_arrivals_to_the_real_straggler():
+    """The intermittent data-loading straggler run: rank 1 late by 0.1 s at 15 of 21 collectives, rank 0 "last" by
+    under a millisecond at the other 6 (the job's start, a loaded machine): 15 of 21 is under LAST_SHARE, but those
+    6 are ties, and rank 1 was last at every collective where anyone waited. Ties alone name nobody."""
+    from distcheck.analysis.stragglers import LAST_SHARE, TIE_WAIT
+
+    starts = [1000.0 + 0.2 * i for i in range(21)]
+    rank1 = [t + (0.0007 if i < 6 else 0.1) for i, t in enumerate(starts)]
+    rank0 = [t + (0.0014 if i < 6 else 0.0) for i, t in enumerate(starts)]  # later than rank 1 at the first 6
+    s = analyze({0: trace(0, rank0), 1: trace(1, rank1)})
+    assert 15 / 21 < LAST_SHARE and s.ranks[1].last == 15 and s.ranks[0].last == 6 and s.ranks[0].held < TIE_WAIT * 6
+    assert s.named == [1], s.section()
+    assert s.notes()[0].message.startswith("rank 1 arrived last at 15 of 21 collectives")
+    tied = analyze({r: trace(r, [t + 0.001 * ((i + r) % 2) for i, t in enumerate(starts)]) for r in (0, 1)})
+    assert tied.named == []
