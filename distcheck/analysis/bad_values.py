@@ -20,7 +20,7 @@ it is unit-tested without launching ranks.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Mapping
 
 from distcheck.analysis.check_verdict import Verdict, notes_in
@@ -311,6 +311,11 @@ class BadEvent:
     last_clean_grads: int | None = None
     # Where the bad loss came from on this rank (rank/autocheck/nan_origin.py): the batch, a module, the loss.
     origin: dict[str, Any] | None = None
+    # The ranks of the DDP group whose gradients these were too (rank/autocheck/ddp_grad_share.py: one rank checks
+    # a step's gradients for the group); set on the checking rank's event
+    replicated: list[int] = field(default_factory=list)
+    # On an event given to a rank of that group by :func:`spread_replicated`: the rank that checked
+    checked_on: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -320,6 +325,27 @@ class BadEvent:
         return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
 
 
+def spread_replicated(events: Mapping[int, BadEvent | None]) -> dict[int, BadEvent | None]:
+    """Each rank of a DDP group gets the bad gradients one rank of the group found for all (they hold the same
+    all-reduced gradients; only one checked that step): as its event at that step when its own came later or not at
+    all, or added to its own event at that step when that one has no gradients (a bad loss on another rank's turn is
+    checked in full, so this is a rank whose loss was finite)."""
+    out = dict(events)
+    for rank, e in sorted(events.items()):
+        if e is None or not e.replicated or not e.grad_params:
+            continue
+        for peer in e.replicated:
+            own = out.get(peer)
+            if peer == rank or own is not None and (own.step < e.step or own.step == e.step and own.grad_params):
+                continue
+            if own is not None and own.step == e.step:
+                out[peer] = replace(own, grad_params=list(e.grad_params), checked_on=rank)
+            else:
+                out[peer] = BadEvent(e.step, e.counter, False, None, list(e.grad_params), e.file, e.line,
+                                     e.last_clean_grads, checked_on=rank)
+    return out
+
+
 def first_bad_finding(events: dict[int, BadEvent | None], steps_done: dict[int, int]) -> Finding | None:
     """Merge the ranks' first-bad events into one ``bad_values`` finding (None when every rank stayed finite).
 
@@ -327,7 +353,7 @@ def first_bad_finding(events: dict[int, BadEvent | None], steps_done: dict[int, 
     The ranks whose own loss was bad at the earliest step are the origin; a NaN there on some ranks only points
     to those ranks' data (their batch), since every rank runs the same model on the same parameters.
     """
-    bad = {r: e for r, e in events.items() if e is not None}
+    bad = {r: e for r, e in spread_replicated(events).items() if e is not None}
     if not bad:
         return None
     step = min(e.step for e in bad.values())

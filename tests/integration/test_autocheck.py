@@ -8,10 +8,10 @@ import pytest
 from launch_helpers import FIXTURES, distcheck, load_report, run_pytest
 
 
-def run_fixture(tmp_path, fixture: str):
+def run_fixture(tmp_path, fixture: str, *args: str):
     out = tmp_path / "report"
     res = distcheck(["run", "--nproc", "2", "--timeout", "60", "--report-dir", str(out), "--",
-                     str(FIXTURES / fixture)], timeout=150)
+                     str(FIXTURES / fixture), *args], timeout=150)
     return res, load_report(out)
 
 
@@ -59,6 +59,37 @@ def test_nan_in_one_ranks_batch_names_step_and_rank(line_of, tmp_path):
     assert "on rank 1 the batch itself already holds nan: input args[0] of Sequential.forward at index [3, 5]" \
         in finding["message"]
     assert detail["origin"]["where"] == "batch" and detail["origin"]["rank"] == 1
+
+
+@pytest.mark.parametrize("step, checker", [(3, 1), (2, 0)])
+def test_a_nan_gradient_of_ddp_is_named_at_its_step_whichever_rank_checked_it(line_of, tmp_path, step, checker):
+    """Every loss finite, a NaN gradient from backward at ``step`` on rank 1, spread by DDP's all-reduce. In the
+    first 50 steps one rank of the DDP group checks each step's (identical) gradients, in turn
+    (rank/autocheck/ddp_grad_share.py): the report still names the step, both ranks and the backward line."""
+    res, report = run_fixture(tmp_path, "zc_nan_backward.py", "--step", str(step))
+    assert res.returncode == 1, res.output
+    [finding] = [f for f in report["findings"] if f["kind"] == "bad_values"]
+    assert finding["ranks"] == [0, 1]
+    detail = finding["detail"]
+    assert detail["step"] == step and detail["loss_ranks"] == [] and detail["grad_ranks"] == [0, 1]
+    assert detail["first_param"] == "weight"
+    assert detail["line"] == line_of("zc_nan_backward.py", "        loss.backward()")
+    assert "Every loss was finite: the NaN/Inf arose in backward" in finding["message"]
+    other = 1 - checker  # it did not look at this step's gradients: the checker's event is its own
+    events = detail["events"]
+    assert events[str(other)]["checked_on"] == checker and events[str(checker)]["replicated"] == [0, 1]
+
+
+def test_a_ddp_model_called_through_module_has_its_gradients_checked_on_every_rank(line_of, tmp_path):
+    """``model.module(x)`` skips DDP's all-reduce: the ranks' gradients differ, so no rank checks for another; the
+    NaN gradient at step 2 (rank 0's turn, were they shared) is named on rank 1, the rank that holds it."""
+    res, report = run_fixture(tmp_path, "zc_nan_backward.py", "--step", "2", "--bypass")
+    assert res.returncode == 1, res.output
+    [finding] = [f for f in report["findings"] if f["kind"] == "bad_values"]
+    assert finding["ranks"] == [1] and finding["detail"]["step"] == 2 and finding["detail"]["grad_ranks"] == [1]
+    assert finding["detail"]["line"] == line_of("zc_nan_backward.py", "        loss.backward()")
+    assert "Rank 0 stayed finite at that step" in finding["message"]
+    assert not finding["detail"]["events"]["1"]["replicated"]
 
 
 def test_the_first_module_whose_output_overflows_is_named_with_its_line(line_of, tmp_path):

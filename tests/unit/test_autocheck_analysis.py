@@ -151,3 +151,28 @@ def test_a_gradient_found_bad_by_a_sparse_check_says_since_when_it_can_be():
     assert "last finite at step 60, so the first bad one lies in steps 61-70" in f.message
     dense = first_bad_finding({0: BadEvent(3, "optimizer.step", False, None, ["fc.weight"])}, {0: 4})
     assert "last finite" not in dense.message
+
+
+def test_a_ddp_groups_gradients_checked_by_one_rank_read_as_if_every_rank_had():
+    """One rank of a DDP group checks a step's gradients for all (rank/autocheck/ddp_grad_share.py): the finding is
+    the one every rank's own check gave. Rank 1 found the bad gradients at step 3 with a bad loss; rank 0's own first
+    event came a step later (its NaN parameters)."""
+    from distcheck.analysis.bad_values import spread_replicated
+
+    full = {0: BadEvent(3, "optimizer.step", False, None, ["2.bias", "2.weight"], "/src/train.py", 40),
+            1: BadEvent(3, "optimizer.step", True, "nan", ["2.bias", "2.weight"], "/src/train.py", 40)}
+    shared = {0: BadEvent(4, "optimizer.step", True, "nan", [], "/src/train.py", 40),
+              1: BadEvent(3, "optimizer.step", True, "nan", ["2.bias", "2.weight"], "/src/train.py", 40,
+                          replicated=[0, 1])}
+    want, got = first_bad_finding(full, {0: 6, 1: 6}), first_bad_finding(shared, {0: 6, 1: 6})
+    assert got.message == want.message and got.ranks == want.ranks == [1]
+    assert got.detail["grad_ranks"] == [0, 1] and got.detail["events"]["0"]["checked_on"] == 1
+    # rank 0's own event at that step (its own bad loss, on rank 1's turn) gets the gradients added
+    same_step = spread_replicated({0: BadEvent(3, "optimizer.step", True, "inf", []), 1: shared[1]})
+    assert same_step[0].loss_value == "inf" and same_step[0].grad_params == ["2.bias", "2.weight"]
+    # a rank that checked for itself keeps its own event; a rank outside the group gets nothing
+    kept = spread_replicated({0: full[0], 1: shared[1], 2: None})
+    assert kept[0] is full[0] and kept[2] is None
+    # without gradients found there is nothing to give: a rank with no event stays clean
+    loss_only = spread_replicated({0: None, 1: BadEvent(3, "optimizer.step", True, "nan", [], replicated=[0, 1])})
+    assert loss_only[0] is None

@@ -7,6 +7,8 @@ Each ``optimizer.step()`` (a global step pre-hook) checks that step's losses (th
 (on CUDA the read is a non-blocking copy checked at a later step, so there is no added sync). Without an
 optimizer a step is a ``backward()`` call. Only the rank's first bad step is kept, written to
 ``autocheck-rank<R>.json``; the supervisor merges the ranks' events, so no cross-rank traffic is needed per step.
+A DDP group's gradients, the same on each of its ranks, are checked in the first GRAD_DENSE_STEPS steps by one rank
+per step, in turn (ddp_grad_share.py).
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import time
 from typing import Any
 
 from distcheck.analysis.bad_values import BadEvent, loss_value_name
+from distcheck.rank.autocheck.ddp_grad_share import DdpGradShare, Share
 from distcheck.rank.autocheck.discovery import user_name
 from distcheck.rank.autocheck.protocol import Check
 from distcheck.rank.autocheck.nan_origin import HeldInputs, locate
@@ -68,6 +71,7 @@ class NanWatch(Check):
         self.last_clean_grads: int | None = None  # the last step whose gradients were checked and finite
         self.backward_order: dict[str, int] = {}  # parameter name -> position in backward order
         self.held = HeldInputs()  # this step's forward inputs, for where a first bad loss came from (nan_origin.py)
+        self.ddp = DdpGradShare()  # the dense steps' gradients of a DDP group: checked by one rank in turn
 
     def state(self) -> dict[str, Any] | None:
         if self.first_bad is None and not self.seconds:
@@ -78,6 +82,8 @@ class NanWatch(Check):
         self._names.clear()  # parameters may have been replaced (fully_shard swaps them for DTensors)
         if self.first_bad is None:
             self.held.watch(module)
+            if how == "ddp":
+                self.ddp.watch(module)
 
     def on_optimizer_step_done(self, optimizer: Any, step: int) -> None:
         self.held.clear()  # the inputs of the step just checked: the next step's forward holds its own
@@ -132,12 +138,19 @@ class NanWatch(Check):
 
     def on_optimizer_step(self, optimizer: Any, step: int) -> None:
         if self.first_bad is None:
+            share = None
+            if step < GRAD_DENSE_STEPS:
+                share = self.ddp.share(optimizer, step)
+            elif not self.ddp.off:
+                self.ddp.stop()
             # The parameters are listed only on a step whose gradients are checked: on the others (9 in 10 after
             # GRAD_DENSE_STEPS) the loss alone is.
             params = [p for g in optimizer.param_groups for p in g["params"]] if grads_checked(step) else []
-            self.check_step(step, "optimizer.step", params)
+            self.check_step(step, "optimizer.step", params, share)
 
-    def check_step(self, step: int, counter: str, params: list[Any]) -> None:
+    def check_step(self, step: int, counter: str, params: list[Any], share: Share | None = None) -> None:
+        """``share``: this step's gradients are a DDP group's (ddp_grad_share.py); on another rank's turn they are
+        checked here only if a loss is bad, so that this rank's event holds them too."""
         import torch
 
         from distcheck.rank.checks.fingerprint import local_tensor
@@ -145,6 +158,8 @@ class NanWatch(Check):
         started = time.perf_counter()
         try:
             self._resolve(block=False)
+            if share is not None and not share.mine and params and self._losses_finite_on_cpu():
+                params = []
             grads, names = [], []
             owners: list[Any] = []  # the parameter of each gradient: an FSDP1 FlatParameter is named when bad
             if params and grads_checked(step):  # else the loss only (see GRAD_EVERY)
@@ -173,7 +188,8 @@ class NanWatch(Check):
                 # A host read costs no device sync here: plain floats, without stacking the scalars first (the
                 # torch calls that would cost more than the check itself on a loss-only step).
                 values = [float(t) for t, _ in losses] + (torch.stack(norms).tolist() if norms else [])
-                self._inspect(step, counter, values, len(losses), names, sites, live=True, owners=owners)
+                self._inspect(step, counter, values, len(losses), names, sites, live=True, owners=owners,
+                              replicated=share.ranks if share is not None and grads else [])
                 return
             parts = []
             if losses:
@@ -204,11 +220,16 @@ class NanWatch(Check):
         if self.first_bad is not None:
             self._pending.clear()
 
+    def _losses_finite_on_cpu(self) -> bool:
+        """Every loss since the last step is a finite CPU scalar (read here, so no device sync; on a GPU: False)."""
+        return all(t.device.type == "cpu" and math.isfinite(float(t)) for t, _ in self._losses)
+
     def _inspect(self, step: int, counter: str, values: Any, n_losses: int, names: list[str], sites: list[Any],
-                 live: bool = False, owners: list[Any] | None = None) -> None:
+                 live: bool = False, owners: list[Any] | None = None, replicated: list[int] | None = None) -> None:
         """``live``: read at the step itself (CPU), before the update: its forward inputs are still held.
         ``owners``: each gradient's parameter; a bad FSDP1 FlatParameter is named by the original parameters that
-        hold the NaN/Inf (use_orig_params=False gives the optimizer only them), looked up only once one is bad."""
+        hold the NaN/Inf (use_orig_params=False gives the optimizer only them), looked up only once one is bad.
+        ``replicated``: the ranks of the DDP group whose gradients these are too (ddp_grad_share.py)."""
         flat = values if isinstance(values, list) else values.tolist()
         losses, norms = flat[:n_losses], flat[n_losses:]
         bad_losses = [i for i, v in enumerate(losses) if not math.isfinite(v)]
@@ -229,12 +250,15 @@ class NanWatch(Check):
                                   loss_value_name(losses[bad_losses[0]]) if bad_losses else None, bad_grads,
                                   getattr(site, "file", None), getattr(site, "line", None),
                                   None if step < GRAD_DENSE_STEPS else self.last_clean_grads,
-                                  locate(self.held.forwards) if bad_losses and live else None)
+                                  locate(self.held.forwards) if bad_losses and live else None,
+                                  list(replicated or []))
         self._losses = []
         self.held.stop()
+        self.ddp.stop()
         self.core.write_state()
 
     def finish(self) -> None:
+        self.ddp.stop()
         try:
             self._resolve(block=True)
         except Exception as exc:
