@@ -140,7 +140,11 @@ class NanWatch(Check):
         if self.first_bad is None:
             share = None
             if step < GRAD_DENSE_STEPS:
-                share = self.ddp.share(optimizer, step)
+                try:
+                    share = self.ddp.share(optimizer, step)
+                except Exception as exc:  # an optimizer or model unlike torch's: every gradient is checked here
+                    log.debug("distcheck: the DDP gradient share failed: %s", exc)
+                    self.ddp.stop()
             elif not self.ddp.off:
                 self.ddp.stop()
             # The parameters are listed only on a step whose gradients are checked: on the others (9 in 10 after
