@@ -61,19 +61,23 @@ def test_nan_in_one_ranks_batch_names_step_and_rank(line_of, tmp_path):
     assert detail["origin"]["where"] == "batch" and detail["origin"]["rank"] == 1
 
 
-@pytest.mark.parametrize("step, checker", [(3, 1), (2, 0)])
-def test_a_nan_gradient_of_ddp_is_named_at_its_step_whichever_rank_checked_it(line_of, tmp_path, step, checker):
+@pytest.mark.parametrize("step, checker, extra", [(3, 1, ()), (2, 0, ()), (3, 1, ("--accumulate",))],
+                         ids=["rank-1s-turn", "rank-0s-turn", "accumulated-under-no_sync"])
+def test_a_nan_gradient_of_ddp_is_named_at_its_step_whichever_rank_checked_it(line_of, tmp_path, step, checker,
+                                                                              extra):
     """Every loss finite, a NaN gradient from backward at ``step`` on rank 1, spread by DDP's all-reduce. In the
     first 50 steps one rank of the DDP group checks each step's (identical) gradients, in turn
     (rank/autocheck/ddp_grad_share.py): the report still names the step, both ranks and the backward line."""
-    res, report = run_fixture(tmp_path, "zc_nan_backward.py", "--step", str(step))
+    res, report = run_fixture(tmp_path, "zc_nan_backward.py", "--step", str(step), *extra)
     assert res.returncode == 1, res.output
     [finding] = [f for f in report["findings"] if f["kind"] == "bad_values"]
     assert finding["ranks"] == [0, 1]
     detail = finding["detail"]
     assert detail["step"] == step and detail["loss_ranks"] == [] and detail["grad_ranks"] == [0, 1]
     assert detail["first_param"] == "weight"
-    assert detail["line"] == line_of("zc_nan_backward.py", "        loss.backward()")
+    # every loss finite: the step's first backward() line (with accumulation, the micro-batch's under no_sync)
+    first = ".sqrt().mean().backward()" if extra else "        loss.backward()"
+    assert detail["line"] == line_of("zc_nan_backward.py", first)
     assert "Every loss was finite: the NaN/Inf arose in backward" in finding["message"]
     other = 1 - checker  # it did not look at this step's gradients: the checker's event is its own
     events = detail["events"]

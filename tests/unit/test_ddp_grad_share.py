@@ -64,7 +64,7 @@ def test_a_step_whose_gradients_may_differ_across_ranks_is_checked_by_every_rank
     assert share.share(opt, 1) is None
     with model.no_sync():
         step(model, model)
-    assert share.share(opt, 2) is None
+    assert share.share(opt, 2) is None  # a step after no_sync() alone: nothing was all-reduced
     with torch.no_grad():
         model(torch.ones(1, 4))  # an evaluation forward arms no all-reduce
     assert share.share(opt, 3) is None
@@ -89,3 +89,15 @@ def test_parameters_outside_the_ddp_model_or_a_second_ddp_model_end_the_sharing(
     step(model, model)
     assert share.share(opt, 0) is None and share.off
     assert not model._forward_pre_hooks and not model.module._forward_pre_hooks  # its hooks are gone
+
+
+def test_gradient_accumulation_under_no_sync_is_shared_once_the_synced_backward_reduced_it():
+    """Micro-batches under no_sync(), then one synced forward and backward: DDP all-reduces the accumulated
+    gradients, identical on every rank (a call of model.module inside no_sync() is accumulated and reduced too)."""
+    model, share, opt = setup(rank=0)
+    with model.no_sync():
+        step(model, model)
+        step(model, model.module)
+    step(model, model)
+    s = share.share(opt, 0)
+    assert s is not None and s.mine

@@ -12,8 +12,10 @@ the same gradient event, so the report reads as if every rank had checked.
 
 Only where the gradients are DDP's all-reduced ones, as seen this very step: one DDP model, every parameter the
 optimizer steps is one of its own, no Python comm hook (post-local SGD all-reduces within subgroups only), DDP's own
-forward ran with grad sync on and its inner module was not called past it (``model.module(x)`` and ``no_sync()``
-leave each rank its own gradients). Anything else, and every rank checks everything, as before.
+forward ran with grad sync on and its inner module was not called past it with sync on (``model.module(x)``
+leaves each rank its own gradients; the micro-batches of ``no_sync()`` are all-reduced by the synced backward
+after them, and a step after ``no_sync()`` alone is not). Anything else, and every rank checks everything, as
+before.
 """
 from __future__ import annotations
 
@@ -50,7 +52,7 @@ class DdpGradShare:
         self._covered: dict[tuple[int, int], bool] = {}
         self.off = False  # a second DDP model, or the dense steps are over: no more sharing
         self.synced = 0  # DDP forwards with grad enabled and require_backward_grad_sync, since the last step
-        self.inner = 0  # calls of its inner module with grad enabled (DDP's own forward makes one)
+        self.inner = 0  # calls of its inner module with grad enabled and sync on (DDP's own forward makes one)
 
     def watch(self, model: Any) -> None:
         """A DDP model was built (``model_wrapped`` with how "ddp")."""
@@ -66,7 +68,7 @@ class DdpGradShare:
         import torch
 
         grad_on, compiling = torch.is_grad_enabled, torch.compiler.is_compiling
-        me = weakref.ref(self)
+        me, ddp = weakref.ref(self), weakref.ref(model)
 
         def outer(module: Any, args: Any) -> None:
             share = me()
@@ -74,8 +76,11 @@ class DdpGradShare:
                 share.synced += 1
 
         def through(module: Any, args: Any) -> None:
-            share = me()
-            if share is not None and not compiling() and grad_on():
+            # Inside no_sync() (gradient accumulation) the gradients stay local until the next synced backward
+            # all-reduces what they add up to: only a call with grad sync on can leave a step's gradients local.
+            share, wrapper = me(), ddp()
+            if share is not None and wrapper is not None and not compiling() and grad_on() \
+                    and wrapper.require_backward_grad_sync:
                 share.inner += 1
 
         self._model = weakref.ref(model)
