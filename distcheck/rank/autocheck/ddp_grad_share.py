@@ -69,6 +69,7 @@ class DdpGradShare:
 
         grad_on, compiling = torch.is_grad_enabled, torch.compiler.is_compiling
         me, ddp = weakref.ref(self), weakref.ref(model)
+        self._model = ddp
 
         def outer(module: Any, args: Any) -> None:
             share = me()
@@ -83,11 +84,11 @@ class DdpGradShare:
                     and wrapper.require_backward_grad_sync:
                 share.inner += 1
 
-        self._model = weakref.ref(model)
         self._handles = [model.register_forward_pre_hook(outer), inner.register_forward_pre_hook(through)]
 
-    def share(self, optimizer: Any, step: int) -> Share | None:
-        """This step's share, or None: this rank checks every gradient. Resets the counts for the next step."""
+    def share(self, optimizer: Any, params: list[Any], step: int) -> Share | None:
+        """This step's share of ``optimizer``'s ``params`` (the NaN watch lists them for its check), or None: this
+        rank checks every gradient. Resets the counts for the next step."""
         synced, inner, self.synced, self.inner = self.synced, self.inner, 0, 0
         model = self._model() if self._model is not None else None
         if self.off or model is None or synced == 0 or inner != synced or getattr(model, "_comm_hooks", None):
@@ -98,13 +99,12 @@ class DdpGradShare:
             rank, size, ranks = self._group
         except Exception:  # no process group to ask (destroyed): check everything
             return None
-        if size < 2 or not self._covers(model, optimizer):
+        if size < 2 or not self._covers(model, optimizer, params):
             return None
         return Share(step % size == rank, list(ranks))
 
-    def _covers(self, model: Any, optimizer: Any) -> bool:
+    def _covers(self, model: Any, optimizer: Any, params: list[Any]) -> bool:
         """Every parameter ``optimizer`` steps is the DDP model's (once per optimizer and parameter count)."""
-        params = [p for g in optimizer.param_groups for p in g["params"]]
         key = (id(optimizer), len(params))
         hit = self._covered.get(key)
         if hit is None:

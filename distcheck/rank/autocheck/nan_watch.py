@@ -138,18 +138,18 @@ class NanWatch(Check):
 
     def on_optimizer_step(self, optimizer: Any, step: int) -> None:
         if self.first_bad is None:
+            # The parameters are listed only on a step whose gradients are checked: on the others (9 in 10 after
+            # GRAD_DENSE_STEPS) the loss alone is.
+            params = [p for g in optimizer.param_groups for p in g["params"]] if grads_checked(step) else []
             share = None
             if step < GRAD_DENSE_STEPS:
                 try:
-                    share = self.ddp.share(optimizer, step)
+                    share = self.ddp.share(optimizer, params, step)
                 except Exception as exc:  # an optimizer or model unlike torch's: every gradient is checked here
                     log.debug("distcheck: the DDP gradient share failed: %s", exc)
                     self.ddp.stop()
             elif not self.ddp.off:
                 self.ddp.stop()
-            # The parameters are listed only on a step whose gradients are checked: on the others (9 in 10 after
-            # GRAD_DENSE_STEPS) the loss alone is.
-            params = [p for g in optimizer.param_groups for p in g["params"]] if grads_checked(step) else []
             self.check_step(step, "optimizer.step", params, share)
 
     def check_step(self, step: int, counter: str, params: list[Any], share: Share | None = None) -> None:
