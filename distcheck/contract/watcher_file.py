@@ -1,5 +1,7 @@
-"""``watcher-<host>.json``: the node watcher's state. The one writer is the watcher (supervise/node_watcher.py),
-which rewrites it whole as it goes; the readers are the node's ranks (rank/bootstrap.py, rank/entry.py).
+"""``watcher-<host>.json``: the node watcher's state. Local rank 0 writes its first one as it starts the watcher
+(rank/bootstrap.py: the watcher's imports take a second or more); from then on the one writer is the watcher
+(supervise/node_watcher.py), which rewrites it whole as it goes; the readers are the node's ranks
+(rank/bootstrap.py, rank/entry.py).
 
     torchrun --nproc-per-node 2 --max-restarts 1 -m distcheck run -- train.py
 

@@ -186,4 +186,12 @@ def start_node_watcher(report_dir: str | os.PathLike, timeout: float, native: bo
     # Its role keeps the ranks' own sweeps (runtime.end_processes) from ending it with the script's processes.
     process = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, start_new_session=True, close_fds=True,
                                env={**os.environ, ROLE_ENV: NODE_WATCHER})
+    # The watcher writes its state once its imports are done, a second or more on a loaded machine. An attempt that
+    # ends sooner (a rank failing at once) left no state, and the restarted attempt's local rank 0 started a second
+    # watcher beside it (1 clean-clone suite run in 4): its state is written here first, for it.
+    try:
+        watcher_file.write(report_dir, WatcherState(process.pid, start_ticks(process.pid), launcher_id(agent_pid()),
+                                                    restart_count()))
+    except OSError:  # a full report disk: the watcher's own write fails too, and the ranks then wait for the process
+        pass
     return NodeWatcher(report_dir, process.pid, process)

@@ -158,3 +158,30 @@ def test_a_rank_on_one_of_several_nodes_starts_its_script_once_the_exchange_is_i
     assert time.monotonic() - started < 2.0
     monkeypatch.setenv("WORLD_SIZE", "1")
     assert not entry.wait_for_exchange(tmp_path, limit=5.0)  # one node: no exchange to wait for
+
+
+def test_a_watcher_still_importing_is_found_by_the_next_attempt(tmp_path, monkeypatch):
+    """The watcher writes its state once its imports are done (a second or more on a loaded machine); an attempt
+    that failed sooner left none, and the restarted attempt's local rank 0 started a second watcher. The rank that
+    starts it writes its first state (no process launched: Popen stands in, this process for the watcher)."""
+    import subprocess
+
+    from distcheck.contract import env
+    from distcheck.rank import bootstrap
+
+    me = os.getpid()
+    monkeypatch.setenv(env.AGENT_PID, str(me))
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+
+    class Started:
+        pid = me
+
+        def __init__(self, cmd, **kwargs):
+            self.cmd = cmd
+
+    monkeypatch.setattr(subprocess, "Popen", Started)
+    assert live_watcher(tmp_path) is None
+    watcher = bootstrap.start_node_watcher(tmp_path, 30.0)
+    found = live_watcher(tmp_path)  # what attempt 1's local rank 0 asks before it would start another
+    assert found is not None and found.pid == watcher.pid == me and found.watching == 0
+    assert not found.done_with(0)  # the ranks of a restart wait for its report of attempt 0 before moving files
