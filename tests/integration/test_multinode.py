@@ -77,6 +77,25 @@ class Nodes:
     reports_at_exit: dict[str, bool]  # whether each host's job report existed when the last torchrun returned
 
 
+def kill_namespace(tag: str, uts: str, within: float = 5.0) -> None:
+    """SIGKILL every process of the run in the UTS namespace ``uts`` until none is left, as Slurm's cgroup kill or a
+    CI runner's process-tree kill does. One sweep is not enough: a process can fork between the listing and the
+    kill, and a killed process is still listed until the kernel has ended it."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        alive = []
+        for pid in tagged(tag):
+            try:
+                if os.readlink(f"/proc/{pid}/ns/uts") == uts:
+                    os.kill(pid, signal.SIGKILL)
+                    alive.append(pid)
+            except OSError:  # ended since the listing
+                pass
+        if not alive:
+            return
+        time.sleep(0.005)
+
+
 def run_two_nodes(tmp_path: Path, script: str | None, timeout: float, tag: str, *args: str, nproc: int = 1,
                   env: dict[str, dict[str, str]] | None = None, kill_at_exit: bool = False) -> Nodes:
     """Two torchrun agents, one per namespaced node, each with ``nproc`` ranks and a node-local report dir
@@ -100,6 +119,7 @@ def run_two_nodes(tmp_path: Path, script: str | None, timeout: float, tag: str, 
                                        stdout=logs[host], stderr=subprocess.STDOUT,
                                        env=env_for_ranks({TAG: tag, **FRESH, **(env or {}).get(host, {})}),
                                        start_new_session=True)
+    own_uts = os.readlink("/proc/self/ns/uts")
     uts: dict[str, str] = {}
     ended: dict[str, float] = {}
     deadline = time.monotonic() + 240
@@ -108,18 +128,18 @@ def run_two_nodes(tmp_path: Path, script: str | None, timeout: float, tag: str, 
             for host, proc in procs.items():
                 if host not in uts:
                     try:
-                        uts[host] = os.readlink(f"/proc/{proc.pid}/ns/uts")
+                        node_uts = os.readlink(f"/proc/{proc.pid}/ns/uts")
                     except OSError:
-                        pass
+                        node_uts = own_uts
+                    # Read before unshare(2) has run, the link is still this process's namespace: the kill at
+                    # exit would then miss every process of the node.
+                    if node_uts != own_uts:
+                        uts[host] = node_uts
                 if host not in ended and proc.poll() is not None:
                     ended[host] = time.monotonic()
-                    if kill_at_exit and host in uts:
-                        for pid in tagged(tag):
-                            try:
-                                if os.readlink(f"/proc/{pid}/ns/uts") == uts[host]:
-                                    os.kill(pid, signal.SIGKILL)
-                            except OSError:
-                                pass
+                    if kill_at_exit:
+                        assert host in uts, f"{host}'s namespace was never seen: its processes cannot be killed"
+                        kill_namespace(tag, uts[host])
             time.sleep(0.01)
         at_exit = {h: (tmp_path / h / "report.json").exists() for h in HOSTS}
     finally:
@@ -247,7 +267,8 @@ def test_a_crash_on_node_a_leaves_both_node_reports_when_the_watchers_are_killed
         pytest.skip(reason)
     tag = f"multinode-{uuid.uuid4().hex[:8]}"
     nodes = run_two_nodes(tmp_path, "multinode_crash.py", 15, tag, "--crash-rank", "0", nproc=2, kill_at_exit=True)
-    assert tagged(tag) == []
+    left = no_watcher_left(tag, nodes.last_exit, within=0.0)
+    assert not left, "\n".join(left)
     for host in HOSTS:
         assert (tmp_path / host / f"node-{host}" / "report.json").exists(), (host, nodes.consoles[host])
         assert (tmp_path / host / f"node-{host}" / "summary.json").exists()
