@@ -77,9 +77,19 @@ class Nodes:
     reports_at_exit: dict[str, bool]  # whether each host's job report existed when the last torchrun returned
 
 
+def kill_tagged(tag: str) -> None:
+    """SIGKILL every process of the run, wherever it is: a failed test leaves nothing behind."""
+    for pid in tagged(tag):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:  # ended since the listing
+            pass
+
+
 def kill_namespace(tag: str, uts: str, within: float = 5.0) -> None:
-    """SIGKILL every process of the run in the UTS namespace ``uts`` until none is left, as Slurm's cgroup kill or a
-    CI runner's process-tree kill does. One sweep is not enough: a process can fork between the listing and the
+    """SIGKILL every process of the run in the UTS namespace ``uts`` until none is left (or ``within`` seconds have
+    passed: the caller's check of what is left then fails), as Slurm's cgroup kill or a CI runner's process-tree
+    kill does. One sweep is not enough: a process can fork between the listing and the
     kill, and a killed process is still listed until the kernel has ended it."""
     deadline = time.monotonic() + within
     while time.monotonic() < deadline:
@@ -122,6 +132,7 @@ def run_two_nodes(tmp_path: Path, script: str | None, timeout: float, tag: str, 
     own_uts = os.readlink("/proc/self/ns/uts")
     uts: dict[str, str] = {}
     ended: dict[str, float] = {}
+    unseen: list[str] = []  # nodes that ended before their namespace could be read: their processes were not killed
     deadline = time.monotonic() + 240
     try:
         while len(ended) < len(procs) and time.monotonic() < deadline:
@@ -138,10 +149,15 @@ def run_two_nodes(tmp_path: Path, script: str | None, timeout: float, tag: str, 
                 if host not in ended and proc.poll() is not None:
                     ended[host] = time.monotonic()
                     if kill_at_exit:
-                        assert host in uts, f"{host}'s namespace was never seen: its processes cannot be killed"
-                        kill_namespace(tag, uts[host])
+                        if host in uts:
+                            kill_namespace(tag, uts[host])
+                        else:
+                            unseen.append(host)
             time.sleep(0.01)
         at_exit = {h: (tmp_path / h / "report.json").exists() for h in HOSTS}
+    except BaseException:  # nothing of the run outlives a failed test (watchers run in sessions of their own)
+        kill_tagged(tag)
+        raise
     finally:
         for proc in procs.values():
             try:
@@ -149,12 +165,16 @@ def run_two_nodes(tmp_path: Path, script: str | None, timeout: float, tag: str, 
             except ProcessLookupError:
                 pass
             proc.wait(timeout=10)
-    assert len(ended) == len(procs), "the two nodes' torchruns did not end within 240 s"
     consoles = {}
     for host, fh in logs.items():
         fh.seek(0)
         consoles[host] = fh.read()
         fh.close()
+    if unseen or len(ended) < len(procs):
+        kill_tagged(tag)
+    assert not unseen, (f"{unseen}: the node ended before its namespace was read, so its processes were not killed "
+                        "at torchrun's exit", consoles)
+    assert len(ended) == len(procs), ("the two nodes' torchruns did not end within 240 s", consoles)
     return Nodes(consoles, max(ended.values()), at_exit)
 
 
