@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import subprocess
 import sys
 import textwrap
@@ -23,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from launch_helpers import BIN, FRESH, ROOT, TAG, env_for_ranks, load_report, tagged
+from launch_helpers import BIN, FRESH, ROOT, TAG, env_for_ranks, kill_tagged, load_report, tagged
 
 def describe(pids: list[int]) -> str:
     """Each process with its parent and state (a leftover's parent says who failed to end it)."""
@@ -108,11 +107,7 @@ class Tagged:
         assert not left, f"processes left behind:\n{describe(left)}"
 
     def cleanup(self) -> None:
-        for pid in self.leftovers():
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        kill_tagged(self.tag)
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from launch_helpers import FRESH, TAG, env_for_ranks, load_report, tagged
+from launch_helpers import FRESH, TAG, env_for_ranks, kill_tagged, load_report, tagged
 
 CORRECT = """
 import torch
@@ -121,11 +121,11 @@ class Launcher:
         assert not left, f"processes left behind: {left}"
 
     def cleanup(self) -> None:
-        for pid in [self.proc.pid, *tagged(self.tag)]:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        try:
+            os.kill(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        kill_tagged(self.tag)
         self.proc.wait(timeout=10)
 
 

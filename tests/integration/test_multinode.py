@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from launch_helpers import BIN, FIXTURES, FRESH, TAG, env_for_ranks, free_port, load_report, run_python, tagged
+from launch_helpers import (BIN, FIXTURES, FRESH, TAG, env_for_ranks, free_port, kill_tagged, load_report, run_python,
+                            tagged)
 
 
 
@@ -75,15 +76,6 @@ class Nodes:
     consoles: dict[str, str]
     last_exit: float
     reports_at_exit: dict[str, bool]  # whether each host's job report existed when the last torchrun returned
-
-
-def kill_tagged(tag: str) -> None:
-    """SIGKILL every process of the run, wherever it is: a failed test leaves nothing behind."""
-    for pid in tagged(tag):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except OSError:  # ended since the listing
-            pass
 
 
 def kill_namespace(tag: str, uts: str, within: float = 5.0) -> None:
