@@ -162,8 +162,12 @@ class NanWatch(Check):
         started = time.perf_counter()
         try:
             self._resolve(block=False)
-            if share is not None and not share.mine and params and self._losses_finite_on_cpu():
-                params = []
+            losses = self._losses
+            # CPU losses are read once, here (a host read, no device sync): for another rank's turn and the check.
+            on_cpu = all(t.device.type == "cpu" for t, _ in losses)
+            loss_values = [float(t) for t, _ in losses] if on_cpu else []
+            if share is not None and not share.mine and params and on_cpu and all(map(math.isfinite, loss_values)):
+                params = []  # every loss finite: the gradients are the turn rank's to check
             grads, names = [], []
             owners: list[Any] = []  # the parameter of each gradient: an FSDP1 FlatParameter is named when bad
             if params and grads_checked(step):  # else the loss only (see GRAD_EVERY)
@@ -178,7 +182,6 @@ class NanWatch(Check):
                     owners.append(p)
                     grads.append(g if type(g) is plain else local_tensor(g))  # a DTensor's: its local part
                     names.append(self._names.get(id(p), f"<parameter {len(names)}>"))
-            losses = self._losses
             self._losses = []
             if not losses and not grads:
                 return
@@ -187,11 +190,10 @@ class NanWatch(Check):
             if grads:
                 with torch.no_grad():
                     norms = torch._foreach_norm(grads)
-            on_cpu = all(t.device.type == "cpu" for t, _ in losses) and (not norms or norms[0].device.type == "cpu")
-            if on_cpu:
-                # A host read costs no device sync here: plain floats, without stacking the scalars first (the
-                # torch calls that would cost more than the check itself on a loss-only step).
-                values = [float(t) for t, _ in losses] + (torch.stack(norms).tolist() if norms else [])
+            if on_cpu and (not norms or norms[0].device.type == "cpu"):
+                # Plain floats, without stacking the scalars first (the torch calls that would cost more than the
+                # check itself on a loss-only step).
+                values = loss_values + (torch.stack(norms).tolist() if norms else [])
                 self._inspect(step, counter, values, len(losses), names, sites, live=True, owners=owners,
                               replicated=share.ranks if share is not None and grads else [])
                 return
@@ -223,10 +225,6 @@ class NanWatch(Check):
             self._inspect(step, counter, host, n_losses, names, sites)
         if self.first_bad is not None:
             self._pending.clear()
-
-    def _losses_finite_on_cpu(self) -> bool:
-        """Every loss since the last step is a finite CPU scalar (read here, so no device sync; on a GPU: False)."""
-        return all(t.device.type == "cpu" and math.isfinite(float(t)) for t, _ in self._losses)
 
     def _inspect(self, step: int, counter: str, values: Any, n_losses: int, names: list[str], sites: list[Any],
                  live: bool = False, owners: list[Any] | None = None, replicated: list[int] | None = None) -> None:
