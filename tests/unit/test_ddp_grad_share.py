@@ -84,7 +84,8 @@ def test_parameters_outside_the_ddp_model_or_a_second_ddp_model_end_the_sharing(
     extra = torch.nn.Parameter(torch.ones(2))
     opt = torch.optim.SGD([*model.parameters(), extra], lr=0.1)
     step(model, model)
-    assert share.share(opt, params_of(opt), 0) is None  # the optimizer also steps a parameter only this rank's code touched
+    # the optimizer also steps a parameter only this rank's code touched
+    assert share.share(opt, params_of(opt), 0) is None
     single, share, opt = setup(size=1)
     step(single, single)
     assert share.share(opt, params_of(opt), 0) is None  # a group of one: nobody to share with
